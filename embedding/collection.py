@@ -1,0 +1,114 @@
+"""TorchRec modules built from the feature spec.
+
+:class:`SparseArch` owns one ``EmbeddingCollection`` (sequence features, jagged output)
+and, when pooled features exist, one ``EmbeddingBagCollection`` (one vector per user).
+Both are plain TorchRec modules, so ``DistributedModelParallel`` can shard them and
+``torchrec.quant`` can convert them; the rest of the model only sees their outputs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTensor
+from torchrec.modules.embedding_configs import (
+    EmbeddingBagConfig,
+    PoolingType,
+)
+from torchrec.modules.embedding_configs import (
+    EmbeddingConfig as TRECEmbeddingConfig,
+)
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
+from torchrec.types import DataType
+
+from embedding.spec import EmbeddingConfig, TableConfig
+
+_POOLING = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
+_DTYPE = {"fp32": DataType.FP32, "fp16": DataType.FP16}
+
+
+def _init_fn(table: TableConfig):  # noqa: ANN202 - a TorchRec init callable
+    if table.init_std is None:
+        return None
+    return functools.partial(nn.init.normal_, mean=0.0, std=table.init_std)
+
+
+def _sized(table: TableConfig) -> int:
+    if table.num_embeddings is None:
+        raise ValueError(f"table '{table.name}': num_embeddings is unresolved (see EmbeddingConfig.resolved)")
+    return table.num_embeddings
+
+
+def sequence_table_configs(cfg: EmbeddingConfig) -> list[TRECEmbeddingConfig]:
+    return [
+        TRECEmbeddingConfig(
+            name=t.name,
+            num_embeddings=_sized(t),
+            embedding_dim=t.dim,
+            feature_names=list(t.features),
+            data_type=_DTYPE[t.data_type],
+            init_fn=_init_fn(t),
+        )
+        for t in cfg.sequence_tables
+    ]
+
+
+def pooled_table_configs(cfg: EmbeddingConfig) -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(
+            name=t.name,
+            num_embeddings=_sized(t),
+            embedding_dim=t.dim,
+            feature_names=list(t.features),
+            pooling=_POOLING[t.pooling],
+            data_type=_DTYPE[t.data_type],
+            init_fn=_init_fn(t),
+        )
+        for t in cfg.pooled_tables
+    ]
+
+
+class SparseArch(nn.Module):
+    """Sparse features in, embeddings out.
+
+    Example (``F`` = 1 sequence feature, ``B`` = 2 users, lengths ``L`` = [3, 1], ``D`` = 8)::
+
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=["item"], values=torch.tensor([5, 9, 2, 7]), lengths=torch.tensor([3, 1]))
+        out = arch(kjt)            # {"item": JaggedTensor}, values [4, 8], lengths [3, 1]
+        arch.lookup(torch.tensor([5, 7]))   # [2, 8]: rows for arbitrary item ids
+    """
+
+    def __init__(self, cfg: EmbeddingConfig, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.sequence_features = list(cfg.sequence_features)
+        self.ec = EmbeddingCollection(tables=sequence_table_configs(cfg), device=device)
+        pooled = pooled_table_configs(cfg)
+        self.ebc = EmbeddingBagCollection(tables=pooled, device=device) if pooled else None
+
+    def forward(self, seq: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        return self.ec(seq)
+
+    def pooled(self, ctx: KeyedJaggedTensor) -> KeyedTensor:
+        if self.ebc is None:
+            raise ValueError("this model has no pooled (context) tables")
+        return self.ebc(ctx)
+
+    def lookup(self, ids: torch.Tensor, feature: str | None = None) -> torch.Tensor:
+        """Rows for ``ids`` [N] of ``feature`` (default: the item feature) -> [N, D].
+
+        Goes through the same EmbeddingCollection as the sequence, so it works unchanged
+        when the collection is sharded (the ids travel as a one-sample KJT).
+        """
+        feature = feature or self.cfg.item_feature
+        n = ids.numel()
+        lengths = torch.tensor(
+            [n if f == feature else 0 for f in self.sequence_features], dtype=torch.int64
+        )
+        kjt = KeyedJaggedTensor(
+            keys=self.sequence_features, values=ids.reshape(-1).long(), lengths=lengths.to(ids.device)
+        )
+        return self.ec(kjt)[feature].values()

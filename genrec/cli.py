@@ -1,0 +1,115 @@
+"""The ``genrec`` command: one entry point, a subcommand per job.
+
+    genrec demo                          synthetic data -> train -> evaluate -> metrics table
+    genrec data synth|convert|inspect    build and look at interaction-log datasets
+    genrec train --config FILE [--a.b=v ...]
+    genrec eval --run DIR [--split test] [--baseline popular|transition --data DIR]
+
+Handlers import their layer lazily so ``--help`` answers at once. Each handler is thin:
+parse, build, run; the logic lives in the layers and is tested without the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+Handler = Callable[[argparse.Namespace, list[str]], int]
+
+
+def _data_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("data", help="create, convert and inspect interaction-log datasets")
+    dsub = p.add_subparsers(dest="data_cmd", required=True, metavar="{synth,convert,inspect}")
+    s = dsub.add_parser(
+        "synth",
+        help="generate synthetic ads-like logs",
+        description="Generate synthetic ads-like logs. Generator settings are dotted overrides of "
+        "SyntheticConfig (train/data/synthetic.py), e.g. --num_users=100000 --num_items=100000000.",
+    )
+    s.add_argument("--out", required=True, help="dataset directory to write")
+    s.add_argument("--no-progress", action="store_true")
+    c = dsub.add_parser("convert", help="convert public formats (sequences, MovieLens ratings / ML-1M folder)")
+    c.add_argument("format", choices=["sequences", "ratings", "movielens"],
+                   help="sequences: 'user item item ...' lines; ratings: MovieLens ratings.dat[.gz]; "
+                   "movielens: an ML-1M folder (user_sequences.txt + ratings + users.dat)")
+    c.add_argument("input", help="input file (or folder for 'movielens')")
+    c.add_argument("--out", required=True, help="dataset directory to write")
+    c.add_argument("--users", help="MovieLens users.dat for context features (format 'ratings')")
+    i = dsub.add_parser("inspect", help="print a dataset's manifest and sequence statistics")
+    i.add_argument("path")
+
+
+def _train_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a model from a TOML job config",
+        description="Train a model. Any config value can be overridden: --train.optim.lr=3e-4 "
+        "--data.path=data/ml1m --model.tower=transformer. The same command runs under torchrun.",
+    )
+    p.add_argument("--config", help="job config (TOML), e.g. configs/ml1m.toml")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+
+
+def _eval_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="evaluate a trained run (or a baseline) with full-corpus ranking")
+    p.add_argument("--run", help="run directory written by 'genrec train'")
+    p.add_argument("--checkpoint", help="checkpoint directory (default: the run's best)")
+    p.add_argument("--split", choices=["valid", "test"], default="test")
+    p.add_argument("--data", help="dataset directory (default: the run's); required with --baseline")
+    p.add_argument("--baseline", choices=["popular", "transition"], help="evaluate a non-neural baseline instead")
+    p.add_argument("--json", action="store_true", help="print metrics as JSON")
+
+
+def _demo_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="the embedded default: synthetic data -> train -> evaluate -> table")
+    p.add_argument("--data", default="data/synthetic", help="where the synthetic dataset is (created if missing)")
+    p.add_argument("--config", default="configs/demo.toml")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="genrec", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    for add in (_demo_parser, _data_parser, _train_parser, _eval_parser):
+        add(sub)
+    for extra in _EXTRA_PARSERS:
+        extra(sub)
+    return parser
+
+
+# Later layers (quantize, serve, loadtest) register here.
+_EXTRA_PARSERS: list[Callable[[argparse._SubParsersAction], None]] = []
+
+
+def _handler(cmd: str) -> Handler:
+    if cmd in ("demo", "data", "train", "eval"):
+        from train import cli
+
+        return getattr(cli, f"cmd_{cmd}")
+    raise SystemExit(f"unknown command {cmd}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    bad = [a for a in rest if not (a.startswith("--") and "=" in a)]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)} (config overrides look like --section.key=value)")
+    handler = _handler(args.cmd)
+    from embedding.spec import IdOutOfRange
+    from genrec.config import ConfigError
+    from train.data.schema import DataFormatError
+
+    try:
+        return handler(args, rest)
+    except ConfigError as e:
+        print(f"genrec: config error: {e}", file=sys.stderr)
+        return 2
+    except (DataFormatError, IdOutOfRange, FileNotFoundError) as e:
+        print(f"genrec: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

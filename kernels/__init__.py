@@ -1,0 +1,1 @@
+"""Fast ops with pure-PyTorch references. Imports only torch (and triton, lazily)."""

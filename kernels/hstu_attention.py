@@ -1,0 +1,164 @@
+"""HSTU pointwise attention over jagged sequences.
+
+HSTU ("Actions Speak Louder than Words", Zhai et al. 2024) replaces softmax attention by
+
+    A[i, j] = SiLU(alpha * <q_i, k_j> + rab_pos(i - j) + rab_time(t_query_i - t_j)) / N
+
+masked to the allowed pairs, then ``out_i = sum_j A[i, j] v_j``. ``N`` is the configured
+maximum sequence length (a constant, so a sequence scores the same alone, padded or in any
+batch). There is no row normalisation, which is why the op is cheap to fuse: every (i, j)
+pair is independent.
+
+Masks: history token i sees history tokens j <= i. When ``num_targets[b] = K``, the last
+K tokens of sequence b are *candidates* (HSTU's ranking setting): each sees the whole
+history and itself, never another candidate, and no history token sees any candidate. So
+a candidate's output does not depend on which other candidates share its sequence.
+
+Shapes: q, k [T, H, Dqk]; v [T, H, Dv]; offsets [B+1]; timestamps, query_times [T];
+num_targets [B]. Output [T, H, Dv].
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from kernels.jagged import jagged_index, jagged_to_padded, padded_to_jagged
+
+Backend = Literal["auto", "reference"]
+
+
+def time_bucket(dt: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """Log-spaced buckets of a time gap: 0 for dt <= 0, then floor(2 * log2(1 + dt)).
+
+    Half-octave buckets: seconds-scale gaps land in 2..~60, position gaps (the fallback
+    when timestamps are missing) in 2..~16. Clamped to ``num_buckets - 1``.
+    """
+    dt = dt.clamp(min=0).to(torch.float32)
+    return (2.0 * torch.log2(1.0 + dt)).floor().long().clamp(max=num_buckets - 1)
+
+
+def attention_mask(
+    lengths: torch.Tensor, max_len: int, num_targets: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[B, L, L] bool: which key j query i may see (see module docstring)."""
+    ar = torch.arange(max_len, device=lengths.device)
+    i, j = ar[:, None], ar[None, :]
+    valid = ar[None, :] < lengths[:, None]  # [B, L]
+    pair = valid[:, :, None] & valid[:, None, :]
+    if num_targets is None:
+        return pair & (j <= i)[None]
+    hist = (lengths - num_targets)[:, None, None]  # [B, 1, 1]
+    history_query = (i[None] < hist) & (j <= i)[None]
+    target_query = (i[None] >= hist) & ((j[None] < hist) | (i == j)[None])
+    return pair & (history_query | target_query)
+
+
+def relative_bias(
+    offsets: torch.Tensor,
+    max_len: int,
+    max_seq_len: int,
+    pos_weights: torch.Tensor | None,
+    time_weights: torch.Tensor | None,
+    timestamps: torch.Tensor | None,
+    query_times: torch.Tensor | None,
+    index: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor | None:
+    """[B, L, L] additive bias (or None): position term plus time term.
+
+    ``pos_weights`` [max_seq_len]: bias by distance i - j (clamped). ``time_weights``
+    [num_buckets]: bias by :func:`time_bucket` of ``query_times[i] - timestamps[j]``.
+    """
+    bias = None
+    if pos_weights is not None:
+        ar = torch.arange(max_len, device=offsets.device)
+        dist = (ar[:, None] - ar[None, :]).clamp(0, max_seq_len - 1)
+        bias = pos_weights[dist][None]  # [1, L, L]
+    if time_weights is not None:
+        if timestamps is None or query_times is None:
+            raise ValueError("time_weights needs timestamps and query_times")
+        tk = jagged_to_padded(timestamps, offsets, max_len, index=index)
+        tq = jagged_to_padded(query_times, offsets, max_len, index=index)
+        buckets = time_bucket(tq[:, :, None] - tk[:, None, :], time_weights.numel())
+        tb = time_weights[buckets]  # [B, L, L]
+        bias = tb if bias is None else bias + tb
+    return bias
+
+
+def hstu_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    max_seq_len: int,
+    alpha: float,
+    pos_weights: torch.Tensor | None = None,
+    time_weights: torch.Tensor | None = None,
+    timestamps: torch.Tensor | None = None,
+    query_times: torch.Tensor | None = None,
+    num_targets: torch.Tensor | None = None,
+    max_len: int | None = None,
+) -> torch.Tensor:
+    """Pure-PyTorch jagged HSTU attention: pads to the batch's longest sequence, computes
+    dense masked attention, returns jagged rows. The ground truth for every fast path."""
+    lengths = offsets[1:] - offsets[:-1]
+    if max_len is None:
+        max_len = int(lengths.max()) if lengths.numel() else 0
+    if q.shape[0] == 0 or max_len == 0:
+        return v.new_zeros(v.shape)
+    index = jagged_index(offsets, q.shape[0])
+    qp = jagged_to_padded(q, offsets, max_len, index=index).transpose(1, 2)  # [B, H, L, D]
+    kp = jagged_to_padded(k, offsets, max_len, index=index).transpose(1, 2)
+    vp = jagged_to_padded(v, offsets, max_len, index=index).transpose(1, 2)
+    scores = torch.matmul(qp, kp.transpose(-1, -2)) * alpha  # [B, H, L, L]
+    bias = relative_bias(
+        offsets, max_len, max_seq_len, pos_weights, time_weights, timestamps, query_times, index
+    )
+    if bias is not None:
+        scores = scores + bias[:, None].to(scores.dtype)
+    mask = attention_mask(lengths, max_len, num_targets)[:, None]
+    attn = F.silu(scores) * (mask.to(scores.dtype) / max_seq_len)
+    out = torch.matmul(attn, vp).transpose(1, 2)  # [B, L, H, Dv]
+    return padded_to_jagged(out, offsets, index=index)
+
+
+def hstu_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    max_seq_len: int,
+    alpha: float,
+    pos_weights: torch.Tensor | None = None,
+    time_weights: torch.Tensor | None = None,
+    timestamps: torch.Tensor | None = None,
+    query_times: torch.Tensor | None = None,
+    num_targets: torch.Tensor | None = None,
+    max_len: int | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Jagged HSTU attention; ``backend`` picks the implementation (same semantics).
+
+    ``max_len`` (optional) is the longest sequence in the batch, when the caller knows it
+    without a device sync.
+    """
+    if backend not in ("auto", "reference"):
+        raise ValueError(f"unknown attention backend '{backend}'; use 'auto' or 'reference'")
+    return hstu_attention_reference(
+        q,
+        k,
+        v,
+        offsets,
+        max_seq_len=max_seq_len,
+        alpha=alpha,
+        pos_weights=pos_weights,
+        time_weights=time_weights,
+        timestamps=timestamps,
+        query_times=query_times,
+        num_targets=num_targets,
+        max_len=max_len,
+    )

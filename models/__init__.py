@@ -1,0 +1,1 @@
+"""Towers and heads: single-process model code (no torch.distributed, gRPC or SGLang)."""

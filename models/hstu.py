@@ -1,0 +1,157 @@
+"""HSTU tower (Hierarchical Sequential Transduction Units, Zhai et al. 2024).
+
+One layer, on jagged rows x [T, D]::
+
+    u, v, q, k = split(SiLU(W_uvqk LayerNorm(x)))
+    a          = hstu_attention(q, k, v)          # pointwise SiLU attention + rel. bias
+    x          = x + W_o Dropout(u * LayerNorm(a))  # U-gating
+
+Relative bias = learned weight per position distance + learned weight per log-bucketed
+time gap (``query_time_i - time_j``). Sequences without timestamps use positions as times
+(the caller fills them; see ``models.recommender``).
+
+:meth:`HSTUTower.forward_padded` is the naive padded formulation over [B, L, D] with the
+same parameters: the reference for the jagged path in tests and the baseline in the
+training-speed benchmark.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.hstu_attention import attention_mask, hstu_attention, time_bucket
+
+
+@dataclass(frozen=True)
+class HSTUConfig:
+    num_layers: int = 2
+    num_heads: int = 1
+    qk_dim: int = 64  # per head
+    v_dim: int = 64  # per head; also the width of the U gate
+    dropout: float = 0.2
+    position_bias: bool = True
+    time_bias: bool = True
+    num_time_buckets: int = 64
+    attention_backend: Literal["auto", "reference"] = "auto"
+
+
+@dataclass
+class JaggedMeta:
+    """Per-batch structure shared by every layer (computed once per forward)."""
+
+    offsets: torch.Tensor  # [B+1]
+    max_len: int  # longest sequence in the batch
+    timestamps: torch.Tensor | None  # [T]
+    query_times: torch.Tensor | None  # [T]
+    num_targets: torch.Tensor | None  # [B]
+
+
+class HSTULayer(nn.Module):
+    def __init__(self, cfg: HSTUConfig, dim: int, max_seq_len: int) -> None:
+        super().__init__()
+        self.cfg, self.max_seq_len = cfg, max_seq_len
+        h = cfg.num_heads
+        self.norm = nn.LayerNorm(dim)
+        self.uvqk = nn.Linear(dim, h * (2 * cfg.v_dim + 2 * cfg.qk_dim))
+        self.out_norm = nn.LayerNorm(h * cfg.v_dim)
+        self.out = nn.Linear(h * cfg.v_dim, dim)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.pos_weights = nn.Parameter(torch.empty(max_seq_len)) if cfg.position_bias else None
+        self.time_weights = (
+            nn.Parameter(torch.empty(cfg.num_time_buckets)) if cfg.time_bias else None
+        )
+        self.alpha = cfg.qk_dim**-0.5
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for p in (self.pos_weights, self.time_weights):
+            if p is not None:
+                nn.init.normal_(p, std=0.02)
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        c, h = self.cfg, self.cfg.num_heads
+        uvqk = F.silu(self.uvqk(self.norm(x)))
+        return torch.split(uvqk, [h * c.v_dim, h * c.v_dim, h * c.qk_dim, h * c.qk_dim], dim=-1)
+
+    def _gate(self, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        return x + self.out(self.dropout(u * self.out_norm(attn)))
+
+    def forward(self, x: torch.Tensor, meta: JaggedMeta) -> torch.Tensor:
+        """x [T, D] -> [T, D]."""
+        c, h, t = self.cfg, self.cfg.num_heads, x.shape[0]
+        u, v, q, k = self._split(x)
+        attn = hstu_attention(
+            q.view(t, h, c.qk_dim),
+            k.view(t, h, c.qk_dim),
+            v.view(t, h, c.v_dim),
+            meta.offsets,
+            max_seq_len=self.max_seq_len,
+            alpha=self.alpha,
+            pos_weights=self.pos_weights,
+            time_weights=self.time_weights,
+            timestamps=meta.timestamps,
+            query_times=meta.query_times,
+            num_targets=meta.num_targets,
+            max_len=meta.max_len,
+            backend=c.attention_backend,
+        )
+        return self._gate(x, u, attn.reshape(t, h * c.v_dim))
+
+    def forward_padded(
+        self,
+        x: torch.Tensor,
+        lengths: torch.Tensor,
+        timestamps: torch.Tensor | None,
+        query_times: torch.Tensor | None,
+        num_targets: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Naive padded formulation: x [B, L, D], times [B, L] -> [B, L, D]."""
+        c, h = self.cfg, self.cfg.num_heads
+        b, n, _ = x.shape
+        u, v, q, k = self._split(x)
+        q = q.view(b, n, h, c.qk_dim).transpose(1, 2)
+        k = k.view(b, n, h, c.qk_dim).transpose(1, 2)
+        v = v.view(b, n, h, c.v_dim).transpose(1, 2)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.alpha  # [B, H, L, L]
+        ar = torch.arange(n, device=x.device)
+        if self.pos_weights is not None:
+            dist = (ar[:, None] - ar[None, :]).clamp(0, self.max_seq_len - 1)
+            scores = scores + self.pos_weights[dist]
+        if self.time_weights is not None:
+            dt = query_times[:, :, None] - timestamps[:, None, :]
+            scores = scores + self.time_weights[time_bucket(dt, c.num_time_buckets)][:, None]
+        mask = attention_mask(lengths, n, num_targets)[:, None]
+        attn = F.silu(scores) * mask / self.max_seq_len
+        a = torch.matmul(attn, v).transpose(1, 2).reshape(b, n, h * c.v_dim)
+        return self._gate(x, u, a)
+
+
+class HSTUTower(nn.Module):
+    """A stack of HSTU layers on jagged rows: x [T, D] -> [T, D]."""
+
+    def __init__(self, cfg: HSTUConfig, dim: int, max_seq_len: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(HSTULayer(cfg, dim, max_seq_len) for _ in range(cfg.num_layers))
+        self.final_norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor, meta: JaggedMeta) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, meta)
+        return self.final_norm(x)
+
+    def forward_padded(
+        self,
+        x: torch.Tensor,
+        lengths: torch.Tensor,
+        timestamps: torch.Tensor | None,
+        query_times: torch.Tensor | None,
+        num_targets: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer.forward_padded(x, lengths, timestamps, query_times, num_targets)
+        return self.final_norm(x)

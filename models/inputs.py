@@ -1,0 +1,71 @@
+"""What flows into a model: one jagged batch of user sequences.
+
+Example, B=2 users with histories [5, 9, 2] and [7] (T = 3 + 1 = 4 events)::
+
+    seq          KJT keys ["item"], values [5, 9, 2, 7], lengths [3, 1]
+    timestamps   [T] event times in seconds (0 where the user has none)
+    query_times  [T] the time each position predicts for: the next event's time, or the
+                 request time for the last one (0 where unknown)
+    has_time     [B] whether the user's events carry real timestamps; when not, towers
+                 fall back to positions
+    targets      [T] next item per position (training) or [B] one target per user (eval)
+    num_targets  [B] how many trailing events are ranking candidates (None: none)
+    context      KJT of pooled per-user features, or None
+    seen_ids     eval only: every item the user had before the target, untruncated, so the
+    seen_lengths full-corpus protocol can exclude the whole history ([E] ids, [B] lengths)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torchrec import KeyedJaggedTensor
+
+
+@dataclass
+class SequenceBatch:
+    seq: KeyedJaggedTensor
+    max_len: int
+    timestamps: torch.Tensor | None = None
+    query_times: torch.Tensor | None = None
+    has_time: torch.Tensor | None = None
+    targets: torch.Tensor | None = None
+    num_targets: torch.Tensor | None = None
+    context: KeyedJaggedTensor | None = None
+    user_ids: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+    seen_ids: torch.Tensor | None = None
+    seen_lengths: torch.Tensor | None = None
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.seq.lengths()[: self.batch_size]
+
+    @property
+    def batch_size(self) -> int:
+        return self.seq.stride()
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> SequenceBatch:
+        kw = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, (torch.Tensor, KeyedJaggedTensor)):
+                v = v.to(device, non_blocking=non_blocking)
+            kw[f.name] = v
+        return SequenceBatch(**kw)
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, (torch.Tensor, KeyedJaggedTensor)):
+                v.record_stream(stream)
+
+    def pin_memory(self) -> SequenceBatch:
+        kw = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, (torch.Tensor, KeyedJaggedTensor)):
+                v = v.pin_memory()
+            kw[f.name] = v
+        return SequenceBatch(**kw)

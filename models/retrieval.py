@@ -1,0 +1,99 @@
+"""Retrieval head: next-item prediction against the item table.
+
+User vectors (tower outputs) and item vectors (rows of the item table, shared with the
+input) are L2-normalised and compared by dot product over a temperature, as in HSTU.
+
+Losses:
+* ``full_softmax``: cross-entropy over the whole corpus. Exact; fine for catalogues of up
+  to ~10^5 items on a CPU.
+* ``sampled_softmax``: the positive against ``num_negatives`` sampled items, shared by
+  every position of the batch (one [T, R] matmul instead of a [T, R, D] gather).
+  ``uniform`` draws from the corpus; ``in_batch`` from the batch's own targets (popular
+  items more often); ``mixed`` half of each. With ``logq_correction`` each negative logit
+  is corrected by ``-log(R * q_j)``, q_j its sampling probability, so the loss estimates
+  the full softmax instead of a popularity-skewed one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class RetrievalConfig:
+    loss: Literal["sampled_softmax", "full_softmax"] = "sampled_softmax"
+    negatives: Literal["uniform", "in_batch", "mixed"] = "uniform"
+    num_negatives: int = 128
+    temperature: float = 0.05
+    l2_norm: bool = True
+    logq_correction: bool = False
+
+
+class RetrievalHead(nn.Module):
+    def __init__(self, cfg: RetrievalConfig) -> None:
+        super().__init__()
+        if cfg.temperature <= 0:
+            raise ValueError("retrieval.temperature must be positive")
+        if cfg.loss == "sampled_softmax" and cfg.num_negatives < 1:
+            raise ValueError("retrieval.num_negatives must be at least 1 for sampled_softmax")
+        self.cfg = cfg
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        return F.normalize(x, dim=-1, eps=1e-6) if self.cfg.l2_norm else x
+
+    def scores(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        """users [B, D], items [N, D] (both already normalised) -> logits [B, N]."""
+        return users @ items.t() / self.cfg.temperature
+
+    def loss(
+        self,
+        users: torch.Tensor,
+        targets: torch.Tensor,
+        corpus_ids: torch.Tensor,
+        lookup: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Mean next-item loss. users [T, D] raw tower outputs, targets [T] item ids,
+        corpus_ids [N] sorted ids of the catalogue, lookup: ids -> raw item rows."""
+        users = self.normalize(users)
+        if self.cfg.loss == "full_softmax":
+            items = self.normalize(lookup(corpus_ids))
+            index = torch.searchsorted(corpus_ids, targets)
+            return F.cross_entropy(self.scores(users, items), index)
+        neg_ids, log_q = self._sample(targets, corpus_ids)
+        rows = self.normalize(lookup(torch.cat([targets, neg_ids])))
+        pos_rows, neg_rows = rows[: targets.numel()], rows[targets.numel() :]
+        pos = (users * pos_rows).sum(-1, keepdim=True) / self.cfg.temperature  # [T, 1]
+        neg = self.scores(users, neg_rows)  # [T, R]
+        if log_q is not None:
+            neg = neg - log_q
+        neg = neg.masked_fill(neg_ids[None, :] == targets[:, None], float("-inf"))
+        logits = torch.cat([pos, neg], dim=1)
+        return F.cross_entropy(logits, torch.zeros_like(targets))
+
+    def _sample(
+        self, targets: torch.Tensor, corpus_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        r, kind = self.cfg.num_negatives, self.cfg.negatives
+        n_batch = r if kind == "in_batch" else (r // 2 if kind == "mixed" else 0)
+        n_uniform = r - n_batch
+        parts, log_q = [], []
+        if n_uniform:
+            idx = torch.randint(corpus_ids.numel(), (n_uniform,), device=corpus_ids.device)
+            parts.append(corpus_ids[idx])
+            log_q.append(torch.full((n_uniform,), math.log(r / corpus_ids.numel()), device=targets.device))
+        if n_batch:
+            pick = targets[torch.randint(targets.numel(), (n_batch,), device=targets.device)]
+            # q_j = (count of j among the targets) / T; counted by sorting, no table needed.
+            uniq, counts = torch.unique(targets, return_counts=True)
+            freq = counts[torch.searchsorted(uniq, pick)].to(torch.float32) / targets.numel()
+            parts.append(pick)
+            log_q.append(torch.log(r * freq))
+        ids = torch.cat(parts)
+        return ids, (torch.cat(log_q) if self.cfg.logq_correction else None)

@@ -1,0 +1,59 @@
+"""The genrec command end to end (subprocesses, tiny data)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tiny_job_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def genrec(*args, check=True):
+    proc = subprocess.run([sys.executable, "-m", "genrec.cli", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env={"TQDM_DISABLE": "1", "PATH": "/usr/bin:/bin"})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"genrec {args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.mark.parametrize("cmd", [[], ["demo"], ["data"], ["data", "synth"], ["data", "convert"], ["data", "inspect"],
+                                 ["train"], ["eval"]])
+def test_help_for_every_command(cmd):
+    out = genrec(*cmd, "--help").stdout
+    assert "usage: genrec" in out
+
+
+def test_data_train_eval_round_trip(tmp_path, tiny_config):
+    data = tmp_path / "synth"
+    out = genrec("data", "synth", "--out", data, "--no-progress", "--num_users=120", "--num_items=300",
+                 "--num_topics=4", "--median_len=10").stdout
+    assert "120 users" in out
+    assert "sequence length" in genrec("data", "inspect", data).stdout
+    train = genrec("train", "--config", tiny_config, *tiny_job_overrides(data, tmp_path / "runs"),
+                   "--train.max_epochs=2").stdout
+    assert "| test @ best valid |" in train
+    run = next((tmp_path / "runs" / "tiny").iterdir())
+    for name in ("config.toml", "version.json", "env.json", "metrics.jsonl", "results.json", "curves.png"):
+        assert (run / name).exists(), name
+    results = json.loads((run / "results.json").read_text())
+    again = json.loads(genrec("eval", "--run", run, "--json").stdout)
+    assert again["ndcg@10"] == pytest.approx(results["test"]["ndcg@10"], abs=1e-9)
+    base = genrec("eval", "--baseline", "transition", "--data", data).stdout
+    assert "transition (test)" in base
+
+
+def test_bad_config_key_is_named(tmp_path, tiny_config):
+    proc = genrec("train", "--config", tiny_config, "--train.lr=1", check=False)
+    assert proc.returncode == 2
+    assert "unknown config key 'train.lr'" in proc.stderr and "optim" in proc.stderr
+
+
+def test_malformed_data_is_named(tmp_path):
+    bad = tmp_path / "seq.txt"
+    bad.write_text("1 2 3\n2 4 five\n")
+    proc = genrec("data", "convert", "sequences", bad, "--out", tmp_path / "d", check=False)
+    assert proc.returncode == 2 and "seq.txt:2: 'five' is not an integer id" in proc.stderr

@@ -1,0 +1,172 @@
+"""Converters, the synthetic generator and the streaming reader."""
+
+import gzip
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from embedding.spec import EmbeddingConfig, IdOutOfRange, TableConfig
+from train.data.convert import convert_movielens, convert_ratings, convert_sequences
+from train.data.reader import SequenceReader
+from train.data.schema import DataFormatError, read_info
+from train.data.synthetic import SyntheticConfig, SyntheticWorld, generate
+
+
+def rows(path):
+    return pq.read_table(path / "interactions.parquet").to_pylist()
+
+
+def emb(size, oov="error"):
+    return EmbeddingConfig(tables=(TableConfig("item", ("item",), dim=8, num_embeddings=size, oov=oov),))
+
+
+def test_sequences_converter(tmp_path):
+    src = tmp_path / "seq.txt"
+    src.write_text("1 5 6 7\n2 8 5 9 10\n")
+    info = convert_sequences(src, tmp_path / "out")
+    assert (info.num_users, info.num_events, info.num_items, info.item_id_max) == (2, 7, 6, 10)
+    r = rows(tmp_path / "out")
+    assert r[1]["item_ids"] == [8, 5, 9, 10] and r[1]["timestamps"] is None
+    items = pq.read_table(tmp_path / "out" / "items.parquet").to_pydict()
+    assert items["item_id"] == [5, 6, 7, 8, 9, 10] and items["count"][0] == 2
+
+
+@pytest.mark.parametrize("text,err", [("1 5 x 7\n", "seq.txt:1: 'x'"), ("1 5 6\n3\n", "seq.txt:2: user 3 has no items")])
+def test_malformed_sequence_line_names_file_and_line(tmp_path, text, err):
+    src = tmp_path / "seq.txt"
+    src.write_text(text)
+    with pytest.raises(DataFormatError, match=err):
+        convert_sequences(src, tmp_path / "out")
+
+
+def test_ratings_converter_orders_by_time_and_encodes_ratings(tmp_path):
+    src = tmp_path / "ratings.dat.gz"
+    with gzip.open(src, "wt") as f:
+        f.write("1::20::5::300\n1::10::3::100\n2::10::4::50\n1::30::1::200\n")
+    convert_ratings(src, tmp_path / "out")
+    r = rows(tmp_path / "out")
+    assert r[0]["item_ids"] == [10, 30, 20] and r[0]["timestamps"] == [100, 200, 300]
+    assert r[0]["actions"] == [1 << 2, 1 << 0, 1 << 4]
+    assert read_info(tmp_path / "out").action_names[4] == "rating_5"
+
+
+def test_malformed_rating_line_names_file_and_line(tmp_path):
+    src = tmp_path / "ratings.dat"
+    src.write_text("1::20::5::300\n1::10::3\n")
+    with pytest.raises(DataFormatError, match=r"ratings.dat:2: expected UserID::MovieID"):
+        convert_ratings(src, tmp_path / "out")
+
+
+def test_movielens_folder_merges_sequences_ratings_and_profiles(tmp_path):
+    d = tmp_path / "ml"
+    d.mkdir()
+    (d / "user_sequences.txt").write_text("1 10 30 20\n2 40 10 30\n")
+    with gzip.open(d / "ratings_users1-1.dat.gz", "wt") as f:
+        f.write("1::10::4::100\n1::20::2::300\n1::30::5::200\n")
+    (d / "users.dat").write_text("1::F::18::4::12345\n2::M::56::20::ab\n")
+    info = convert_movielens(d, tmp_path / "out")
+    assert info.users_with_timestamps == 1 and info.context_features["age"] == 7
+    r = rows(tmp_path / "out")
+    assert r[0]["timestamps"] == [100, 200, 300] and r[0]["actions"] == [8, 16, 2]
+    assert r[1]["timestamps"] is None and r[1]["ctx_age"] == [6] and r[1]["ctx_zip3"] == [0]
+    assert r[0]["ctx_gender"] == [0] and r[0]["ctx_zip3"] == [123]
+
+
+def test_synthetic_is_deterministic_and_has_its_declared_structure(tmp_path):
+    cfg = SyntheticConfig(num_users=50, num_items=400, num_topics=4, median_len=10, seed=7)
+    generate(cfg, tmp_path / "a", progress=False)
+    generate(cfg, tmp_path / "b", progress=False)
+    a, b = rows(tmp_path / "a"), rows(tmp_path / "b")
+    assert a == b
+    info = read_info(tmp_path / "a")
+    assert info.action_names == ["impression", "click", "conversion"]
+    for r in a:
+        n = len(r["item_ids"])
+        assert cfg.min_len <= n <= cfg.max_len
+        assert all(1 <= i <= cfg.num_items for i in r["item_ids"])
+        assert r["timestamps"] == sorted(r["timestamps"])
+        assert all(x & 1 for x in r["actions"])  # every event is an impression
+        assert all(((x >> 2) & 1) <= ((x >> 1) & 1) for x in r["actions"])  # conversions follow clicks
+
+
+def test_synthetic_id_bijection_scales_to_1e8_items():
+    world = SyntheticWorld(SyntheticConfig(num_items=100_000_000, num_topics=1000))
+    rng = np.random.default_rng(0)
+    topics, ranks = rng.integers(0, 1000, 10_000), world.zipf_rank(rng, 10_000)
+    ids = world.item_id(topics, ranks)
+    assert ids.min() >= 1 and ids.max() <= 100_000_000
+    assert (world.item_topic(ids) == topics).all()
+    assert np.unique(ids).size == np.unique(topics * world.per_topic + ranks).size
+
+
+def all_user_ids(reader):
+    return [int(u) for b in reader for u in b.user_ids]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_reader_shards_cover_every_sample_exactly_once(tiny_synth, world):
+    e = emb(read_info(tiny_synth).item_table_size)
+    seen = []
+    for rank in range(world):
+        r = SequenceReader(tiny_synth, "valid", embedding=e, max_seq_len=16, batch_size=7,
+                           rank=rank, world_size=world, shuffle=True, even=False, sort_window=2)
+        got = all_user_ids(r)
+        assert len(got) == len(set(got))
+        seen += got
+    assert sorted(seen) == sorted(pq.read_table(tiny_synth / "interactions.parquet").column("user_id").to_pylist())
+
+
+def test_reader_even_mode_gives_every_rank_the_same_number_of_batches(tiny_synth):
+    e = emb(read_info(tiny_synth).item_table_size)
+    counts = {len(list(SequenceReader(tiny_synth, "train", embedding=e, max_seq_len=16, batch_size=16,
+                                      rank=r, world_size=7))) for r in range(7)}
+    assert len(counts) == 1
+
+
+def test_reader_order_is_seeded_by_epoch_and_resume_continues_at_the_exact_sample(tiny_synth):
+    e = emb(read_info(tiny_synth).item_table_size)
+
+    def reader():
+        return SequenceReader(tiny_synth, "train", embedding=e, max_seq_len=16, batch_size=8, seed=5)
+
+    r = reader()
+    epoch0 = all_user_ids(r)
+    r.set_epoch(1)
+    epoch1 = all_user_ids(r)
+    assert sorted(epoch0) == sorted(epoch1) and epoch0 != epoch1
+    r2 = reader()
+    r2.set_epoch(1)
+    it = iter(r2)
+    first = [int(u) for _ in range(3) for u in next(it).user_ids]
+    state = json.loads(json.dumps(r2.state_dict()))
+    r3 = reader()
+    r3.load_state_dict(state)
+    assert first + all_user_ids(r3) == epoch1
+
+
+def test_leave_one_out_splits(tmp_path):
+    src = tmp_path / "seq.txt"
+    src.write_text("1 " + " ".join(str(i) for i in range(1, 11)) + "\n")
+    convert_sequences(src, tmp_path / "d")
+    e = emb(11)
+    kw = dict(embedding=e, max_seq_len=4, batch_size=4)
+    tr = next(iter(SequenceReader(tmp_path / "d", "train", train_window="last", **kw)))
+    assert tr.seq.values().tolist() == [4, 5, 6, 7] and tr.targets.tolist() == [5, 6, 7, 8]
+    va = next(iter(SequenceReader(tmp_path / "d", "valid", **kw)))
+    assert va.seq.values().tolist() == [5, 6, 7, 8] and va.targets.tolist() == [9]
+    assert va.seen_ids.tolist() == list(range(1, 9))
+    te = next(iter(SequenceReader(tmp_path / "d", "test", **kw)))
+    assert te.seq.values().tolist() == [6, 7, 8, 9] and te.targets.tolist() == [10]
+    assert te.has_time.tolist() == [False]
+
+
+def test_id_outside_the_table_is_an_error_or_hashed(tmp_path):
+    src = tmp_path / "seq.txt"
+    src.write_text("1 1 2 3\n7 4 99 5 6\n")
+    convert_sequences(src, tmp_path / "d")
+    with pytest.raises(IdOutOfRange, match="id 99 .* user 7"):
+        list(SequenceReader(tmp_path / "d", "train", embedding=emb(50), max_seq_len=8, batch_size=4))
+    (b,) = list(SequenceReader(tmp_path / "d", "train", embedding=emb(50, "hash"), max_seq_len=8, batch_size=4))
+    assert b.seq.values().max() < 50 and b.targets.max() < 50

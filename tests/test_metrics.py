@@ -1,0 +1,44 @@
+import math
+
+import pytest
+import torch
+
+from train.evaluate import RankingMetrics, target_ranks
+
+
+def test_metrics_on_hand_computed_ranks():
+    m = RankingMetrics(hr_ks=(1, 10), ndcg_ks=(10,))
+    m.update(torch.tensor([0, 3, 20]))
+    out = m.compute()
+    assert out["hr@1"] == pytest.approx(1 / 3)
+    assert out["hr@10"] == pytest.approx(2 / 3)
+    assert out["ndcg@10"] == pytest.approx((1 + 1 / math.log2(5)) / 3)
+    assert out["mrr"] == pytest.approx((1 + 1 / 4 + 1 / 21) / 3)
+    assert out["users"] == 3
+
+
+def test_metric_state_merges_like_one_pass():
+    a, b, whole = RankingMetrics(), RankingMetrics(), RankingMetrics()
+    a.update(torch.tensor([0, 5]))
+    b.update(torch.tensor([300, 1]))
+    whole.update(torch.tensor([0, 5, 300, 1]))
+    merged = RankingMetrics()
+    merged.load_state(a.state() + b.state())
+    assert merged.compute() == whole.compute()
+
+
+def test_target_rank_excludes_history_but_never_the_target():
+    corpus = torch.tensor([10, 20, 30, 40, 50])
+    # user 0: target 30; items 40 and 50 score higher, 50 was seen -> rank 1
+    # user 1: target 20 scores highest -> rank 0; user 1 has seen 20 before (repeat) -> still ranked
+    scores = torch.tensor([[0.0, 0.1, 0.5, 0.9, 0.8], [0.0, 0.9, 0.5, 0.1, 0.2]])
+    ranks = target_ranks(scores, torch.tensor([30, 20]), corpus,
+                         torch.tensor([50, 20, 10]), torch.tensor([1, 2]))
+    assert ranks.tolist() == [1, 0]
+    no_hist = target_ranks(scores, torch.tensor([30, 20]), corpus)
+    assert no_hist.tolist() == [2, 0]
+
+
+def test_target_outside_corpus_is_an_error():
+    with pytest.raises(ValueError, match="not in the model's corpus"):
+        target_ranks(torch.zeros(1, 2), torch.tensor([7]), torch.tensor([1, 2]))

@@ -1,0 +1,97 @@
+"""Transformer tower, retrieval head and the whole recommender on small random batches."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torchrec import KeyedJaggedTensor
+
+from embedding.spec import EmbeddingConfig, TableConfig
+from kernels.jagged import lengths_to_offsets
+from models.hstu import JaggedMeta
+from models.inputs import SequenceBatch
+from models.recommender import GenerativeRecommender, ModelConfig
+from models.retrieval import RetrievalConfig, RetrievalHead
+from models.transformer import TransformerConfig, TransformerTower
+
+
+def test_transformer_rows_do_not_depend_on_batch_mates_and_grads_are_finite():
+    torch.manual_seed(0)
+    tower = TransformerTower(TransformerConfig(num_layers=2, num_heads=2, dropout=0.0), 16, 32).double()
+    lengths = torch.tensor([4, 1, 6])
+    x = torch.randn(int(lengths.sum()), 16, dtype=torch.float64, requires_grad=True)
+    out = tower(x, JaggedMeta(lengths_to_offsets(lengths), 6, None, None, None))
+    alone = tower(x[5:11], JaggedMeta(lengths_to_offsets(torch.tensor([6])), 6, None, None, None))
+    torch.testing.assert_close(out[5:11], alone)
+    out.sum().backward()
+    assert torch.isfinite(x.grad).all()
+    # causal: the first row of a sequence ignores later rows
+    first = tower(x[5:6], JaggedMeta(lengths_to_offsets(torch.tensor([1])), 1, None, None, None))
+    torch.testing.assert_close(out[5], first[0])
+
+
+def test_full_softmax_is_cross_entropy_over_the_corpus():
+    head = RetrievalHead(RetrievalConfig(loss="full_softmax", temperature=0.5))
+    table = torch.randn(10, 4)
+    corpus = torch.tensor([1, 3, 4, 8])
+    users, targets = torch.randn(5, 4), torch.tensor([3, 8, 1, 1, 4])
+    loss = head.loss(users, targets, corpus, lambda ids: table[ids])
+    logits = F.normalize(users, dim=-1) @ F.normalize(table[corpus], dim=-1).t() / 0.5
+    torch.testing.assert_close(loss, F.cross_entropy(logits, torch.tensor([1, 3, 0, 0, 2])))
+
+
+@pytest.mark.parametrize("negatives", ["uniform", "in_batch", "mixed"])
+def test_sampled_softmax_never_counts_the_positive_as_a_negative(negatives):
+    head = RetrievalHead(RetrievalConfig(negatives=negatives, num_negatives=64, logq_correction=True))
+    table = torch.randn(3, 4)
+    corpus = torch.tensor([0, 1, 2])
+    # every user vector equals its target row: if a positive leaked in as a negative the loss
+    # would be at least log(2) per row
+    targets = torch.tensor([0, 1, 2, 1])
+    users = F.normalize(table[targets], dim=-1) * 100
+    loss = head.loss(users, targets, corpus, lambda ids: table[ids])
+    assert torch.isfinite(loss)
+    assert loss < 1.0
+
+
+def tiny_model(tower="hstu"):
+    torch.manual_seed(0)
+    emb = EmbeddingConfig(tables=(TableConfig("item", ("item",), dim=16, num_embeddings=50),))
+    cfg = ModelConfig(tower=tower, max_seq_len=8, input_dropout=0.0)
+    return GenerativeRecommender(cfg, emb, torch.arange(1, 50))
+
+
+def batch(values, lengths, targets, has_time=None):
+    t = len(values)
+    return SequenceBatch(
+        seq=KeyedJaggedTensor(keys=["item"], values=torch.tensor(values), lengths=torch.tensor(lengths)),
+        max_len=max(lengths), timestamps=torch.arange(t) * 100, query_times=torch.arange(t) * 100 + 50,
+        has_time=torch.tensor(has_time or [True] * len(lengths)), targets=torch.tensor(targets))
+
+
+@pytest.mark.parametrize("tower", ["hstu", "transformer"])
+def test_recommender_trains_and_scores(tower):
+    model = tiny_model(tower)
+    b = batch([1, 2, 3, 4, 5, 6], [4, 2], [2, 3, 4, 5, 6, 7])
+    loss = model(b)
+    loss.backward()
+    assert torch.isfinite(loss) and model.sparse.ec.embeddings["item"].weight.grad is not None
+    model.eval()
+    users = model.user_embeddings(b)
+    assert users.shape == (2, 16)
+    torch.testing.assert_close(users.norm(dim=-1), torch.ones(2))
+    items = model.item_embeddings(model.corpus_ids)
+    assert model.head.scores(users, items).shape == (2, 49)
+
+
+def test_sequences_longer_than_max_seq_len_are_refused():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="exceeds model.max_seq_len"):
+        model(batch(list(range(1, 11)), [10], list(range(2, 12))))
+
+
+def test_missing_timestamps_fall_back_to_positions():
+    model = tiny_model().eval()
+    b = batch([1, 2, 3], [3], [2, 3, 4], has_time=[False])
+    b_pos = batch([1, 2, 3], [3], [2, 3, 4])
+    b_pos.timestamps, b_pos.query_times = torch.arange(3), torch.arange(3) + 1
+    torch.testing.assert_close(model.user_embeddings(b), model.user_embeddings(b_pos))

@@ -1,0 +1,134 @@
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP).
+
+Layout (one directory per step, written under a temporary name and renamed when every
+rank has finished, so a killed job never leaves a half-written ``step_*``)::
+
+    checkpoints/step_00001200/
+      .metadata, __*_*.distcp        DCP: model and optimizer tensors (sharded or not)
+      trainer_state.rank{r}.json     step, epoch, reader position, RNG state, early stopping
+
+Tensors go through DCP; everything else is JSON, so no Python object is ever unpickled
+from the trainer state. Loading works on any world size DCP can reshard to; the reader
+position of rank r is taken from the same rank (or rank 0's epoch when the world changed).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+PREFIX = "step_"
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def rng_state() -> str:
+    return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+
+
+def set_rng_state(text: str) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8))
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"{PREFIX}{step:08d}"
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Finished checkpoints under ``root``, oldest first."""
+    if not root.exists():
+        return []
+    dirs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / ".metadata").exists()]
+    return sorted(dirs, key=lambda p: int(p.name[len(PREFIX) :]))
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    done = complete_checkpoints(root)
+    return done[-1] if done else None
+
+
+def model_optim_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    opts = StateDictOptions(full_state_dict=False)
+    if optimizer is None:
+        msd, _ = get_state_dict(model, [], options=opts)
+        return {"model": msd}
+    msd, osd = get_state_dict(model, optimizer, options=opts)
+    return {"model": msd, "optim": osd}
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    trainer_state: dict[str, Any],
+    tensors: dict[str, Any] | None = None,
+) -> Path:
+    """Writes ``root/step_<step>`` atomically; returns its path."""
+    rank, world = _rank_world()
+    final = step_dir(root, step)
+    tmp = root / f".{final.name}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    state = tensors if tensors is not None else model_optim_state(model, optimizer)
+    dcp.save(state, checkpoint_id=tmp)
+    body = {**trainer_state, "world_size": world, "rank": rank}
+    (tmp / f"trainer_state.rank{rank}.json").write_text(json.dumps(body, indent=1))
+    _barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    _barrier()
+    return final
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    rank, world = _rank_world()
+    own = path / f"trainer_state.rank{rank}.json"
+    state = json.loads((own if own.exists() else path / "trainer_state.rank0.json").read_text())
+    if state.get("world_size") != world or state.get("rank") != rank:
+        state["reader"] = {**state.get("reader", {}), "world_size": -1}  # reader restarts the epoch
+    return state
+
+
+def load_checkpoint(
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, Any]:
+    """Restores model (and optimizer) tensors from ``path``; returns this rank's trainer state."""
+    state = model_optim_state(model, optimizer)
+    dcp.load(state, checkpoint_id=path)
+    if optimizer is None:
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return load_trainer_state(path)
+
+
+def prune_checkpoints(root: Path, keep: int, protect: set[Path]) -> None:
+    """Deletes all but the newest ``keep`` finished checkpoints (and any in ``protect``)."""
+    rank, _ = _rank_world()
+    if rank != 0:
+        return
+    done = complete_checkpoints(root)
+    for p in done[: max(len(done) - keep, 0)]:
+        if p not in protect:
+            shutil.rmtree(p, ignore_errors=True)

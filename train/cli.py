@@ -1,0 +1,151 @@
+"""Handlers for ``genrec demo|data|train|eval`` (parsing lives in ``genrec.cli``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from genrec.config import load_config
+from train.data.schema import read_info
+
+
+def cmd_data(args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.data_cmd == "synth":
+        from train.data.synthetic import SyntheticConfig, generate
+
+        cfg = load_config(SyntheticConfig, None, overrides)
+        t0 = time.perf_counter()
+        info = generate(cfg, args.out, progress=not args.no_progress)
+        print(f"wrote {args.out}: {info.num_users} users, {info.num_events} events, "
+              f"{info.num_items} items in [1, {info.item_id_max}] ({time.perf_counter() - t0:.1f}s)")
+        return 0
+    if overrides:
+        raise SystemExit(f"genrec data {args.data_cmd} takes no overrides: {overrides}")
+    if args.data_cmd == "convert":
+        from train.data import convert
+
+        if args.format == "sequences":
+            info = convert.convert_sequences(args.input, args.out)
+        elif args.format == "ratings":
+            info = convert.convert_ratings(args.input, args.out, args.users)
+        else:
+            info = convert.convert_movielens(args.input, args.out)
+        print(f"wrote {args.out}: {info.num_users} users, {info.num_events} events, {info.num_items} items, "
+              f"{info.users_with_timestamps} users with timestamps")
+        return 0
+    return _inspect(Path(args.path))
+
+
+def _inspect(path: Path) -> int:
+    info = read_info(path)
+    col = pq.read_table(path / "interactions.parquet", columns=["item_ids"]).column("item_ids").combine_chunks()
+    off = col.offsets.to_numpy()
+    lengths = off[1:] - off[:-1]
+    print(json.dumps({k: v for k, v in info.__dict__.items() if k != "extra"}, indent=2))
+    q = np.percentile(lengths, [0, 50, 90, 99, 100]).astype(int).tolist()
+    print(f"sequence length: min {q[0]}, median {q[1]}, p90 {q[2]}, p99 {q[3]}, max {q[4]}, mean {lengths.mean():.1f}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from genrec.config import dump_toml
+    from train.job import load_job
+    from train.run import run_training
+
+    if args.resume:
+        job = load_job(Path(args.resume) / "config.toml", overrides)
+    else:
+        job = load_job(args.config, overrides)
+    if args.print_config:
+        print(dump_toml(job))
+        return 0
+    run_dir, results = run_training(job, Path(args.resume) if args.resume else None)
+    _print_results(run_dir, results)
+    return 0
+
+
+def _print_results(run_dir: Path, results: dict) -> None:
+    from train.evaluate import format_table
+
+    print(f"\nrun: {run_dir}  ({results['epochs']} epochs, {results['train_seconds']:.0f}s of training, "
+          f"stopped: {results['stopped']}; best epoch {results['best_epoch']})")
+    if "test" in results:
+        print(format_table({"test @ best valid": results["test"]}))
+
+
+def _load_run_model(run: Path, checkpoint: str | None, data: str | None):  # noqa: ANN202
+    from train import checkpoint as ckpt
+    from train.job import build_model, load_job
+
+    overrides = [f'--data.path="{data}"'] if data else []
+    job = load_job(run / "config.toml", overrides)
+    model, emb = build_model(job)
+    if checkpoint:
+        path = Path(checkpoint)
+    else:
+        res = run / "results.json"
+        path = (run / "checkpoints" / json.loads(res.read_text())["best_checkpoint"]) if res.exists() else ckpt.latest_checkpoint(run / "checkpoints")
+    if path is None or not path.exists():
+        raise FileNotFoundError(f"{run}: no checkpoint to evaluate (looked for {path})")
+    ckpt.load_checkpoint(path, model, None)
+    return job, model, emb, path
+
+
+def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    from train.data.reader import make_reader
+    from train.evaluate import EvalConfig, evaluate, format_table
+
+    if args.baseline:
+        from train.baselines import Baseline, evaluate_baseline
+        from train.job import JobConfig, resolve_embedding
+
+        if not args.data:
+            raise SystemExit("genrec eval --baseline needs --data DIR")
+        job = load_config(JobConfig, None, [f'--data.path="{args.data}"', *overrides])
+        emb = resolve_embedding(job.embedding, read_info(args.data))
+        reader = make_reader(job.data, args.split, emb, job.model.max_seq_len)
+        metrics = evaluate_baseline(Baseline(args.data, args.baseline), reader, job.eval)
+        name = args.baseline
+    else:
+        if not args.run:
+            raise SystemExit("genrec eval needs --run DIR (or --baseline with --data)")
+        job, model, emb, path = _load_run_model(Path(args.run), args.checkpoint, args.data)
+        reader = make_reader(job.data, args.split, emb, job.model.max_seq_len)
+        metrics = evaluate(model, reader, EvalConfig(**job.eval.__dict__))
+        name = f"{Path(args.run).name}/{path.name}"
+    if args.json:
+        print(json.dumps(metrics, indent=2))
+    else:
+        print(format_table({f"{name} ({args.split})": metrics}))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Synthetic data (if missing) -> train configs/demo.toml -> baselines -> one table."""
+    from train.baselines import Baseline, evaluate_baseline
+    from train.data.reader import make_reader
+    from train.data.synthetic import SyntheticConfig, generate
+    from train.evaluate import format_table
+    from train.job import load_job, resolve_embedding
+    from train.run import run_training
+
+    data = Path(args.data)
+    if not (data / "dataset.json").exists():
+        print(f"generating synthetic ads-like logs in {data} ...")
+        generate(SyntheticConfig(), data)
+    job = load_job(args.config, [f'--data.path="{data}"', *overrides])
+    run_dir, results = run_training(job)
+    rows = {f"{job.model.tower} (test)": results["test"]}
+    emb_cfg = resolve_embedding(job.embedding, read_info(data))
+    for kind in ("popular", "transition"):
+        reader = make_reader(replace(job.data, context_features=False), "test", emb_cfg, job.model.max_seq_len)
+        rows[f"{kind} baseline (test)"] = evaluate_baseline(Baseline(data, kind), reader, job.eval)
+    print(f"\nrun directory: {run_dir}  ({results['epochs']} epochs, {results['train_seconds']:.0f}s training)")
+    print(format_table(rows))
+    return 0

@@ -1,0 +1,131 @@
+"""Full-corpus ranking evaluation (the protocol of SASRec and HSTU).
+
+For every user: score the whole catalogue with the user vector, drop the items already in
+the user's (untruncated) history, and find the rank of the held-out target among the
+rest. Ranks are 0-based: rank 0 is a hit at 1. Metrics are means over users:
+
+    HR@K   = [rank < K]
+    NDCG@K = [rank < K] / log2(rank + 2)      (one relevant item, so IDCG = 1)
+    MRR    = 1 / (rank + 1)
+
+Example: ranks [0, 3, 20] -> HR@10 = 2/3, NDCG@10 = (1 + 1/log2(5) + 0) / 3, MRR = (1 + 1/4 + 1/21) / 3.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from models.inputs import SequenceBatch
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    hr_ks: tuple[int, ...] = (1, 10, 50, 200)
+    ndcg_ks: tuple[int, ...] = (10, 50, 200)
+    exclude_history: bool = True
+    item_chunk: int = 65536  # corpus rows embedded per call
+
+
+class RankingMetrics:
+    """Accumulates per-user ranks into sums; ``compute()`` gives the means."""
+
+    def __init__(self, hr_ks: Iterable[int] = (1, 10, 50, 200), ndcg_ks: Iterable[int] = (10, 50, 200)) -> None:
+        self.hr_ks, self.ndcg_ks = tuple(hr_ks), tuple(ndcg_ks)
+        self.names = [f"hr@{k}" for k in self.hr_ks] + [f"ndcg@{k}" for k in self.ndcg_ks] + ["mrr"]
+        self.sums = torch.zeros(len(self.names), dtype=torch.float64)
+        self.count = 0
+
+    def update(self, ranks: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        r = ranks.to(torch.float64)
+        w = torch.ones_like(r) if weights is None else weights.to(torch.float64)
+        gain = 1.0 / torch.log2(r + 2.0)
+        cols = [(r < k).double() for k in self.hr_ks]
+        cols += [gain * (r < k) for k in self.ndcg_ks]
+        cols.append(1.0 / (r + 1.0))
+        self.sums += (torch.stack(cols, 1) * w[:, None]).sum(0)
+        self.count += float(w.sum())
+
+    def state(self) -> torch.Tensor:
+        """[metrics + 1] sums and count, for an all-reduce across ranks."""
+        return torch.cat([self.sums, torch.tensor([self.count], dtype=torch.float64)])
+
+    def load_state(self, state: torch.Tensor) -> None:
+        self.sums, self.count = state[:-1].clone(), float(state[-1])
+
+    def compute(self) -> dict[str, float]:
+        n = max(self.count, 1.0)
+        out = {name: float(s / n) for name, s in zip(self.names, self.sums)}
+        out["users"] = int(round(self.count))
+        return out
+
+
+def target_ranks(
+    scores: torch.Tensor,
+    targets: torch.Tensor,
+    corpus_ids: torch.Tensor,
+    seen_ids: torch.Tensor | None = None,
+    seen_lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """0-based rank of each target among corpus items not seen before.
+
+    scores [B, N] over sorted ``corpus_ids`` [N]; targets [B] ids; seen_ids [E] with
+    seen_lengths [B]. Ties count in the target's favour only against itself.
+    """
+    b = scores.shape[0]
+    tidx = torch.searchsorted(corpus_ids, targets).clamp(max=corpus_ids.numel() - 1)
+    if not bool((corpus_ids[tidx] == targets).all()):
+        missing = targets[corpus_ids[tidx] != targets][0]
+        raise ValueError(f"target item {int(missing)} is not in the model's corpus")
+    target_score = scores.gather(1, tidx[:, None])
+    if seen_ids is not None and seen_ids.numel():
+        row = torch.repeat_interleave(torch.arange(b, device=scores.device), seen_lengths)
+        col = torch.searchsorted(corpus_ids, seen_ids).clamp(max=corpus_ids.numel() - 1)
+        known = corpus_ids[col] == seen_ids
+        scores = scores.index_put((row[known], col[known]), torch.tensor(float("-inf"), dtype=scores.dtype))
+    return (scores > target_score).sum(1)
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    batches: Iterable[SequenceBatch],
+    cfg: EvalConfig | None = None,
+    device: torch.device | None = None,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> dict[str, float]:
+    """HR / NDCG / MRR of ``model`` over ``batches`` (a reader of the valid or test split).
+
+    ``reduce`` (optional) sums metric state across ranks for distributed evaluation.
+    """
+    cfg = cfg or EvalConfig()
+    was_training = model.training
+    model.eval()
+    corpus = model.corpus_ids
+    items = torch.cat([model.item_embeddings(corpus[i : i + cfg.item_chunk])
+                       for i in range(0, corpus.numel(), cfg.item_chunk)])
+    metrics = RankingMetrics(cfg.hr_ks, cfg.ndcg_ks)
+    for batch in batches:
+        if device is not None:
+            batch = batch.to(device)
+        users = model.user_embeddings(batch)
+        scores = model.head.scores(users, items).float()
+        seen = (batch.seen_ids, batch.seen_lengths) if cfg.exclude_history else (None, None)
+        metrics.update(target_ranks(scores, batch.targets, corpus, *seen).cpu())
+    if reduce is not None:
+        metrics.load_state(reduce(metrics.state()))
+    model.train(was_training)
+    return metrics.compute()
+
+
+def format_table(rows: dict[str, dict[str, float]], keys: Iterable[str] | None = None) -> str:
+    """A markdown table: one row per name, one column per metric."""
+    keys = list(keys or ["hr@1", "hr@10", "hr@50", "hr@200", "ndcg@10", "ndcg@50", "ndcg@200", "mrr"])
+    lines = ["| run | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+    for name, m in rows.items():
+        vals = [f"{m[k]:.4f}" if isinstance(m.get(k), float) and not math.isnan(m[k]) else str(m.get(k, "")) for k in keys]
+        lines.append(f"| {name} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)

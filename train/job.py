@@ -1,0 +1,102 @@
+"""The training job config, composed of each component's own config, and the builders.
+
+A job is a TOML file in ``configs/`` plus dotted overrides::
+
+    genrec train --config configs/ml1m_hstu.toml --train.optim.lr=3e-4 --data.path=data/ml1m
+
+Every section is owned by its component: ``[data]`` by the reader, ``[embedding]`` by the
+feature spec, ``[model]`` by the model, ``[train]`` by the trainer, ``[eval]`` by the
+evaluator, ``[run]`` by the run directory. Builders receive only their own section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from embedding.spec import EmbeddingConfig, prepare_ids
+from genrec.config import load_config
+from models.recommender import GenerativeRecommender, ModelConfig
+from train.data.reader import DataConfig
+from train.data.schema import DatasetInfo, read_info, read_items
+from train.evaluate import EvalConfig
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-8
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0  # max global grad norm; 0 disables
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    max_epochs: int = 100
+    max_steps: int = 0  # stop after this many optimizer steps in total; 0 = no limit
+    time_budget_min: float = 0.0  # stop after this many minutes of training; 0 = no limit
+    eval_every_epochs: int = 1
+    patience: int = 10  # evaluations without improvement before stopping
+    early_stop_metric: str = "ndcg@10"
+    precision: Literal["fp32", "bf16"] = "fp32"
+    seed: int = 0
+    log_every_steps: int = 20
+    checkpoint_every_steps: int = 0  # extra mid-epoch checkpoints; 0: only at evaluations
+    keep_checkpoints: int = 2
+    compile: bool = False
+    threads: int = 0  # torch intra-op threads; 0 = torch's default
+    progress: bool = True
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    out_dir: str = "runs"
+    name: str = ""  # default: the config file's stem
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+def load_job(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:
+    job = load_config(JobConfig, path, overrides)
+    if path is not None and not job.run.name:
+        job = JobConfig(**{**job.__dict__, "run": RunConfig(job.run.out_dir, Path(path).stem)})
+    return job
+
+
+def resolve_embedding(cfg: EmbeddingConfig, info: DatasetInfo) -> EmbeddingConfig:
+    """Sizes tables left without ``num_embeddings`` from the dataset manifest."""
+    sizes = {cfg.item_feature: info.item_table_size}
+    sizes.update(info.context_features)
+    return cfg.resolved(sizes)
+
+
+def corpus_ids(data_path: str | Path, embedding: EmbeddingConfig) -> torch.Tensor:
+    """The catalogue to rank against: every item in the logs, as table rows (sorted)."""
+    ids, _ = read_items(data_path)
+    rows = prepare_ids(embedding.item_table, embedding.item_feature, ids, where=f"{data_path}/items.parquet")
+    return torch.from_numpy(np.unique(rows))
+
+
+def build_model(job: JobConfig) -> tuple[GenerativeRecommender, EmbeddingConfig]:
+    """The unsharded model for ``job``, its tables sized from the dataset."""
+    info = read_info(job.data.path)
+    emb = resolve_embedding(job.embedding, info)
+    model = GenerativeRecommender(job.model, emb, corpus_ids(job.data.path, emb))
+    return model, emb

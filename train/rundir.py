@@ -1,0 +1,127 @@
+"""A run's directory: everything needed to compare or reproduce it later.
+
+    runs/<name>/<YYYYmmdd-HHMMSS>/
+      config.toml      the resolved job config (tables sized, defaults filled)
+      version.json     git commit and whether the tree was dirty
+      env.json         python / torch / torchrec / fbgemm versions, CPU, threads, world size
+      metrics.jsonl    one JSON object per log step and per evaluation
+      checkpoints/     DCP checkpoints (see train.checkpoint)
+      curves.png       training loss and validation metrics
+      results.json     best validation and the test metrics at the best checkpoint
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from genrec.config import dump_toml
+
+
+def code_version() -> dict[str, Any]:
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "HEAD")
+    return {"commit": commit or None, "dirty": bool(git("status", "--porcelain")) if commit else None}
+
+
+def environment() -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "world_size": int(os.environ.get("WORLD_SIZE", 1)),
+    }
+    for mod in ("torchrec", "fbgemm_gpu", "triton", "pyarrow"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - a missing or broken optional package is just unrecorded
+            env[mod] = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            env["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+    except OSError:
+        env["cpu"] = None
+    return env
+
+
+def new_run_dir(out_dir: str | Path, name: str) -> Path:
+    base = Path(out_dir) / (name or "run")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = base / stamp
+    i = 1
+    while path.exists():
+        path = base / f"{stamp}-{i}"
+        i += 1
+    path.mkdir(parents=True)
+    return path
+
+
+def write_run_files(path: Path, config: Any) -> None:
+    (path / "config.toml").write_text(dump_toml(config))
+    (path / "version.json").write_text(json.dumps(code_version(), indent=2) + "\n")
+    (path / "env.json").write_text(json.dumps(environment(), indent=2) + "\n")
+
+
+class MetricsLog:
+    """Appends JSON lines to ``metrics.jsonl`` (only rank 0 writes)."""
+
+    def __init__(self, path: Path, enabled: bool = True) -> None:
+        self.path, self.enabled = path, enabled
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_curves(metrics_path: Path, out: Path, metric_keys: tuple[str, ...] = ("hr@10", "ndcg@10")) -> Path | None:
+    """Training loss per step and validation metrics per epoch, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = read_metrics(metrics_path)
+    train = [r for r in recs if r.get("kind") == "train"]
+    evals = [r for r in recs if r.get("kind") == "eval" and r.get("split") == "valid"]
+    if not train and not evals:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    if train:
+        ax1.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1)
+    ax1.set(xlabel="step", ylabel="training loss", title="loss")
+    ax1.grid(alpha=0.3)
+    for k in metric_keys:
+        ax2.plot([r["epoch"] for r in evals], [r[k] for r in evals], marker="o", ms=3, label=k)
+    ax2.set(xlabel="epoch", ylabel="validation", title="validation (full-corpus ranking)")
+    ax2.grid(alpha=0.3)
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

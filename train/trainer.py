@@ -1,0 +1,241 @@
+"""The training loop: steps, schedule, validation, early stopping, checkpoints, test.
+
+One ``Trainer`` serves one process or every rank of a distributed job: it is handed a
+model that may already be parallelized (``train.parallel``), plus the inner module for
+evaluation, and a ``reduce`` function that sums tensors across ranks (identity alone).
+
+Order of a run: resume from the newest checkpoint if there is one -> epochs of steps
+(bf16 autocast optional, clipped AdamW, warmup + constant/cosine LR) -> validation every
+``eval_every_epochs`` with a checkpoint each time -> stop at ``max_epochs``, the time
+budget or ``patience`` evaluations without improvement -> reload the best checkpoint ->
+test -> ``results.json`` and ``curves.png``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from train import checkpoint as ckpt
+from train.data.reader import SequenceReader
+from train.evaluate import EvalConfig, evaluate
+from train.job import OptimConfig, TrainConfig
+from train.rundir import MetricsLog, plot_curves
+
+
+def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
+    """Learning rate for ``step``: linear warmup, then constant or cosine to ``min_lr_ratio``."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    epoch: int = 0
+    train_seconds: float = 0.0
+    best_metric: float = -math.inf
+    best_step: int = -1
+    best_epoch: int = -1
+    evals_since_best: int = 0
+    last_eval_step: int = -1
+    stopped: str = ""
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        eval_cfg: EvalConfig,
+        run_dir: Path,
+        model: torch.nn.Module,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_reader: SequenceReader,
+        valid_reader: SequenceReader,
+        test_reader: SequenceReader | None,
+        *,
+        rank: int = 0,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        dense_params: list[torch.nn.Parameter] | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        self.cfg, self.eval_cfg, self.run_dir = cfg, eval_cfg, run_dir
+        self.model, self.module, self.optimizer = model, module, optimizer
+        self.train_reader, self.valid_reader, self.test_reader = train_reader, valid_reader, test_reader
+        self.rank, self.reduce, self.device = rank, reduce, device
+        self.dense_params = dense_params if dense_params is not None else [p for p in module.parameters() if p.requires_grad]
+        self.ckpt_root = run_dir / "checkpoints"
+        self.log = MetricsLog(run_dir / "metrics.jsonl", enabled=rank == 0)
+        self.state = TrainState()
+        self.steps_per_epoch = len(train_reader)
+        self.total_steps = self.steps_per_epoch * cfg.max_epochs
+
+    # ----- checkpoints --------------------------------------------------------------------
+    def save(self) -> Path:
+        body = {"trainer": self.state.__dict__, "reader": self.train_reader.state_dict(), "rng": ckpt.rng_state()}
+        path = ckpt.save_checkpoint(self.ckpt_root, self.state.step, self.model, self.optimizer, body)
+        best = ckpt.step_dir(self.ckpt_root, self.state.best_step) if self.state.best_step >= 0 else None
+        ckpt.prune_checkpoints(self.ckpt_root, self.cfg.keep_checkpoints, {best} if best else set())
+        return path
+
+    def resume(self, path: Path | None = None) -> bool:
+        path = path or ckpt.latest_checkpoint(self.ckpt_root)
+        if path is None:
+            return False
+        body = ckpt.load_checkpoint(path, self.model, self.optimizer)
+        self.state = TrainState(**{**body["trainer"], "stopped": ""})
+        self.train_reader.load_state_dict(body["reader"])
+        if body.get("world_size") == (torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1):
+            ckpt.set_rng_state(body["rng"])
+        self._print(f"resumed from {path.name}: step {self.state.step}, epoch {self.state.epoch}")
+        return True
+
+    # ----- the loop -----------------------------------------------------------------------
+    def _print(self, msg: str) -> None:
+        if self.rank == 0:
+            tqdm.write(msg)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.cfg.precision == "bf16":
+            dev = self.device.type if self.device is not None else "cpu"
+            return torch.autocast(dev, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def train_step(self, batch: Any) -> float:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr_at(self.state.step, self.total_steps, self.cfg.optim)
+        with self._autocast():
+            loss = self.model(batch)
+        loss.backward()
+        if self.cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.dense_params, self.cfg.optim.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.step += 1
+        return float(loss.detach())
+
+    def _out_of_time(self, started: float) -> bool:
+        budget = self.cfg.time_budget_min * 60
+        return budget > 0 and self.state.train_seconds + (time.perf_counter() - started) >= budget
+
+    def run_epoch(self) -> None:
+        """The rest of the current epoch, from the reader's position."""
+        reader = self.train_reader
+        bar = tqdm(total=self.steps_per_epoch, initial=reader.batches_done, desc=f"epoch {self.state.epoch}",
+                   disable=not (self.cfg.progress and self.rank == 0), unit="step", leave=False)
+        started = window_start = time.perf_counter()
+        window_samples, losses = 0, []
+        self.model.train()
+        for batch in reader:
+            if self.device is not None:
+                batch = batch.to(self.device, non_blocking=True)
+            losses.append(self.train_step(batch))
+            window_samples += batch.batch_size
+            bar.update(1)
+            if self.state.step % self.cfg.log_every_steps == 0:
+                now = time.perf_counter()
+                rate = window_samples / max(now - window_start, 1e-9)
+                rec = {"kind": "train", "step": self.state.step, "epoch": self.state.epoch,
+                       "loss": sum(losses) / len(losses), "lr": self.optimizer.param_groups[0]["lr"],
+                       "samples_per_s": rate}
+                self.log.write(rec)
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", samples_s=f"{rate:.0f}")
+                window_start, window_samples, losses = now, 0, []
+            if self.cfg.checkpoint_every_steps and self.state.step % self.cfg.checkpoint_every_steps == 0:
+                self.state.train_seconds += time.perf_counter() - started
+                started = time.perf_counter()
+                self.save()
+            if self._out_of_time(started):
+                self.state.stopped = "time budget"
+                break
+            if self.cfg.max_steps and self.state.step >= self.cfg.max_steps:
+                self.state.stopped = "max_steps"
+                break
+        self.state.train_seconds += time.perf_counter() - started
+        bar.close()
+
+    def validate(self) -> dict[str, float]:
+        metrics = evaluate(self.module, self.valid_reader, self.eval_cfg, self.device, self.reduce)
+        self.valid_reader.set_epoch(0)
+        rec = {"kind": "eval", "split": "valid", "step": self.state.step, "epoch": self.state.epoch,
+               "train_seconds": self.state.train_seconds, **metrics}
+        self.log.write(rec)
+        self.state.last_eval_step = self.state.step
+        self.state.history.append({k: rec[k] for k in ("epoch", "step", "hr@10", "ndcg@10")})
+        value = metrics[self.cfg.early_stop_metric]
+        if value > self.state.best_metric:
+            self.state.best_metric, self.state.best_step = value, self.state.step
+            self.state.best_epoch, self.state.evals_since_best = self.state.epoch, 0
+        else:
+            self.state.evals_since_best += 1
+        self._print(
+            f"epoch {self.state.epoch:3d} step {self.state.step:6d} | valid hr@10 {metrics['hr@10']:.4f} "
+            f"ndcg@10 {metrics['ndcg@10']:.4f} | best {self.state.best_metric:.4f} @ epoch {self.state.best_epoch} "
+            f"| {self.state.train_seconds:.0f}s"
+        )
+        return metrics
+
+    def fit(self) -> dict[str, Any]:
+        """Trains to a stop condition, then tests the best checkpoint; returns results."""
+        self.resume()
+        cfg = self.cfg
+        while not self.state.stopped:
+            if self.state.epoch >= cfg.max_epochs:
+                self.state.stopped = "max_epochs"
+                break
+            self.run_epoch()
+            if self.state.stopped:
+                break
+            self.state.epoch += 1
+            self.train_reader.set_epoch(self.state.epoch)
+            if self.state.epoch % cfg.eval_every_epochs == 0 or self.state.epoch == cfg.max_epochs:
+                self.validate()
+                self.save()
+                if self.state.evals_since_best >= cfg.patience:
+                    self.state.stopped = f"no improvement in {cfg.patience} evaluations"
+        if self.state.last_eval_step != self.state.step:
+            self.validate()
+            self.save()
+        return self.finish()
+
+    def finish(self) -> dict[str, Any]:
+        best = ckpt.step_dir(self.ckpt_root, self.state.best_step)
+        ckpt.load_checkpoint(best, self.model, None)
+        results: dict[str, Any] = {
+            "stopped": self.state.stopped,
+            "epochs": self.state.epoch,
+            "steps": self.state.step,
+            "train_seconds": round(self.state.train_seconds, 1),
+            "best_epoch": self.state.best_epoch,
+            "best_step": self.state.best_step,
+            "best_checkpoint": best.name,
+            "valid": next(h for h in self.state.history[::-1] if h["step"] == self.state.best_step),
+        }
+        if self.test_reader is not None:
+            test = evaluate(self.module, self.test_reader, self.eval_cfg, self.device, self.reduce)
+            self.log.write({"kind": "eval", "split": "test", "step": self.state.best_step,
+                            "epoch": self.state.best_epoch, **test})
+            results["test"] = test
+        if self.rank == 0:
+            (self.run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+            plot_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
+        return results
