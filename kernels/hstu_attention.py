@@ -56,6 +56,15 @@ def attention_mask(
     return pair & (history_query | target_query)
 
 
+def token_positions(max_len: int, lengths: torch.Tensor, num_targets: torch.Tensor | None) -> torch.Tensor:
+    """[1, L] or [B, L] positions for the relative bias: candidates all sit at the first
+    position after the history, so a candidate is scored the same alone or among others."""
+    ar = torch.arange(max_len, device=lengths.device)
+    if num_targets is None:
+        return ar[None]
+    return torch.minimum(ar[None], (lengths - num_targets)[:, None])
+
+
 def relative_bias(
     offsets: torch.Tensor,
     max_len: int,
@@ -65,17 +74,19 @@ def relative_bias(
     timestamps: torch.Tensor | None,
     query_times: torch.Tensor | None,
     index: tuple[torch.Tensor, torch.Tensor] | None = None,
+    num_targets: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """[B, L, L] additive bias (or None): position term plus time term.
 
-    ``pos_weights`` [max_seq_len]: bias by distance i - j (clamped). ``time_weights``
-    [num_buckets]: bias by :func:`time_bucket` of ``query_times[i] - timestamps[j]``.
+    ``pos_weights`` [max_seq_len]: bias by distance p(i) - p(j) (clamped; p from
+    :func:`token_positions`). ``time_weights`` [num_buckets]: bias by :func:`time_bucket`
+    of ``query_times[i] - timestamps[j]``.
     """
     bias = None
     if pos_weights is not None:
-        ar = torch.arange(max_len, device=offsets.device)
-        dist = (ar[:, None] - ar[None, :]).clamp(0, max_seq_len - 1)
-        bias = pos_weights[dist][None]  # [1, L, L]
+        p = token_positions(max_len, offsets[1:] - offsets[:-1], num_targets)
+        dist = (p[:, :, None] - p[:, None, :]).clamp(0, max_seq_len - 1)
+        bias = pos_weights[dist]  # [1 or B, L, L]
     if time_weights is not None:
         if timestamps is None or query_times is None:
             raise ValueError("time_weights needs timestamps and query_times")
@@ -115,7 +126,7 @@ def hstu_attention_reference(
     vp = jagged_to_padded(v, offsets, max_len, index=index).transpose(1, 2)
     scores = torch.matmul(qp, kp.transpose(-1, -2)) * alpha  # [B, H, L, L]
     bias = relative_bias(
-        offsets, max_len, max_seq_len, pos_weights, time_weights, timestamps, query_times, index
+        offsets, max_len, max_seq_len, pos_weights, time_weights, timestamps, query_times, index, num_targets
     )
     if bias is not None:
         scores = scores + bias[:, None].to(scores.dtype)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.hstu_attention import attention_mask, hstu_attention, time_bucket
+from kernels.hstu_attention import attention_mask, hstu_attention, time_bucket, token_positions
 
 
 @dataclass(frozen=True)
@@ -118,10 +118,10 @@ class HSTULayer(nn.Module):
         k = k.view(b, n, h, c.qk_dim).transpose(1, 2)
         v = v.view(b, n, h, c.v_dim).transpose(1, 2)
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.alpha  # [B, H, L, L]
-        ar = torch.arange(n, device=x.device)
         if self.pos_weights is not None:
-            dist = (ar[:, None] - ar[None, :]).clamp(0, self.max_seq_len - 1)
-            scores = scores + self.pos_weights[dist]
+            p = token_positions(n, lengths, num_targets)
+            dist = (p[:, :, None] - p[:, None, :]).clamp(0, self.max_seq_len - 1)
+            scores = scores + self.pos_weights[dist][:, None]
         if self.time_weights is not None:
             dt = query_times[:, :, None] - timestamps[:, None, :]
             scores = scores + self.time_weights[time_bucket(dt, c.num_time_buckets)][:, None]

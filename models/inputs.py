@@ -10,6 +10,8 @@ Example, B=2 users with histories [5, 9, 2] and [7] (T = 3 + 1 = 4 events)::
                  fall back to positions
     targets      [T] next item per position (training) or [B] one target per user (eval)
     num_targets  [B] how many trailing events are ranking candidates (None: none)
+    labels       [C, tasks] 0/1 per candidate (the trailing num_targets events), ranking only
+    oracle       [C, tasks] true probabilities when the data knows them (synthetic), else NaN
     context      KJT of pooled per-user features, or None
     seen_ids     eval only: every item the user had before the target, untruncated, so the
     seen_lengths full-corpus protocol can exclude the whole history ([E] ids, [B] lengths)
@@ -35,6 +37,7 @@ class SequenceBatch:
     context: KeyedJaggedTensor | None = None
     user_ids: torch.Tensor | None = None
     labels: torch.Tensor | None = None
+    oracle: torch.Tensor | None = None
     seen_ids: torch.Tensor | None = None
     seen_lengths: torch.Tensor | None = None
 

@@ -2,10 +2,11 @@
 
 Data flow for one batch (see ``models.inputs.SequenceBatch``)::
 
-    seq KJT --SparseArch--> item rows [T, D] (+ other sequence features, summed)
-        --* sqrt(D) + position embedding, dropout--> x [T, D]
-        --HSTU / transformer tower--> h [T, D]
-        --retrieval head--> loss (training) | user vectors [B, D] at each last position
+    seq KJT --SparseArch--> item (+ action, ...) rows --models.tokens--> tokens [M, D]
+        --* sqrt(D) + position embedding, dropout--> x [M, D]
+        --HSTU / transformer tower--> h [M, D]
+        --retrieval head (history rows)--> next-item loss | user vectors [B, D]
+        --ranking head (candidate rows, + pooled context)--> task logits [C, tasks]
 
 The same module is used by training, evaluation, quantization and serving; nothing here
 knows about distribution (TorchRec DMP wraps ``self.sparse`` from outside).
@@ -25,18 +26,22 @@ from embedding.spec import EmbeddingConfig
 from kernels.jagged import jagged_index
 from models.hstu import HSTUConfig, HSTUTower, JaggedMeta
 from models.inputs import SequenceBatch
+from models.ranking import RankingConfig, RankingHead
 from models.retrieval import RetrievalConfig, RetrievalHead
+from models.tokens import Tokens, layout
 from models.transformer import TransformerConfig, TransformerTower
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    arch: Literal["generative", "dlrm"] = "generative"  # dlrm: the pooled ranking baseline
     tower: Literal["hstu", "transformer"] = "hstu"
     max_seq_len: int = 200
     input_dropout: float = 0.2
     hstu: HSTUConfig = field(default_factory=HSTUConfig)
     transformer: TransformerConfig = field(default_factory=TransformerConfig)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    ranking: RankingConfig = field(default_factory=RankingConfig)
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 2:
@@ -50,8 +55,9 @@ def build_tower(cfg: ModelConfig, dim: int) -> nn.Module:
 
 
 class GenerativeRecommender(nn.Module):
-    """Example: ``model(batch)`` -> scalar loss; ``model.user_embeddings(batch)`` -> [B, D];
-    ``model.item_embeddings(ids)`` -> [N, D]; ``model.corpus_ids`` -> [N] sorted catalogue."""
+    """Example: ``model(batch)["loss"]`` -> scalar; ``model.user_embeddings(batch)`` -> [B, D];
+    ``model.item_embeddings(ids)`` -> [N, D]; ``model.rank(batch)`` -> [C, tasks];
+    ``model.corpus_ids`` -> [N] sorted catalogue."""
 
     def __init__(self, cfg: ModelConfig, embedding: EmbeddingConfig, corpus_ids: torch.Tensor) -> None:
         super().__init__()
@@ -66,48 +72,73 @@ class GenerativeRecommender(nn.Module):
         self.tower = build_tower(cfg, dim)
         self.head = RetrievalHead(cfg.retrieval)
         self.register_buffer("corpus_ids", torch.sort(corpus_ids.long()).values)
+        self.interleaved = cfg.ranking.encoding == "interleaved"
+        self.ranking: RankingHead | None = None
+        self.ranking_context = False
+        if cfg.ranking.enabled:
+            ctx_dim = sum(t.dim for t in embedding.pooled_tables) if cfg.ranking.use_context else 0
+            self.ranking_context = ctx_dim > 0
+            self.ranking = RankingHead(cfg.ranking, dim, ctx_dim)
 
-    def _meta_and_input(self, batch: SequenceBatch) -> tuple[torch.Tensor, JaggedMeta]:
-        jts = self.sparse(batch.seq)
-        item = jts[self.item_feature]
-        offsets = item.offsets()
-        x = item.values()
-        for name, jt in jts.items():
-            if name != self.item_feature:
-                x = x + jt.values()
-        seg, pos = jagged_index(offsets, x.shape[0])
-        if batch.max_len > self.cfg.max_seq_len:
+    def _tokens(self, batch: SequenceBatch) -> tuple[torch.Tensor, Tokens]:
+        tok = layout(self.sparse(batch.seq), batch, self.item_feature, self.interleaved)
+        if tok.max_len > self.cfg.max_seq_len:
             raise ValueError(
-                f"a sequence of {batch.max_len} events exceeds model.max_seq_len "
+                f"a sequence of {tok.max_len} tokens exceeds model.max_seq_len "
                 f"{self.cfg.max_seq_len}; truncate it before the model"
             )
-        x = x * self.scale + self.pos_emb(pos)
-        ts = qt = None
-        if batch.has_time is not None and batch.timestamps is not None:
-            # Users without timestamps fall back to positions: event j at time j, queried
-            # at j + 1, so the time bias still sees a recency signal.
-            real = batch.has_time[seg]
-            ts = torch.where(real, batch.timestamps, pos)
-            qt = torch.where(real, batch.query_times, pos + 1)
-        else:
-            ts, qt = pos, pos + 1
-        meta = JaggedMeta(offsets, batch.max_len, ts, qt, batch.num_targets)
-        return self.input_dropout(x), meta
+        x = tok.x * self.scale + self.pos_emb(tok.positions)
+        return self.input_dropout(x), tok
 
-    def encode(self, batch: SequenceBatch) -> tuple[torch.Tensor, JaggedMeta]:
-        """Tower outputs for every event: [T, D] (and the batch's jagged structure)."""
-        x, meta = self._meta_and_input(batch)
-        return self.tower(x, meta), meta
+    def encode(self, batch: SequenceBatch) -> tuple[torch.Tensor, Tokens]:
+        """Tower outputs for every token: [M, D] (and the batch's token layout)."""
+        x, tok = self._tokens(batch)
+        meta = JaggedMeta(tok.offsets, tok.max_len, tok.timestamps, tok.query_times, tok.num_targets)
+        return self.tower(x, meta), tok
 
-    def forward(self, batch: SequenceBatch) -> torch.Tensor:
-        """Training loss: every position predicts the next item (``batch.targets`` [T])."""
-        h, _ = self.encode(batch)
-        return self.head.loss(h, batch.targets, self.corpus_ids, self.sparse.lookup)
+    def _context(self, batch: SequenceBatch, tok: Tokens) -> torch.Tensor | None:
+        if self.ranking is None or not self.ranking_context:
+            return None
+        if batch.context is None:
+            raise ValueError("this model ranks with context features; the batch has none (data.context_features)")
+        ctx = self.sparse.pooled(batch.context).values()  # [B, E]
+        return torch.repeat_interleave(ctx, tok.num_targets, dim=0, output_size=tok.candidate_rows.numel())
+
+    def rank_logits(self, h: torch.Tensor, tok: Tokens, batch: SequenceBatch) -> torch.Tensor:
+        """Task logits of the candidates: [C, tasks]."""
+        cand_items = batch.seq[self.item_feature].values()
+        offsets = batch.seq[self.item_feature].offsets()
+        seg, pos = jagged_index(offsets, cand_items.numel())
+        is_cand = pos >= (offsets[1:] - offsets[:-1] - tok.num_targets)[seg]
+        rows = self.sparse.lookup(cand_items[is_cand])
+        return self.ranking(h[tok.candidate_rows], rows, self._context(batch, tok))
+
+    def forward(self, batch: SequenceBatch) -> dict[str, torch.Tensor]:
+        """Training losses: ``loss`` (the weighted total), ``retrieval`` and, with ranking,
+        ``ranking`` and one per task. Every history position predicts the next item
+        (``batch.targets``); candidates (``num_targets``) predict their labels."""
+        h, tok = self.encode(batch)
+        out: dict[str, torch.Tensor] = {}
+        ret = self.head.loss(h[tok.retrieval_rows], batch.targets, self.corpus_ids, self.sparse.lookup)
+        out["retrieval"] = ret
+        total = ret
+        if self.ranking is not None and batch.num_targets is not None and tok.candidate_rows.numel():
+            out.update(self.ranking.loss(self.rank_logits(h, tok, batch), batch.labels))
+            total = self.cfg.ranking.retrieval_weight * ret + out["ranking"]
+        out["loss"] = total
+        return out
 
     def user_embeddings(self, batch: SequenceBatch) -> torch.Tensor:
-        """Normalised user vector after each sequence's last event: [B, D]."""
-        h, meta = self.encode(batch)
-        return self.head.normalize(h[meta.offsets[1:] - 1])
+        """Normalised user vector after each history's last event: [B, D]."""
+        h, tok = self.encode(batch)
+        return self.head.normalize(h[tok.last_rows])
+
+    def rank(self, batch: SequenceBatch) -> torch.Tensor:
+        """Task probabilities of each candidate (the trailing ``num_targets`` events): [C, tasks]."""
+        if self.ranking is None:
+            raise ValueError("this model has no ranking tasks (model.ranking.tasks)")
+        h, tok = self.encode(batch)
+        return torch.sigmoid(self.rank_logits(h, tok, batch).float())
 
     def item_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
         """Normalised item vectors: ids [N] -> [N, D]."""

@@ -24,7 +24,8 @@ def loop_attention(q, k, v, lengths, pos_w, time_w, ts, qt, num_targets=None):
                 if not allowed:
                     continue
                 s = (q[start + i] * k[start + j]).sum(-1) * q.shape[-1] ** -0.5
-                s = s + pos_w[min(i - j if i >= j else 0, MAX_SEQ_LEN - 1)]
+                pi, pj = min(i, hist), min(j, hist)  # candidates sit right after the history
+                s = s + pos_w[min(max(pi - pj, 0), MAX_SEQ_LEN - 1)]
                 s = s + time_w[time_bucket(qt[start + i] - ts[start + j], time_w.numel())]
                 acc = acc + (F.silu(s) / MAX_SEQ_LEN)[:, None] * v[start + j]
             out.append(acc)

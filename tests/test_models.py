@@ -72,7 +72,7 @@ def batch(values, lengths, targets, has_time=None):
 def test_recommender_trains_and_scores(tower):
     model = tiny_model(tower)
     b = batch([1, 2, 3, 4, 5, 6], [4, 2], [2, 3, 4, 5, 6, 7])
-    loss = model(b)
+    loss = model(b)["loss"]
     loss.backward()
     assert torch.isfinite(loss) and model.sparse.ec.embeddings["item"].weight.grad is not None
     model.eval()
@@ -86,7 +86,7 @@ def test_recommender_trains_and_scores(tower):
 def test_sequences_longer_than_max_seq_len_are_refused():
     model = tiny_model()
     with pytest.raises(ValueError, match="exceeds model.max_seq_len"):
-        model(batch(list(range(1, 11)), [10], list(range(2, 12))))
+        model(batch(list(range(1, 11)), [10], list(range(2, 12))))["loss"]
 
 
 def test_missing_timestamps_fall_back_to_positions():

@@ -75,8 +75,13 @@ def _print_results(run_dir: Path, results: dict) -> None:
 
     print(f"\nrun: {run_dir}  ({results['epochs']} epochs, {results['train_seconds']:.0f}s of training, "
           f"stopped: {results['stopped']}; best epoch {results['best_epoch']})")
-    if "test" in results:
-        print(format_table({"test @ best valid": results["test"]}))
+    test = results.get("test", {})
+    if "ndcg@10" in test:
+        print(format_table({"test @ best valid": test}))
+    tasks = sorted({k.split("/")[0] for k in test if "/" in k})
+    if tasks:
+        keys = ["auc", "gauc", "ne", "logloss", "oracle_auc", "positive_rate", "examples"]
+        print(format_table({f"{t} (test)": {k: test.get(f"{t}/{k}", "") for k in keys} for t in tasks}, keys))
 
 
 def _load_run_model(run: Path, checkpoint: str | None, data: str | None):  # noqa: ANN202

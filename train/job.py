@@ -20,6 +20,7 @@ import torch
 
 from embedding.spec import EmbeddingConfig, prepare_ids
 from genrec.config import load_config
+from models.dlrm import PooledDLRM
 from models.recommender import GenerativeRecommender, ModelConfig
 from train.data.reader import DataConfig
 from train.data.schema import DatasetInfo, read_info, read_items
@@ -81,10 +82,21 @@ def load_job(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:
 
 
 def resolve_embedding(cfg: EmbeddingConfig, info: DatasetInfo) -> EmbeddingConfig:
-    """Sizes tables left without ``num_embeddings`` from the dataset manifest."""
-    sizes = {cfg.item_feature: info.item_table_size}
+    """Sizes tables left without ``num_embeddings`` from the dataset manifest: the item
+    table from the largest item id, ``action`` from the action bits (ids are bitmasks,
+    0 = unknown), context tables from their cardinalities."""
+    sizes = {cfg.item_feature: info.item_table_size, "action": 1 << len(info.action_names)}
     sizes.update(info.context_features)
     return cfg.resolved(sizes)
+
+
+def task_masks(job: JobConfig, info: DatasetInfo) -> dict[str, int]:
+    """Ranking task name -> bitmask over the dataset's actions ({} without ranking)."""
+    return job.model.ranking.task_masks(info.action_names) if job.model.ranking.enabled else {}
+
+
+def tokens_per_event(job: JobConfig) -> int:
+    return 2 if job.model.ranking.enabled and job.model.ranking.encoding == "interleaved" else 1
 
 
 def corpus_ids(data_path: str | Path, embedding: EmbeddingConfig) -> torch.Tensor:
@@ -94,9 +106,11 @@ def corpus_ids(data_path: str | Path, embedding: EmbeddingConfig) -> torch.Tenso
     return torch.from_numpy(np.unique(rows))
 
 
-def build_model(job: JobConfig) -> tuple[GenerativeRecommender, EmbeddingConfig]:
+def build_model(job: JobConfig) -> tuple[torch.nn.Module, EmbeddingConfig]:
     """The unsharded model for ``job``, its tables sized from the dataset."""
     info = read_info(job.data.path)
     emb = resolve_embedding(job.embedding, info)
+    if job.model.arch == "dlrm":
+        return PooledDLRM(job.model.ranking, emb), emb
     model = GenerativeRecommender(job.model, emb, corpus_ids(job.data.path, emb))
     return model, emb

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from train.data.reader import make_reader
-from train.job import JobConfig, build_model
+from train.data.schema import read_info
+from train.job import JobConfig, build_model, task_masks, tokens_per_event
 from train.rundir import new_run_dir, write_run_files
 from train.trainer import Trainer, build_optimizer
 
@@ -29,12 +30,19 @@ def run_training(job: JobConfig, run_dir: Path | None = None) -> tuple[Path, dic
         run_dir = new_run_dir(job.run.out_dir, job.run.name)
         write_run_files(run_dir, resolved)
     msl = job.model.max_seq_len
-    readers = {s: make_reader(job.data, s, emb, msl, seed=job.train.seed) for s in ("train", "valid", "test")}
+    tasks = task_masks(job, read_info(job.data.path))
+    retrieval = job.model.arch == "generative"
+    splits = ["train"] + (["valid", "test"] if retrieval else [])
+    splits += ["rank_valid", "rank_test"] if tasks and job.data.ranking.enabled else []
+    readers = {s: make_reader(job.data, s, emb, msl, seed=job.train.seed, tasks=tasks,
+                              tokens_per_event=tokens_per_event(job)) for s in splits}
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, job.train.optim)
     train_model = model
     if job.train.compile:
         model.tower.compile(dynamic=True)
+    valid = {k: v for k, v in readers.items() if k in ("valid", "rank_valid")}
+    test = {k: v for k, v in readers.items() if k in ("test", "rank_test")}
     trainer = Trainer(job.train, job.eval, run_dir, train_model, model, optimizer,
-                      readers["train"], readers["valid"], readers["test"])
+                      readers["train"], valid, test, tasks=list(tasks))
     return run_dir, trainer.fit()

@@ -116,7 +116,9 @@ def plot_curves(metrics_path: Path, out: Path, metric_keys: tuple[str, ...] = ("
         ax1.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1)
     ax1.set(xlabel="step", ylabel="training loss", title="loss")
     ax1.grid(alpha=0.3)
-    for k in metric_keys:
+    shown = [k for k in metric_keys if evals and k in evals[0]]
+    shown += [k for k in (evals[0] if evals else {}) if k.endswith("/auc")]
+    for k in shown:
         ax2.plot([r["epoch"] for r in evals], [r[k] for r in evals], marker="o", ms=3, label=k)
     ax2.set(xlabel="epoch", ylabel="validation", title="validation (full-corpus ranking)")
     ax2.grid(alpha=0.3)

@@ -29,6 +29,7 @@ from train import checkpoint as ckpt
 from train.data.reader import SequenceReader
 from train.evaluate import EvalConfig, evaluate
 from train.job import OptimConfig, TrainConfig
+from train.ranking_metrics import evaluate_ranking
 from train.rundir import MetricsLog, plot_curves
 
 
@@ -70,9 +71,10 @@ class Trainer:
         module: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         train_reader: SequenceReader,
-        valid_reader: SequenceReader,
-        test_reader: SequenceReader | None,
+        valid_readers: dict[str, SequenceReader],
+        test_readers: dict[str, SequenceReader],
         *,
+        tasks: list[str] | None = None,
         rank: int = 0,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
         dense_params: list[torch.nn.Parameter] | None = None,
@@ -80,7 +82,8 @@ class Trainer:
     ) -> None:
         self.cfg, self.eval_cfg, self.run_dir = cfg, eval_cfg, run_dir
         self.model, self.module, self.optimizer = model, module, optimizer
-        self.train_reader, self.valid_reader, self.test_reader = train_reader, valid_reader, test_reader
+        self.train_reader, self.valid_readers, self.test_readers = train_reader, valid_readers, test_readers
+        self.tasks = tasks or []
         self.rank, self.reduce, self.device = rank, reduce, device
         self.dense_params = dense_params if dense_params is not None else [p for p in module.parameters() if p.requires_grad]
         self.ckpt_root = run_dir / "checkpoints"
@@ -120,18 +123,20 @@ class Trainer:
             return torch.autocast(dev, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def train_step(self, batch: Any) -> float:
+    def train_step(self, batch: Any) -> dict[str, float]:
+        """One optimizer step; returns the step's losses (``loss`` and its parts)."""
         for g in self.optimizer.param_groups:
             g["lr"] = lr_at(self.state.step, self.total_steps, self.cfg.optim)
         with self._autocast():
-            loss = self.model(batch)
+            losses = self.model(batch)
+        loss = losses["loss"]
         loss.backward()
         if self.cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.dense_params, self.cfg.optim.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
-        return float(loss.detach())
+        return {k: float(v.detach()) for k, v in losses.items()}
 
     def _out_of_time(self, started: float) -> bool:
         budget = self.cfg.time_budget_min * 60
@@ -143,23 +148,24 @@ class Trainer:
         bar = tqdm(total=self.steps_per_epoch, initial=reader.batches_done, desc=f"epoch {self.state.epoch}",
                    disable=not (self.cfg.progress and self.rank == 0), unit="step", leave=False)
         started = window_start = time.perf_counter()
-        window_samples, losses = 0, []
+        window_samples, losses = 0, {}
         self.model.train()
         for batch in reader:
             if self.device is not None:
                 batch = batch.to(self.device, non_blocking=True)
-            losses.append(self.train_step(batch))
+            for k, v in self.train_step(batch).items():
+                losses.setdefault(k, []).append(v)
             window_samples += batch.batch_size
             bar.update(1)
             if self.state.step % self.cfg.log_every_steps == 0:
                 now = time.perf_counter()
                 rate = window_samples / max(now - window_start, 1e-9)
                 rec = {"kind": "train", "step": self.state.step, "epoch": self.state.epoch,
-                       "loss": sum(losses) / len(losses), "lr": self.optimizer.param_groups[0]["lr"],
-                       "samples_per_s": rate}
+                       **{k: sum(v) / len(v) for k, v in losses.items()},
+                       "lr": self.optimizer.param_groups[0]["lr"], "samples_per_s": rate}
                 self.log.write(rec)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", samples_s=f"{rate:.0f}")
-                window_start, window_samples, losses = now, 0, []
+                window_start, window_samples, losses = now, 0, {}
             if self.cfg.checkpoint_every_steps and self.state.step % self.cfg.checkpoint_every_steps == 0:
                 self.state.train_seconds += time.perf_counter() - started
                 started = time.perf_counter()
@@ -173,23 +179,40 @@ class Trainer:
         self.state.train_seconds += time.perf_counter() - started
         bar.close()
 
+    def evaluate(self, readers: dict[str, SequenceReader]) -> dict[str, float]:
+        """Retrieval metrics from the 'valid'/'test' reader, ranking metrics (keys
+        ``<task>/<metric>``) from a 'rank_*' reader, merged into one dict."""
+        out: dict[str, float] = {}
+        for split, reader in readers.items():
+            reader.set_epoch(0)
+            if split.startswith("rank_"):
+                out.update(evaluate_ranking(self.module, reader, self.tasks, self.device))
+            else:
+                out.update(evaluate(self.module, reader, self.eval_cfg, self.device, self.reduce))
+        return out
+
     def validate(self) -> dict[str, float]:
-        metrics = evaluate(self.module, self.valid_reader, self.eval_cfg, self.device, self.reduce)
-        self.valid_reader.set_epoch(0)
+        metrics = self.evaluate(self.valid_readers)
         rec = {"kind": "eval", "split": "valid", "step": self.state.step, "epoch": self.state.epoch,
                "train_seconds": self.state.train_seconds, **metrics}
         self.log.write(rec)
         self.state.last_eval_step = self.state.step
-        self.state.history.append({k: rec[k] for k in ("epoch", "step", "hr@10", "ndcg@10")})
+        keys = ("epoch", "step", "hr@10", "ndcg@10", self.cfg.early_stop_metric)
+        self.state.history.append({k: rec[k] for k in keys if k in rec})
+        if self.cfg.early_stop_metric not in metrics:
+            raise ValueError(f"train.early_stop_metric '{self.cfg.early_stop_metric}' is not among the "
+                             f"validation metrics: {sorted(metrics)}")
         value = metrics[self.cfg.early_stop_metric]
         if value > self.state.best_metric:
             self.state.best_metric, self.state.best_step = value, self.state.step
             self.state.best_epoch, self.state.evals_since_best = self.state.epoch, 0
         else:
             self.state.evals_since_best += 1
+        shown = " ".join(f"{k} {metrics[k]:.4f}" for k in ("hr@10", "ndcg@10", *(f"{t}/auc" for t in self.tasks))
+                         if k in metrics)
         self._print(
-            f"epoch {self.state.epoch:3d} step {self.state.step:6d} | valid hr@10 {metrics['hr@10']:.4f} "
-            f"ndcg@10 {metrics['ndcg@10']:.4f} | best {self.state.best_metric:.4f} @ epoch {self.state.best_epoch} "
+            f"epoch {self.state.epoch:3d} step {self.state.step:6d} | valid {shown} | best "
+            f"{self.cfg.early_stop_metric} {self.state.best_metric:.4f} @ epoch {self.state.best_epoch} "
             f"| {self.state.train_seconds:.0f}s"
         )
         return metrics
@@ -230,8 +253,8 @@ class Trainer:
             "best_checkpoint": best.name,
             "valid": next(h for h in self.state.history[::-1] if h["step"] == self.state.best_step),
         }
-        if self.test_reader is not None:
-            test = evaluate(self.module, self.test_reader, self.eval_cfg, self.device, self.reduce)
+        if self.test_readers:
+            test = self.evaluate(self.test_readers)
             self.log.write({"kind": "eval", "split": "test", "step": self.state.best_step,
                             "epoch": self.state.best_epoch, **test})
             results["test"] = test

@@ -20,21 +20,29 @@ events[-1] from events[:-1]. Histories keep their last ``max_seq_len`` events.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
-from torchrec import KeyedJaggedTensor
 
 from embedding.spec import EmbeddingConfig, IdOutOfRange, prepare_ids
 from models.inputs import SequenceBatch
+from train.data.samples import (
+    MIN_EVENTS,
+    RankingDataConfig,
+    Sample,
+    Split,
+    UserEvents,
+    collate,
+    loo_eval,
+    retrieval_window,
+    with_candidates,
+)
 from train.data.schema import CONTEXT_PREFIX, DataFormatError, read_info, validate_schema
-
-Split = Literal["train", "valid", "test"]
-MIN_EVENTS = 3
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,7 @@ class DataConfig:
     train_window: Literal["last", "random"] = "last"
     sort_window: int = 16  # batches per length-sorting window; 0 keeps the shuffled order
     context_features: bool = False  # read ctx_* columns into batch.context
+    ranking: RankingDataConfig = field(default_factory=RankingDataConfig)
 
 
 class _Group:
@@ -91,6 +100,9 @@ class SequenceReader:
         train_window: Literal["last", "random"] = "last",
         sort_window: int = 16,
         context_features: bool = False,
+        ranking: RankingDataConfig | None = None,
+        tasks: dict[str, int] | None = None,
+        tokens_per_event: int = 1,
     ) -> None:
         self.path = Path(path)
         self.info = read_info(self.path)
@@ -101,13 +113,27 @@ class SequenceReader:
         self.batch_size, self.seed, self.rank, self.world = batch_size, seed, rank, world_size
         self.shuffle = (split == "train") if shuffle is None else shuffle
         self.even = (split == "train") if even is None else even
+        if max_seq_len < 2:
+            raise ValueError("max_seq_len must be at least 2")
         self.train_window, self.sort_window = train_window, sort_window
         self.item_table = embedding.item_table
         self.context = [f for f in embedding.pooled_features if context_features]
         missing = [f for f in self.context if CONTEXT_PREFIX + f not in self.pf.schema_arrow.names]
         if missing:
             raise DataFormatError(f"{self.file}: no column '{CONTEXT_PREFIX}{missing[0]}' for context feature '{missing[0]}'")
+        self.ranking = ranking or RankingDataConfig()
+        self.tpe = tokens_per_event
+        self.task_masks = list((tasks or {}).values())
+        self.oracle_columns = [f"oracle_{t}" for t in (tasks or {})]
+        names = self.pf.schema_arrow.names
+        self.with_actions = "action" in embedding.sequence_features
+        if split.startswith("rank") and not self.task_masks:
+            raise ValueError(f"split '{split}' needs ranking tasks (model.ranking.tasks)")
         self.columns = ["item_ids", "timestamps"] + [CONTEXT_PREFIX + f for f in self.context]
+        if self.with_actions or self.task_masks:
+            self.columns.append("actions")
+        self.columns += [c for c in self.oracle_columns if c in names]
+        self.cutoffs = ranking_cutoffs(self.file, self.ranking.test_fraction) if self.ranking.enabled else (np.inf, np.inf)
         self.group_rows = [self.pf.metadata.row_group(i).num_rows for i in range(self.pf.num_row_groups)]
         self.num_rows = sum(self.group_rows)
         self.epoch, self.batches_done = 0, 0
@@ -187,63 +213,75 @@ class SequenceReader:
                 continue
             batch = self._build(samples, i)
             self.batches_done = i + 1
-            yield batch
+            if batch is not None:
+                yield batch
 
     # ----- building a batch ---------------------------------------------------------------
-    def _window(self, n: int, g: int, r: int, batch_index: int) -> tuple[int, int]:
-        """[start, end) of the events a training sample uses (inputs + shifted targets)."""
-        span = self.max_seq_len + 1
-        if n <= span:
-            return 0, n
-        if self.train_window == "last":
-            return n - span, n
-        rng = np.random.default_rng([self.seed, self.epoch, g, r])
-        start = int(rng.integers(0, n - span + 1))
-        return start, start + span
+    def _events(self, grp: _Group, r: int) -> UserEvents:
+        seq = grp.get("item_ids", r)
+        ts = grp.get("timestamps", r)
+        if seq.size < MIN_EVENTS:
+            raise DataFormatError(
+                f"{self.file}: user {grp.user_id[r]} has {seq.size} events; leave-one-out "
+                f"needs at least {MIN_EVENTS} (filter such users when converting)"
+            )
+        if ts is not None and ts.size != seq.size:
+            raise DataFormatError(f"{self.file}: user {grp.user_id[r]} has {ts.size} timestamps for {seq.size} events")
+        acts = grp.get("actions", r) if "actions" in grp.cols else None
+        oracle = [grp.get(c, r) if c in grp.cols else None for c in self.oracle_columns]
+        return UserEvents(int(grp.user_id[r]), seq, ts, acts, oracle)
 
-    def _build(self, samples: list[tuple[int, int]], batch_index: int) -> SequenceBatch:
-        items, times, qtimes, lengths, targets, has_time, users = [], [], [], [], [], [], []
-        seen: list[np.ndarray] = []
+    def _train_end(self, ev: UserEvents) -> int:
+        """Events usable for training: events[:-2], and (ranking) only before cutoff_valid."""
+        end = ev.items.size - 2
+        if self.ranking.enabled and ev.times is not None:
+            end = min(end, int(np.searchsorted(ev.times, self.cutoffs[0], side="left")))
+        return end
+
+    def _sample(self, ev: UserEvents, g: int, r: int) -> Sample | None:
+        rk, msl = self.ranking, self.max_seq_len // self.tpe  # events that fit the tower
+        if self.split in ("valid", "test"):
+            return loo_eval(ev, ev.items.size - (2 if self.split == "valid" else 1), msl)
+        labelled = ev.actions is not None and ev.times is not None
+        if self.split in ("rank_valid", "rank_test"):
+            if not labelled:
+                return None
+            lo, hi = (self.cutoffs[0], self.cutoffs[1]) if self.split == "rank_valid" else (self.cutoffs[1], np.inf)
+            idx = np.flatnonzero((ev.times >= lo) & (ev.times < hi) & (ev.actions != 0))[: rk.eval_candidates]
+            if idx.size == 0 or idx[0] == 0:
+                return None
+            return with_candidates(ev, int(idx[0]), idx, self._hist_cap(idx.size), self.task_masks, train=False)
+        end = self._train_end(ev)
+        rng = np.random.default_rng([self.seed, self.epoch, g, r])
+        if end < 2:
+            return None
+        if self.task_masks and labelled and rk.num_candidates and rng.random() < rk.candidate_prob:
+            cut = int(rng.integers(1, end))  # history events[:cut], candidates from events[cut:]
+            cand = np.arange(cut, min(end, cut + rk.num_candidates))
+            cand = cand[ev.actions[cand] != 0]
+            if cand.size:
+                return with_candidates(ev, cut, cand, self._hist_cap(cand.size), self.task_masks, train=True)
+        return retrieval_window(ev, end, msl + 1, rng if self.train_window == "random" else None)
+
+    def _hist_cap(self, k: int) -> int:
+        """History events + k candidates that fit max_seq_len tokens (history + k overall)."""
+        return (self.max_seq_len - k) // self.tpe + k
+
+    def _build(self, samples: list[tuple[int, int]], batch_index: int) -> SequenceBatch | None:
+        out: list[Sample] = []
         ctx: dict[str, list[np.ndarray]] = {f: [] for f in self.context}
         for g, r in samples:
             grp = self._group(g)
-            seq = grp.get("item_ids", r)
-            ts = grp.get("timestamps", r)
-            if seq.size < MIN_EVENTS:
-                raise DataFormatError(
-                    f"{self.file}: user {grp.user_id[r]} has {seq.size} events; leave-one-out "
-                    f"needs at least {MIN_EVENTS} (filter such users when converting)"
-                )
-            if ts is not None and ts.size != seq.size:
-                raise DataFormatError(f"{self.file}: user {grp.user_id[r]} has {ts.size} timestamps for {seq.size} events")
-            if self.split == "train":
-                s, e = self._window(seq.size - 2, g, r, batch_index)
-                hist, tgt = seq[s : e - 1], seq[s + 1 : e]
-                t_hist = ts[s : e - 1] if ts is not None else None
-                t_query = ts[s + 1 : e] if ts is not None else None
-            else:
-                end = seq.size - (2 if self.split == "valid" else 1)
-                start = max(0, end - self.max_seq_len)
-                hist, tgt = seq[start:end], seq[end : end + 1]
-                seen.append(seq[:end])
-                t_hist = ts[start:end] if ts is not None else None
-                t_query = ts[start + 1 : end + 1] if ts is not None else None
-            items.append(hist)
-            targets.append(tgt)
-            lengths.append(hist.size)
-            has_time.append(ts is not None)
-            zeros = np.zeros(hist.size, np.int64)
-            times.append(t_hist if t_hist is not None else zeros)
-            qtimes.append(t_query if t_query is not None else zeros)
-            users.append(grp.user_id[r])
+            sample = self._sample(self._events(grp, r), g, r)
+            if sample is None:
+                continue
+            out.append(sample)
             for f in self.context:
                 v = grp.get(CONTEXT_PREFIX + f, r)
                 ctx[f].append(v if v is not None else np.zeros(0, np.int64))
-        batch = self._tensors(items, times, qtimes, lengths, targets, has_time, users, ctx)
-        if seen:
-            batch.seen_lengths = torch.tensor([s.size for s in seen], dtype=torch.int64)
-            batch.seen_ids = torch.from_numpy(np.concatenate(seen))
-        return batch
+        if not out:
+            return None
+        return collate(out, self.embedding.item_feature, self.with_actions, ctx, self._ids)
 
     def _ids(self, feature: str, ids: np.ndarray, users: list[int], lengths: list[int]) -> np.ndarray:
         try:
@@ -253,38 +291,25 @@ class SequenceReader:
             user = users[int(np.searchsorted(np.cumsum(lengths), bad, side="right"))] if lengths else "?"
             raise IdOutOfRange(feature, e.value, e.size, f"{self.file}, user {user}") from None
 
-    def _tensors(self, items, times, qtimes, lengths, targets, has_time, users, ctx) -> SequenceBatch:  # noqa: ANN001
-        item_values = self._ids(self.embedding.item_feature, np.concatenate(items), users, lengths)
-        target_values = np.concatenate(targets)
-        tgt_lengths = [t.size for t in targets]
-        target_values = self._ids(self.embedding.item_feature, target_values, users, tgt_lengths)
-        seq = KeyedJaggedTensor(
-            keys=[self.embedding.item_feature],
-            values=torch.from_numpy(item_values),
-            lengths=torch.tensor(lengths, dtype=torch.int64),
-        )
-        context = None
-        if self.context:
-            vals = [self._ids(f, np.concatenate(ctx[f]).astype(np.int64), users, [v.size for v in ctx[f]]) for f in self.context]
-            context = KeyedJaggedTensor(
-                keys=list(self.context),
-                values=torch.from_numpy(np.concatenate(vals)),
-                lengths=torch.tensor([v.size for f in self.context for v in ctx[f]], dtype=torch.int64),
-            )
-        return SequenceBatch(
-            seq=seq,
-            max_len=max(lengths),
-            timestamps=torch.from_numpy(np.concatenate(times).astype(np.int64)),
-            query_times=torch.from_numpy(np.concatenate(qtimes).astype(np.int64)),
-            has_time=torch.tensor(has_time, dtype=torch.bool),
-            targets=torch.from_numpy(target_values),
-            context=context,
-            user_ids=torch.tensor(users, dtype=torch.int64),
-        )
+
+@lru_cache(maxsize=8)
+def ranking_cutoffs(file: Path, fraction: float) -> tuple[float, float]:
+    """(cutoff_valid, cutoff_test): the times after which the last 2x and 1x ``fraction``
+    of labelled, timestamped events fall."""
+    t = pq.read_table(file, columns=["timestamps", "actions"])
+    times = t.column("timestamps").combine_chunks()
+    acts = t.column("actions").combine_chunks()
+    labelled = ~(times.is_null().to_numpy(zero_copy_only=False) | acts.is_null().to_numpy(zero_copy_only=False))
+    allt = times.filter(pa.array(labelled)).flatten().to_numpy()
+    if allt.size == 0:
+        raise DataFormatError(f"{file}: ranking needs users with both timestamps and actions; none found")
+    lo, hi = np.quantile(allt, [1 - 2 * fraction, 1 - fraction])
+    return float(lo), float(hi)
 
 
 def make_reader(cfg: DataConfig, split: Split, embedding: EmbeddingConfig, max_seq_len: int,
-                seed: int = 0, rank: int = 0, world_size: int = 1) -> SequenceReader:
+                seed: int = 0, rank: int = 0, world_size: int = 1,
+                tasks: dict[str, int] | None = None, tokens_per_event: int = 1) -> SequenceReader:
     """A reader for ``split`` with the job's data settings."""
     return SequenceReader(
         cfg.path,
@@ -292,10 +317,15 @@ def make_reader(cfg: DataConfig, split: Split, embedding: EmbeddingConfig, max_s
         embedding=embedding,
         max_seq_len=max_seq_len,
         batch_size=cfg.batch_size if split == "train" else cfg.eval_batch_size,
+        shuffle=split == "train",
+        even=split == "train",
         seed=seed,
         rank=rank,
         world_size=world_size,
         train_window=cfg.train_window,
         sort_window=cfg.sort_window,
         context_features=cfg.context_features,
+        ranking=cfg.ranking,
+        tasks=tasks,
+        tokens_per_event=tokens_per_event,
     )

@@ -10,8 +10,9 @@ Generative process, per user:
 * timestamps are a heavy-tailed (log-normal) gap process; lengths are log-normal.
 
 Item ids span ``[1, num_items]`` through an affine bijection of (topic, rank), so the
-catalogue can be 10^8 ids without any O(catalogue) array. ``oracle_click`` holds the true
-click probability of each event, so the best achievable AUC is known.
+catalogue can be 10^8 ids without any O(catalogue) array. ``oracle_click`` and
+``oracle_conversion`` hold each event's true probabilities, so the best achievable AUC of
+a click / conversion model is known.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class SyntheticConfig:
     interest_concentration: float = 0.08
     pref_dim: int = 16
     pref_scale: float = 2.0
-    click_bias: float = -1.2
+    click_bias: float = -2.0
     conversion_bias: float = -1.5
     start_time: int = 1_700_000_000
     median_gap_s: float = 600.0
@@ -151,6 +152,7 @@ def _users_chunk(world: SyntheticWorld, rng: np.random.Generator, first_user: in
         "timestamps": times,
         "actions": np.split(actions, splits),
         "oracle_click": np.split(p_click, splits),
+        "oracle_conversion": np.split(p_click * p_conv, splits),
         "ctx_segment": [[int(t)] for t in mix.argmax(1)],
         "ctx_device": [[int(d)] for d in rng.integers(0, CONTEXT["device"], n)],
         "ctx_region": [[int(r)] for r in rng.integers(0, CONTEXT["region"], n)],
@@ -164,7 +166,7 @@ def generate(cfg: SyntheticConfig, out: str | Path, progress: bool = True) -> Da
     context = {"segment": cfg.num_topics, "device": CONTEXT["device"], "region": CONTEXT["region"]}
     extra = {"synthetic": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}}
     with DatasetWriter(out, source="synthetic", action_names=ACTIONS, context_features=context,
-                       extra=extra, extra_columns={"oracle_click": "float32"}) as w:
+                       extra=extra, extra_columns={"oracle_click": "float32", "oracle_conversion": "float32"}) as w:
         bar = tqdm(total=cfg.num_users, desc="synth users", disable=not progress, unit="user")
         for first in range(0, cfg.num_users, cfg.chunk_users):
             n = min(cfg.chunk_users, cfg.num_users - first)

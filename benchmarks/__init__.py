@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that measure and write JSON + benchmarks/RESULTS.md (never tests)."""

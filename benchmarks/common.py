@@ -1,0 +1,72 @@
+"""Shared benchmark plumbing: datasets from ../shared/data, machine facts, result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+RESULTS_MD = ROOT / "benchmarks" / "RESULTS.md"
+SHARED = Path(os.environ.get("GENREC_SHARED_DATA", ROOT.parent / "shared" / "data"))
+
+
+def dataset(name: str, cache: Path = ROOT / "data") -> Path:
+    """A converted dataset directory for 'ml1m' or 'beauty', converting from SHARED once."""
+    from train.data.convert import convert_movielens, convert_sequences
+
+    out = cache / name
+    if (out / "dataset.json").exists():
+        return out
+    if name == "ml1m":
+        convert_movielens(SHARED / "ml-1m", out)
+    elif name == "beauty":
+        convert_sequences(SHARED / "amazon-beauty" / "sequences.txt", out)
+    else:
+        raise ValueError(f"unknown dataset {name}; expected ml1m or beauty")
+    return out
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    cpu = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def today() -> str:
+    return time.strftime("%Y-%m-%d")
+
+
+def write_json(name: str, payload: Any) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
+
+
+def update_results_md(section: str, body: str) -> None:
+    """Replaces the block between ``<!-- section -->`` markers in RESULTS.md (or appends it)."""
+    start, end = f"<!-- {section} -->", f"<!-- /{section} -->"
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    text = RESULTS_MD.read_text() if RESULTS_MD.exists() else "# Benchmark results\n"
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    RESULTS_MD.write_text(text)

@@ -1,0 +1,111 @@
+"""Quality benchmark: the default configs on ML-1M and Amazon Beauty, next to baselines
+and published numbers, under the leave-one-out full-corpus protocol.
+
+    python -m benchmarks.quality                         # everything (hours on 2 cores)
+    python -m benchmarks.quality --datasets ml1m --models hstu --budget-min 60
+
+Each (dataset, model) record replaces the previous one in ``results/quality.json``, so
+runs can be done one at a time. Models train with the shipped config unchanged except
+``data.path`` (and the time budget): the recipe is the default, not a per-dataset tune.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from benchmarks.common import RESULTS, dataset, machine, today, update_results_md, write_json
+from train.baselines import Baseline, evaluate_baseline
+from train.data.reader import make_reader
+from train.data.schema import read_info
+from train.job import load_job, resolve_embedding
+from train.run import run_training
+
+CONFIGS = {"hstu": "configs/hstu.toml", "transformer": "configs/transformer.toml"}
+KEYS = ["hr@10", "ndcg@10", "hr@50", "hr@200", "ndcg@200", "mrr"]
+PUBLISHED = {
+    "ml1m": [("SASRec (HSTU paper, Table 4)", 0.2853, 0.1603), ("HSTU (paper)", 0.3097, 0.1720),
+             ("HSTU-large (paper)", 0.3294, 0.1893)],
+    "beauty": [("SASRec (TIGER paper)", 0.0605, 0.0318), ("TIGER (paper)", 0.0648, 0.0384)],
+}
+NAMES = {"ml1m": "MovieLens-1M", "beauty": "Amazon Beauty"}
+
+
+def run_baselines(name: str, data: Path) -> list[dict]:
+    job = load_job(CONFIGS["hstu"], [f'--data.path="{data}"'])
+    emb = resolve_embedding(job.embedding, read_info(data))
+    out = []
+    for kind in ("popular", "transition"):
+        t0 = time.perf_counter()
+        reader = make_reader(job.data, "test", emb, job.model.max_seq_len)
+        m = evaluate_baseline(Baseline(data, kind), reader, job.eval)
+        out.append({"dataset": name, "model": f"{kind} baseline", **{k: m[k] for k in KEYS},
+                    "epochs": 0, "train_seconds": round(time.perf_counter() - t0, 1)})
+    return out
+
+
+def run_model(name: str, data: Path, model: str, budget: float | None, out_dir: str) -> dict:
+    overrides = [f'--data.path="{data}"', f'--run.out_dir="{out_dir}"', f"--run.name={name}_{model}"]
+    if budget is not None:
+        overrides.append(f"--train.time_budget_min={budget}")
+    job = load_job(CONFIGS[model], overrides)
+    run_dir, res = run_training(job)
+    test = res["test"]
+    return {"dataset": name, "model": model, **{k: test[k] for k in KEYS}, "epochs": res["epochs"],
+            "best_epoch": res["best_epoch"], "train_seconds": res["train_seconds"], "stopped": res["stopped"],
+            "config": CONFIGS[model], "run_dir": str(run_dir)}
+
+
+def render(records: list[dict]) -> str:
+    lines = ["## Retrieval quality (leave-one-out, full-corpus ranking, test split)", "",
+             "`python -m benchmarks.quality` — every model trained with its shipped config "
+             "(`configs/hstu.toml`, `configs/transformer.toml`), only `data.path` changed.", ""]
+    for ds in ("ml1m", "beauty"):
+        rows = [r for r in records if r["dataset"] == ds]
+        if not rows:
+            continue
+        lines += [f"### {NAMES[ds]}", "",
+                  "| model | HR@10 | NDCG@10 | HR@50 | HR@200 | NDCG@200 | MRR | epochs | train time | date |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            t = f"{r['train_seconds'] / 60:.1f} min" if r["epochs"] else "-"
+            lines.append(f"| {r['model']} | {r['hr@10']:.4f} | {r['ndcg@10']:.4f} | {r['hr@50']:.4f} | "
+                         f"{r['hr@200']:.4f} | {r['ndcg@200']:.4f} | {r['mrr']:.4f} | {r['epochs'] or '-'} | {t} | {r['date']} |")
+        for label, hr, ndcg in PUBLISHED[ds]:
+            lines.append(f"| *{label}* | {hr:.4f} | {ndcg:.4f} | | | | | | | published |")
+        m = rows[-1]["machine"]
+        lines += ["", f"Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, torch {m['torch']}.", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--datasets", default="ml1m,beauty")
+    ap.add_argument("--models", default="hstu,transformer")
+    ap.add_argument("--budget-min", type=float, default=None, help="override the configs' training time budget")
+    ap.add_argument("--no-baselines", action="store_true")
+    ap.add_argument("--out-dir", default="runs/benchmarks")
+    args = ap.parse_args()
+    path = RESULTS / "quality.json"
+    records = json.loads(path.read_text())["records"] if path.exists() else []
+    for name in args.datasets.split(","):
+        data = dataset(name)
+        new = [] if args.no_baselines else run_baselines(name, data)
+        for model in args.models.split(","):
+            if model:
+                new.append(run_model(name, data, model, args.budget_min, args.out_dir))
+        for rec in new:
+            rec.update(date=today(), machine=machine())
+            records = [r for r in records if (r["dataset"], r["model"]) != (rec["dataset"], rec["model"])]
+            records.append(rec)
+            print(json.dumps({k: rec[k] for k in ("dataset", "model", "hr@10", "ndcg@10", "epochs", "train_seconds")}))
+        order = {"popular baseline": 0, "transition baseline": 1, "transformer": 2, "hstu": 3}
+        records.sort(key=lambda r: (r["dataset"] != "ml1m", order.get(r["model"], 9)))
+        write_json("quality", {"protocol": "leave-one-out, full corpus, history excluded", "records": records})
+        update_results_md("quality", render(records))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Ranking: candidate isolation, history-once equivalence, labels and time split, metrics."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torchrec import KeyedJaggedTensor
+
+from embedding.spec import EmbeddingConfig, TableConfig
+from models.dlrm import PooledDLRM
+from models.inputs import SequenceBatch
+from models.ranking import RankingConfig, TaskConfig
+from models.recommender import GenerativeRecommender, ModelConfig
+from train.data.reader import SequenceReader, ranking_cutoffs
+from train.data.samples import RankingDataConfig
+from train.data.schema import read_info
+from train.ranking_metrics import auc, gauc, logloss, normalized_entropy
+
+TASKS = (TaskConfig("click", ("click",)), TaskConfig("conversion", ("conversion",), weight=0.5))
+
+
+def emb_cfg(context=True):
+    tables = [TableConfig("item", ("item",), dim=16, num_embeddings=40),
+              TableConfig("action", ("action",), dim=16, num_embeddings=8)]
+    if context:
+        tables.append(TableConfig("region", ("region",), dim=4, num_embeddings=5, pooling="sum"))
+    return EmbeddingConfig(tables=tuple(tables))
+
+
+def model(tower="hstu", encoding="summed"):
+    torch.manual_seed(0)
+    cfg = ModelConfig(tower=tower, max_seq_len=24, input_dropout=0.0,
+                      ranking=RankingConfig(tasks=TASKS, encoding=encoding, dropout=0.0))
+    m = GenerativeRecommender(cfg, emb_cfg(), torch.arange(1, 40))
+    return m.eval()
+
+
+def make_batch(users):
+    """users: list of (history items, history actions, candidate items)."""
+    items, acts, lens, nts, times = [], [], [], [], []
+    for hist, hact, cands in users:
+        items += hist + cands
+        acts += hact + [0] * len(cands)
+        lens.append(len(hist) + len(cands))
+        nts.append(len(cands))
+        times += [100 * i for i in range(len(hist))] + [100 * len(hist)] * len(cands)
+    n = len(lens)
+    t = torch.tensor(times)
+    return SequenceBatch(
+        seq=KeyedJaggedTensor(keys=["item", "action"], values=torch.tensor(items + acts), lengths=torch.tensor(lens * 2)),
+        max_len=max(lens), timestamps=t, query_times=t + 50, has_time=torch.ones(n, dtype=torch.bool),
+        num_targets=torch.tensor(nts), user_ids=torch.arange(n),
+        context=KeyedJaggedTensor(keys=["region"], values=torch.arange(n) % 5, lengths=torch.ones(n, dtype=torch.long)),
+        targets=torch.zeros(0, dtype=torch.long), labels=torch.zeros(sum(nts), 2))
+
+
+HIST, HACT = [3, 7, 1, 9, 4], [1, 3, 1, 7, 1]
+
+
+@pytest.mark.parametrize("tower,encoding", [("hstu", "summed"), ("hstu", "interleaved"), ("transformer", "summed")])
+def test_a_candidates_score_does_not_depend_on_the_other_candidates(tower, encoding):
+    m = model(tower, encoding)
+    a = m.rank(make_batch([(HIST, HACT, [11, 12, 13, 14])]))
+    b = m.rank(make_batch([(HIST, HACT, [11, 30, 13, 31])]))
+    torch.testing.assert_close(a[[0, 2]], b[[0, 2]])
+    assert not torch.allclose(a[1], b[1])
+
+
+@pytest.mark.parametrize("tower,encoding", [("hstu", "summed"), ("hstu", "interleaved"), ("transformer", "summed")])
+def test_history_encoded_once_scores_like_once_per_candidate(tower, encoding):
+    m = model(tower, encoding)
+    cands = [11, 12, 13, 14, 15]
+    together = m.rank(make_batch([(HIST, HACT, cands)]))
+    alone = torch.cat([m.rank(make_batch([(HIST, HACT, [c])])) for c in cands])
+    torch.testing.assert_close(together, alone)
+    # and a batch of users scores each user as if alone
+    pair = m.rank(make_batch([(HIST, HACT, cands), ([5, 6], [1, 1], [11])]))
+    torch.testing.assert_close(pair[:5], together)
+
+
+def test_joint_loss_has_every_part_and_the_retrieval_loss_ignores_candidates():
+    m = model()
+    m.train()
+    b = make_batch([(HIST, HACT, [11, 12]), ([5, 6, 8], [1, 3, 1], [13])])
+    b.targets = torch.tensor([7, 1, 9, 4, 11, 6, 8, 13])
+    b.labels = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
+    torch.manual_seed(1)
+    out = m(b)
+    assert set(out) == {"loss", "retrieval", "ranking", "click", "conversion"}
+    torch.testing.assert_close(out["ranking"], out["click"] + 0.5 * out["conversion"])
+    out["loss"].backward()
+    b2 = make_batch([(HIST, HACT, [20, 21]), ([5, 6, 8], [1, 3, 1], [22])])
+    b2.targets, b2.labels = b.targets, b.labels
+    torch.manual_seed(1)
+    torch.testing.assert_close(m(b2)["retrieval"], out["retrieval"])
+
+
+def test_dlrm_baseline_ranks_the_same_batches():
+    torch.manual_seed(0)
+    d = PooledDLRM(RankingConfig(tasks=TASKS), emb_cfg())
+    b = make_batch([(HIST, HACT, [11, 12]), ([5, 6], [1, 1], [13])])
+    b.labels = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
+    assert d.rank(b).shape == (3, 2)
+    d(b)["loss"].backward()
+
+
+def test_ranking_reader_labels_and_time_split(tiny_synth):
+    info = read_info(tiny_synth)
+    masks = RankingConfig(tasks=TASKS).task_masks(info.action_names)
+    assert masks == {"click": 2, "conversion": 4}
+    e = EmbeddingConfig(tables=(TableConfig("item", ("item",), dim=8, num_embeddings=info.item_table_size),
+                                TableConfig("action", ("action",), dim=8, num_embeddings=8)))
+    rk = RankingDataConfig(enabled=True, num_candidates=4, test_fraction=0.1)
+    lo, hi = ranking_cutoffs(tiny_synth / "interactions.parquet", 0.1)
+    kw = dict(embedding=e, max_seq_len=20, batch_size=16, ranking=rk, tasks=masks)
+    for b in SequenceReader(tiny_synth, "train", **kw):
+        assert int(b.timestamps.max()) < lo and int(b.query_times.max()) < lo  # nothing held out is an input
+        if b.num_targets is not None:
+            acts = b.seq["action"].values()
+            n = b.seq.lengths()[: b.batch_size]
+            last = torch.cumsum(n, 0) - 1
+            assert (acts[last[b.num_targets > 0]] == 0).all()  # candidates carry no action
+            assert b.labels.shape == (int(b.num_targets.sum()), 2)
+    seen = 0
+    for b in SequenceReader(tiny_synth, "rank_test", **kw):
+        starts = torch.cumsum(b.seq.lengths()[: b.batch_size], 0) - b.num_targets
+        assert int(b.timestamps[starts].min()) >= hi  # candidates are in the test period
+        assert not torch.isnan(b.oracle).any()
+        seen += int(b.num_targets.sum())
+    assert seen > 0
+
+
+def test_auc_gauc_logloss_ne_on_hand_computed_cases():
+    assert auc(np.array([0.9, 0.2, 0.6]), np.array([1, 0, 0])) == 1.0
+    assert auc(np.array([0.1, 0.2, 0.6, 0.4]), np.array([1, 0, 1, 0])) == pytest.approx(0.5)
+    assert auc(np.array([0.5, 0.5]), np.array([1, 0])) == pytest.approx(0.5)  # ties count half
+    assert math.isnan(auc(np.array([0.3]), np.array([1])))
+    # user 0: auc 1 over 2 examples; user 1: auc 0 over 4 examples; user 2: one class, skipped
+    s = np.array([0.9, 0.1, 0.1, 0.2, 0.8, 0.9, 0.5])
+    y = np.array([1, 0, 1, 1, 0, 0, 1])
+    u = np.array([0, 0, 1, 1, 1, 1, 2])
+    assert gauc(s, y, u) == pytest.approx((1.0 * 2 + 0.0 * 4) / 6)
+    p, lab = np.array([0.8, 0.3]), np.array([1, 0])
+    assert logloss(p, lab) == pytest.approx(-(math.log(0.8) + math.log(0.7)) / 2)
+    assert normalized_entropy(p, lab) == pytest.approx(logloss(p, lab) / math.log(2))
