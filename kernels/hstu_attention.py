@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from kernels.jagged import jagged_index, jagged_to_padded, padded_to_jagged
 
-Backend = Literal["auto", "reference"]
+Backend = Literal["auto", "reference", "triton"]
 
 
 def time_bucket(dt: torch.Tensor, num_buckets: int) -> torch.Tensor:
@@ -154,22 +154,22 @@ def hstu_attention(
 ) -> torch.Tensor:
     """Jagged HSTU attention; ``backend`` picks the implementation (same semantics).
 
-    ``max_len`` (optional) is the longest sequence in the batch, when the caller knows it
-    without a device sync.
+    ``reference``: pure PyTorch (any device). ``triton``: the fused kernels of
+    ``kernels.triton_hstu`` (CUDA, or CPU under ``TRITON_INTERPRET=1``). ``auto``: Triton on
+    CUDA when its head-dim constraints hold, the reference elsewhere. ``max_len``
+    (optional) is the longest sequence in the batch, when the caller knows it without a
+    device sync.
     """
-    if backend not in ("auto", "reference"):
-        raise ValueError(f"unknown attention backend '{backend}'; use 'auto' or 'reference'")
-    return hstu_attention_reference(
-        q,
-        k,
-        v,
-        offsets,
-        max_seq_len=max_seq_len,
-        alpha=alpha,
-        pos_weights=pos_weights,
-        time_weights=time_weights,
-        timestamps=timestamps,
-        query_times=query_times,
-        num_targets=num_targets,
-        max_len=max_len,
-    )
+    if backend not in ("auto", "reference", "triton"):
+        raise ValueError(f"unknown attention backend '{backend}'; use 'auto', 'reference' or 'triton'")
+    kw = dict(max_seq_len=max_seq_len, alpha=alpha, pos_weights=pos_weights, time_weights=time_weights,
+              timestamps=timestamps, query_times=query_times, num_targets=num_targets, max_len=max_len)
+    if backend == "triton" or (backend == "auto" and q.is_cuda and _triton_fits(q, v)):
+        from kernels.triton_hstu import triton_hstu_attention
+
+        return triton_hstu_attention(q, k, v, offsets, **kw)
+    return hstu_attention_reference(q, k, v, offsets, **kw)
+
+
+def _triton_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
+    return all(d >= 16 and d & (d - 1) == 0 for d in (q.shape[-1], v.shape[-1]))

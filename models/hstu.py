@@ -37,7 +37,7 @@ class HSTUConfig:
     position_bias: bool = True
     time_bias: bool = True
     num_time_buckets: int = 64
-    attention_backend: Literal["auto", "reference"] = "auto"
+    attention_backend: Literal["auto", "reference", "triton"] = "auto"
 
 
 @dataclass

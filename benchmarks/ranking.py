@@ -1,0 +1,107 @@
+"""Ranking benchmark: multi-task action prediction over target-aware candidates.
+
+For each dataset, in one run:
+* ``joint``: the ranking config (HSTU, retrieval + ranking heads, one checkpoint);
+* ``retrieval-only``: the same config with the ranking tasks removed, trained on the same
+  (time-restricted) events, so its retrieval metrics show what ranking costs retrieval;
+* ``dlrm``: the pooled-embedding DLRM-style baseline on the same batches and features;
+* the synthetic generator's oracle: AUC of the true probabilities on the same test events.
+
+    python -m benchmarks.ranking [--datasets synthetic,ml1m] [--budget-min 20]
+
+Metrics on the held-out time split (``rank_test``): AUC, GAUC, NE per task; retrieval on
+the leave-one-out test split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from benchmarks.common import RESULTS, ROOT, dataset, machine, today, update_results_md, write_json
+from train.data.synthetic import SyntheticConfig, generate
+from train.job import load_job
+from train.run import run_training
+
+CONFIGS = {"synthetic": "configs/ranking_synthetic.toml", "ml1m": "configs/ranking_ml1m.toml"}
+VARIANTS = {
+    "joint": [],
+    "retrieval-only": ["--model.ranking.tasks=[]", "--train.early_stop_metric=ndcg@10"],
+    "dlrm": ["--model.arch=dlrm"],
+}
+
+
+def synthetic_data() -> Path:
+    out = ROOT / "data" / "synthetic"
+    if not (out / "dataset.json").exists():
+        generate(SyntheticConfig(), out)
+    return out
+
+
+def run_variant(name: str, data: Path, variant: str, budget: float | None, out_dir: str) -> dict:
+    overrides = [f'--data.path="{data}"', f'--run.out_dir="{out_dir}"', f"--run.name=ranking_{name}_{variant}",
+                 *VARIANTS[variant]]
+    if budget is not None:
+        overrides.append(f"--train.time_budget_min={budget}")
+    run_dir, res = run_training(load_job(CONFIGS[name], overrides))
+    return {"dataset": name, "variant": variant, "epochs": res["epochs"], "best_epoch": res["best_epoch"],
+            "train_seconds": res["train_seconds"], "run_dir": str(run_dir), "test": res["test"]}
+
+
+def render(records: list[dict]) -> str:
+    lines = ["## Ranking (multi-task, target-aware candidates, held-out time split)", "",
+             "`python -m benchmarks.ranking` — joint model = `configs/ranking_<dataset>.toml`; "
+             "retrieval-only = the same without tasks; DLRM = pooled-embedding baseline on the same batches.", ""]
+    for ds in ("synthetic", "ml1m"):
+        recs = {r["variant"]: r for r in records if r["dataset"] == ds}
+        if not recs:
+            continue
+        tasks = sorted({k.split("/")[0] for r in recs.values() for k in r["test"] if "/" in k})
+        lines += [f"### {ds}", "", "| model | task | AUC | GAUC | NE | logloss | positives | examples |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for v in ("joint", "dlrm"):
+            for t in tasks:
+                m = recs.get(v, {}).get("test", {})
+                if f"{t}/auc" in m:
+                    lines.append(f"| {v} | {t} | {m[f'{t}/auc']:.4f} | {m[f'{t}/gauc']:.4f} | {m[f'{t}/ne']:.4f} | "
+                                 f"{m[f'{t}/logloss']:.4f} | {m[f'{t}/positive_rate']:.3f} | {m[f'{t}/examples']} |")
+        for t in tasks:
+            m = recs.get("joint", {}).get("test", {})
+            if f"{t}/oracle_auc" in m:
+                lines.append(f"| *oracle (true probabilities)* | {t} | {m[f'{t}/oracle_auc']:.4f} | "
+                             f"{m[f'{t}/oracle_gauc']:.4f} | | | | |")
+        lines += ["", "| model | retrieval HR@10 | NDCG@10 | HR@50 | MRR | epochs | train time |", "|---|---|---|---|---|---|---|"]
+        for v in ("joint", "retrieval-only"):
+            r = recs.get(v)
+            if r and "hr@10" in r["test"]:
+                m = r["test"]
+                lines.append(f"| {v} | {m['hr@10']:.4f} | {m['ndcg@10']:.4f} | {m['hr@50']:.4f} | {m['mrr']:.4f} | "
+                             f"{r['epochs']} | {r['train_seconds'] / 60:.1f} min |")
+        any_rec = next(iter(recs.values()))
+        lines += ["", f"{any_rec['date']}, {any_rec['machine']['cpu']}, {any_rec['machine']['threads']} threads.", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--datasets", default="synthetic,ml1m")
+    ap.add_argument("--variants", default="joint,retrieval-only,dlrm")
+    ap.add_argument("--budget-min", type=float, default=None)
+    ap.add_argument("--out-dir", default="runs/benchmarks")
+    args = ap.parse_args()
+    path = RESULTS / "ranking.json"
+    records = json.loads(path.read_text())["records"] if path.exists() else []
+    for name in args.datasets.split(","):
+        data = synthetic_data() if name == "synthetic" else dataset(name)
+        for variant in args.variants.split(","):
+            rec = run_variant(name, data, variant, args.budget_min, args.out_dir)
+            rec.update(date=today(), machine=machine())
+            records = [r for r in records if (r["dataset"], r["variant"]) != (name, variant)]
+            records.append(rec)
+            write_json("ranking", {"records": records})
+            update_results_md("ranking", render(records))
+
+
+if __name__ == "__main__":
+    main()
