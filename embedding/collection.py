@@ -23,6 +23,7 @@ from torchrec.modules.embedding_configs import (
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
 from torchrec.types import DataType
 
+from embedding.qat import fake_quantize_rows
 from embedding.spec import EmbeddingConfig, TableConfig
 
 _POOLING = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
@@ -89,8 +90,20 @@ class SparseArch(nn.Module):
         pooled = pooled_table_configs(cfg)
         self.ebc = EmbeddingBagCollection(tables=pooled, device=device) if pooled else None
 
+        # feature -> bits of fake quantization in training (TableConfig.qat)
+        self.qat_bits = {f: {"int8": 8, "int4": 4}[t.qat] for t in cfg.sequence_tables if t.qat != "none"
+                         for f in t.features}
+
+    def _qat(self, feature: str, rows: torch.Tensor) -> torch.Tensor:
+        bits = self.qat_bits.get(feature)
+        return fake_quantize_rows(rows, bits) if bits and self.training else rows
+
     def forward(self, seq: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-        return self.ec(seq)
+        out = self.ec(seq)
+        if self.qat_bits and self.training:
+            out = {f: JaggedTensor(values=self._qat(f, jt.values()), lengths=jt.lengths(), offsets=jt.offsets())
+                   for f, jt in out.items()}
+        return out
 
     def pooled(self, ctx: KeyedJaggedTensor) -> KeyedTensor:
         if self.ebc is None:
@@ -111,4 +124,4 @@ class SparseArch(nn.Module):
         kjt = KeyedJaggedTensor(
             keys=self.sequence_features, values=ids.reshape(-1).long(), lengths=lengths.to(ids.device)
         )
-        return self.ec(kjt)[feature].values()
+        return self._qat(feature, self.ec(kjt)[feature].values())

@@ -38,6 +38,7 @@ class TableConfig:
     data_type: Literal["fp32", "fp16"] = "fp32"
     sharding: Sharding = "auto"
     init_std: float | None = None
+    qat: Literal["none", "int8", "int4"] = "none"  # train against the serving row quantization
 
     def __post_init__(self) -> None:
         if not self.features:

@@ -4,6 +4,7 @@
     genrec data synth|convert|inspect    build and look at interaction-log datasets
     genrec train --config FILE [--a.b=v ...]
     genrec eval --run DIR [--split test] [--baseline popular|transition --data DIR]
+    genrec quantize --checkpoint RUN --out ARTIFACT [--embeddings int8] [--dense fp32]
 
 Handlers import their layer lazily so ``--help`` answers at once. Each handler is thin:
 parse, build, run; the logic lives in the layers and is tested without the CLI.
@@ -68,18 +69,28 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default="configs/demo.toml")
 
 
+def _quantize_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "quantize",
+        help="turn a training checkpoint into a serving artifact (quantized tables, smaller dense)",
+        description="Checkpoint in, serving artifact out (safetensors + manifest.json); prints the size "
+        "saved and the accuracy lost on the validation split.",
+    )
+    p.add_argument("--checkpoint", required=True, help="a run directory (its best checkpoint) or a checkpoint directory")
+    p.add_argument("--out", required=True, help="artifact directory to write")
+    p.add_argument("--embeddings", choices=["fp32", "fp16", "int8", "int4"], default="int8")
+    p.add_argument("--dense", choices=["fp32", "bf16", "int8", "fp8"], default="fp32")
+    p.add_argument("--eval", metavar="DATA", help="dataset to measure accuracy on (default: the run's)")
+    p.add_argument("--row-alignment", type=int, default=16, help="served row padding in bytes (fbgemm TBE)")
+    p.add_argument("--no-progress", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="genrec", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-    for add in (_demo_parser, _data_parser, _train_parser, _eval_parser):
+    for add in (_demo_parser, _data_parser, _train_parser, _eval_parser, _quantize_parser):
         add(sub)
-    for extra in _EXTRA_PARSERS:
-        extra(sub)
     return parser
-
-
-# Later layers (quantize, serve, loadtest) register here.
-_EXTRA_PARSERS: list[Callable[[argparse._SubParsersAction], None]] = []
 
 
 def _handler(cmd: str) -> Handler:
@@ -87,6 +98,10 @@ def _handler(cmd: str) -> Handler:
         from train import cli
 
         return getattr(cli, f"cmd_{cmd}")
+    if cmd == "quantize":
+        from quant.cli import cmd_quantize
+
+        return cmd_quantize
     raise SystemExit(f"unknown command {cmd}")
 
 
@@ -99,6 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = _handler(args.cmd)
     from embedding.spec import IdOutOfRange
     from genrec.config import ConfigError
+    from quant.artifact import ArtifactError
     from train.data.schema import DataFormatError
 
     try:
@@ -106,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"genrec: config error: {e}", file=sys.stderr)
         return 2
-    except (DataFormatError, IdOutOfRange, FileNotFoundError) as e:
+    except (DataFormatError, IdOutOfRange, FileNotFoundError, ArtifactError) as e:
         print(f"genrec: error: {e}", file=sys.stderr)
         return 2
 

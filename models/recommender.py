@@ -59,12 +59,15 @@ class GenerativeRecommender(nn.Module):
     ``model.item_embeddings(ids)`` -> [N, D]; ``model.rank(batch)`` -> [C, tasks];
     ``model.corpus_ids`` -> [N] sorted catalogue."""
 
-    def __init__(self, cfg: ModelConfig, embedding: EmbeddingConfig, corpus_ids: torch.Tensor) -> None:
+    def __init__(self, cfg: ModelConfig, embedding: EmbeddingConfig, corpus_ids: torch.Tensor,
+                 sparse_device: torch.device | None = None) -> None:
+        """``sparse_device="meta"`` skips allocating the float tables (for a server that
+        installs quantized ones, or a sharder that places them)."""
         super().__init__()
         self.cfg, self.embedding_cfg = cfg, embedding
         dim = embedding.dim
         self.item_feature = embedding.item_feature
-        self.sparse = SparseArch(embedding)
+        self.sparse = SparseArch(embedding, device=sparse_device)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, dim)
         nn.init.normal_(self.pos_emb.weight, std=dim**-0.5)
         self.input_dropout = nn.Dropout(cfg.input_dropout)

@@ -1,0 +1,1 @@
+"""Model -> smaller model transforms, the serving artifact, and the quantization CLI."""

@@ -1,0 +1,137 @@
+"""The serving artifact: safetensors files plus a JSON manifest, verified on every load.
+
+    ARTIFACT/
+      manifest.json          format + version, model / feature config, quantization scheme,
+                             the training run it came from, every tensor's dtype, shape and
+                             sha256, every file's sha256 and size, sizes and accuracy
+      embeddings.safetensors quantized table rows (codes + per-row fp16 scale/bias) or fp16/fp32
+      dense.safetensors      tower and heads (fp32 / bf16 / int8 codes + scales / fp8 + scales)
+
+Loading never unpickles anything (safetensors only) and refuses, naming the problem: an
+unknown or newer format version, a missing file, a file whose checksum differs, a tensor
+missing, extra, or with another dtype, shape or checksum than the manifest says.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT = "genrec.artifact"
+FORMAT_VERSION = 1
+FILES = ("embeddings.safetensors", "dense.safetensors")
+
+
+class ArtifactError(ValueError):
+    """An artifact cannot be loaded; the message names the file / tensor and the problem."""
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+@dataclass
+class Manifest:
+    model: dict[str, Any]
+    embedding: dict[str, Any]
+    quantization: dict[str, Any]
+    source: dict[str, Any] = field(default_factory=dict)
+    tensors: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    report: dict[str, Any] = field(default_factory=dict)
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+    created: str = ""
+
+
+def save_artifact(out: str | Path, manifest: Manifest, tensors: dict[str, dict[str, torch.Tensor]]) -> Path:
+    """Writes ``tensors`` (file name -> {tensor name -> tensor}) and the manifest to ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest.created = manifest.created or time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    manifest.tensors, manifest.files = {}, {}
+    for fname in FILES:
+        group = {k: v.detach().contiguous().cpu() for k, v in tensors.get(fname, {}).items()}
+        save_file(group, str(out / fname))
+        manifest.tensors[fname] = {
+            k: {"dtype": _dtype_name(v), "shape": list(v.shape), "sha256": tensor_sha256(v)} for k, v in group.items()
+        }
+        manifest.files[fname] = {"sha256": file_sha256(out / fname), "bytes": (out / fname).stat().st_size}
+    (out / "manifest.json").write_text(json.dumps(manifest.__dict__, indent=2) + "\n")
+    return out
+
+
+def read_manifest(path: str | Path) -> Manifest:
+    path = Path(path)
+    mpath = path / "manifest.json"
+    if not mpath.exists():
+        raise ArtifactError(f"{path}: no manifest.json; is this an artifact written by 'genrec quantize'?")
+    try:
+        raw = json.loads(mpath.read_text())
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{mpath}: not valid JSON ({e})") from e
+    if raw.get("format") != FORMAT:
+        raise ArtifactError(f"{mpath}: format is {raw.get('format')!r}, expected {FORMAT!r}")
+    version = raw.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise ArtifactError(
+            f"{mpath}: format_version {version} is newer than this genrec reads ({FORMAT_VERSION}); upgrade genrec"
+        )
+    known = set(Manifest.__dataclass_fields__)
+    return Manifest(**{k: v for k, v in raw.items() if k in known})
+
+
+def load_tensors(path: str | Path, manifest: Manifest | None = None) -> tuple[Manifest, dict[str, dict[str, torch.Tensor]]]:
+    """Reads and verifies every file and tensor against the manifest."""
+    path = Path(path)
+    manifest = manifest or read_manifest(path)
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for fname, meta in manifest.files.items():
+        fpath = path / fname
+        if not fpath.exists():
+            raise ArtifactError(f"{path}: missing file {fname} (listed in manifest.json)")
+        try:
+            group = load_file(str(fpath))
+        except Exception as e:  # noqa: BLE001 - safetensors raises several types for a bad header
+            raise ArtifactError(f"{fpath}: not a readable safetensors file ({e})") from e
+        expected = manifest.tensors.get(fname, {})
+        missing = sorted(set(expected) - set(group))
+        extra = sorted(set(group) - set(expected))
+        if missing:
+            raise ArtifactError(f"{fpath}: tensor '{missing[0]}' is missing")
+        if extra:
+            raise ArtifactError(f"{fpath}: tensor '{extra[0]}' is not in the manifest")
+        for name, t in group.items():  # tensors first, so a damaged tensor is named
+            want = expected[name]
+            if list(t.shape) != want["shape"]:
+                raise ArtifactError(f"{fpath}: tensor '{name}' has shape {list(t.shape)}, the manifest says {want['shape']}")
+            if _dtype_name(t) != want["dtype"]:
+                raise ArtifactError(f"{fpath}: tensor '{name}' has dtype {_dtype_name(t)}, the manifest says {want['dtype']}")
+            if tensor_sha256(t) != want["sha256"]:
+                raise ArtifactError(f"{fpath}: tensor '{name}' does not match its checksum (corrupted)")
+        if file_sha256(fpath) != meta["sha256"]:
+            raise ArtifactError(f"{fpath}: checksum mismatch: the file was changed after export")
+        out[fname] = group
+    for fname in FILES:
+        if fname not in out:
+            raise ArtifactError(f"{path}: manifest.json lists no {fname}")
+    return manifest, out

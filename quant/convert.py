@@ -1,0 +1,172 @@
+"""Training checkpoint -> serving artifact, and artifact -> model ready to serve.
+
+``export`` loads a run's checkpoint into the unsharded model, measures it on the
+validation split, writes the artifact (quantized tables + dense tensors), loads the
+artifact back exactly as the server will, measures again, and records both in the
+manifest's report: the deployer sees what the bytes cost.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from tqdm import tqdm
+
+from embedding.spec import EmbeddingConfig
+from genrec.config import from_dict, to_dict
+from models.recommender import GenerativeRecommender, ModelConfig
+from quant.artifact import ArtifactError, Manifest, load_tensors, read_manifest, save_artifact
+from quant.dense import Scheme as DenseScheme
+from quant.dense import dense_bytes, dense_tensors, load_dense
+from quant.embeddings import Scheme as EmbScheme
+from quant.embeddings import install, quantized_modules, table_bytes, table_tensors
+from train import checkpoint as ckpt
+from train.rundir import code_version
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    embeddings: EmbScheme = "int8"
+    dense: DenseScheme = "fp32"
+    row_alignment: int = 16  # bytes each served row is padded to in memory (fbgemm TBE)
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
+    """A run directory (-> its best checkpoint) or a checkpoint directory -> (run dir, checkpoint)."""
+    path = Path(path)
+    if (path / "config.toml").exists():
+        res = path / "results.json"
+        best = json.loads(res.read_text()).get("best_checkpoint") if res.exists() else None
+        found = path / "checkpoints" / best if best else ckpt.latest_checkpoint(path / "checkpoints")
+        if found is None or not found.exists():
+            raise FileNotFoundError(f"{path}: the run has no finished checkpoint")
+        return path, found
+    if (path / ".metadata").exists() and (path.parent.parent / "config.toml").exists():
+        return path.parent.parent, path
+    raise FileNotFoundError(f"{path}: neither a run directory (config.toml) nor a checkpoint inside one")
+
+
+def _corpus_size(checkpoint: Path) -> int:
+    meta = dcp.FileSystemReader(str(checkpoint)).read_metadata()
+    entry = meta.state_dict_metadata.get("model.corpus_ids")
+    if entry is None:
+        raise ValueError(f"{checkpoint}: no model.corpus_ids; only generative retrieval/ranking models are served")
+    return int(entry.size[0])
+
+
+def load_training_model(run_dir: Path, checkpoint: Path) -> tuple[Any, GenerativeRecommender]:
+    from train.job import load_job
+
+    job = load_job(run_dir / "config.toml")
+    if job.model.arch != "generative":
+        raise ValueError(f"{run_dir}: arch '{job.model.arch}' is a baseline; the serving tier serves generative models")
+    model = GenerativeRecommender(job.model, job.embedding, torch.zeros(_corpus_size(checkpoint), dtype=torch.long))
+    ckpt.load_checkpoint(checkpoint, model, None)
+    return job, model.eval()
+
+
+def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[GenerativeRecommender, Manifest]:
+    """The servable model of an artifact (verified); quantized tables run fbgemm's kernels."""
+    device = torch.device(device)
+    manifest, tensors = load_tensors(path, read_manifest(path))
+    try:
+        model_cfg = from_dict(ModelConfig, manifest.model)
+        emb_cfg = from_dict(EmbeddingConfig, manifest.embedding)
+    except ValueError as e:
+        raise ArtifactError(f"{path}/manifest.json: model or embedding config is invalid: {e}") from e
+    dense = tensors["dense.safetensors"]
+    if "corpus_ids" not in dense:
+        raise ArtifactError(f"{path}/dense.safetensors: tensor 'corpus_ids' is missing")
+    q = manifest.quantization
+    model = GenerativeRecommender(model_cfg, emb_cfg, dense["corpus_ids"], sparse_device=torch.device("meta"))
+    ec, ebc = quantized_modules(emb_cfg, tensors["embeddings.safetensors"], q["embeddings"], q.get("row_alignment", 16))
+    install(model.sparse, ec, ebc)
+    load_dense(model, dense, q["dense"], device)
+    return model.to(device).eval(), manifest
+
+
+def export(
+    checkpoint: str | Path,
+    out: str | Path,
+    qcfg: QuantizeConfig,
+    eval_data: str | Path | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Writes the artifact and returns the report (sizes and accuracy before / after)."""
+    from train.data.reader import make_reader
+    from train.evaluate import evaluate
+
+    bar = tqdm(total=5, desc="quantize", disable=not progress, unit="step")
+    run_dir, ckpt_dir = resolve_checkpoint(checkpoint)
+    job, model = load_training_model(run_dir, ckpt_dir)
+    bar.update(1)
+    data = Path(eval_data) if eval_data else Path(job.data.path)
+    have_data = (data / "dataset.json").exists()
+
+    def measure(m: torch.nn.Module) -> dict[str, float] | None:
+        if not have_data:
+            return None
+        reader = make_reader(job.data.__class__(**{**job.data.__dict__, "path": str(data)}), "valid",
+                             job.embedding, job.model.max_seq_len)
+        return evaluate(m, reader, job.eval)
+
+    t0 = time.perf_counter()
+    before = measure(model)
+    bar.update(1)
+    emb_float = sum(p.numel() * p.element_size() for p in model.sparse.parameters())
+    dense_float = dense_bytes(dense_tensors(model, "fp32")) - model.corpus_ids.numel() * 8
+    emb = table_tensors(model.sparse, qcfg.embeddings)
+    dense = dense_tensors(model, qcfg.dense)
+    manifest = Manifest(
+        model=to_dict(job.model), embedding=to_dict(job.embedding),
+        quantization={"embeddings": qcfg.embeddings, "dense": qcfg.dense, "row_alignment": qcfg.row_alignment},
+        source={"run_dir": str(run_dir), "checkpoint": ckpt_dir.name, "code_version": code_version(),
+                "dataset": job.data.path},
+    )
+    save_artifact(out, manifest, {"embeddings.safetensors": emb, "dense.safetensors": dense})
+    bar.update(1)
+    served, manifest = load_model(out)
+    bar.update(1)
+    after = measure(served)
+    bar.update(1)
+    bar.close()
+    report = {
+        "sizes": {
+            "embeddings": {"before": emb_float, "after": table_bytes(emb), "scheme": qcfg.embeddings},
+            "dense": {"before": dense_float, "after": dense_bytes(dense) - dense["corpus_ids"].numel() * 8,
+                      "scheme": qcfg.dense},
+            "catalogue": {"items": int(dense["corpus_ids"].numel()), "bytes": dense["corpus_ids"].numel() * 8},
+            "files": {k: v["bytes"] for k, v in manifest.files.items()},
+        },
+        "metrics": {"split": "valid", "data": str(data), "before": before, "after": after},
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    manifest.report = report
+    (Path(out) / "manifest.json").write_text(json.dumps(manifest.__dict__, indent=2) + "\n")
+    return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    s = report["sizes"]
+    lines = ["| component | before | after | ratio |", "|---|---|---|---|"]
+    for name in ("embeddings", "dense"):
+        b, a = s[name]["before"], s[name]["after"]
+        lines.append(f"| {name} (fp32 -> {s[name]['scheme']}) | {b / 1e6:.2f} MB | {a / 1e6:.2f} MB | {a / b:.3f}x |")
+    tb = s["embeddings"]["before"] + s["dense"]["before"]
+    ta = s["embeddings"]["after"] + s["dense"]["after"]
+    lines.append(f"| total | {tb / 1e6:.2f} MB | {ta / 1e6:.2f} MB | {ta / tb:.3f}x |")
+    m = report["metrics"]
+    if m["before"] and m["after"]:
+        lines += ["", f"| metric ({m['split']}) | before | after | change |", "|---|---|---|---|"]
+        for k in ("hr@10", "ndcg@10", "hr@50", "mrr"):
+            b, a = m["before"][k], m["after"][k]
+            lines.append(f"| {k} | {b:.4f} | {a:.4f} | {100 * (a - b) / b:+.2f}% |")
+    else:
+        lines.append("\n(no dataset at hand: accuracy not measured; pass --eval DATA)")
+    return "\n".join(lines)

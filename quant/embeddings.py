@@ -1,0 +1,94 @@
+"""Embedding tables -> fbgemm row-wise quantized tables, through TorchRec's quant modules.
+
+int8 / int4 rows are fbgemm's fused format: n-bit codes plus a per-row fp16 scale and bias
+(``FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf``); fp16 rows are plain halves. The
+artifact stores codes and scale/bias unpadded; serving builds TorchRec's quantized
+``EmbeddingCollection`` / ``EmbeddingBagCollection`` from them, so lookups run fbgemm's
+quantized kernels (CPU or GPU) and the model code stays the same (KJT in, rows out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Literal
+
+import fbgemm_gpu  # noqa: F401 - registers torch.ops.fbgemm
+import torch
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEBC
+from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEC
+from torchrec.types import DataType
+
+from embedding.collection import SparseArch, pooled_table_configs, sequence_table_configs
+from embedding.spec import EmbeddingConfig
+
+Scheme = Literal["fp32", "fp16", "int8", "int4"]
+DATA_TYPE = {"fp32": DataType.FP32, "fp16": DataType.FP16, "int8": DataType.INT8, "int4": DataType.INT4}
+BITS = {"int8": 8, "int4": 4}
+
+
+def quantize_weight(weight: torch.Tensor, scheme: Scheme) -> dict[str, torch.Tensor]:
+    """[N, D] float rows -> {'codes': [N, D * bits / 8] uint8, 'scale_bias': [N, 4] uint8}
+    for int8 / int4, {'weight': [N, D]} in fp16 / fp32 otherwise."""
+    w = weight.detach().float().cpu().contiguous()
+    if scheme in BITS:
+        packed = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(w, BITS[scheme])
+        return {"codes": packed[:, :-4].contiguous(), "scale_bias": packed[:, -4:].contiguous()}
+    return {"weight": w.half() if scheme == "fp16" else w}
+
+
+def dequantize(parts: dict[str, torch.Tensor], scheme: Scheme, dim: int) -> torch.Tensor:
+    """The float rows a quantized table serves (for error bounds and tests): [N, D]."""
+    if scheme not in BITS:
+        return parts["weight"].float()
+    packed = torch.cat([parts["codes"], parts["scale_bias"]], dim=1)
+    return torch.ops.fbgemm.FusedNBitRowwiseQuantizedSBHalfToFloat(packed, BITS[scheme])[:, :dim]
+
+
+def table_tensors(arch: SparseArch, scheme: Scheme) -> dict[str, torch.Tensor]:
+    """Artifact tensors of every table: ``<table>.<part>``."""
+    out: dict[str, torch.Tensor] = {}
+    modules = [arch.ec] + ([arch.ebc] if arch.ebc is not None else [])
+    for module in modules:
+        for key, weight in module.state_dict().items():
+            table = key.split(".")[-2]
+            for part, t in quantize_weight(weight, scheme).items():
+                out[f"{table}.{part}"] = t
+    return out
+
+
+def _weights(configs: list[BaseEmbeddingConfig], tensors: dict[str, torch.Tensor], scheme: Scheme):  # noqa: ANN202
+    weights = {}
+    for t in configs:
+        if scheme in BITS:
+            weights[t.name] = (tensors[f"{t.name}.codes"], tensors[f"{t.name}.scale_bias"])
+        else:
+            weights[t.name] = (tensors[f"{t.name}.weight"].contiguous().view(torch.uint8), None)
+    return weights
+
+
+def quantized_modules(
+    cfg: EmbeddingConfig, tensors: dict[str, torch.Tensor], scheme: Scheme, row_alignment: int = 16
+) -> tuple[QuantEC, QuantEBC | None]:
+    """TorchRec quantized EC (and EBC for pooled tables) holding the artifact's rows."""
+    dtype = DATA_TYPE[scheme]
+    seq = [replace(t, data_type=dtype) for t in sequence_table_configs(cfg)]
+    ec = QuantEC(seq, device=torch.device("cpu"), output_dtype=torch.float32,
+                 table_name_to_quantized_weights=_weights(seq, tensors, scheme), row_alignment=row_alignment)
+    ebc = None
+    pooled = [replace(t, data_type=dtype) for t in pooled_table_configs(cfg)]
+    if pooled:
+        ebc = QuantEBC(pooled, is_weighted=False, device=torch.device("cpu"), output_dtype=torch.float32,
+                       table_name_to_quantized_weights=_weights(pooled, tensors, scheme), row_alignment=row_alignment)
+    return ec, ebc
+
+
+def install(arch: SparseArch, ec: QuantEC, ebc: QuantEBC | None) -> None:
+    """Swaps the float TorchRec modules of ``arch`` for their quantized counterparts."""
+    arch.ec = ec
+    if ebc is not None:
+        arch.ebc = ebc
+
+
+def table_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())

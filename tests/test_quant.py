@@ -1,0 +1,157 @@
+"""Quantization: each transform against its float reference, the artifact round trip, and
+every kind of damaged artifact refused with a message naming the problem."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from embedding.qat import fake_quantize_rows
+from quant.artifact import ArtifactError
+from quant.convert import (
+    QuantizeConfig,
+    export,
+    load_model,
+    load_training_model,
+    resolve_checkpoint,
+)
+from quant.dense import (
+    Fp8WeightLinear,
+    dequantize_linear_weight,
+    int8_dynamic_linear,
+    quantize_linear_weight,
+)
+from quant.embeddings import dequantize, quantize_weight
+from tests.conftest import tiny_job_overrides
+from train.data.reader import make_reader
+from train.evaluate import evaluate
+from train.job import load_job
+from train.run import run_training
+
+
+@pytest.mark.parametrize("scheme,levels", [("int8", 255), ("int4", 15)])
+def test_rowwise_tables_stay_within_half_a_step(scheme, levels):
+    w = torch.randn(500, 64) * torch.rand(500, 1) * 3
+    parts = quantize_weight(w, scheme)
+    back = dequantize(parts, scheme, 64)
+    step = (w.amax(1) - w.amin(1)) / levels
+    assert ((back - w).abs() <= step[:, None] / 2 * 1.01 + 1e-3).all()
+    assert parts["codes"].dtype == torch.uint8 and parts["scale_bias"].shape == (500, 4)
+    assert parts["codes"].shape[1] == 64 * {"int8": 8, "int4": 4}[scheme] // 8
+
+
+def test_fp16_tables_round_to_half_precision():
+    w = torch.randn(50, 16)
+    torch.testing.assert_close(dequantize(quantize_weight(w, "fp16"), "fp16", 16), w, rtol=1e-3, atol=1e-3)
+
+
+def test_torchrec_quantized_lookup_matches_the_float_table():
+    from embedding.collection import SparseArch
+    from embedding.spec import EmbeddingConfig, TableConfig
+    from quant.embeddings import quantized_modules, table_tensors
+
+    cfg = EmbeddingConfig(tables=(TableConfig("item", ("item",), dim=32, num_embeddings=300),))
+    arch = SparseArch(cfg)
+    ids = torch.tensor([0, 5, 299, 17])
+    ref = arch.lookup(ids)
+    for scheme, tol in (("fp16", 1e-3), ("int8", 0.01), ("int4", 0.1)):
+        ec, _ = quantized_modules(cfg, table_tensors(arch, scheme), scheme)
+        arch_q = SparseArch(cfg)
+        arch_q.ec = ec
+        got = arch_q.lookup(ids)
+        assert (got - ref).abs().max() < tol * ref.abs().max(), scheme
+
+
+@pytest.mark.parametrize("scheme,rel", [("int8", 0.02), ("fp8", 0.08)])
+def test_quantized_linear_layers_track_the_float_layer(scheme, rel):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32)
+    x = torch.randn(16, 64)
+    ref = lin(x)
+    codes, scale = quantize_linear_weight(lin.weight.data, scheme)
+    assert ((dequantize_linear_weight(codes, scale) - lin.weight).abs() <= scale[:, None] * (0.51 if scheme == "int8" else 16)).all()
+    layer = int8_dynamic_linear(codes, scale, lin.bias.data) if scheme == "int8" else Fp8WeightLinear(codes, scale, lin.bias.data)
+    out = layer(x)
+    assert (out - ref).abs().max() < rel * ref.abs().max()
+
+
+def test_qat_rows_sit_on_the_serving_grid_and_pass_gradients_straight_through():
+    x = torch.randn(10, 16, requires_grad=True)
+    y = fake_quantize_rows(x, 4)
+    parts = quantize_weight(x.detach(), "int4")
+    torch.testing.assert_close(y.detach(), dequantize(parts, "int4", 16), atol=2e-3, rtol=0)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones_like(x))
+
+
+@pytest.fixture(scope="module")
+def trained_run(tiny_synth, tmp_path_factory):
+    out = tmp_path_factory.mktemp("qrun")
+    cfg = out / "tiny.toml"
+    cfg.write_text('[[embedding.tables]]\nname = "item"\nfeatures = ["item"]\ndim = 16\n')
+    run_dir, _ = run_training(load_job(cfg, tiny_job_overrides(tiny_synth, out) + ["--train.max_epochs=1"]))
+    return run_dir
+
+
+@pytest.mark.parametrize("emb,dense", [("int8", "fp32"), ("int4", "int8"), ("fp16", "bf16"), ("fp32", "fp8")])
+def test_artifact_round_trip_serves_what_was_measured(trained_run, tiny_synth, tmp_path, emb, dense):
+    art = tmp_path / "art"
+    report = export(trained_run, art, QuantizeConfig(embeddings=emb, dense=dense), progress=False)
+    assert report["sizes"]["embeddings"]["after"] < report["sizes"]["embeddings"]["before"] or emb == "fp32"
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["quantization"]["embeddings"] == emb and manifest["source"]["checkpoint"].startswith("step_")
+    model, _ = load_model(art)
+    job = load_job(trained_run / "config.toml")
+    again = evaluate(model, make_reader(job.data, "valid", job.embedding, job.model.max_seq_len))
+    assert again["ndcg@10"] == pytest.approx(report["metrics"]["after"]["ndcg@10"], abs=1e-9)
+    _, float_model = load_training_model(*resolve_checkpoint(trained_run))
+    if emb == "fp32" and dense == "fp32":
+        assert again == report["metrics"]["before"]
+    # quantized or not, the artifact ranks close to the float model
+    assert abs(again["hr@50"] - report["metrics"]["before"]["hr@50"]) < 0.05
+
+
+@pytest.fixture()
+def artifact(trained_run, tmp_path):
+    art = tmp_path / "art"
+    export(trained_run, art, QuantizeConfig(embeddings="int8"), progress=False)
+    return art
+
+
+def test_corrupted_tensor_is_named(artifact):
+    path = artifact / "embeddings.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF  # inside the last tensor's bytes
+    path.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=r"tensor '.*' does not match its checksum"):
+        load_model(artifact)
+
+
+def test_wrong_shape_is_named(artifact):
+    m = json.loads((artifact / "manifest.json").read_text())
+    name = next(iter(m["tensors"]["dense.safetensors"]))
+    m["tensors"]["dense.safetensors"][name]["shape"] = [7, 7]
+    (artifact / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match=rf"tensor '{name}' has shape .* the manifest says \[7, 7\]"):
+        load_model(artifact)
+
+
+def test_missing_file_is_named(artifact):
+    (artifact / "dense.safetensors").unlink()
+    with pytest.raises(ArtifactError, match="missing file dense.safetensors"):
+        load_model(artifact)
+
+
+def test_newer_format_version_is_refused(artifact):
+    m = json.loads((artifact / "manifest.json").read_text())
+    m["format_version"] = 99
+    (artifact / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match="format_version 99 is newer"):
+        load_model(artifact)
+
+
+def test_not_an_artifact(tmp_path):
+    with pytest.raises(ArtifactError, match="no manifest.json"):
+        load_model(tmp_path)
+    shutil.rmtree(tmp_path)
