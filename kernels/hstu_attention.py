@@ -173,3 +173,52 @@ def hstu_attention(
 
 def _triton_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
     return all(d >= 16 and d & (d - 1) == 0 for d in (q.shape[-1], v.shape[-1]))
+
+
+def hstu_cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_hist: torch.Tensor,
+    v_hist: torch.Tensor,
+    hist_offsets: torch.Tensor,
+    owner: torch.Tensor,
+    *,
+    max_seq_len: int,
+    alpha: float,
+    pos_weights: torch.Tensor | None = None,
+    time_weights: torch.Tensor | None = None,
+    hist_times: torch.Tensor | None = None,
+    query_times: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Candidates attending to a cached history: what :func:`hstu_attention` computes for
+    the ``num_targets`` rows, without recomputing the history (M-FALCON-style serving).
+
+    q, k, v [C, H, D] for C candidates; k_hist, v_hist [Th, H, D] the history keys/values
+    of B users (``hist_offsets`` [B+1]); ``owner`` [C] each candidate's user. A candidate
+    sits at position h (its user's history length) and sees history j < h and itself.
+    """
+    c = q.shape[0]
+    if c == 0:
+        return v.new_zeros(v.shape)
+    lengths = hist_offsets[1:] - hist_offsets[:-1]
+    n = int(lengths.max()) if lengths.numel() else 0
+    kp = jagged_to_padded(k_hist, hist_offsets, max(n, 1))[owner]  # [C, L, H, D]
+    vp = jagged_to_padded(v_hist, hist_offsets, max(n, 1))[owner]
+    scores = torch.einsum("chd,clhd->chl", q, kp) * alpha  # [C, H, L]
+    self_score = (q * k).sum(-1) * alpha  # [C, H]
+    h = lengths[owner]  # [C]
+    j = torch.arange(max(n, 1), device=q.device)
+    if pos_weights is not None:
+        dist = (h[:, None] - j[None, :]).clamp(0, max_seq_len - 1)
+        scores = scores + pos_weights[dist][:, None, :]
+        self_score = self_score + pos_weights[0]
+    if time_weights is not None:
+        tk = jagged_to_padded(hist_times, hist_offsets, max(n, 1))[owner]  # [C, L]
+        buckets = time_bucket(query_times[:, None] - tk, time_weights.numel())
+        scores = scores + time_weights[buckets][:, None, :]
+        self_score = self_score + time_weights[time_bucket(torch.zeros_like(query_times), time_weights.numel())][:, None]
+    mask = (j[None, :] < h[:, None])[:, None, :]
+    attn = F.silu(scores) * (mask.to(scores.dtype) / max_seq_len)
+    out = torch.einsum("chl,clhd->chd", attn, vp)
+    return out + (F.silu(self_score) / max_seq_len)[..., None] * v

@@ -24,7 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.hstu_attention import attention_mask, hstu_attention, time_bucket, token_positions
+from kernels.hstu_attention import (
+    attention_mask,
+    hstu_attention,
+    hstu_cached_attention,
+    time_bucket,
+    token_positions,
+)
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,16 @@ class HSTUConfig:
     time_bias: bool = True
     num_time_buckets: int = 64
     attention_backend: Literal["auto", "reference", "triton"] = "auto"
+
+
+@dataclass
+class CachedHistory:
+    """What candidates need of an encoded history: per-layer keys/values of its tokens."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v), [Th, H, D]
+    offsets: torch.Tensor  # [B+1] token offsets
+    times: torch.Tensor  # [Th] token times (positions where users have no timestamps)
+    request_times: torch.Tensor  # [B] the time candidates are scored at
 
 
 @dataclass
@@ -81,10 +97,12 @@ class HSTULayer(nn.Module):
     def _gate(self, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         return x + self.out(self.dropout(u * self.out_norm(attn)))
 
-    def forward(self, x: torch.Tensor, meta: JaggedMeta) -> torch.Tensor:
-        """x [T, D] -> [T, D]."""
+    def forward(self, x: torch.Tensor, meta: JaggedMeta, cache: list | None = None) -> torch.Tensor:
+        """x [T, D] -> [T, D]; appends this layer's (k, v) [T, H, D] to ``cache`` if given."""
         c, h, t = self.cfg, self.cfg.num_heads, x.shape[0]
         u, v, q, k = self._split(x)
+        if cache is not None:
+            cache.append((k.view(t, h, c.qk_dim), v.view(t, h, c.v_dim)))
         attn = hstu_attention(
             q.view(t, h, c.qk_dim),
             k.view(t, h, c.qk_dim),
@@ -101,6 +119,17 @@ class HSTULayer(nn.Module):
             backend=c.attention_backend,
         )
         return self._gate(x, u, attn.reshape(t, h * c.v_dim))
+
+    def forward_cached(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], hist: CachedHistory,
+                       owner: torch.Tensor) -> torch.Tensor:
+        """Candidate rows x [C, D] against the cached history of their users -> [C, D]."""
+        c, h, n = self.cfg, self.cfg.num_heads, x.shape[0]
+        u, v, q, k = self._split(x)
+        attn = hstu_cached_attention(
+            q.view(n, h, c.qk_dim), k.view(n, h, c.qk_dim), v.view(n, h, c.v_dim), kv[0], kv[1],
+            hist.offsets, owner, max_seq_len=self.max_seq_len, alpha=self.alpha, pos_weights=self.pos_weights,
+            time_weights=self.time_weights, hist_times=hist.times, query_times=hist.request_times[owner])
+        return self._gate(x, u, attn.reshape(n, h * c.v_dim))
 
     def forward_padded(
         self,
@@ -139,9 +168,15 @@ class HSTUTower(nn.Module):
         self.layers = nn.ModuleList(HSTULayer(cfg, dim, max_seq_len) for _ in range(cfg.num_layers))
         self.final_norm = nn.LayerNorm(dim)
 
-    def forward(self, x: torch.Tensor, meta: JaggedMeta) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: JaggedMeta, cache: list | None = None) -> torch.Tensor:
         for layer in self.layers:
-            x = layer(x, meta)
+            x = layer(x, meta, cache)
+        return self.final_norm(x)
+
+    def forward_cached(self, x: torch.Tensor, hist: CachedHistory, owner: torch.Tensor) -> torch.Tensor:
+        """Candidates [C, D] of users ``owner`` [C] against ``hist`` (from ``forward(cache=)``)."""
+        for layer, kv in zip(self.layers, hist.layers):
+            x = layer.forward_cached(x, kv, hist, owner)
         return self.final_norm(x)
 
     def forward_padded(

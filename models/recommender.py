@@ -24,7 +24,7 @@ from torch import nn
 from embedding.collection import SparseArch
 from embedding.spec import EmbeddingConfig
 from kernels.jagged import jagged_index
-from models.hstu import HSTUConfig, HSTUTower, JaggedMeta
+from models.hstu import CachedHistory, HSTUConfig, HSTUTower, JaggedMeta
 from models.inputs import SequenceBatch
 from models.ranking import RankingConfig, RankingHead
 from models.retrieval import RetrievalConfig, RetrievalHead
@@ -46,6 +46,15 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.max_seq_len < 2:
             raise ValueError("model.max_seq_len must be at least 2")
+
+
+@dataclass
+class HistoryState:
+    """Encoded histories of a batch of users, reusable for any number of candidates."""
+
+    history: CachedHistory
+    lengths: torch.Tensor  # [B] history tokens per user (the candidates' position)
+    context: torch.Tensor | None  # [B, E] pooled context, when the ranking head uses it
 
 
 def build_tower(cfg: ModelConfig, dim: int) -> nn.Module:
@@ -142,6 +151,37 @@ class GenerativeRecommender(nn.Module):
             raise ValueError("this model has no ranking tasks (model.ranking.tasks)")
         h, tok = self.encode(batch)
         return torch.sigmoid(self.rank_logits(h, tok, batch).float())
+
+    def encode_history(self, batch: SequenceBatch) -> tuple[torch.Tensor, HistoryState]:
+        """Encodes histories once (``batch`` without candidates): the normalised user vectors
+        [B, D] for retrieval, and the per-layer keys/values candidates are later scored
+        against (:meth:`score_candidates`), so the history is never encoded twice."""
+        x, tok = self._tokens(batch)
+        meta = JaggedMeta(tok.offsets, tok.max_len, tok.timestamps, tok.query_times, tok.num_targets)
+        layers: list = []
+        h = self.tower(x, meta, cache=layers)
+        hist = CachedHistory(layers, tok.offsets, tok.timestamps, tok.query_times[tok.last_rows])
+        ctx = None
+        if self.ranking is not None and self.ranking_context:
+            if batch.context is None:
+                raise ValueError("this model ranks with context features; the batch has none")
+            ctx = self.sparse.pooled(batch.context).values()
+        lengths = tok.offsets[1:] - tok.offsets[:-1]
+        return self.head.normalize(h[tok.last_rows]), HistoryState(hist, lengths, ctx)
+
+    def score_candidates(self, state: HistoryState, items: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+        """Task probabilities [C, tasks] of candidate ``items`` [C] for users ``owner`` [C]
+        (indices into the encoded batch): equal to appending them as targets to the history."""
+        if self.ranking is None:
+            raise ValueError("this model has no ranking tasks (model.ranking.tasks)")
+        rows = self.sparse.lookup(items)
+        x = rows
+        if "action" in self.sparse.sequence_features and not self.interleaved:
+            x = x + self.sparse.lookup(torch.zeros_like(items), "action")  # unknown action
+        x = x * self.scale + self.pos_emb(state.lengths[owner])
+        h = self.tower.forward_cached(x, state.history, owner)
+        ctx = state.context[owner] if state.context is not None else None
+        return torch.sigmoid(self.ranking(h, rows, ctx).float())
 
     def item_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
         """Normalised item vectors: ids [N] -> [N, D]."""

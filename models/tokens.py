@@ -39,11 +39,18 @@ class Tokens:
     last_rows: torch.Tensor  # [B]
 
 
-def _event_times(batch: SequenceBatch, seg: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _event_times(batch: SequenceBatch, seg: torch.Tensor, pos: torch.Tensor,
+                 hist_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Event times and query times per event. Without real timestamps, history event j is
+    at time j and is queried at j + 1; every candidate sits, and is queried, at time h
+    (the history length), as a real candidate sits at the request time."""
+    is_hist = pos < hist_len
+    fake_t = torch.where(is_hist, pos, hist_len)
+    fake_q = torch.where(is_hist, pos + 1, hist_len)
     if batch.has_time is None or batch.timestamps is None:
-        return pos, pos + 1
+        return fake_t, fake_q
     real = batch.has_time[seg]
-    return torch.where(real, batch.timestamps, pos), torch.where(real, batch.query_times, pos + 1)
+    return torch.where(real, batch.timestamps, fake_t), torch.where(real, batch.query_times, fake_q)
 
 
 def layout(jts: dict[str, JaggedTensor], batch: SequenceBatch, item_feature: str, interleaved: bool) -> Tokens:
@@ -55,7 +62,7 @@ def layout(jts: dict[str, JaggedTensor], batch: SequenceBatch, item_feature: str
     nt = batch.num_targets
     hist_len = lengths - nt if nt is not None else lengths
     is_hist = pos < hist_len[seg]
-    ts, qt = _event_times(batch, seg, pos)
+    ts, qt = _event_times(batch, seg, pos, hist_len[seg])
     others = [jt.values() for name, jt in jts.items() if name not in (item_feature, "action")]
     x_item = item.values()
     for o in others:

@@ -16,7 +16,7 @@ from torch import nn
 
 from kernels.hstu_attention import attention_mask
 from kernels.jagged import jagged_index, jagged_to_padded, padded_to_jagged
-from models.hstu import JaggedMeta
+from models.hstu import CachedHistory, JaggedMeta
 
 
 @dataclass(frozen=True)
@@ -59,10 +59,12 @@ class TransformerLayer(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
         self.attn_dropout = cfg.dropout
 
-    def attend(self, x: torch.Tensor, meta: JaggedMeta, mask: torch.Tensor, index) -> torch.Tensor:
+    def attend(self, x: torch.Tensor, meta: JaggedMeta, mask: torch.Tensor, index, cache: list | None = None) -> torch.Tensor:
         t, d = x.shape
         h = self.heads
         q, k, v = self.qkv(self.attn_norm(x)).view(t, 3, h, d // h).unbind(1)
+        if cache is not None:
+            cache.append((k, v))
         n = meta.max_len
         pad = [jagged_to_padded(z, meta.offsets, n, index=index).transpose(1, 2) for z in (q, k, v)]
         out = F.scaled_dot_product_attention(
@@ -70,9 +72,26 @@ class TransformerLayer(nn.Module):
         )
         return padded_to_jagged(out.transpose(1, 2), meta.offsets, index=index).reshape(t, d)
 
-    def forward(self, x: torch.Tensor, meta: JaggedMeta, mask: torch.Tensor, index) -> torch.Tensor:
-        x = x + self.dropout(self.o(self.attend(x, meta, mask, index)))
+    def forward(self, x: torch.Tensor, meta: JaggedMeta, mask: torch.Tensor, index, cache: list | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.o(self.attend(x, meta, mask, index, cache)))
         return x + self.dropout(self.ffn(self.ffn_norm(x)))
+
+    def forward_cached(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], hist: CachedHistory,
+                       owner: torch.Tensor) -> torch.Tensor:
+        """Candidates [C, D]: softmax attention over their user's cached history and themselves."""
+        c, d = x.shape
+        h = self.heads
+        q, k, v = self.qkv(self.attn_norm(x)).view(c, 3, h, d // h).unbind(1)
+        lengths = hist.offsets[1:] - hist.offsets[:-1]
+        n = max(int(lengths.max()) if lengths.numel() else 0, 1)
+        kp = torch.cat([jagged_to_padded(kv[0], hist.offsets, n)[owner], k[:, None]], 1)  # [C, L+1, H, D]
+        vp = torch.cat([jagged_to_padded(kv[1], hist.offsets, n)[owner], v[:, None]], 1)
+        ar = torch.arange(n + 1, device=x.device)
+        mask = (ar[None, :] < lengths[owner][:, None]) | (ar[None, :] == n)  # history + self
+        out = F.scaled_dot_product_attention(q[:, :, None], kp.transpose(1, 2), vp.transpose(1, 2),
+                                             attn_mask=mask[:, None, None, :])
+        x = x + self.o(out.reshape(c, d))
+        return x + self.ffn(self.ffn_norm(x))
 
 
 class TransformerTower(nn.Module):
@@ -83,7 +102,7 @@ class TransformerTower(nn.Module):
         self.layers = nn.ModuleList(TransformerLayer(cfg, dim) for _ in range(cfg.num_layers))
         self.final_norm = nn.RMSNorm(dim)
 
-    def forward(self, x: torch.Tensor, meta: JaggedMeta) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: JaggedMeta, cache: list | None = None) -> torch.Tensor:
         lengths = meta.offsets[1:] - meta.offsets[:-1]
         n = meta.max_len
         mask = attention_mask(lengths, n, meta.num_targets)
@@ -92,5 +111,10 @@ class TransformerTower(nn.Module):
         mask = (mask | torch.eye(n, dtype=torch.bool, device=mask.device))[:, None]
         index = jagged_index(meta.offsets, x.shape[0])
         for layer in self.layers:
-            x = layer(x, meta, mask, index)
+            x = layer(x, meta, mask, index, cache)
+        return self.final_norm(x)
+
+    def forward_cached(self, x: torch.Tensor, hist: CachedHistory, owner: torch.Tensor) -> torch.Tensor:
+        for layer, kv in zip(self.layers, hist.layers):
+            x = layer.forward_cached(x, kv, hist, owner)
         return self.final_norm(x)

@@ -38,18 +38,20 @@ def model(tower="hstu", encoding="summed"):
 
 def make_batch(users):
     """users: list of (history items, history actions, candidate items)."""
-    items, acts, lens, nts, times = [], [], [], [], []
+    items, acts, lens, nts, times, qtimes = [], [], [], [], [], []
     for hist, hact, cands in users:
         items += hist + cands
         acts += hact + [0] * len(cands)
         lens.append(len(hist) + len(cands))
         nts.append(len(cands))
-        times += [100 * i for i in range(len(hist))] + [100 * len(hist)] * len(cands)
-    n = len(lens)
-    t = torch.tensor(times)
+        request = 100 * len(hist) + 30  # as the reader does: history event i is queried at
+        times += [100 * i for i in range(len(hist))] + [request] * len(cands)  # event i + 1's time,
+        qtimes += [100 * (i + 1) for i in range(len(hist) - 1)] + [request] * (len(cands) + 1)  # the last one
+    n = len(lens)  # and every candidate at the request time
     return SequenceBatch(
         seq=KeyedJaggedTensor(keys=["item", "action"], values=torch.tensor(items + acts), lengths=torch.tensor(lens * 2)),
-        max_len=max(lens), timestamps=t, query_times=t + 50, has_time=torch.ones(n, dtype=torch.bool),
+        max_len=max(lens), timestamps=torch.tensor(times), query_times=torch.tensor(qtimes),
+        has_time=torch.ones(n, dtype=torch.bool),
         num_targets=torch.tensor(nts), user_ids=torch.arange(n),
         context=KeyedJaggedTensor(keys=["region"], values=torch.arange(n) % 5, lengths=torch.ones(n, dtype=torch.long)),
         targets=torch.zeros(0, dtype=torch.long), labels=torch.zeros(sum(nts), 2))
@@ -144,3 +146,19 @@ def test_auc_gauc_logloss_ne_on_hand_computed_cases():
     p, lab = np.array([0.8, 0.3]), np.array([1, 0])
     assert logloss(p, lab) == pytest.approx(-(math.log(0.8) + math.log(0.7)) / 2)
     assert normalized_entropy(p, lab) == pytest.approx(logloss(p, lab) / math.log(2))
+
+
+@pytest.mark.parametrize("tower,encoding", [("hstu", "summed"), ("hstu", "interleaved"), ("transformer", "summed")])
+def test_cached_history_scores_equal_the_full_pass(tower, encoding):
+    """M-FALCON serving: encode histories once, score candidates in micro-batches later."""
+    m = model(tower, encoding)
+    users = [(HIST, HACT, [11, 12, 13]), ([5, 6], [1, 3], [14, 15]), ([8], [1], [16])]
+    full = m.rank(make_batch(users))
+    hist_only = make_batch([(h, a, []) for h, a, _ in users])
+    hist_only.num_targets = None
+    users_vec, state = m.encode_history(hist_only)
+    assert users_vec.shape == (3, 16)
+    items = torch.tensor([c for _, _, cs in users for c in cs])
+    owner = torch.tensor([i for i, (_, _, cs) in enumerate(users) for _ in cs])
+    parts = [m.score_candidates(state, items[s], owner[s]) for s in (slice(0, 4), slice(4, 7))]  # micro-batches
+    torch.testing.assert_close(torch.cat(parts), full)
