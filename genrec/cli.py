@@ -5,6 +5,7 @@
     genrec train --config FILE [--a.b=v ...]
     genrec eval --run DIR [--split test] [--baseline popular|transition --data DIR]
     genrec quantize --checkpoint RUN --out ARTIFACT [--embeddings int8] [--dense fp32]
+    genrec serve --artifact ARTIFACT --engine torch|sglang --port N
 
 Handlers import their layer lazily so ``--help`` answers at once. Each handler is thin:
 parse, build, run; the logic lives in the layers and is tested without the CLI.
@@ -85,10 +86,31 @@ def _quantize_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve an artifact over gRPC (genrec.v1.Recommender)",
+                       description="gRPC ranking service: Recommend / Retrieve / Rank, health, reflection, metrics.")
+    p.add_argument("--artifact", required=True, help="artifact directory written by 'genrec quantize'")
+    p.add_argument("--engine", choices=["torch", "sglang"], default="torch")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics HTTP port (0: off)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--max-batch", type=int, default=32, help="requests per engine batch")
+    p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a batch waits to fill")
+    p.add_argument("--max-queue", type=int, default=256, help="queued requests before RESOURCE_EXHAUSTED")
+    p.add_argument("--max-inflight", type=int, default=1, help="batches computed at once")
+    p.add_argument("--default-timeout-ms", type=float, default=1000.0, help="deadline of calls that set none")
+    p.add_argument("--grace-s", type=float, default=10.0, help="shutdown: time for calls in flight")
+    p.add_argument("--max-history", type=int, default=4096)
+    p.add_argument("--max-candidates", type=int, default=1024)
+    p.add_argument("--max-retrieve", type=int, default=1024)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="genrec", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-    for add in (_demo_parser, _data_parser, _train_parser, _eval_parser, _quantize_parser):
+    for add in (_demo_parser, _data_parser, _train_parser, _eval_parser, _quantize_parser, _serve_parser):
         add(sub)
     return parser
 
@@ -102,6 +124,10 @@ def _handler(cmd: str) -> Handler:
         from quant.cli import cmd_quantize
 
         return cmd_quantize
+    if cmd == "serve":
+        from serve.cli import cmd_serve
+
+        return cmd_serve
     raise SystemExit(f"unknown command {cmd}")
 
 

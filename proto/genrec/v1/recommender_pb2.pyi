@@ -1,0 +1,182 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Event(_message.Message):
+    __slots__ = ("item_id", "timestamp", "actions")
+    ITEM_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    item_id: int
+    timestamp: int
+    actions: int
+    def __init__(self, item_id: _Optional[int] = ..., timestamp: _Optional[int] = ..., actions: _Optional[int] = ...) -> None: ...
+
+class ContextFeature(_message.Message):
+    __slots__ = ("name", "ids")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Candidate(_message.Message):
+    __slots__ = ("item_id", "bid")
+    ITEM_ID_FIELD_NUMBER: _ClassVar[int]
+    BID_FIELD_NUMBER: _ClassVar[int]
+    item_id: int
+    bid: float
+    def __init__(self, item_id: _Optional[int] = ..., bid: _Optional[float] = ...) -> None: ...
+
+class User(_message.Message):
+    __slots__ = ("history", "context", "request_time")
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_TIME_FIELD_NUMBER: _ClassVar[int]
+    history: _containers.RepeatedCompositeFieldContainer[Event]
+    context: _containers.RepeatedCompositeFieldContainer[ContextFeature]
+    request_time: int
+    def __init__(self, history: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., context: _Optional[_Iterable[_Union[ContextFeature, _Mapping]]] = ..., request_time: _Optional[int] = ...) -> None: ...
+
+class RecommendRequest(_message.Message):
+    __slots__ = ("user", "retrieve_k", "top_k", "candidates", "exclude_history", "objective")
+    USER_FIELD_NUMBER: _ClassVar[int]
+    RETRIEVE_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_HISTORY_FIELD_NUMBER: _ClassVar[int]
+    OBJECTIVE_FIELD_NUMBER: _ClassVar[int]
+    user: User
+    retrieve_k: int
+    top_k: int
+    candidates: _containers.RepeatedCompositeFieldContainer[Candidate]
+    exclude_history: bool
+    objective: str
+    def __init__(self, user: _Optional[_Union[User, _Mapping]] = ..., retrieve_k: _Optional[int] = ..., top_k: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., exclude_history: _Optional[bool] = ..., objective: _Optional[str] = ...) -> None: ...
+
+class ScoredItem(_message.Message):
+    __slots__ = ("item_id", "score", "retrieval_score", "tasks")
+    class TasksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    ITEM_ID_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    RETRIEVAL_SCORE_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    item_id: int
+    score: float
+    retrieval_score: float
+    tasks: _containers.ScalarMap[str, float]
+    def __init__(self, item_id: _Optional[int] = ..., score: _Optional[float] = ..., retrieval_score: _Optional[float] = ..., tasks: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class Timing(_message.Message):
+    __slots__ = ("queue_ms", "compute_ms", "batch_size")
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    queue_ms: float
+    compute_ms: float
+    batch_size: int
+    def __init__(self, queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+
+class RecommendResponse(_message.Message):
+    __slots__ = ("items", "model_version", "timing")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ScoredItem]
+    model_version: str
+    timing: Timing
+    def __init__(self, items: _Optional[_Iterable[_Union[ScoredItem, _Mapping]]] = ..., model_version: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+
+class RetrieveRequest(_message.Message):
+    __slots__ = ("user", "k", "exclude_history")
+    USER_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_HISTORY_FIELD_NUMBER: _ClassVar[int]
+    user: User
+    k: int
+    exclude_history: bool
+    def __init__(self, user: _Optional[_Union[User, _Mapping]] = ..., k: _Optional[int] = ..., exclude_history: _Optional[bool] = ...) -> None: ...
+
+class RetrieveResponse(_message.Message):
+    __slots__ = ("items", "model_version", "timing")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ScoredItem]
+    model_version: str
+    timing: Timing
+    def __init__(self, items: _Optional[_Iterable[_Union[ScoredItem, _Mapping]]] = ..., model_version: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+
+class RankRequest(_message.Message):
+    __slots__ = ("user", "candidates", "objective")
+    USER_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    OBJECTIVE_FIELD_NUMBER: _ClassVar[int]
+    user: User
+    candidates: _containers.RepeatedCompositeFieldContainer[Candidate]
+    objective: str
+    def __init__(self, user: _Optional[_Union[User, _Mapping]] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., objective: _Optional[str] = ...) -> None: ...
+
+class RankResponse(_message.Message):
+    __slots__ = ("items", "model_version", "timing")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ScoredItem]
+    model_version: str
+    timing: Timing
+    def __init__(self, items: _Optional[_Iterable[_Union[ScoredItem, _Mapping]]] = ..., model_version: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+
+class LoadArtifactRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class LoadArtifactResponse(_message.Message):
+    __slots__ = ("model_version", "load_seconds")
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    model_version: str
+    load_seconds: float
+    def __init__(self, model_version: _Optional[str] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model_version", "artifact_path", "tower", "tasks", "actions", "context_features", "catalogue_size", "max_history", "engine", "embeddings", "dense")
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_PATH_FIELD_NUMBER: _ClassVar[int]
+    TOWER_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    CATALOGUE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_HISTORY_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    DENSE_FIELD_NUMBER: _ClassVar[int]
+    model_version: str
+    artifact_path: str
+    tower: str
+    tasks: _containers.RepeatedScalarFieldContainer[str]
+    actions: _containers.RepeatedScalarFieldContainer[str]
+    context_features: _containers.RepeatedScalarFieldContainer[str]
+    catalogue_size: int
+    max_history: int
+    engine: str
+    embeddings: str
+    dense: str
+    def __init__(self, model_version: _Optional[str] = ..., artifact_path: _Optional[str] = ..., tower: _Optional[str] = ..., tasks: _Optional[_Iterable[str]] = ..., actions: _Optional[_Iterable[str]] = ..., context_features: _Optional[_Iterable[str]] = ..., catalogue_size: _Optional[int] = ..., max_history: _Optional[int] = ..., engine: _Optional[str] = ..., embeddings: _Optional[str] = ..., dense: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""gRPC server, batching and scheduling, engines (PyTorch default, SGLang)."""

@@ -1,0 +1,50 @@
+"""Handler for ``genrec serve`` (parsing lives in ``genrec.cli``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+import torch
+
+from serve.batcher import BatchConfig
+from serve.requests import Limits
+from serve.server import RecommenderServer, ServeConfig
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    return ServeConfig(
+        host=args.host, port=args.port, metrics_port=args.metrics_port, engine=args.engine, device=args.device,
+        default_timeout_ms=args.default_timeout_ms, grace_s=args.grace_s,
+        batch=BatchConfig(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
+                          max_inflight=args.max_inflight),
+        limits=Limits(max_history=args.max_history, max_candidates=args.max_candidates, max_retrieve=args.max_retrieve),
+    )
+
+
+async def _serve(cfg: ServeConfig, artifact: str) -> None:
+    server = RecommenderServer(cfg, artifact)
+    port = await server.start()
+    print(f"genrec serving {server.engine.version} ({cfg.engine}) on {cfg.host}:{port}", flush=True)
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stopping.set)
+    loop.add_signal_handler(signal.SIGINT, stopping.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(server.reload(server.artifact)))
+    try:
+        await stopping.wait()
+    finally:
+        print("draining ...", flush=True)
+        await server.stop()
+
+
+def cmd_serve(args: argparse.Namespace, overrides: list[str]) -> int:
+    if overrides:
+        raise SystemExit(f"genrec serve takes no config overrides: {overrides}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    asyncio.run(_serve(config_from_args(args), args.artifact))
+    return 0

@@ -1,0 +1,184 @@
+"""Engines: a batch of validated work items in, results out, running the model from models/.
+
+Flow of one batch (what ``TorchEngine.run`` does):
+
+    users' histories --collate--> SequenceBatch --model.encode_history--> user vectors [B, D]
+        + per-layer K/V cache (the history is encoded once, M-FALCON)
+    retrieval: user vectors @ catalogue matrix [N, D] -> history masked -> top retrieve_k
+    ranking:   retrieved or given candidates, in micro-batches, scored against the cache
+               (model.score_candidates) -> task probabilities
+    order:     by the objective: retrieval score, a task, or eCPM = bid x prod(tasks)
+
+Engines share this interface so the server and the parity test treat them alike; the
+SGLang engine (``serve.sglang_engine``) runs the same tower inside SGLang.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torchrec import KeyedJaggedTensor
+
+from models.inputs import SequenceBatch
+from models.recommender import GenerativeRecommender
+from quant.artifact import Manifest
+from quant.convert import load_model
+from serve.requests import ModelSchema, UserInput, Work
+
+
+@dataclass
+class Result:
+    item_ids: np.ndarray  # [k] in final order
+    scores: np.ndarray  # [k] the ordering value
+    retrieval_scores: np.ndarray | None = None  # [k]
+    tasks: dict[str, np.ndarray] = field(default_factory=dict)  # task -> [k]
+    compute_ms: float = 0.0
+    batch_size: int = 1
+
+
+def schema_of(model: GenerativeRecommender) -> ModelSchema:
+    emb = model.embedding_cfg
+    actions = emb.table_of("action").num_embeddings.bit_length() - 1 if "action" in emb.sequence_features else 0
+    tasks = tuple(t.name for t in model.cfg.ranking.tasks)
+    tpe = 2 if model.interleaved else 1
+    return ModelSchema(emb, actions, tasks, int(model.corpus_ids.numel()), model.cfg.max_seq_len // tpe)
+
+
+def collate_users(users: list[UserInput], model: GenerativeRecommender, device: torch.device) -> SequenceBatch:
+    """Histories (each cut to the tower's capacity) -> a SequenceBatch without candidates."""
+    cap = schema_of(model).max_history
+    cut = [slice(max(0, u.items.size - cap), None) for u in users]
+    items = [u.items[c] for u, c in zip(users, cut)]
+    lengths = [x.size for x in items]
+    keys, values, lens = [model.item_feature], [np.concatenate(items)], list(lengths)
+    if "action" in model.sparse.sequence_features:
+        keys.append("action")
+        values.append(np.concatenate([u.actions[c] for u, c in zip(users, cut)]))
+        lens += lengths
+    times, qtimes = [], []
+    for u, c in zip(users, cut):
+        t = u.times[c]
+        times.append(t)
+        qtimes.append(np.append(t[1:], u.request_time) if t.size else t)
+    batch = SequenceBatch(
+        seq=KeyedJaggedTensor(keys=keys, values=torch.from_numpy(np.concatenate(values)),
+                              lengths=torch.tensor(lens, dtype=torch.int64)),
+        max_len=max(lengths), timestamps=torch.from_numpy(np.concatenate(times)),
+        query_times=torch.from_numpy(np.concatenate(qtimes)),
+        has_time=torch.tensor([u.has_time for u in users], dtype=torch.bool),
+    )
+    ctx_names = list(model.embedding_cfg.pooled_features)
+    if ctx_names and model.ranking_context:
+        vals = [u.context.get(f, np.zeros(0, np.int64)) for f in ctx_names for u in users]
+        batch.context = KeyedJaggedTensor(keys=ctx_names, values=torch.from_numpy(np.concatenate(vals)),
+                                          lengths=torch.tensor([v.size for v in vals], dtype=torch.int64))
+    return batch.to(device)
+
+
+class TorchEngine:
+    """The PyTorch engine (the embedded default), CPU or GPU."""
+
+    name = "torch"
+
+    def __init__(self, artifact: str | Path, device: str = "cpu", micro_batch: int = 256,
+                 objective_tasks: tuple[str, ...] | None = None) -> None:
+        self.device = torch.device(device)
+        self.model, self.manifest = load_model(artifact, self.device)
+        self.artifact = str(artifact)
+        self.micro_batch = micro_batch
+        self.schema = schema_of(self.model)
+        # eCPM multiplies the predictions of these tasks (default: all, e.g. pCTR x pCVR)
+        self.objective_tasks = objective_tasks or self.schema.tasks
+        with torch.inference_mode():
+            corpus = self.model.corpus_ids
+            self.items = torch.cat([self.model.item_embeddings(corpus[i : i + 65536])
+                                    for i in range(0, corpus.numel(), 65536)])  # [N, D]
+        self.corpus = corpus
+        self.version = version_of(self.manifest)
+
+    @torch.inference_mode()
+    def run(self, works: list[Work]) -> list[Result]:
+        t0 = time.perf_counter()
+        batch = collate_users([w.user for w in works], self.model, self.device)
+        users, state = self.model.encode_history(batch)
+        need = [(i, w) for i, w in enumerate(works) if w.kind == "retrieve" or w.candidates is None]
+        retrieved = self.retrieve(users, need) if need else {}
+        # what each work ranks: given candidates, or what it retrieved (unless it only retrieves)
+        to_rank: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        for i, w in enumerate(works):
+            if w.kind == "retrieve" or (i in retrieved and (not self.schema.tasks or w.objective == "retrieval")):
+                continue
+            if w.candidates is not None:
+                to_rank[i] = (w.candidates, w.candidate_ids, w.bids)
+            else:
+                ids = retrieved[i][0]
+                to_rank[i] = (ids, ids, np.ones(ids.size))
+        probs = self.score(state, to_rank)
+        results = []
+        for i, w in enumerate(works):
+            if i not in to_rank:
+                ids, rs = retrieved[i]
+                results.append(Result(ids, rs.astype(np.float64), rs))
+                continue
+            _, out_ids, bids = to_rank[i]
+            tasks = {t: probs[i][:, j] for j, t in enumerate(self.schema.tasks)}
+            rs = retrieved[i][1] if i in retrieved else None
+            value = self.order(w.objective, tasks, bids, rs)
+            keep = np.argsort(-value, kind="stable")[: w.top_k] if w.kind == "recommend" else np.arange(value.size)
+            results.append(Result(out_ids[keep], value[keep], rs[keep] if rs is not None else None,
+                                  {t: v[keep] for t, v in tasks.items()}))
+        ms = (time.perf_counter() - t0) * 1e3
+        for r in results:
+            r.compute_ms, r.batch_size = ms, len(works)
+        return results
+
+    def retrieve(self, users: torch.Tensor, works: list[tuple[int, Work]]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Exact top-k over the whole catalogue, one matmul for all (row, work) pairs."""
+        rows = torch.tensor([i for i, _ in works], device=users.device)
+        scores = self.model.head.scores(users[rows], self.items).float()  # [b, N]
+        for j, (_, w) in enumerate(works):
+            if w.exclude_history:
+                seen = torch.from_numpy(w.user.items).to(self.corpus.device)
+                idx = torch.searchsorted(self.corpus, seen).clamp(max=self.corpus.numel() - 1)
+                scores[j, idx[self.corpus[idx] == seen]] = -math.inf
+        k = max(w.retrieve_k for _, w in works)
+        top = torch.topk(scores, k, dim=1)
+        ids, vals = self.corpus[top.indices].cpu().numpy(), top.values.cpu().numpy()
+        return {i: (ids[j, : w.retrieve_k], vals[j, : w.retrieve_k]) for j, (i, w) in enumerate(works)}
+
+    def score(self, state, to_rank: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> dict[int, np.ndarray]:  # noqa: ANN001
+        """Task probabilities of every work's candidates, scored against the cached histories
+        in micro-batches that mix users: {work: [c, tasks]}."""
+        if not to_rank:
+            return {}
+        keys = list(to_rank)
+        items = torch.from_numpy(np.concatenate([to_rank[i][0] for i in keys])).to(self.device)
+        owner = torch.from_numpy(np.concatenate([np.full(to_rank[i][0].size, i) for i in keys])).to(self.device)
+        mb = self.micro_batch
+        probs = torch.cat([self.model.score_candidates(state, items[s : s + mb], owner[s : s + mb])
+                           for s in range(0, items.numel(), mb)]).float().cpu().numpy()
+        splits = np.cumsum([to_rank[i][0].size for i in keys])[:-1]
+        return dict(zip(keys, np.split(probs, splits)))
+
+    def order(self, objective: str, tasks: dict[str, np.ndarray], bids: np.ndarray,
+              retrieval: np.ndarray | None) -> np.ndarray:
+        if objective == "retrieval" and retrieval is not None:
+            return retrieval.astype(np.float64)
+        if objective in tasks:
+            return tasks[objective].astype(np.float64)
+        # default and "ecpm": bid x product of the objective tasks (bid = 1 when none given)
+        value = bids.astype(np.float64).copy()
+        for t in self.objective_tasks:
+            value *= tasks[t]
+        return value
+
+
+def version_of(manifest: Manifest) -> str:
+    src = manifest.source
+    run = Path(src.get("run_dir", "?")).name
+    return f"{run}/{src.get('checkpoint', '?')}/{manifest.quantization.get('embeddings')}-{manifest.quantization.get('dense')}"

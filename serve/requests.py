@@ -1,0 +1,207 @@
+"""Request decoding and validation: wire bytes -> typed work items, or INVALID_ARGUMENT.
+
+Everything a request can get wrong is checked here, at the boundary, and named by its
+field path (``user.history[3].item_id``) so the caller can fix it; past this module the
+engines trust their inputs. Rules:
+
+* the message parses (a truncated or foreign payload is invalid, not an internal error)
+  and carries no field this contract does not define, at any depth;
+* history: 1..``max_history`` events; ids fit the item table (or hash, if the table says
+  so); action bitmasks fit the model's actions; timestamps >= 0;
+* context: known feature names, each at most once, ids that fit their tables;
+* candidates: at most ``max_candidates``, valid ids, bids finite and >= 0;
+* sizes: ``retrieve_k`` / ``k`` up to ``max_retrieve`` and the catalogue; ``top_k`` up to
+  what is ranked; objective: "", "retrieval", "ecpm" or a task name.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+from google.protobuf.message import DecodeError, Message
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+from embedding.spec import EmbeddingConfig, IdOutOfRange, prepare_ids
+from proto.genrec.v1 import recommender_pb2 as pb
+
+Kind = Literal["recommend", "retrieve", "rank"]
+DEFAULT_RETRIEVE_K, DEFAULT_TOP_K = 100, 10
+
+
+class InvalidRequest(ValueError):
+    """A request breaks the contract; ``str()`` names the field."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_history: int = 4096
+    max_candidates: int = 1024
+    max_retrieve: int = 1024
+
+
+@dataclass
+class UserInput:
+    items: np.ndarray  # [n] item table rows
+    times: np.ndarray  # [n] unix seconds (0 where unknown)
+    actions: np.ndarray  # [n] action bitmasks
+    has_time: bool
+    request_time: int
+    context: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class Work:
+    kind: Kind
+    user: UserInput
+    retrieve_k: int = 0
+    top_k: int = 0
+    candidates: np.ndarray | None = None  # [c] item table rows
+    candidate_ids: np.ndarray | None = None  # [c] as the caller sent them
+    bids: np.ndarray | None = None  # [c]
+    exclude_history: bool = True
+    objective: str = ""
+    deadline: float = math.inf  # time.monotonic() by which the caller stops waiting
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class ModelSchema:
+    """What a served model accepts, read from its artifact."""
+
+    embedding: EmbeddingConfig
+    num_actions: int
+    tasks: tuple[str, ...]
+    catalogue_size: int
+    max_history: int  # events the tower can take
+
+
+def _unknown_fields(msg: Message, path: str) -> str | None:
+    if len(UnknownFieldSet(msg)):
+        return path or "request"
+    for fd, value in msg.ListFields():
+        if fd.message_type is None or fd.message_type.GetOptions().map_entry:
+            continue
+        single = isinstance(value, Message)
+        for i, sub in enumerate([value] if single else value):
+            where = f"{path}.{fd.name}" if path else fd.name
+            bad = _unknown_fields(sub, where if single else f"{where}[{i}]")
+            if bad:
+                return bad
+    return None
+
+
+def parse(cls: type[Message], data: bytes) -> Message:
+    try:
+        msg = cls.FromString(data)
+    except DecodeError as e:
+        raise InvalidRequest(f"request: cannot parse {cls.DESCRIPTOR.name} ({e}); truncated or not protobuf") from None
+    bad = _unknown_fields(msg, "")
+    if bad:
+        raise InvalidRequest(f"{bad}: has fields this contract (genrec.v1) does not define")
+    return msg
+
+
+def _ids(schema: ModelSchema, feature: str, ids: np.ndarray, field_path: str) -> np.ndarray:
+    try:
+        return prepare_ids(schema.embedding.table_of(feature), feature, ids)
+    except IdOutOfRange as e:
+        idx = int(np.flatnonzero(ids == e.value)[0])
+        raise InvalidRequest(f"{field_path.format(idx)}: {e}") from None
+
+
+def decode_user(user: pb.User, schema: ModelSchema, limits: Limits) -> UserInput:
+    n = len(user.history)
+    if n == 0:
+        raise InvalidRequest("user.history: is empty; send at least one past event")
+    limit = min(limits.max_history, 10 * schema.max_history)
+    if n > limit:
+        raise InvalidRequest(f"user.history: has {n} events; the limit is {limit}")
+    raw = np.fromiter((e.item_id for e in user.history), np.int64, n)
+    items = _ids(schema, schema.embedding.item_feature, raw, "user.history[{}].item_id")
+    times = np.fromiter((e.timestamp for e in user.history), np.int64, n)
+    if (times < 0).any():
+        raise InvalidRequest(f"user.history[{int(np.flatnonzero(times < 0)[0])}].timestamp: is negative")
+    actions = np.fromiter((e.actions for e in user.history), np.int64, n)
+    if (actions >= (1 << schema.num_actions)).any():
+        i = int(np.flatnonzero(actions >= (1 << schema.num_actions))[0])
+        raise InvalidRequest(f"user.history[{i}].actions: bitmask {actions[i]} has bits beyond the model's "
+                             f"{schema.num_actions} actions")
+    if user.request_time < 0:
+        raise InvalidRequest("user.request_time: is negative")
+    has_time = bool((times > 0).all())
+    request_time = user.request_time or (int(times[-1]) if has_time else 0)
+    context: dict[str, np.ndarray] = {}
+    known = schema.embedding.pooled_features
+    for i, f in enumerate(user.context):
+        if f.name not in known:
+            raise InvalidRequest(f"user.context[{i}].name: '{f.name}' is not a context feature of this model; "
+                                 f"known: {list(known)}")
+        if f.name in context:
+            raise InvalidRequest(f"user.context[{i}].name: '{f.name}' is given twice")
+        ids = np.asarray(list(f.ids), np.int64)
+        context[f.name] = _ids(schema, f.name, ids, f"user.context[{i}].ids[{{}}]")
+    return UserInput(items, times, actions, has_time, request_time, context)
+
+
+def _candidates(cands, schema: ModelSchema, limits: Limits) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # noqa: ANN001
+    c = len(cands)
+    if c > limits.max_candidates:
+        raise InvalidRequest(f"candidates: {c} given; the limit is {limits.max_candidates}")
+    raw = np.fromiter((x.item_id for x in cands), np.int64, c)
+    rows = _ids(schema, schema.embedding.item_feature, raw, "candidates[{}].item_id")
+    bids = np.fromiter((x.bid for x in cands), np.float64, c)
+    bad = ~np.isfinite(bids) | (bids < 0)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise InvalidRequest(f"candidates[{i}].bid: {bids[i]} is not a finite number >= 0")
+    return rows, raw, bids
+
+
+def _objective(name: str, schema: ModelSchema, path: str) -> str:
+    valid = ["", "retrieval", *schema.tasks] + (["ecpm"] if schema.tasks else [])
+    if name not in valid:
+        raise InvalidRequest(f"{path}: '{name}' is not an objective of this model; valid: {valid}")
+    return name
+
+
+def _k(value: int, default: int, upper: int, path: str) -> int:
+    k = value or default
+    if k > upper:
+        raise InvalidRequest(f"{path}: {k} is more than the limit {upper}")
+    return k
+
+
+def decode(kind: Kind, data: bytes, schema: ModelSchema, limits: Limits) -> Work:
+    """Bytes of a Recommend / Retrieve / Rank request -> a validated ``Work``."""
+    if kind == "recommend":
+        req = parse(pb.RecommendRequest, data)
+        user = decode_user(req.user, schema, limits)
+        cap = min(limits.max_retrieve, schema.catalogue_size)
+        work = Work(kind, user, objective=_objective(req.objective, schema, "objective"),
+                    exclude_history=req.exclude_history if req.HasField("exclude_history") else True)
+        if len(req.candidates):
+            work.candidates, work.candidate_ids, work.bids = _candidates(req.candidates, schema, limits)
+            pool = len(req.candidates)
+        else:
+            work.retrieve_k = _k(req.retrieve_k, min(DEFAULT_RETRIEVE_K, cap), cap, "retrieve_k")
+            pool = work.retrieve_k
+        work.top_k = _k(req.top_k, min(DEFAULT_TOP_K, pool), pool, "top_k")
+        return work
+    if kind == "retrieve":
+        req = parse(pb.RetrieveRequest, data)
+        cap = min(limits.max_retrieve, schema.catalogue_size)
+        return Work(kind, decode_user(req.user, schema, limits), retrieve_k=_k(req.k, min(DEFAULT_RETRIEVE_K, cap), cap, "k"),
+                    exclude_history=req.exclude_history if req.HasField("exclude_history") else True)
+    req = parse(pb.RankRequest, data)
+    if not schema.tasks:
+        raise InvalidRequest("Rank: this model has no ranking tasks; use Retrieve or Recommend")
+    if len(req.candidates) == 0:
+        raise InvalidRequest("candidates: is empty; Rank needs at least one")
+    work = Work(kind, decode_user(req.user, schema, limits), objective=_objective(req.objective, schema, "objective"))
+    work.candidates, work.candidate_ids, work.bids = _candidates(req.candidates, schema, limits)
+    work.top_k = len(req.candidates)
+    return work
