@@ -133,7 +133,7 @@ class Batcher:
             await asyncio.sleep(0.01)
         if self.loop_task:
             self.loop_task.cancel()
-        for work, fut in self.queue:
+        for _, fut in self.queue:
             if not fut.done():
                 fut.set_exception(ShuttingDown("the server shut down before this request ran"))
         self.pool.shutdown(wait=False)
