@@ -247,7 +247,7 @@ class SequenceReader:
             if not labelled:
                 return None
             lo, hi = (self.cutoffs[0], self.cutoffs[1]) if self.split == "rank_valid" else (self.cutoffs[1], np.inf)
-            idx = np.flatnonzero((ev.times >= lo) & (ev.times < hi) & (ev.actions != 0))[: rk.eval_candidates]
+            idx = np.flatnonzero((ev.times >= lo) & (ev.times < hi) & (ev.actions != 0))[: self._max_candidates(rk.eval_candidates)]
             if idx.size == 0 or idx[0] == 0:
                 return None
             return with_candidates(ev, int(idx[0]), idx, self._hist_cap(idx.size), self.task_masks, train=False)
@@ -257,11 +257,15 @@ class SequenceReader:
             return None
         if self.task_masks and labelled and rk.num_candidates and rng.random() < rk.candidate_prob:
             cut = int(rng.integers(1, end))  # history events[:cut], candidates from events[cut:]
-            cand = np.arange(cut, min(end, cut + rk.num_candidates))
+            cand = np.arange(cut, min(end, cut + self._max_candidates(rk.num_candidates)))
             cand = cand[ev.actions[cand] != 0]
             if cand.size:
                 return with_candidates(ev, cut, cand, self._hist_cap(cand.size), self.task_masks, train=True)
         return retrieval_window(ev, end, msl + 1, rng if self.train_window == "random" else None)
+
+    def _max_candidates(self, k: int) -> int:
+        """Candidates take at most half the tower's tokens; the history keeps the rest."""
+        return max(1, min(k, self.max_seq_len // 2))
 
     def _hist_cap(self, k: int) -> int:
         """History events + k candidates that fit max_seq_len tokens (history + k overall)."""

@@ -1,0 +1,77 @@
+"""Fixtures for serving tests: a tiny ranking artifact and an in-process server on a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+from quant.convert import QuantizeConfig, export
+from serve.server import RecommenderServer, ServeConfig
+from tests.conftest import tiny_job_overrides
+from train.job import load_job
+from train.run import run_training
+
+RANKING_TOML = """
+[data]
+context_features = true
+[data.ranking]
+enabled = true
+num_candidates = 4
+[[embedding.tables]]
+name = "item"
+features = ["item"]
+dim = 16
+[[embedding.tables]]
+name = "action"
+features = ["action"]
+dim = 16
+[[embedding.tables]]
+name = "region"
+features = ["region"]
+dim = 4
+pooling = "sum"
+[[model.ranking.tasks]]
+name = "click"
+actions = ["click"]
+[[model.ranking.tasks]]
+name = "conversion"
+actions = ["conversion"]
+[train]
+early_stop_metric = "click/auc"
+"""
+
+
+def tiny_ranking_artifact(data: Path, out: Path, tower: str = "hstu", embeddings: str = "int8") -> Path:
+    cfg = out / "rank.toml"
+    cfg.write_text(RANKING_TOML)
+    job = load_job(cfg, tiny_job_overrides(data, out / "runs") + ["--train.max_epochs=1", f"--model.tower={tower}",
+                                                                   "--model.transformer.num_heads=2"])
+    run_dir, _ = run_training(job)
+    art = out / f"artifact-{tower}-{embeddings}"
+    export(run_dir, art, QuantizeConfig(embeddings=embeddings), progress=False)
+    return art
+
+
+class ThreadedServer:
+    """A RecommenderServer running its own event loop on a background thread."""
+
+    def __init__(self, artifact: Path, cfg: ServeConfig | None = None, engine=None) -> None:  # noqa: ANN001
+        self.cfg = cfg or ServeConfig(host="127.0.0.1", port=0)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = self.call(self._make(str(artifact), engine))
+        self.port = self.call(self.server.start())
+        self.target = f"127.0.0.1:{self.port}"
+
+    async def _make(self, artifact: str, engine) -> RecommenderServer:  # noqa: ANN001
+        return RecommenderServer(self.cfg, artifact, engine)
+
+    def call(self, coro):  # noqa: ANN001, ANN201
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=600)
+
+    def stop(self, grace: float = 2.0) -> None:
+        self.call(self.server.stop(grace))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)

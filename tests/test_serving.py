@@ -1,0 +1,342 @@
+"""The serving tier end to end: a real gRPC port, bad input, overload, deadlines, reload,
+replicas, graceful shutdown. Tiny models; every call goes through grpcio."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto.genrec.v1 import recommender_pb2 as pb
+from serve.batcher import BatchConfig
+from serve.client import RecommenderClient, user
+from serve.engine import TorchEngine
+from serve.requests import Limits
+from serve.server import ServeConfig
+from tests.serving_helpers import ThreadedServer, tiny_ranking_artifact
+
+ROOT = Path(__file__).resolve().parents[1]
+T0 = 1_700_000_000
+
+
+@pytest.fixture(scope="module")
+def artifacts(tiny_synth, tmp_path_factory):
+    out = tmp_path_factory.mktemp("serve")
+    return {t: tiny_ranking_artifact(tiny_synth, out, tower=t) for t in ("hstu", "transformer")}
+
+
+def history(n=5, seed=0):
+    rng = random.Random(seed)
+    return [(rng.randint(1, 600), T0 + 60 * i, rng.choice([1, 3, 7])) for i in range(n)]
+
+
+CTX = {"region": [3]}
+
+
+@pytest.mark.parametrize("tower", ["hstu", "transformer"])
+def test_recommend_retrieve_rank_match_the_offline_model(artifacts, tower):
+    srv = ThreadedServer(artifacts[tower])
+    try:
+        c = RecommenderClient(srv.target)
+        u = user(history(12), CTX)
+        rec = c.recommend(u, retrieve_k=40, top_k=7)
+        assert len(rec.items) == 7 and rec.model_version
+        scores = [i.score for i in rec.items]
+        assert scores == sorted(scores, reverse=True)
+        assert set(rec.items[0].tasks) == {"click", "conversion"}
+        for i in rec.items:  # default objective: eCPM with bid 1 = pCTR x pCVR
+            assert i.score == pytest.approx(i.tasks["click"] * i.tasks["conversion"], rel=1e-5)
+        ret = c.retrieve(u, k=40)
+        assert len(ret.items) == 40
+        assert {i.item_id for i in rec.items} <= {i.item_id for i in ret.items}
+        seen = {h[0] for h in history(12)}
+        assert not seen & {i.item_id for i in ret.items}  # history excluded by default
+        cands = [(i.item_id, 1.0 + k) for k, i in enumerate(ret.items[:9])]
+        rank = c.rank(u, cands, objective="click")
+        assert [i.item_id for i in rank.items] == [x for x, _ in cands]  # request order
+        # the served scores equal the offline model's on the same artifact
+        engine = srv.server.engine
+        from serve.requests import Work, decode_user
+
+        w = Work("rank", decode_user(u, engine.schema, Limits()), candidates=np.array([x for x, _ in cands]),
+                 candidate_ids=np.array([x for x, _ in cands]), bids=np.array([b for _, b in cands]), objective="click")
+        direct = engine.run([w])[0]
+        np.testing.assert_allclose([i.tasks["click"] for i in rank.items], direct.tasks["click"], rtol=1e-5)
+        ecpm = c.rank(u, cands, objective="ecpm")
+        for (_, bid), i in zip(cands, ecpm.items):
+            assert i.score == pytest.approx(bid * i.tasks["click"] * i.tasks["conversion"], rel=1e-5)
+    finally:
+        srv.stop()
+
+
+def test_end_to_end_cli_server_over_a_real_port(artifacts):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "genrec.cli", "serve", "--artifact", str(artifacts["hstu"]),
+                             "--host", "127.0.0.1", "--port", "0", "--threads", "1"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        port = None
+        deadline = time.time() + 120
+        while time.time() < deadline and port is None:
+            line = proc.stdout.readline()
+            m = re.search(r"on 127\.0\.0\.1:(\d+)", line)
+            port = int(m.group(1)) if m else None
+        assert port, "server did not start"
+        target = f"127.0.0.1:{port}"
+        ch = grpc.insecure_channel(target)
+        hs = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="genrec.v1.Recommender"))
+        assert hs.status == health_pb2.HealthCheckResponse.SERVING
+        from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        names = {s.name for s in resp.list_services_response.service}
+        assert {"genrec.v1.Recommender", "genrec.v1.Admin", "grpc.health.v1.Health"} <= names
+        c = RecommenderClient(target)
+        u = user(history(8), CTX)
+        assert len(c.recommend(u, retrieve_k=20, top_k=5).items) == 5
+        assert len(c.retrieve(u, k=10).items) == 10
+        assert len(c.rank(u, [(5, 1.0), (9, 2.0)]).items) == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def fuzz_cases(rng: random.Random, max_history: int) -> list[tuple[str, bytes, str]]:
+    """(method, request bytes, field the error must name)."""
+    ok = history(6)
+    cases = []
+
+    def rec(**kw):
+        base = dict(user=user(kw.pop("hist", ok), kw.pop("ctx", CTX)), retrieve_k=10, top_k=5)
+        base.update(kw)
+        return pb.RecommendRequest(**base)
+
+    valid_bytes = rec().SerializeToString()
+    for _ in range(10_000):
+        kind = rng.randrange(12)
+        if kind == 0:
+            cases.append(("Recommend", rec(hist=[(-rng.randint(1, 10**12), T0, 1)]).SerializeToString(), "user.history[0].item_id"))
+        elif kind == 1:
+            h = list(ok) + [(rng.randint(10**6, 2**62), T0, 1)]
+            cases.append(("Retrieve", pb.RetrieveRequest(user=user(h, CTX), k=5).SerializeToString(), "user.history[6].item_id"))
+        elif kind == 2:
+            cases.append(("Recommend", rec(hist=[]).SerializeToString(), "user.history"))
+        elif kind == 3:
+            cases.append(("Retrieve", pb.RetrieveRequest(user=user([(1, T0, 1)] * (max_history + rng.randint(1, 50)), CTX)).SerializeToString(), "user.history"))
+        elif kind == 4:
+            cands = [pb.Candidate(item_id=1, bid=1.0)] * (1025 + rng.randint(0, 20))
+            cases.append(("Rank", pb.RankRequest(user=user(ok, CTX), candidates=cands).SerializeToString(), "candidates"))
+        elif kind == 5:
+            bid = rng.choice([float("nan"), float("inf"), -1.0])
+            cands = [pb.Candidate(item_id=3, bid=1.0), pb.Candidate(item_id=4, bid=bid)]
+            cases.append(("Rank", pb.RankRequest(user=user(ok, CTX), candidates=cands).SerializeToString(), "candidates[1].bid"))
+        elif kind == 6:  # unknown field number 99 (varint) appended at the top level
+            cases.append(("Recommend", valid_bytes + bytes([0x98, 0x06, rng.randint(1, 127)]), "request"))
+        elif kind == 7:  # a truncated message
+            cut = rng.randint(1, len(valid_bytes) - 1)
+            data = valid_bytes[:cut]
+            try:
+                pb.RecommendRequest.FromString(data)
+                continue  # this cut happens to parse; not a truncation case
+            except Exception:  # noqa: BLE001
+                cases.append(("Recommend", data, "request"))
+        elif kind == 8:
+            cases.append(("Recommend", rec(hist=[(5, T0, 1 << 10)]).SerializeToString(), "user.history[0].actions"))
+        elif kind == 9:
+            cases.append(("Recommend", rec(ctx={"bogus": [1]}).SerializeToString(), "user.context[0].name"))
+        elif kind == 10:
+            cases.append(("Recommend", rec(retrieve_k=10**6).SerializeToString(), "retrieve_k"))
+        else:
+            cases.append(("Recommend", rec(objective="profit").SerializeToString(), "objective"))
+    return cases
+
+
+def test_ten_thousand_fuzzed_requests_are_invalid_argument_and_the_server_stays_up(artifacts):
+    limits = Limits(max_history=64)
+    srv = ThreadedServer(artifacts["hstu"], ServeConfig(host="127.0.0.1", port=0, limits=limits))
+    try:
+        ch = grpc.insecure_channel(srv.target)
+        calls = {m: ch.unary_unary(f"/genrec.v1.Recommender/{m}") for m in ("Recommend", "Retrieve", "Rank")}
+        cases = fuzz_cases(random.Random(7), limits.max_history)
+        assert len(cases) >= 9_500
+        valid = pb.RecommendRequest(user=user(history(6), CTX), retrieve_k=10, top_k=5).SerializeToString()
+        bad_codes, unnamed, valid_ok = [], [], 0
+        for start in range(0, len(cases), 250):
+            futs = [(calls[m].future(data, timeout=30), field) for m, data, field in cases[start : start + 250]]
+            valid_fut = calls["Recommend"].future(valid, timeout=30)  # valid traffic meanwhile
+            for f, field in futs:
+                try:
+                    f.result()
+                    bad_codes.append("OK")
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                        bad_codes.append(e.code())
+                    elif not e.details().startswith(field):
+                        unnamed.append((field, e.details()))
+            pb.RecommendResponse.FromString(valid_fut.result())
+            valid_ok += 1
+        assert bad_codes == [] and unnamed == [], (bad_codes[:5], unnamed[:5])
+        assert valid_ok == len(range(0, len(cases), 250))
+        assert len(RecommenderClient(srv.target).recommend(user(history(6), CTX)).items) == 10
+    finally:
+        srv.stop()
+
+
+class SlowEngine:
+    """A real engine whose batches take at least ``delay`` seconds (a known capacity)."""
+
+    def __init__(self, inner: TorchEngine, delay: float) -> None:
+        self.inner, self.delay = inner, delay
+        self.works_run = 0
+        self.name, self.version, self.schema, self.manifest, self.model = (
+            inner.name, inner.version, inner.schema, inner.manifest, inner.model)
+
+    def run(self, works):  # noqa: ANN001, ANN201
+        time.sleep(self.delay)
+        self.works_run += len(works)
+        return self.inner.run(works)
+
+
+def test_overload_is_shed_quickly_memory_stays_bounded_and_service_recovers(artifacts):
+    engine = SlowEngine(TorchEngine(artifacts["hstu"]), delay=0.05)
+    cfg = ServeConfig(host="127.0.0.1", port=0, batch=BatchConfig(max_batch=4, max_wait_ms=1, max_queue=8))
+    srv = ThreadedServer(artifacts["hstu"], cfg, engine=engine)
+    try:
+        c = RecommenderClient(srv.target, timeout_s=10)
+        u = user(history(6), CTX)
+        results: list[tuple[str, float]] = []
+
+        def one(_):
+            t = time.perf_counter()
+            try:
+                c.retrieve(u, k=5)
+                results.append(("OK", time.perf_counter() - t))
+            except grpc.RpcError as e:
+                results.append((e.code().name, time.perf_counter() - t))
+
+        import resource
+
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with ThreadPoolExecutor(64) as pool:  # far past capacity: ~80 requests/s
+            list(pool.map(one, range(1500)))
+        rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        shed = [t for code, t in results if code == "RESOURCE_EXHAUSTED"]
+        assert len(shed) > 1000, {code for code, _ in results}
+        assert sorted(shed)[len(shed) // 2] < 0.05  # refusals are fast (median)
+        assert {code for code, _ in results} <= {"OK", "RESOURCE_EXHAUSTED"}
+        assert engine.works_run <= 1500 - len(shed)
+        assert (rss1 - rss0) < 200_000  # KiB: the queue, not the backlog, holds memory
+        time.sleep(0.3)
+        for _ in range(5):  # load gone: every call succeeds again
+            assert len(c.retrieve(u, k=5).items) == 5
+    finally:
+        srv.stop()
+
+
+def test_expired_requests_get_deadline_exceeded_without_running(artifacts):
+    engine = SlowEngine(TorchEngine(artifacts["hstu"]), delay=0.3)
+    cfg = ServeConfig(host="127.0.0.1", port=0, batch=BatchConfig(max_batch=1, max_wait_ms=0, max_queue=64))
+    srv = ThreadedServer(artifacts["hstu"], cfg, engine=engine)
+    try:
+        c = RecommenderClient(srv.target, timeout_s=0.1)
+        u = user(history(4), CTX)
+        codes = []
+
+        def one(_):
+            try:
+                c.retrieve(u)
+                codes.append("OK")
+            except grpc.RpcError as e:
+                codes.append(e.code().name)
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(one, range(8)))
+        assert set(codes) == {"DEADLINE_EXCEEDED"}
+        time.sleep(0.5)
+        assert engine.works_run <= 1  # only the first one started before its deadline passed
+    finally:
+        srv.stop()
+
+
+def test_reload_swaps_the_artifact_without_dropping_calls(artifacts):
+    srv = ThreadedServer(artifacts["hstu"])
+    try:
+        c = RecommenderClient(srv.target, timeout_s=30)
+        u = user(history(6), CTX)
+        stop, errors, versions = threading.Event(), [], set()
+
+        def traffic():
+            while not stop.is_set():
+                try:
+                    versions.add(c.retrieve(u, k=5).model_version)
+                except grpc.RpcError as e:
+                    errors.append(e.code())
+
+        threads = [threading.Thread(target=traffic) for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        new_version = c.load_artifact(str(artifacts["transformer"])).model_version
+        time.sleep(0.3)
+        stop.set()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert c.info().tower == "transformer" and new_version in versions and len(versions) == 2
+    finally:
+        srv.stop()
+
+
+def test_two_replicas_behind_client_side_round_robin(artifacts):
+    a, b = ThreadedServer(artifacts["hstu"]), ThreadedServer(artifacts["hstu"])
+    try:
+        c = RecommenderClient([a.target, b.target])
+        u = user(history(6), CTX)
+        answers = {tuple(i.item_id for i in c.retrieve(u, k=5).items) for _ in range(20)}
+        assert len(answers) == 1  # stateless replicas answer alike
+        served = [s.server.metrics.requests.labels("retrieve", "OK")._value.get() for s in (a, b)]
+        assert served[0] >= 5 and served[1] >= 5 and sum(served) == 20
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_graceful_shutdown_finishes_calls_in_flight(artifacts):
+    engine = SlowEngine(TorchEngine(artifacts["hstu"]), delay=0.4)
+    srv = ThreadedServer(artifacts["hstu"], ServeConfig(host="127.0.0.1", port=0), engine=engine)
+    c = RecommenderClient(srv.target, timeout_s=10)
+    u = user(history(4), CTX)
+    with ThreadPoolExecutor(4) as pool:
+        futs = [pool.submit(c.retrieve, u, 5) for _ in range(3)]
+        time.sleep(0.1)
+        srv.stop(grace=5)
+        assert all(len(f.result().items) == 5 for f in futs)
+    with pytest.raises(grpc.RpcError) as e:
+        c.retrieve(u, 5)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_generated_proto_code_is_current(tmp_path):
+    import shutil
+
+    shutil.copytree(ROOT / "proto", tmp_path / "proto")
+    subprocess.run(["bash", str(tmp_path / "proto" / "generate.sh")], check=True, cwd=tmp_path,
+                   env={**os.environ, "PATH": os.path.dirname(sys.executable) + ":" + os.environ["PATH"]})
+    for name in ("recommender_pb2.py", "recommender_pb2_grpc.py", "recommender_pb2.pyi"):
+        assert (tmp_path / "proto/genrec/v1" / name).read_text() == (ROOT / "proto/genrec/v1" / name).read_text(), name
+
