@@ -6,6 +6,7 @@
     genrec eval --run DIR [--split test] [--baseline popular|transition --data DIR]
     genrec quantize --checkpoint RUN --out ARTIFACT [--embeddings int8] [--dense fp32]
     genrec serve --artifact ARTIFACT --engine torch|sglang --port N
+    genrec loadtest --target HOST:PORT --qps 50,100,200 --duration S --workload FILE
 
 Handlers import their layer lazily so ``--help`` answers at once. Each handler is thin:
 parse, build, run; the logic lives in the layers and is tested without the CLI.
@@ -90,7 +91,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve an artifact over gRPC (genrec.v1.Recommender)",
                        description="gRPC ranking service: Recommend / Retrieve / Rank, health, reflection, metrics.")
     p.add_argument("--artifact", required=True, help="artifact directory written by 'genrec quantize'")
-    p.add_argument("--engine", choices=["torch", "sglang"], default="torch")
+    p.add_argument("--engine", choices=["torch", "sglang", "naive"], default="torch",
+                   help="torch: batched PyTorch engine; sglang: the tower inside SGLang; naive: one request at a "
+                   "time, history encoded twice (the load-test baseline)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics HTTP port (0: off)")
@@ -107,10 +110,34 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-retrieve", type=int, default=1024)
 
 
+def _loadtest_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("loadtest", help="open-loop QPS sweep against a live server: percentiles, errors, max QPS",
+                       description="Open-loop (Poisson) load test of genrec.v1.Recommender/Recommend. Latency is "
+                       "measured from each request's scheduled send time. Only --target is ever contacted.")
+    p.add_argument("--target", help="HOST:PORT of the server under test")
+    p.add_argument("--qps", default="50,100,200", help="offered load steps, comma separated")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per step")
+    p.add_argument("--workload", help="JSONL requests (see --make-workload)")
+    p.add_argument("--slo-p99-ms", type=float, default=15.0, help="p99 budget; failures count as over budget")
+    p.add_argument("--timeout-ms", type=float, default=1000.0, help="per-call deadline")
+    p.add_argument("--max-requests", type=int, default=1_000_000, help="stop the whole run after this many")
+    p.add_argument("--out", help="output directory (run) or workload file (--make-workload)")
+    p.add_argument("--no-progress", action="store_true")
+    w = p.add_argument_group("workload creation")
+    w.add_argument("--make-workload", metavar="DATA", help="write a workload from a dataset's latest user events")
+    w.add_argument("--n", type=int, default=2000, help="requests in the workload")
+    w.add_argument("--history", type=int, default=200, help="events per request history (latest)")
+    w.add_argument("--retrieve-k", type=int, default=100)
+    w.add_argument("--top-k", type=int, default=10)
+    w.add_argument("--candidates", type=int, default=0, help="explicit candidates per request (0: retrieve)")
+    w.add_argument("--with-actions", action="store_true", help="keep action bitmasks (models with an action table)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="genrec", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-    for add in (_demo_parser, _data_parser, _train_parser, _eval_parser, _quantize_parser, _serve_parser):
+    for add in (_demo_parser, _data_parser, _train_parser, _eval_parser, _quantize_parser, _serve_parser,
+                _loadtest_parser):
         add(sub)
     return parser
 
@@ -128,6 +155,10 @@ def _handler(cmd: str) -> Handler:
         from serve.cli import cmd_serve
 
         return cmd_serve
+    if cmd == "loadtest":
+        from benchmarks.loadtest import cmd_loadtest
+
+        return cmd_loadtest
     raise SystemExit(f"unknown command {cmd}")
 
 

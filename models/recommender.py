@@ -94,9 +94,11 @@ class GenerativeRecommender(nn.Module):
 
     def _tokens(self, batch: SequenceBatch) -> tuple[torch.Tensor, Tokens]:
         tok = layout(self.sparse(batch.seq), batch, self.item_feature, self.interleaved)
-        if tok.max_len > self.cfg.max_seq_len:
+        # candidates share one position, so only the history is bounded by max_seq_len
+        longest = tok.max_len if tok.num_targets is None else int(tok.positions.max()) + 1
+        if longest > self.cfg.max_seq_len:
             raise ValueError(
-                f"a sequence of {tok.max_len} tokens exceeds model.max_seq_len "
+                f"a history of {longest} tokens exceeds model.max_seq_len "
                 f"{self.cfg.max_seq_len}; truncate it before the model"
             )
         x = tok.x * self.scale + self.pos_emb(tok.positions)

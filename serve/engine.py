@@ -46,7 +46,8 @@ def schema_of(model: GenerativeRecommender) -> ModelSchema:
     actions = emb.table_of("action").num_embeddings.bit_length() - 1 if "action" in emb.sequence_features else 0
     tasks = tuple(t.name for t in model.cfg.ranking.tasks)
     tpe = 2 if model.interleaved else 1
-    return ModelSchema(emb, actions, tasks, int(model.corpus_ids.numel()), model.cfg.max_seq_len // tpe)
+    # one position stays free for the candidates, which sit right after the history
+    return ModelSchema(emb, actions, tasks, int(model.corpus_ids.numel()), (model.cfg.max_seq_len - 1) // tpe)
 
 
 def collate_users(users: list[UserInput], model: GenerativeRecommender, device: torch.device) -> SequenceBatch:
@@ -182,3 +183,64 @@ def version_of(manifest: Manifest) -> str:
     src = manifest.source
     run = Path(src.get("run_dir", "?")).name
     return f"{run}/{src.get('checkpoint', '?')}/{manifest.quantization.get('embeddings')}-{manifest.quantization.get('dense')}"
+
+
+class NaiveTorchEngine(TorchEngine):
+    """The baseline: one request at a time, eager, no shared history encoding.
+
+    Retrieval encodes the history; ranking appends the candidates to the history and runs
+    the whole tower again (``model.rank``). Same model, same scores, none of the serving
+    work: what a first deployment would do. Serve it with ``--max-batch 1``.
+    """
+
+    name = "naive"
+
+    @torch.inference_mode()
+    def run(self, works: list[Work]) -> list[Result]:
+        return [self._one(w) for w in works]
+
+    def _one(self, w: Work) -> Result:
+        t0 = time.perf_counter()
+        batch = collate_users([w.user], self.model, self.device)
+        users = self.model.user_embeddings(batch)
+        retrieved = self.retrieve(users, [(0, w)]) if w.kind == "retrieve" or w.candidates is None else {}
+        if w.kind == "retrieve" or not self.schema.tasks or w.objective == "retrieval":
+            ids, rs = retrieved[0]
+            return Result(ids, rs.astype(np.float64), rs, compute_ms=(time.perf_counter() - t0) * 1e3)
+        if w.candidates is not None:
+            cands, out_ids, bids = w.candidates, w.candidate_ids, w.bids
+        else:
+            cands = out_ids = retrieved[0][0]
+            bids = np.ones(cands.size)
+        probs = self.model.rank(with_candidates(w.user, cands, self.model, self.device)).float().cpu().numpy()
+        tasks = {t: probs[:, j] for j, t in enumerate(self.schema.tasks)}
+        rs = retrieved[0][1] if retrieved else None
+        value = self.order(w.objective, tasks, bids, rs)
+        keep = np.argsort(-value, kind="stable")[: w.top_k] if w.kind == "recommend" else np.arange(value.size)
+        return Result(out_ids[keep], value[keep], rs[keep] if rs is not None else None,
+                      {t: v[keep] for t, v in tasks.items()}, compute_ms=(time.perf_counter() - t0) * 1e3)
+
+
+def with_candidates(u: UserInput, cands: np.ndarray, model: GenerativeRecommender, device: torch.device) -> SequenceBatch:
+    """One user's history with ``cands`` appended as targets (seen at the request time)."""
+    cap = schema_of(model).max_history
+    k = cands.size
+    hist = slice(max(0, u.items.size - cap), None)
+    items = np.concatenate([u.items[hist], cands])
+    acts = np.concatenate([u.actions[hist], np.zeros(k, np.int64)])
+    t = u.times[hist]
+    times = np.concatenate([t, np.full(k, u.request_time, np.int64)])
+    qtimes = np.concatenate([t[1:], [u.request_time], np.full(k, u.request_time, np.int64)])
+    keys, values, n = [model.item_feature], [items], [items.size]
+    if "action" in model.sparse.sequence_features:
+        keys, values, n = keys + ["action"], values + [acts], n * 2
+    batch = SequenceBatch(
+        seq=KeyedJaggedTensor(keys=keys, values=torch.from_numpy(np.concatenate(values)), lengths=torch.tensor(n)),
+        max_len=items.size, timestamps=torch.from_numpy(times), query_times=torch.from_numpy(qtimes),
+        has_time=torch.tensor([u.has_time]), num_targets=torch.tensor([k]))
+    names = list(model.embedding_cfg.pooled_features)
+    if names and model.ranking_context:
+        vals = [u.context.get(f, np.zeros(0, np.int64)) for f in names]
+        batch.context = KeyedJaggedTensor(keys=names, values=torch.from_numpy(np.concatenate(vals)),
+                                          lengths=torch.tensor([v.size for v in vals]))
+    return batch.to(device)

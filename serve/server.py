@@ -45,7 +45,7 @@ class ServeConfig:
     host: str = "0.0.0.0"
     port: int = 50051
     metrics_port: int = 0  # Prometheus HTTP exposition; 0 = off
-    engine: Literal["torch", "sglang"] = "torch"
+    engine: Literal["torch", "naive", "sglang"] = "torch"
     device: str = "cpu"
     default_timeout_ms: float = 1000.0  # deadline for calls that set none
     grace_s: float = 10.0
@@ -58,9 +58,9 @@ def make_engine(kind: str, artifact: str, device: str):  # noqa: ANN201 - an eng
         from serve.sglang_engine import SGLangEngine
 
         return SGLangEngine(artifact, device=device)
-    from serve.engine import TorchEngine
+    from serve.engine import NaiveTorchEngine, TorchEngine
 
-    return TorchEngine(artifact, device=device)
+    return (NaiveTorchEngine if kind == "naive" else TorchEngine)(artifact, device=device)
 
 
 def _scored(result: Result, tasks: tuple[str, ...]) -> list[pb.ScoredItem]:

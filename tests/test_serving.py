@@ -340,3 +340,17 @@ def test_generated_proto_code_is_current(tmp_path):
     for name in ("recommender_pb2.py", "recommender_pb2_grpc.py", "recommender_pb2.pyi"):
         assert (tmp_path / "proto/genrec/v1" / name).read_text() == (ROOT / "proto/genrec/v1" / name).read_text(), name
 
+
+
+def test_naive_engine_returns_the_same_answers_as_the_batched_engine(artifacts):
+    from serve.engine import NaiveTorchEngine
+    from serve.requests import decode
+
+    fast, naive = TorchEngine(artifacts["hstu"]), NaiveTorchEngine(artifacts["hstu"])
+    works = []
+    for seed in range(4):
+        req = pb.RecommendRequest(user=user(history(5 + 3 * seed, seed), CTX), retrieve_k=30, top_k=8)
+        works.append(decode("recommend", req.SerializeToString(), fast.schema, Limits()))
+    for a, b in zip(fast.run(works), naive.run(works)):
+        np.testing.assert_array_equal(a.item_ids, b.item_ids)
+        np.testing.assert_allclose(a.scores, b.scores, rtol=1e-5, atol=1e-7)

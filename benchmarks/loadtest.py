@@ -1,0 +1,248 @@
+"""Open-loop load generator for genrec.v1.Recommender: QPS sweeps, latency percentiles,
+errors by status code, the highest QPS under a p99 budget.
+
+Open loop: each step draws Poisson send times for its offered QPS and sends on schedule
+whatever the server's speed; latency is measured from the *scheduled* send time, so a
+slow server cannot hide latency by slowing the sender (no coordinated omission). Failed
+calls count as infinitely slow in ``p99_all``, the number the SLO is checked against.
+
+    genrec loadtest --target 127.0.0.1:50051 --qps 50,100,200 --duration 10 \\
+        --workload workload.jsonl --slo-p99-ms 15 --out loadtest-out/
+    genrec loadtest --make-workload data/ml1m --out workload.jsonl --n 2000
+
+Only ever sends to ``--target``; every step is bounded by its duration and the whole run
+by ``--max-requests``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+from tqdm import tqdm
+
+from benchmarks.hdr import Histogram
+from proto.genrec.v1 import recommender_pb2 as pb
+
+
+@dataclass
+class StepResult:
+    offered_qps: float
+    duration_s: float
+    sent: int
+    ok: int
+    errors: dict[str, int]
+    achieved_qps: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    p999_ms: float
+    p99_all_ms: float  # failures counted as infinitely slow
+    max_ms: float
+    late_sends: int  # sends the generator itself made > 1 ms late
+
+
+@dataclass
+class LoadTestResult:
+    target: str
+    method: str
+    slo_p99_ms: float
+    steps: list[StepResult] = field(default_factory=list)
+    max_qps_within_slo: float = 0.0
+    workload: str = ""
+
+
+# ----- workloads ------------------------------------------------------------------------------
+def make_workload(data: str | Path, out: str | Path, n: int = 2000, history: int = 200, retrieve_k: int = 100,
+                  top_k: int = 10, candidates: int = 0, with_actions: bool = False, seed: int = 0) -> Path:
+    """Recommend requests from real users' latest events (JSONL, one request a line).
+
+    ``with_actions`` keeps the events' action bitmasks (for models with an action table)."""
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(Path(data) / "interactions.parquet", columns=["item_ids", "timestamps", "actions"])
+    rng = np.random.default_rng(seed)
+    rows = rng.choice(t.num_rows, size=n, replace=t.num_rows < n)
+    items, times, acts = (t.column(c).to_pylist() for c in ("item_ids", "timestamps", "actions"))
+    with open(out, "w") as f:
+        for r in rows:
+            h = items[r][-history:]
+            ts = (times[r] or [0] * len(items[r]))[-history:]
+            ac = (acts[r] or [0] * len(items[r]))[-history:]
+            req = {"history": [[int(i), int(x), int(a) if with_actions else 0] for i, x, a in zip(h, ts, ac)],
+                   "retrieve_k": retrieve_k, "top_k": top_k}
+            if candidates:
+                req["candidates"] = [[int(c), 1.0] for c in rng.choice(items[r], size=min(candidates, len(items[r])))]
+            f.write(json.dumps(req) + "\n")
+    return Path(out)
+
+
+def load_workload(path: str | Path) -> list[bytes]:
+    """JSONL requests -> serialized RecommendRequests (serialized once, before sending)."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        user = pb.User(history=[pb.Event(item_id=i, timestamp=t, actions=a) for i, t, a in r["history"]],
+                       context=[pb.ContextFeature(name=k, ids=v) for k, v in r.get("context", {}).items()])
+        req = pb.RecommendRequest(user=user, retrieve_k=r.get("retrieve_k", 0), top_k=r.get("top_k", 0),
+                                  candidates=[pb.Candidate(item_id=i, bid=b) for i, b in r.get("candidates", [])])
+        out.append(req.SerializeToString())
+    if not out:
+        raise ValueError(f"{path}: no requests")
+    return out
+
+
+# ----- the open-loop sender ---------------------------------------------------------------------
+async def run_step(call, payloads: list[bytes], qps: float, duration: float, timeout: float,
+                   seed: int, max_requests: int, bar: tqdm | None = None) -> StepResult:
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / qps, size=int(qps * duration * 1.5) + 10)
+    offsets = np.cumsum(gaps)
+    offsets = offsets[offsets < duration][:max_requests]
+    loop = asyncio.get_running_loop()
+    hist, codes = Histogram(), Counter()
+    late = 0
+    start = loop.time() + 0.05
+
+    async def one(payload: bytes, scheduled: float) -> None:
+        try:
+            await call(payload, timeout=timeout)
+            codes["OK"] += 1
+            hist.record(loop.time() - scheduled)
+        except grpc.aio.AioRpcError as e:
+            codes[e.code().name] += 1
+        if bar is not None:
+            bar.update(1)
+
+    tasks = []
+    for i, off in enumerate(offsets):
+        delay = start + off - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        elif delay < -1e-3:
+            late += 1
+        tasks.append(loop.create_task(one(payloads[i % len(payloads)], start + off)))
+    await asyncio.gather(*tasks)
+    sent, ok = len(offsets), codes["OK"]
+    if sent == 0:
+        return StepResult(qps, duration, 0, 0, {}, 0.0, *[math.nan] * 6, 0)
+
+    def pct(p: float) -> float:
+        return hist.percentile(p) * 1e3 if ok else math.nan
+
+    # p99 with failures as +inf: the (p99 * sent)-th latency must come from a success
+    rank_needed = math.ceil(0.99 * sent)
+    p99_all = math.inf if rank_needed > ok else hist.percentile(100.0 * rank_needed / ok) * 1e3
+    return StepResult(qps, duration, sent, ok, {k: v for k, v in codes.items() if k != "OK"},
+                      ok / duration, pct(50), pct(90), pct(99), pct(99.9), p99_all,
+                      hist.max * 1e3 if ok else math.nan, late)
+
+
+async def sweep(target: str, qps_steps: list[float], duration: float, payloads: list[bytes], slo_ms: float,
+                timeout_s: float = 1.0, max_requests: int = 1_000_000, progress: bool = True,
+                cooldown_s: float = 1.0, method: str = "Recommend") -> LoadTestResult:
+    result = LoadTestResult(target, method, slo_ms)
+    async with grpc.aio.insecure_channel(target) as ch:
+        await asyncio.wait_for(ch.channel_ready(), timeout=30)
+        call = ch.unary_unary(f"/genrec.v1.Recommender/{method}")
+        for j in range(min(50, len(payloads))):  # warm up connections and the server
+            try:
+                await call(payloads[j], timeout=5)
+            except grpc.aio.AioRpcError:
+                pass
+        budget = max_requests
+        for i, qps in enumerate(qps_steps):
+            n_expected = int(qps * duration)
+            bar = tqdm(total=n_expected, desc=f"{qps:g} qps", unit="req", leave=False, disable=not progress)
+            step = await run_step(call, payloads, qps, duration, timeout_s, seed=i, max_requests=budget, bar=bar)
+            bar.close()
+            budget -= step.sent
+            result.steps.append(step)
+            if progress:
+                tqdm.write(f"{qps:8g} qps offered | {step.achieved_qps:8.1f} ok/s | p50 {step.p50_ms:6.2f} "
+                           f"p99 {step.p99_ms:7.2f} p99(all) {step.p99_all_ms:7.2f} ms | errors {step.errors}")
+            if budget <= 0:
+                break
+            await asyncio.sleep(cooldown_s)
+    ok_steps = [s for s in result.steps if s.p99_all_ms <= slo_ms]
+    result.max_qps_within_slo = max((s.offered_qps for s in ok_steps), default=0.0)
+    return result
+
+
+# ----- reports --------------------------------------------------------------------------------
+def markdown(result: LoadTestResult) -> str:
+    lines = [f"Target {result.target}, {result.method}, p99 budget {result.slo_p99_ms:g} ms: "
+             f"**max QPS within budget: {result.max_qps_within_slo:g}**", "",
+             "| offered QPS | achieved ok/s | sent | p50 ms | p90 ms | p99 ms | p99.9 ms | p99 incl. errors | errors |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for s in result.steps:
+        err = ", ".join(f"{k}: {v}" for k, v in s.errors.items()) or "-"
+        lines.append(f"| {s.offered_qps:g} | {s.achieved_qps:.1f} | {s.sent} | {s.p50_ms:.2f} | {s.p90_ms:.2f} | "
+                     f"{s.p99_ms:.2f} | {s.p999_ms:.2f} | {s.p99_all_ms:.2f} | {err} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, LoadTestResult], out: Path, slo_ms: float) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, r in results.items():
+        qps = [s.offered_qps for s in r.steps]
+        p99 = [min(s.p99_all_ms, 1e4) for s in r.steps]
+        line = ax.plot(qps, p99, marker="o", label=f"{name} p99")[0]
+        ax.plot(qps, [s.p50_ms for s in r.steps], ls="--", color=line.get_color(), alpha=0.6, label=f"{name} p50")
+    ax.axhline(slo_ms, color="red", lw=1, label=f"p99 budget {slo_ms:g} ms")
+    ax.set(xlabel="offered load (QPS)", ylabel="latency (ms, failures as infinite)", yscale="log",
+           title="latency vs offered load (open loop)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def write_outputs(result: LoadTestResult, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "loadtest.json").write_text(json.dumps(asdict(result), indent=2) + "\n")
+    (out / "loadtest.md").write_text(markdown(result) + "\n")
+    plot({"server": result}, out / "latency_vs_load.png", result.slo_p99_ms)
+    return out
+
+
+def cmd_loadtest(args, overrides: list[str]) -> int:  # noqa: ANN001
+    if overrides:
+        raise SystemExit(f"genrec loadtest takes no config overrides: {overrides}")
+    if args.make_workload:
+        path = make_workload(args.make_workload, args.out or "workload.jsonl", n=args.n, history=args.history,
+                             retrieve_k=args.retrieve_k, top_k=args.top_k, candidates=args.candidates,
+                             with_actions=args.with_actions)
+        print(f"wrote {path}")
+        return 0
+    if not args.target:
+        raise SystemExit("genrec loadtest needs --target HOST:PORT (or --make-workload DATA)")
+    if not args.workload:
+        raise SystemExit("genrec loadtest needs --workload FILE (make one with --make-workload DATA --out FILE)")
+    payloads = load_workload(args.workload)
+    qps = [float(x) for x in args.qps.split(",")]
+    t0 = time.perf_counter()
+    result = asyncio.run(sweep(args.target, qps, args.duration, payloads, args.slo_p99_ms, args.timeout_ms / 1e3,
+                               args.max_requests, progress=not args.no_progress))
+    result.workload = str(args.workload)
+    out = write_outputs(result, args.out or "loadtest-out")
+    print(markdown(result))
+    print(f"\n{len(qps)} steps in {time.perf_counter() - t0:.0f}s; results in {out}/")
+    return 0

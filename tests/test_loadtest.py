@@ -1,0 +1,84 @@
+"""The load-test harness against a tiny live server with a known delay and failure rate."""
+
+import asyncio
+import json
+import threading
+
+import grpc
+import pytest
+
+from benchmarks.hdr import Histogram
+from benchmarks.loadtest import load_workload, make_workload, markdown, sweep, write_outputs
+from proto.genrec.v1 import recommender_pb2 as pb
+
+DELAY_S, FAIL_EVERY = 0.02, 10
+
+
+class KnownServer:
+    """Answers Recommend after DELAY_S; every FAIL_EVERY-th call fails with UNAVAILABLE."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.calls = 0
+        self.port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result()
+
+    async def _start(self) -> int:
+        async def handle(data: bytes, context) -> bytes:  # noqa: ANN001
+            self.calls += 1
+            n = self.calls
+            await asyncio.sleep(DELAY_S)
+            if n % FAIL_EVERY == 0:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "known failure")
+            return pb.RecommendResponse().SerializeToString()
+
+        self.server = grpc.aio.server()
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "genrec.v1.Recommender", {"Recommend": grpc.unary_unary_rpc_method_handler(handle)}),))
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        return port
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def test_histogram_percentiles_are_within_one_percent():
+    h = Histogram()
+    values = [i / 1000 for i in range(1, 1001)]  # 1..1000 ms
+    for v in values:
+        h.record(v)
+    for p, want in ((50, 0.5), (90, 0.9), (99, 0.99), (99.9, 0.999)):
+        assert h.percentile(p) == pytest.approx(want, rel=0.016)
+    assert h.total == 1000
+
+
+def test_sweep_counts_percentiles_and_errors_match_the_known_server(tmp_path):
+    srv = KnownServer()
+    try:
+        payload = [pb.RecommendRequest(top_k=1).SerializeToString()]
+        res = asyncio.run(sweep(f"127.0.0.1:{srv.port}", [40.0, 80.0], 3.0, payload, slo_ms=30.0,
+                                progress=False, cooldown_s=0.2))
+        warmup = 1
+        assert srv.calls == warmup + sum(s.sent for s in res.steps)
+        for s in res.steps:
+            assert s.ok + sum(s.errors.values()) == s.sent
+            assert set(s.errors) <= {"UNAVAILABLE"}
+            assert abs(s.sent - s.offered_qps * 3.0) < 5 * (s.offered_qps * 3.0) ** 0.5  # Poisson count
+            assert 0.05 < s.errors.get("UNAVAILABLE", 0) / s.sent < 0.15  # every 10th call fails
+            assert DELAY_S * 1e3 <= s.p50_ms < DELAY_S * 1e3 + 15
+            assert s.p99_all_ms == float("inf")  # 10% failures can never meet a p99 budget
+        assert res.max_qps_within_slo == 0.0
+        out = write_outputs(res, tmp_path / "out")
+        assert json.loads((out / "loadtest.json").read_text())["steps"][0]["sent"] == res.steps[0].sent
+        assert (out / "latency_vs_load.png").stat().st_size > 1000
+        assert "max QPS within budget: 0" in markdown(res)
+    finally:
+        srv.stop()
+
+
+def test_workload_round_trip(tiny_synth, tmp_path):
+    path = make_workload(tiny_synth, tmp_path / "w.jsonl", n=20, history=8, retrieve_k=30, top_k=5)
+    reqs = [pb.RecommendRequest.FromString(b) for b in load_workload(path)]
+    assert len(reqs) == 20 and all(0 < len(r.user.history) <= 8 and r.retrieve_k == 30 for r in reqs)
