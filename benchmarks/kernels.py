@@ -1,0 +1,169 @@
+"""Kernel benchmark: HSTU attention and a full training step, reference vs compiled vs Triton.
+
+Shapes follow ML-1M's default config (B = 128 users, lengths drawn from ML-1M's capped
+distribution, 1 head, d = 64). Forward + backward per call; median of repeated, interleaved
+rounds, reported as ratios to the eager reference in the same run.
+
+* reference: ``hstu_attention_reference`` (pure PyTorch, padded to the batch's longest);
+* compiled: the same function under ``torch.compile`` (inductor: C++ on CPU, Triton on GPU);
+* triton: ``kernels.triton_hstu`` (GPU only; on CPU it only runs in the interpreter, which is
+  a correctness tool, not a speed one, so it is not timed here).
+
+    python -m benchmarks.kernels [--rounds 5] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from benchmarks.common import dataset, machine, today, update_results_md, write_json
+from kernels.hstu_attention import hstu_attention_reference
+from kernels.jagged import lengths_to_offsets
+
+
+def ml1m_lengths(batch: int, cap: int, seed: int) -> tuple[torch.Tensor, str]:
+    """Training lengths drawn from ML-1M (or, where the data is absent, a log-normal with
+    ML-1M's median 96 and spread), capped at ``cap``."""
+    rng = np.random.default_rng(seed)
+    try:
+        import pyarrow.parquet as pq
+
+        col = pq.read_table(dataset("ml1m") / "interactions.parquet", columns=["item_ids"]).column("item_ids")
+        lengths, source = np.diff(col.combine_chunks().offsets.to_numpy()) - 2, "ml-1m"
+    except (FileNotFoundError, OSError, ImportError):
+        lengths, source = np.round(96 * np.exp(0.95 * rng.standard_normal(6040))).astype(np.int64) + 18, "ml-1m-like"
+    return torch.from_numpy(rng.choice(np.minimum(lengths, cap), size=batch)).long(), source
+
+
+def attention_inputs(lengths: torch.Tensor, heads: int, dim: int, device: str, dtype: torch.dtype, msl: int):
+    t = int(lengths.sum())
+    g = torch.Generator().manual_seed(0)
+    mk = lambda: (torch.randn(t, heads, dim, generator=g) * 0.3).to(device, dtype).requires_grad_()  # noqa: E731
+    ts = torch.cumsum(torch.randint(0, 3600, (t,), generator=g), 0).to(device)
+    kw = dict(max_seq_len=msl, alpha=dim**-0.5, pos_weights=torch.randn(msl, device=device).requires_grad_(),
+              time_weights=torch.randn(64, device=device).requires_grad_(), timestamps=ts, query_times=ts + 30,
+              max_len=int(lengths.max()))
+    return (mk(), mk(), mk(), lengths_to_offsets(lengths).to(device)), kw
+
+
+def time_call(fn, reps: int, device: str) -> float:
+    fn()  # warm-up (and compile)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps
+
+
+def bench_attention(device: str, rounds: int, reps: int) -> dict:
+    lengths, source = ml1m_lengths(128, 200, seed=0)
+    args, kw = attention_inputs(lengths, 1, 64, device, torch.float32, 200)
+    compiled = torch.compile(hstu_attention_reference, dynamic=True)
+
+    def fwd_bwd(f):  # noqa: ANN001, ANN202
+        def run() -> None:
+            out = f(*args, **kw)
+            out.square().mean().backward()
+        return run
+
+    paths = {"reference": fwd_bwd(hstu_attention_reference), "compiled": fwd_bwd(compiled)}
+    if device == "cuda":
+        from kernels.triton_hstu import triton_hstu_attention
+
+        paths["triton"] = fwd_bwd(triton_hstu_attention)
+        args16, kw16 = attention_inputs(lengths, 1, 64, device, torch.bfloat16, 200)
+        paths["triton_bf16"] = lambda: triton_hstu_attention(*args16, **kw16).float().square().mean().backward()
+    times = {k: [] for k in paths}
+    for _ in range(rounds):
+        for name, fn in paths.items():
+            times[name].append(time_call(fn, reps, device))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"shape": {"batch": 128, "tokens": int(lengths.sum()), "max_len": int(lengths.max()), "heads": 1, "dim": 64,
+                      "lengths_from": source},
+            "ms": {k: v * 1e3 for k, v in med.items()},
+            "speedup_vs_reference": {k: med["reference"] / v for k, v in med.items()}}
+
+
+def bench_train_step(device: str, rounds: int, steps: int) -> dict:
+    from train.data.reader import make_reader
+    from train.job import build_model, load_job
+    from train.trainer import build_optimizer
+
+    data = dataset("ml1m")
+    job = load_job("configs/hstu.toml", [f'--data.path="{data}"'])
+    out = {}
+    batches = None
+    for variant in ("eager", "compiled"):
+        torch.manual_seed(0)
+        model, emb = build_model(job)
+        model = model.to(device)
+        if batches is None:
+            reader = make_reader(job.data, "train", emb, job.model.max_seq_len)
+            batches = [b for _, b in zip(range(steps + 1), reader)]
+        if variant == "compiled":
+            model.tower.compile(dynamic=True)
+        opt = build_optimizer(list(model.parameters()), job.train.optim)
+
+        def step(b, model=model, opt=opt) -> None:  # noqa: ANN001
+            model(b.to(device))["loss"].backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for b in batches[:3]:  # warm-up: compile every shape bucket first
+            step(b)
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for b in batches[1:]:
+                step(b)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) / (len(batches) - 1))
+        out[variant] = {"s_per_step": statistics.median(times), "sequences_per_s": job.data.batch_size / statistics.median(times)}
+    out["compiled_speedup"] = out["eager"]["s_per_step"] / out["compiled"]["s_per_step"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--no-train-step", action="store_true", help="attention only (no torchrec / data needed)")
+    args = ap.parse_args()
+    att = bench_attention(args.device, args.rounds, args.reps)
+    print("attention", att)
+    step = None if args.no_train_step else bench_train_step(args.device, max(2, args.rounds // 2), args.steps)
+    print("train step", step)
+    result = {"date": today(), "machine": machine(), "device": args.device, "attention": att, "train_step": step}
+    write_json("kernels" if args.device == "cpu" else f"kernels_{args.device}", result)
+    m = result["machine"]
+    rows = "\n".join(f"| {k} | {v:.2f} | {att['speedup_vs_reference'][k]:.2f}x |" for k, v in att["ms"].items())
+    update_results_md(f"kernels_{args.device}", "\n".join([
+        f"## Kernels ({args.device})", "",
+        f"`python -m benchmarks.kernels` — {today()}, {m['gpu'] or m['cpu']}, {m['threads']} threads, torch {m['torch']}.",
+        f"HSTU attention forward + backward, ML-1M-shaped batch ({att['shape']['batch']} users, "
+        f"{att['shape']['tokens']} tokens, longest {att['shape']['max_len']}, d=64):", "",
+        "| path | ms | vs reference |", "|---|---|---|", rows, "",
+        *([] if step is None else [
+            "Full training step (default ML-1M HSTU config, batch 128):", "",
+            "| tower | s/step | sequences/s | ratio |", "|---|---|---|---|",
+            f"| eager | {step['eager']['s_per_step']:.3f} | {step['eager']['sequences_per_s']:.0f} | 1.00x |",
+            f"| torch.compile | {step['compiled']['s_per_step']:.3f} | {step['compiled']['sequences_per_s']:.0f} | "
+            f"{step['compiled_speedup']:.2f}x |"]),
+        "" if args.device == "cuda" else "\nTriton kernels need a GPU to be timed; on CPU they run (and are tested) only "
+        "under the Triton interpreter. See `benchmarks/gpu_check.sh`.",
+    ]))
+
+
+if __name__ == "__main__":
+    main()
