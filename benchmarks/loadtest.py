@@ -64,13 +64,17 @@ def make_workload(data: str | Path, out: str | Path, n: int = 2000, history: int
                   top_k: int = 10, candidates: int = 0, with_actions: bool = False, seed: int = 0) -> Path:
     """Recommend requests from real users' latest events (JSONL, one request a line).
 
-    ``with_actions`` keeps the events' action bitmasks (for models with an action table)."""
+    ``with_actions`` keeps the events' action bitmasks and the user's context features
+    (for ranking models with action and context tables)."""
     import pyarrow.parquet as pq
 
-    t = pq.read_table(Path(data) / "interactions.parquet", columns=["item_ids", "timestamps", "actions"])
+    pf = pq.ParquetFile(Path(data) / "interactions.parquet")
+    ctx_cols = [c for c in pf.schema_arrow.names if c.startswith("ctx_")] if with_actions else []
+    t = pf.read(columns=["item_ids", "timestamps", "actions", *ctx_cols])
     rng = np.random.default_rng(seed)
     rows = rng.choice(t.num_rows, size=n, replace=t.num_rows < n)
     items, times, acts = (t.column(c).to_pylist() for c in ("item_ids", "timestamps", "actions"))
+    ctx = {c[4:]: t.column(c).to_pylist() for c in ctx_cols}
     with open(out, "w") as f:
         for r in rows:
             h = items[r][-history:]
@@ -78,6 +82,8 @@ def make_workload(data: str | Path, out: str | Path, n: int = 2000, history: int
             ac = (acts[r] or [0] * len(items[r]))[-history:]
             req = {"history": [[int(i), int(x), int(a) if with_actions else 0] for i, x, a in zip(h, ts, ac)],
                    "retrieve_k": retrieve_k, "top_k": top_k}
+            if ctx:
+                req["context"] = {k: v[r] for k, v in ctx.items() if v[r]}
             if candidates:
                 req["candidates"] = [[int(c), 1.0] for c in rng.choice(items[r], size=min(candidates, len(items[r])))]
             f.write(json.dumps(req) + "\n")

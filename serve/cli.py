@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import os
 import signal
+from pathlib import Path
 
 import torch
 
@@ -38,6 +41,8 @@ async def _serve(cfg: ServeConfig, artifact: str) -> None:
     finally:
         print("draining ...", flush=True)
         await server.stop()
+        if os.environ.get("GENREC_PROFILE_OUT"):  # where time went, for the serving benchmark
+            Path(os.environ["GENREC_PROFILE_OUT"]).write_text(json.dumps(server.profile(), indent=2))
 
 
 def cmd_serve(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -101,14 +101,23 @@ class TorchEngine:
                                     for i in range(0, corpus.numel(), 65536)])  # [N, D]
         self.corpus = corpus
         self.version = version_of(self.manifest)
+        self.stages: dict[str, float] = {}  # seconds spent per stage, summed over batches
+
+    def _mark(self, stage: str, t0: float) -> float:
+        now = time.perf_counter()
+        self.stages[stage] = self.stages.get(stage, 0.0) + now - t0
+        return now
 
     @torch.inference_mode()
     def run(self, works: list[Work]) -> list[Result]:
-        t0 = time.perf_counter()
+        t0 = t = time.perf_counter()
         batch = collate_users([w.user for w in works], self.model, self.device)
-        users, state = self.model.encode_history(batch)
+        t = self._mark("collate", t)
+        users, state = self.model.encode_history(batch)  # embedding lookups + tower
+        t = self._mark("encode_history", t)
         need = [(i, w) for i, w in enumerate(works) if w.kind == "retrieve" or w.candidates is None]
         retrieved = self.retrieve(users, need) if need else {}
+        t = self._mark("retrieve_topk", t)
         # what each work ranks: given candidates, or what it retrieved (unless it only retrieves)
         to_rank: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         for i, w in enumerate(works):
@@ -120,6 +129,7 @@ class TorchEngine:
                 ids = retrieved[i][0]
                 to_rank[i] = (ids, ids, np.ones(ids.size))
         probs = self.score(state, to_rank)
+        t = self._mark("rank_candidates", t)
         results = []
         for i, w in enumerate(works):
             if i not in to_rank:
@@ -133,6 +143,7 @@ class TorchEngine:
             keep = np.argsort(-value, kind="stable")[: w.top_k] if w.kind == "recommend" else np.arange(value.size)
             results.append(Result(out_ids[keep], value[keep], rs[keep] if rs is not None else None,
                                   {t: v[keep] for t, v in tasks.items()}))
+        self._mark("order", t)
         ms = (time.perf_counter() - t0) * 1e3
         for r in results:
             r.compute_ms, r.batch_size = ms, len(works)

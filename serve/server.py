@@ -87,6 +87,8 @@ class RecommenderServer:
         self.health = health.aio.HealthServicer()
         self.port = 0
         self._reloading = asyncio.Lock()
+        self.stages: dict[str, float] = {"decode": 0.0, "encode_response": 0.0}
+        self.served = 0
 
     # ----- lifecycle ------------------------------------------------------------------------
     async def start(self) -> int:
@@ -173,6 +175,7 @@ class RecommenderServer:
     async def _serve(self, kind: Kind, data: bytes, context: grpc.aio.ServicerContext, t0: float) -> bytes:
         engine = self.engine
         work = decode(kind, data, engine.schema, self.cfg.limits)
+        self.stages["decode"] += time.monotonic() - t0
         remaining = context.time_remaining()
         budget = self.cfg.default_timeout_ms / 1e3 if remaining is None or math.isinf(remaining) else remaining
         work.deadline = t0 + budget
@@ -181,9 +184,17 @@ class RecommenderServer:
         timing = pb.Timing(queue_ms=(time.monotonic() - t0) * 1e3 - result.compute_ms,
                            compute_ms=result.compute_ms, batch_size=result.batch_size)
         self.metrics.compute.observe(result.compute_ms / 1e3)
+        t1 = time.monotonic()
         items = _scored(result, engine.schema.tasks)
         cls = {"recommend": pb.RecommendResponse, "retrieve": pb.RetrieveResponse, "rank": pb.RankResponse}[kind]
-        return cls(items=items, model_version=engine.version, timing=timing).SerializeToString()
+        out = cls(items=items, model_version=engine.version, timing=timing).SerializeToString()
+        self.stages["encode_response"] += time.monotonic() - t1
+        self.served += 1
+        return out
+
+    def profile(self) -> dict[str, object]:
+        """Seconds per stage since start (server side + the engine's), and calls served."""
+        return {"served": self.served, "stages_s": {**self.stages, **getattr(self.engine, "stages", {})}}
 
     async def _load_artifact(self, req: pb.LoadArtifactRequest, context: grpc.aio.ServicerContext) -> pb.LoadArtifactResponse:
         t0 = time.monotonic()

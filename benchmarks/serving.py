@@ -1,0 +1,200 @@
+"""Serving benchmark: the highest QPS within p99 <= 15 ms for the ML-1M HSTU artifact.
+
+Requests: real ML-1M users' latest 200 events (+ rating actions and profile context);
+retrieve 100 from the whole catalogue, rank the 100, return 10. Servers, each a separate
+``genrec serve`` process on 127.0.0.1, load-tested one after another by the open-loop
+harness from this process:
+
+* (a) naive: one request at a time, eager, history encoded twice (``--engine naive``);
+* (b) torch: cross-request batching, history encoded once (``--engine torch``);
+* (c) sglang: the tower inside SGLang (``--engine sglang``), when SGLang is installed.
+
+Also measured in the same run: single-request latency (closed loop), the model's FLOPs per
+request (``torch.utils.flop_counter``), the machine's peak from a matmul micro-benchmark,
+hence how close each server gets to the physical limit, and where the server's time goes
+at load (its per-stage profile).
+
+    python -m benchmarks.serving [--artifact DIR] [--engines naive,torch,sglang] [--duration 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import grpc
+import numpy as np
+import torch
+
+from benchmarks.common import RESULTS, ROOT, dataset, machine, today, update_results_md, write_json
+from benchmarks.loadtest import load_workload, make_workload, plot, sweep
+from proto.genrec.v1 import recommender_pb2 as pb
+
+SWEEPS = {
+    "naive": [10, 20, 40, 60, 80, 100, 130],
+    "torch": [50, 100, 200, 300, 400, 500, 600, 800],
+    "sglang": [25, 50, 100, 200, 300, 400],
+}
+SERVER_ARGS = {"naive": ["--max-batch", "1"], "torch": ["--max-batch", "32", "--max-wait-ms", "2"],
+               "sglang": ["--max-batch", "32", "--max-wait-ms", "2"]}
+
+
+def default_artifact(out: Path) -> Path:
+    """The ML-1M joint retrieval + ranking HSTU model of the ranking benchmark, int8 tables."""
+    from quant.convert import QuantizeConfig, export
+
+    art = out / "ml1m-hstu-int8"
+    if (art / "manifest.json").exists():
+        return art
+    recs = json.loads((RESULTS / "ranking.json").read_text())["records"]
+    run = next(r["run_dir"] for r in recs if r["dataset"] == "ml1m" and r["variant"] == "joint")
+    export(run, art, QuantizeConfig(embeddings="int8"), progress=False)
+    return art
+
+
+def peak_gflops(threads: int, n: int = 2048, reps: int = 10) -> float:
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
+
+
+def flops_per_request(artifact: Path, payload: bytes) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from serve.engine import TorchEngine
+    from serve.requests import Limits, decode
+
+    engine = TorchEngine(artifact)
+    work = decode("recommend", payload, engine.schema, Limits())
+    with FlopCounterMode(display=False) as fc:
+        engine.run([work])
+    return float(fc.get_total_flops())
+
+
+def start_server(engine: str, artifact: Path, threads: int, profile_out: Path) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "GENREC_PROFILE_OUT": str(profile_out)}
+    cmd = [sys.executable, "-m", "genrec.cli", "serve", "--artifact", str(artifact), "--engine", engine,
+           "--host", "127.0.0.1", "--port", "0", "--threads", str(threads), "--max-queue", "512",
+           *SERVER_ARGS[engine]]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            raise RuntimeError(f"{engine} server exited ({proc.returncode})")
+        m = re.search(r"on 127\.0\.0\.1:(\d+)", line)
+        if m:
+            return proc, f"127.0.0.1:{m.group(1)}"
+    proc.kill()
+    raise RuntimeError(f"{engine} server did not start in 300 s")
+
+
+def single_request_latency(target: str, payloads: list[bytes], n: int = 300) -> dict[str, float]:
+    ch = grpc.insecure_channel(target)
+    call = ch.unary_unary("/genrec.v1.Recommender/Recommend")
+    lat = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        pb.RecommendResponse.FromString(call(payloads[i % len(payloads)], timeout=5))
+        lat.append((time.perf_counter() - t0) * 1e3)
+    ch.close()
+    return {"p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)), "n": n}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--artifact")
+    ap.add_argument("--engines", default="naive,torch,sglang")
+    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--slo-p99-ms", type=float, default=15.0)
+    ap.add_argument("--server-threads", type=int, default=1)
+    ap.add_argument("--out", default="runs/benchmarks/serving")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    artifact = Path(args.artifact) if args.artifact else default_artifact(out)
+    wl = out / "workload.jsonl"
+    if not wl.exists():
+        make_workload(dataset("ml1m"), wl, n=2000, history=200, retrieve_k=100, top_k=10, with_actions=True)
+    payloads = load_workload(wl)
+    peak = peak_gflops(args.server_threads)
+    flops = flops_per_request(artifact, payloads[0])
+    torch.set_num_threads(1)  # the load generator keeps to itself
+    results, sweeps = {}, {}
+    for engine in args.engines.split(","):
+        if engine == "sglang":
+            try:
+                import sglang  # noqa: F401
+            except ImportError:
+                results[engine] = {"skipped": "SGLang is not installed (bash .ci/setup-sglang)"}
+                continue
+        prof = out / f"profile-{engine}.json"
+        proc, target = start_server(engine, artifact, args.server_threads, prof)
+        try:
+            single = single_request_latency(target, payloads)
+            res = asyncio.run(sweep(target, SWEEPS[engine], args.duration, payloads, args.slo_p99_ms, timeout_s=1.0))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)
+        sweeps[engine] = res
+        profile = json.loads(prof.read_text()) if prof.exists() else {}
+        best = res.max_qps_within_slo
+        results[engine] = {"max_qps_within_slo": best, "single_request": single, "sweep": asdict(res),
+                           "profile": profile,
+                           "utilization_at_max": flops * best / (peak * 1e9) if best else 0.0}
+        print(engine, json.dumps({k: results[engine][k] for k in ("max_qps_within_slo", "single_request")}))
+    base = results.get("naive", {}).get("max_qps_within_slo") or 0
+    for r in results.values():
+        if "max_qps_within_slo" in r:
+            r["vs_naive"] = r["max_qps_within_slo"] / base if base else None
+    plot(sweeps, RESULTS / "serving_latency.png", args.slo_p99_ms)
+    payload = {"date": today(), "machine": machine(), "artifact": str(artifact), "slo_p99_ms": args.slo_p99_ms,
+               "workload": {"requests": len(payloads), "history": 200, "retrieve_k": 100, "rank": 100, "top_k": 10},
+               "peak_gflops": peak, "flops_per_request": flops, "server_threads": args.server_threads,
+               "engines": results}
+    write_json("serving", payload)
+    update_results_md("serving", render(payload))
+
+
+def render(p: dict) -> str:
+    lines = ["## Serving (ML-1M HSTU artifact, open-loop load test)", "",
+             f"`python -m benchmarks.serving` — {p['date']}, {p['machine']['cpu']}, {p['machine']['cores']} cores "
+             f"shared by server ({p['server_threads']} compute thread) and load generator. Requests: history up to 200, "
+             "retrieve 100 from the catalogue, rank 100, return 10.", "",
+             f"| server | max QPS with p99 <= {p['slo_p99_ms']:g} ms | x naive | single request p50 / p99 ms | "
+             "FLOP utilization at max |", "|---|---|---|---|---|"]
+    for name, r in p["engines"].items():
+        if "skipped" in r:
+            lines.append(f"| {name} | skipped: {r['skipped']} | | | |")
+            continue
+        vs = f"{r['vs_naive']:.2f}x" if r.get("vs_naive") else "-"
+        s = r["single_request"]
+        lines.append(f"| {name} | {r['max_qps_within_slo']:g} | {vs} | {s['p50_ms']:.2f} / {s['p99_ms']:.2f} | "
+                     f"{100 * r['utilization_at_max']:.1f}% |")
+    lines += ["", f"Model FLOPs per request: {p['flops_per_request'] / 1e6:.1f} MFLOP; machine peak (fp32 matmul, "
+              f"{p['server_threads']} thread): {p['peak_gflops']:.1f} GFLOP/s.", "",
+              "Where the batched server's time goes at load (share of server time):", ""]
+    prof = p["engines"].get("torch", {}).get("profile", {})
+    stages = prof.get("stages_s", {})
+    total = sum(stages.values()) or 1.0
+    lines += ["| stage | share |", "|---|---|"] + [f"| {k} | {100 * v / total:.1f}% |" for k, v in
+                                                  sorted(stages.items(), key=lambda kv: -kv[1])]
+    lines += ["", "![latency vs load](results/serving_latency.png)"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
