@@ -50,22 +50,26 @@ def schema_of(model: GenerativeRecommender) -> ModelSchema:
     return ModelSchema(emb, actions, tasks, int(model.corpus_ids.numel()), (model.cfg.max_seq_len - 1) // tpe)
 
 
-def collate_users(users: list[UserInput], model: GenerativeRecommender, device: torch.device) -> SequenceBatch:
-    """Histories (each cut to the tower's capacity) -> a SequenceBatch without candidates."""
+def collate_users(users: list[UserInput], model: GenerativeRecommender, device: torch.device,
+                  candidates: list[np.ndarray] | None = None) -> SequenceBatch:
+    """Histories (each cut to the tower's capacity) -> a SequenceBatch; with ``candidates``
+    (one array per user) they are appended as targets, seen at the request time."""
     cap = schema_of(model).max_history
+    cands = candidates or [np.zeros(0, np.int64)] * len(users)
     cut = [slice(max(0, u.items.size - cap), None) for u in users]
-    items = [u.items[c] for u, c in zip(users, cut)]
+    items = [np.concatenate([u.items[c], k]) for u, c, k in zip(users, cut, cands)]
     lengths = [x.size for x in items]
     keys, values, lens = [model.item_feature], [np.concatenate(items)], list(lengths)
     if "action" in model.sparse.sequence_features:
         keys.append("action")
-        values.append(np.concatenate([u.actions[c] for u, c in zip(users, cut)]))
+        values.append(np.concatenate([np.concatenate([u.actions[c], np.zeros(k.size, np.int64)])
+                                      for u, c, k in zip(users, cut, cands)]))
         lens += lengths
     times, qtimes = [], []
-    for u, c in zip(users, cut):
+    for u, c, k in zip(users, cut, cands):
         t = u.times[c]
-        times.append(t)
-        qtimes.append(np.append(t[1:], u.request_time) if t.size else t)
+        times.append(np.concatenate([t, np.full(k.size, u.request_time, np.int64)]))
+        qtimes.append(np.concatenate([t[1:], [u.request_time], np.full(k.size, u.request_time, np.int64)]))
     batch = SequenceBatch(
         seq=KeyedJaggedTensor(keys=keys, values=torch.from_numpy(np.concatenate(values)),
                               lengths=torch.tensor(lens, dtype=torch.int64)),
@@ -73,6 +77,8 @@ def collate_users(users: list[UserInput], model: GenerativeRecommender, device: 
         query_times=torch.from_numpy(np.concatenate(qtimes)),
         has_time=torch.tensor([u.has_time for u in users], dtype=torch.bool),
     )
+    if candidates is not None:
+        batch.num_targets = torch.tensor([k.size for k in cands], dtype=torch.int64)
     ctx_names = list(model.embedding_cfg.pooled_features)
     if ctx_names and model.ranking_context:
         vals = [u.context.get(f, np.zeros(0, np.int64)) for f in ctx_names for u in users]
@@ -118,8 +124,15 @@ class TorchEngine:
         need = [(i, w) for i, w in enumerate(works) if w.kind == "retrieve" or w.candidates is None]
         retrieved = self.retrieve(users, need) if need else {}
         t = self._mark("retrieve_topk", t)
-        # what each work ranks: given candidates, or what it retrieved (unless it only retrieves)
-        to_rank: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        to_rank = self.plan_ranking(works, retrieved)
+        probs = self.score(state, to_rank)
+        t = self._mark("rank_candidates", t)
+        return self.finish(works, retrieved, to_rank, probs, t0)
+
+    def plan_ranking(self, works: list[Work], retrieved: dict) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """What each work ranks: (table rows, ids to return, bids) -- its given candidates or
+        what it retrieved; works that only retrieve rank nothing."""
+        to_rank = {}
         for i, w in enumerate(works):
             if w.kind == "retrieve" or (i in retrieved and (not self.schema.tasks or w.objective == "retrieval")):
                 continue
@@ -128,8 +141,10 @@ class TorchEngine:
             else:
                 ids = retrieved[i][0]
                 to_rank[i] = (ids, ids, np.ones(ids.size))
-        probs = self.score(state, to_rank)
-        t = self._mark("rank_candidates", t)
+        return to_rank
+
+    def finish(self, works: list[Work], retrieved: dict, to_rank: dict, probs: dict, t0: float) -> list[Result]:
+        t = time.perf_counter()
         results = []
         for i, w in enumerate(works):
             if i not in to_rank:
@@ -223,35 +238,11 @@ class NaiveTorchEngine(TorchEngine):
         else:
             cands = out_ids = retrieved[0][0]
             bids = np.ones(cands.size)
-        probs = self.model.rank(with_candidates(w.user, cands, self.model, self.device)).float().cpu().numpy()
+        batch = collate_users([w.user], self.model, self.device, candidates=[cands])
+        probs = self.model.rank(batch).float().cpu().numpy()
         tasks = {t: probs[:, j] for j, t in enumerate(self.schema.tasks)}
         rs = retrieved[0][1] if retrieved else None
         value = self.order(w.objective, tasks, bids, rs)
         keep = np.argsort(-value, kind="stable")[: w.top_k] if w.kind == "recommend" else np.arange(value.size)
         return Result(out_ids[keep], value[keep], rs[keep] if rs is not None else None,
                       {t: v[keep] for t, v in tasks.items()}, compute_ms=(time.perf_counter() - t0) * 1e3)
-
-
-def with_candidates(u: UserInput, cands: np.ndarray, model: GenerativeRecommender, device: torch.device) -> SequenceBatch:
-    """One user's history with ``cands`` appended as targets (seen at the request time)."""
-    cap = schema_of(model).max_history
-    k = cands.size
-    hist = slice(max(0, u.items.size - cap), None)
-    items = np.concatenate([u.items[hist], cands])
-    acts = np.concatenate([u.actions[hist], np.zeros(k, np.int64)])
-    t = u.times[hist]
-    times = np.concatenate([t, np.full(k, u.request_time, np.int64)])
-    qtimes = np.concatenate([t[1:], [u.request_time], np.full(k, u.request_time, np.int64)])
-    keys, values, n = [model.item_feature], [items], [items.size]
-    if "action" in model.sparse.sequence_features:
-        keys, values, n = keys + ["action"], values + [acts], n * 2
-    batch = SequenceBatch(
-        seq=KeyedJaggedTensor(keys=keys, values=torch.from_numpy(np.concatenate(values)), lengths=torch.tensor(n)),
-        max_len=items.size, timestamps=torch.from_numpy(times), query_times=torch.from_numpy(qtimes),
-        has_time=torch.tensor([u.has_time]), num_targets=torch.tensor([k]))
-    names = list(model.embedding_cfg.pooled_features)
-    if names and model.ranking_context:
-        vals = [u.context.get(f, np.zeros(0, np.int64)) for f in names]
-        batch.context = KeyedJaggedTensor(keys=names, values=torch.from_numpy(np.concatenate(vals)),
-                                          lengths=torch.tensor([v.size for v in vals]))
-    return batch.to(device)
