@@ -42,7 +42,9 @@ def _sized(table: TableConfig) -> int:
     return table.num_embeddings
 
 
-def sequence_table_configs(cfg: EmbeddingConfig) -> list[TRECEmbeddingConfig]:
+def sequence_table_configs(cfg: EmbeddingConfig, mch: bool | None = None) -> list[TRECEmbeddingConfig]:
+    """TorchRec configs of the sequence tables (``mch``: only managed-collision ones, or only
+    the others; None: all)."""
     return [
         TRECEmbeddingConfig(
             name=t.name,
@@ -53,7 +55,34 @@ def sequence_table_configs(cfg: EmbeddingConfig) -> list[TRECEmbeddingConfig]:
             init_fn=_init_fn(t),
         )
         for t in cfg.sequence_tables
+        if mch is None or (t.oov == "mch") == mch
     ]
+
+
+_EVICTION = {"distance_lfu": "DistanceLFU_EvictionPolicy", "lfu": "LFU_EvictionPolicy", "lru": "LRU_EvictionPolicy"}
+
+
+def managed_collision_collection(cfg: EmbeddingConfig, device: torch.device | None):  # noqa: ANN201
+    """A ManagedCollisionEmbeddingCollection over the ``oov = "mch"`` tables (or None)."""
+    from torchrec.modules import mc_modules
+    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection
+
+    tables = sequence_table_configs(cfg, mch=True)
+    if not tables:
+        return None
+    spec = {t.name: t for t in cfg.sequence_tables}
+    dev = device if device is not None and device.type != "meta" else torch.device("cpu")
+    modules = {}
+    for t in tables:
+        s = spec[t.name]
+        policy_cls = getattr(mc_modules, _EVICTION[s.mch_eviction])
+        policy = policy_cls() if s.mch_eviction == "lfu" else policy_cls(decay_exponent=1.0)
+        modules[t.name] = mc_modules.MCHManagedCollisionModule(
+            zch_size=t.num_embeddings, device=dev, eviction_policy=policy, eviction_interval=s.mch_eviction_interval,
+            input_hash_size=s.raw_id_space, buckets=s.mch_buckets)
+    mcc = mc_modules.ManagedCollisionCollection(managed_collision_modules=modules, embedding_configs=tables)
+    return ManagedCollisionEmbeddingCollection(EmbeddingCollection(tables=tables, device=device), mcc,
+                                               return_remapped_features=False)
 
 
 def pooled_table_configs(cfg: EmbeddingConfig) -> list[EmbeddingBagConfig]:
@@ -86,7 +115,11 @@ class SparseArch(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.sequence_features = list(cfg.sequence_features)
-        self.ec = EmbeddingCollection(tables=sequence_table_configs(cfg), device=device)
+        self.mch_features = [f for t in cfg.sequence_tables if t.oov == "mch" for f in t.features]
+        self.plain_features = [f for f in self.sequence_features if f not in self.mch_features]
+        plain = sequence_table_configs(cfg, mch=False)
+        self.ec = EmbeddingCollection(tables=plain, device=device) if plain else None
+        self.mc_ec = managed_collision_collection(cfg, device)
         pooled = pooled_table_configs(cfg)
         self.ebc = EmbeddingBagCollection(tables=pooled, device=device) if pooled else None
 
@@ -98,8 +131,25 @@ class SparseArch(nn.Module):
         bits = self.qat_bits.get(feature)
         return fake_quantize_rows(rows, bits) if bits and self.training else rows
 
+    def _lookup(self, kjt: KeyedJaggedTensor, features: list[str], mch: bool) -> dict[str, JaggedTensor]:
+        if mch:
+            lazy = self.mc_ec(kjt)[0]
+        else:
+            lazy = self.ec(kjt)
+        # a sharded collection returns a lazy awaitable; indexing by feature waits for it
+        return {f: lazy[f] for f in features}
+
+    def _subset(self, kjt: KeyedJaggedTensor, features: list[str]) -> KeyedJaggedTensor:
+        if list(kjt.keys()) == features:
+            return kjt
+        return KeyedJaggedTensor.from_jt_dict({f: kjt[f] for f in features})
+
     def forward(self, seq: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-        out = self.ec(seq)
+        out = {}
+        if self.plain_features:
+            out.update(self._lookup(self._subset(seq, self.plain_features), self.plain_features, False))
+        if self.mch_features:
+            out.update(self._lookup(self._subset(seq, self.mch_features), self.mch_features, True))
         if self.qat_bits and self.training:
             out = {f: JaggedTensor(values=self._qat(f, jt.values()), lengths=jt.lengths(), offsets=jt.offsets())
                    for f, jt in out.items()}
@@ -118,10 +168,8 @@ class SparseArch(nn.Module):
         """
         feature = feature or self.cfg.item_feature
         n = ids.numel()
-        lengths = torch.tensor(
-            [n if f == feature else 0 for f in self.sequence_features], dtype=torch.int64
-        )
-        kjt = KeyedJaggedTensor(
-            keys=self.sequence_features, values=ids.reshape(-1).long(), lengths=lengths.to(ids.device)
-        )
-        return self._qat(feature, self.ec(kjt)[feature].values())
+        mch = feature in self.mch_features
+        keys = self.mch_features if mch else self.plain_features
+        lengths = torch.tensor([n if f == feature else 0 for f in keys], dtype=torch.int64)
+        kjt = KeyedJaggedTensor(keys=keys, values=ids.reshape(-1).long(), lengths=lengths.to(ids.device))
+        return self._qat(feature, self._lookup(kjt, [feature], mch)[feature].values())

@@ -25,8 +25,14 @@ class TableConfig:
     """One embedding table.
 
     ``num_embeddings`` may be left out for the item table: it is then sized from the
-    dataset (largest item id + 1). ``oov = "hash"`` folds ids outside ``[0, num_embeddings)``
-    into the table with a fixed multiplicative hash; ``"error"`` refuses them.
+    dataset (largest item id + 1). Ids outside ``[0, num_embeddings)``:
+
+    * ``oov = "error"`` refuses them;
+    * ``"hash"`` folds them into the table with a fixed multiplicative hash (collisions share
+      a row; documented, deterministic, no state);
+    * ``"mch"``: TorchRec's managed-collision module maps raw ids in ``[0, raw_id_space)``
+      to rows, keeps the most useful ids (``mch_eviction``) and evicts the rest every
+      ``mch_eviction_interval`` training steps; ids it has not kept share one miss row.
     """
 
     name: str
@@ -34,7 +40,11 @@ class TableConfig:
     dim: int = 64
     num_embeddings: int | None = None
     pooling: Pooling = "none"
-    oov: Literal["error", "hash"] = "error"
+    oov: Literal["error", "hash", "mch"] = "error"
+    raw_id_space: int | None = None  # oov = "mch": raw ids lie in [0, raw_id_space)
+    mch_eviction: Literal["distance_lfu", "lfu", "lru"] = "distance_lfu"
+    mch_eviction_interval: int = 100
+    mch_buckets: int = 4  # sharded MCH needs a multiple of the world size
     data_type: Literal["fp32", "fp16"] = "fp32"
     sharding: Sharding = "auto"
     init_std: float | None = None
@@ -47,6 +57,9 @@ class TableConfig:
             raise ValueError(f"table '{self.name}': num_embeddings must be positive")
         if self.dim <= 0:
             raise ValueError(f"table '{self.name}': dim must be positive")
+        if self.oov == "mch" and (self.raw_id_space is None or self.num_embeddings is None or self.pooling != "none"):
+            raise ValueError(f"table '{self.name}': oov = \"mch\" needs raw_id_space (the raw id range), "
+                             "num_embeddings (the rows it manages) and a sequence table (pooling = \"none\")")
 
 
 def _default_tables() -> tuple[TableConfig, ...]:
@@ -154,7 +167,7 @@ def hash_ids(ids: np.ndarray, size: int) -> np.ndarray:
 def prepare_ids(table: TableConfig, feature: str, ids: np.ndarray, where: str = "") -> np.ndarray:
     """Checks (``oov="error"``) or folds (``oov="hash"``) ids for ``table``; returns int64 ids."""
     ids = np.asarray(ids, dtype=np.int64)
-    size = table.num_embeddings
+    size = table.raw_id_space if table.oov == "mch" else table.num_embeddings
     if size is None:
         raise ValueError(f"table '{table.name}' has no num_embeddings; resolve the spec first")
     if ids.size == 0:
@@ -162,7 +175,7 @@ def prepare_ids(table: TableConfig, feature: str, ids: np.ndarray, where: str = 
     bad = (ids < 0) | (ids >= size)
     if not bad.any():
         return ids
-    if table.oov == "error":
+    if table.oov in ("error", "mch"):  # mch remaps inside the model, within raw_id_space
         raise IdOutOfRange(feature, int(ids[bad][0]), size, where)
     out = ids.copy()
     out[bad] = hash_ids(ids[bad], size)

@@ -172,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from embedding.spec import IdOutOfRange
     from genrec.config import ConfigError
     from quant.artifact import ArtifactError
+    from train.checkpoint import IncompatibleCheckpoint
     from train.data.schema import DataFormatError
 
     try:
@@ -179,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"genrec: config error: {e}", file=sys.stderr)
         return 2
-    except (DataFormatError, IdOutOfRange, FileNotFoundError, ArtifactError) as e:
+    except (DataFormatError, IdOutOfRange, FileNotFoundError, ArtifactError, IncompatibleCheckpoint) as e:
         print(f"genrec: error: {e}", file=sys.stderr)
         return 2
 

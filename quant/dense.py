@@ -20,7 +20,7 @@ import torch.ao.nn.quantized.dynamic as nnqd
 from torch import nn
 
 Scheme = Literal["fp32", "bf16", "int8", "fp8"]
-SPARSE_PREFIXES = ("sparse.ec.", "sparse.ebc.")
+SPARSE_PREFIXES = ("sparse.ec.", "sparse.ebc.", "sparse.mc_ec.")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 

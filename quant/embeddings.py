@@ -47,8 +47,12 @@ def dequantize(parts: dict[str, torch.Tensor], scheme: Scheme, dim: int) -> torc
 
 def table_tensors(arch: SparseArch, scheme: Scheme) -> dict[str, torch.Tensor]:
     """Artifact tensors of every table: ``<table>.<part>``."""
+    if arch.mc_ec is not None:
+        raise ValueError(
+            "managed-collision (oov = \"mch\") tables cannot be exported yet: the artifact would need the "
+            "raw-id -> row map; train the serving model with oov = \"hash\" or \"error\"")
     out: dict[str, torch.Tensor] = {}
-    modules = [arch.ec] + ([arch.ebc] if arch.ebc is not None else [])
+    modules = [m for m in (arch.ec, arch.ebc) if m is not None]
     for module in modules:
         for key, weight in module.state_dict().items():
             table = key.split(".")[-2]

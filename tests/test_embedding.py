@@ -50,3 +50,31 @@ def test_prepare_ids_errors_or_hashes():
     out = prepare_ids(h, "item", np.array([3, 10, 10**12, -5]))
     assert out[0] == 3 and ((out >= 0) & (out < 10)).all()
     assert (hash_ids(np.array([10**12]), 10) == out[2]).all()  # deterministic
+
+
+def test_managed_collision_tables_remap_raw_ids_evict_and_keep_a_miss_row():
+    cfg = EmbeddingConfig(tables=(
+        TableConfig("item", ("item",), dim=8, num_embeddings=64, oov="mch", raw_id_space=10**8,
+                    mch_eviction_interval=2, mch_buckets=1),
+        TableConfig("action", ("action",), dim=8, num_embeddings=4),
+    ))
+    arch = SparseArch(cfg)
+    assert arch.mc_ec is not None and arch.plain_features == ["action"]
+    rng = np.random.default_rng(0)
+    popular = rng.integers(0, 10**8, 16)
+    for _ in range(8):  # popular ids recur, fresh random ids keep arriving
+        ids = np.concatenate([popular, rng.integers(0, 10**8, 40)])
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=["item", "action"], values=torch.from_numpy(np.concatenate([ids, np.ones(ids.size, np.int64)])),
+            lengths=torch.tensor([ids.size, ids.size]))
+        out = arch(kjt)
+        assert out["item"].values().shape == (ids.size, 8) and out["action"].values().shape == (ids.size, 8)
+        out["item"].values().sum().backward()
+    arch.eval()
+    kept = arch.lookup(torch.from_numpy(popular))
+    unseen = arch.lookup(torch.tensor([123, 456_789]))
+    torch.testing.assert_close(unseen[0], unseen[1])  # never-kept ids share the miss row
+    assert not torch.allclose(kept[0], unseen[0])  # popular ids kept rows of their own
+    with pytest.raises(IdOutOfRange):
+        prepare_ids(cfg.item_table, "item", np.array([10**8]))
+    assert prepare_ids(cfg.item_table, "item", np.array([10**8 - 1])).tolist() == [10**8 - 1]

@@ -73,15 +73,9 @@ def model_optim_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
     return {"model": msd, "optim": osd}
 
 
-def save_checkpoint(
-    root: Path,
-    step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    trainer_state: dict[str, Any],
-    tensors: dict[str, Any] | None = None,
-) -> Path:
-    """Writes ``root/step_<step>`` atomically; returns its path."""
+def save_checkpoint(root: Path, step: int, tensors: dict[str, Any], trainer_state: dict[str, Any]) -> Path:
+    """Writes ``tensors`` (model / optimizer state) and the trainer state to ``root/step_<step>``
+    atomically; returns its path."""
     rank, world = _rank_world()
     final = step_dir(root, step)
     tmp = root / f".{final.name}.tmp"
@@ -89,8 +83,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    state = tensors if tensors is not None else model_optim_state(model, optimizer)
-    dcp.save(state, checkpoint_id=tmp)
+    dcp.save(tensors, checkpoint_id=tmp)
     body = {**trainer_state, "world_size": world, "rank": rank}
     (tmp / f"trainer_state.rank{rank}.json").write_text(json.dumps(body, indent=1))
     _barrier()
@@ -114,13 +107,65 @@ def load_checkpoint(
     path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> dict[str, Any]:
     """Restores model (and optimizer) tensors from ``path``; returns this rank's trainer state."""
-    state = model_optim_state(model, optimizer)
-    dcp.load(state, checkpoint_id=path)
-    if optimizer is None:
-        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    PlainState(model, optimizer).restore(path, with_optimizer=optimizer is not None)
     return load_trainer_state(path)
+
+
+class PlainState:
+    """What a checkpoint holds of an unsharded (or DDP/FSDP) model and its optimizer.
+
+    ``train.parallel.Parallelized`` offers the same four methods for a DMP model."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state(self) -> dict[str, Any]:
+        return model_optim_state(self.model, self.optimizer)
+
+    def load(self, state: dict[str, Any]) -> None:
+        if self.optimizer is None or "optim" not in state:
+            set_state_dict(self.model, [], model_state_dict=state["model"], optim_state_dict={})
+        else:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def init_optimizer_state(self) -> None:
+        """get_state_dict already creates missing optimizer state."""
+
+    def restore(self, path: Path, with_optimizer: bool = True) -> None:
+        restore(self, path, with_optimizer)
+
+
+class IncompatibleCheckpoint(ValueError):
+    """A checkpoint was written for another model or feature spec."""
+
+
+def check_compatible(path: Path, model_state: dict[str, Any]) -> None:
+    """Compares the checkpoint's tensor shapes with the model's before loading anything;
+    names the first table (or tensor) that differs."""
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for key, value in model_state.items():
+        full = f"model.{key}"
+        shape = list(getattr(value, "size", lambda: ())())
+        what = f"table '{key.split('.')[-2]}'" if ".embeddings." in key or ".embedding_bags." in key else f"tensor '{key}'"
+        if full not in stored:
+            raise IncompatibleCheckpoint(f"{path}: {what} is not in this checkpoint (a different feature spec or model)")
+        got = list(getattr(stored[full], "size", []))
+        if got != shape:
+            raise IncompatibleCheckpoint(
+                f"{path}: {what} has shape {got} in the checkpoint but {shape} in this config "
+                f"(a different feature spec: num_embeddings or dim changed)")
+
+
+def restore(io: Any, path: Path, with_optimizer: bool = True) -> None:
+    """Loads checkpoint ``path`` into ``io`` (PlainState or Parallelized), resharding as needed."""
+    if with_optimizer:
+        io.init_optimizer_state()
+    state = io.state()
+    check_compatible(path, state["model"])
+    if not with_optimizer:
+        state = {"model": state["model"]}
+    dcp.load(state, checkpoint_id=path)
+    io.load(state)
 
 
 def prune_checkpoints(root: Path, keep: int, protect: set[Path]) -> None:

@@ -73,8 +73,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 def _print_results(run_dir: Path, results: dict) -> None:
     from train.evaluate import format_table
 
+    best = f"; best epoch {results['best_epoch']}" if "best_epoch" in results else ""
     print(f"\nrun: {run_dir}  ({results['epochs']} epochs, {results['train_seconds']:.0f}s of training, "
-          f"stopped: {results['stopped']}; best epoch {results['best_epoch']})")
+          f"stopped: {results['stopped']}{best})")
     test = results.get("test", {})
     if "ndcg@10" in test:
         print(format_table({"test @ best valid": test}))

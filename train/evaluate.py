@@ -96,10 +96,13 @@ def evaluate(
     cfg: EvalConfig | None = None,
     device: torch.device | None = None,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    total_batches: int | None = None,
 ) -> dict[str, float]:
     """HR / NDCG / MRR of ``model`` over ``batches`` (a reader of the valid or test split).
 
-    ``reduce`` (optional) sums metric state across ranks for distributed evaluation.
+    Distributed: ``reduce`` sums metric state across ranks; ``total_batches`` (the most any
+    rank has) keeps ranks with fewer batches running dummy forwards, since lookups in
+    sharded tables are collective calls every rank must join.
     """
     cfg = cfg or EvalConfig()
     was_training = model.training
@@ -108,6 +111,7 @@ def evaluate(
     items = torch.cat([model.item_embeddings(corpus[i : i + cfg.item_chunk])
                        for i in range(0, corpus.numel(), cfg.item_chunk)])
     metrics = RankingMetrics(cfg.hr_ks, cfg.ndcg_ks)
+    done, last = 0, None
     for batch in batches:
         if device is not None:
             batch = batch.to(device)
@@ -115,6 +119,10 @@ def evaluate(
         scores = model.head.scores(users, items).float()
         seen = (batch.seen_ids, batch.seen_lengths) if cfg.exclude_history else (None, None)
         metrics.update(target_ranks(scores, batch.targets, corpus, *seen).cpu())
+        done, last = done + 1, batch
+    while total_batches is not None and done < total_batches:
+        model.user_embeddings(last)  # a dummy forward: joins the other ranks' lookups
+        done += 1
     if reduce is not None:
         metrics.load_state(reduce(metrics.state()))
     model.train(was_training)

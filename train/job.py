@@ -11,7 +11,7 @@ evaluator, ``[run]`` by the run directory. Builders receive only their own secti
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -25,6 +25,7 @@ from models.recommender import GenerativeRecommender, ModelConfig
 from train.data.reader import DataConfig
 from train.data.schema import DatasetInfo, read_info, read_items
 from train.evaluate import EvalConfig
+from train.parallel import ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -53,15 +54,20 @@ class TrainConfig:
     checkpoint_every_steps: int = 0  # extra mid-epoch checkpoints; 0: only at evaluations
     keep_checkpoints: int = 2
     compile: bool = False
+    evaluate: bool = True  # false: train only (throughput runs): no validation, no test
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     progress: bool = True
     optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 @dataclass(frozen=True)
 class RunConfig:
     out_dir: str = "runs"
     name: str = ""  # default: the config file's stem
+    # a fixed id makes the run directory runs/<name>/<id>: a restarted job (torchrun
+    # --max-restarts, a rescheduled pod) finds it and resumes from its newest checkpoint
+    id: str = ""
 
 
 @dataclass(frozen=True)
@@ -77,7 +83,7 @@ class JobConfig:
 def load_job(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:
     job = load_config(JobConfig, path, overrides)
     if path is not None and not job.run.name:
-        job = JobConfig(**{**job.__dict__, "run": RunConfig(job.run.out_dir, Path(path).stem)})
+        job = replace(job, run=replace(job.run, name=Path(path).stem))
     return job
 
 
@@ -106,11 +112,12 @@ def corpus_ids(data_path: str | Path, embedding: EmbeddingConfig) -> torch.Tenso
     return torch.from_numpy(np.unique(rows))
 
 
-def build_model(job: JobConfig) -> tuple[torch.nn.Module, EmbeddingConfig]:
-    """The unsharded model for ``job``, its tables sized from the dataset."""
+def build_model(job: JobConfig, sparse_device: torch.device | None = None) -> tuple[torch.nn.Module, EmbeddingConfig]:
+    """The unsharded model for ``job``, its tables sized from the dataset (``sparse_device``
+    "meta" leaves the tables for a sharder to create)."""
     info = read_info(job.data.path)
     emb = resolve_embedding(job.embedding, info)
     if job.model.arch == "dlrm":
         return PooledDLRM(job.model.ranking, emb), emb
-    model = GenerativeRecommender(job.model, emb, corpus_ids(job.data.path, emb))
+    model = GenerativeRecommender(job.model, emb, corpus_ids(job.data.path, emb), sparse_device=sparse_device)
     return model, emb

@@ -1,16 +1,24 @@
-"""Builds and runs a training job: run directory, model, readers, optimizer, trainer."""
+"""Builds and runs a training job: process group, run directory, model, readers, trainer.
+
+One entry for every launch: ``genrec train`` (one process) and
+``torchrun --nnodes N --nproc-per-node M -m genrec.cli train ...`` (each rank runs this).
+"""
 
 from __future__ import annotations
 
+import json
+import resource
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from train.data.reader import make_reader
 from train.data.schema import read_info
 from train.job import JobConfig, build_model, task_masks, tokens_per_event
+from train.parallel import DistContext, init_distributed, parallelize
 from train.rundir import new_run_dir, write_run_files
 from train.trainer import Trainer, build_optimizer
 
@@ -19,30 +27,73 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def resolve_run_dir(job: JobConfig, resolved: JobConfig, ctx: DistContext, run_dir: Path | None) -> Path:
+    """Rank 0 picks the directory (new, or ``run.id``'s, or the one resumed), others follow."""
+    if run_dir is None:
+        if ctx.rank == 0:
+            if job.run.id:
+                run_dir = Path(job.run.out_dir) / (job.run.name or "run") / job.run.id
+                fresh = not (run_dir / "config.toml").exists()
+                run_dir.mkdir(parents=True, exist_ok=True)
+            else:
+                run_dir, fresh = new_run_dir(job.run.out_dir, job.run.name), True
+            if fresh:
+                write_run_files(run_dir, resolved)
+        run_dir = Path(ctx.broadcast(str(run_dir) if run_dir else ""))
+    ctx.barrier()
+    return run_dir
+
+
 def run_training(job: JobConfig, run_dir: Path | None = None) -> tuple[Path, dict[str, Any]]:
-    """Trains ``job`` in a new run directory (or resumes the one given); returns (dir, results)."""
+    """Trains ``job`` (or resumes ``run_dir``); returns (run dir, results). Under torchrun every
+    rank calls this; rank 0 writes files and returns the results the others also get."""
     if job.train.threads:
         torch.set_num_threads(job.train.threads)
-    seed_everything(job.train.seed)
-    model, emb = build_model(job)
-    resolved = replace(job, embedding=emb)
-    if run_dir is None:
-        run_dir = new_run_dir(job.run.out_dir, job.run.name)
-        write_run_files(run_dir, resolved)
-    msl = job.model.max_seq_len
-    tasks = task_masks(job, read_info(job.data.path))
-    retrieval = job.model.arch == "generative"
-    splits = ["train"] + (["valid", "test"] if retrieval else [])
-    splits += ["rank_valid", "rank_test"] if tasks and job.data.ranking.enabled else []
-    readers = {s: make_reader(job.data, s, emb, msl, seed=job.train.seed, tasks=tasks,
-                              tokens_per_event=tokens_per_event(job)) for s in splits}
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, job.train.optim)
-    train_model = model
-    if job.train.compile:
-        model.tower.compile(dynamic=True)
-    valid = {k: v for k, v in readers.items() if k in ("valid", "rank_valid")}
-    test = {k: v for k, v in readers.items() if k in ("test", "rank_test")}
-    trainer = Trainer(job.train, job.eval, run_dir, train_model, model, optimizer,
-                      readers["train"], valid, test, tasks=list(tasks))
-    return run_dir, trainer.fit()
+    ctx = init_distributed(job.train.parallel)
+    try:
+        seed_everything(job.train.seed)
+        model, emb = build_model(job, sparse_device=torch.device("meta") if ctx.distributed else None)
+        resolved = replace(job, embedding=emb)
+        run_dir = resolve_run_dir(job, resolved, ctx, run_dir)
+        msl = job.model.max_seq_len
+        tasks = task_masks(job, read_info(job.data.path))
+        retrieval = job.model.arch == "generative"
+        splits = ["train"] + (["valid", "test"] if retrieval else [])
+        splits += ["rank_valid", "rank_test"] if tasks and job.data.ranking.enabled else []
+        per_rank = replace(job.data, batch_size=max(1, job.data.batch_size // ctx.world_size))
+        readers = {s: make_reader(per_rank, s, emb, msl, seed=job.train.seed, rank=ctx.rank, world_size=ctx.world_size,
+                                  tasks=tasks, tokens_per_event=tokens_per_event(job)) for s in splits}
+        valid = {k: v for k, v in readers.items() if k in ("valid", "rank_valid")}
+        test = {k: v for k, v in readers.items() if k in ("test", "rank_test")}
+        optim = job.train.optim
+
+        def dense_optimizer(params) -> torch.optim.Optimizer:  # noqa: ANN001
+            return build_optimizer(list(params), optim)
+
+        if ctx.distributed:
+            par = parallelize(model, emb, job.train.parallel, optim.lr, dense_optimizer, ctx, per_rank.batch_size)
+            if ctx.rank == 0:
+                (run_dir / "sharding.json").write_text(json.dumps(par.describe(), indent=2) + "\n")
+            if job.train.compile:
+                par.module.tower.compile(dynamic=True)
+            trainer = Trainer(job.train, job.eval, run_dir, par.model, par.module, par.optimizer,
+                              readers["train"], valid, test, tasks=list(tasks), rank=ctx.rank, reduce=ctx.reduce,
+                              dense_params=par.dense_params, device=ctx.device, state_io=par,
+                              world_size=ctx.world_size)
+        else:
+            model = model.to(ctx.device)
+            optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], optim)
+            if job.train.compile:
+                model.tower.compile(dynamic=True)
+            trainer = Trainer(job.train, job.eval, run_dir, model, model, optimizer,
+                              readers["train"], valid, test, tasks=list(tasks), device=ctx.device)
+        results = trainer.fit()
+        peak = {"rank": ctx.rank, "world_size": ctx.world_size,
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        (run_dir / f"memory.rank{ctx.rank}.json").write_text(json.dumps(peak) + "\n")
+        ctx.barrier()
+        return run_dir, results
+    finally:
+        # no barrier on failure: a dead peer would turn a clean error into a hang
+        if ctx.distributed and dist.is_initialized():
+            dist.destroy_process_group()

@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,14 +35,26 @@ from train.ranking_metrics import evaluate_ranking
 from train.rundir import MetricsLog, plot_curves
 
 
-def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
-    """Learning rate for ``step``: linear warmup, then constant or cosine to ``min_lr_ratio``."""
+def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
+    """Multiplier of every group's base LR at ``step``: linear warmup, then constant or
+    cosine down to ``min_lr_ratio`` (fused sparse groups follow the same schedule)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
+        return (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
-        return cfg.lr
+        return 1.0
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def maybe_inject_fault(rank: int, step: int) -> None:
+    """Chaos testing: ``GENREC_FAULT_INJECT=RANK:STEP`` SIGKILLs that rank after that step,
+    on the first attempt only (torchrun's restart count 0), to exercise recovery."""
+    spec = os.environ.get("GENREC_FAULT_INJECT")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    r, s = (int(x) for x in spec.split(":"))
+    if r == rank and s == step:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -79,6 +93,8 @@ class Trainer:
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
         dense_params: list[torch.nn.Parameter] | None = None,
         device: torch.device | None = None,
+        state_io: Any = None,
+        world_size: int = 1,
     ) -> None:
         self.cfg, self.eval_cfg, self.run_dir = cfg, eval_cfg, run_dir
         self.model, self.module, self.optimizer = model, module, optimizer
@@ -87,6 +103,8 @@ class Trainer:
         self.rank, self.reduce, self.device = rank, reduce, device
         self.dense_params = dense_params if dense_params is not None else [p for p in module.parameters() if p.requires_grad]
         self.ckpt_root = run_dir / "checkpoints"
+        self.io = state_io or ckpt.PlainState(model, optimizer)
+        self.world_size = world_size
         self.log = MetricsLog(run_dir / "metrics.jsonl", enabled=rank == 0)
         self.state = TrainState()
         self.steps_per_epoch = len(train_reader)
@@ -95,7 +113,7 @@ class Trainer:
     # ----- checkpoints --------------------------------------------------------------------
     def save(self) -> Path:
         body = {"trainer": self.state.__dict__, "reader": self.train_reader.state_dict(), "rng": ckpt.rng_state()}
-        path = ckpt.save_checkpoint(self.ckpt_root, self.state.step, self.model, self.optimizer, body)
+        path = ckpt.save_checkpoint(self.ckpt_root, self.state.step, self.io.state(), body)
         best = ckpt.step_dir(self.ckpt_root, self.state.best_step) if self.state.best_step >= 0 else None
         ckpt.prune_checkpoints(self.ckpt_root, self.cfg.keep_checkpoints, {best} if best else set())
         return path
@@ -104,10 +122,11 @@ class Trainer:
         path = path or ckpt.latest_checkpoint(self.ckpt_root)
         if path is None:
             return False
-        body = ckpt.load_checkpoint(path, self.model, self.optimizer)
+        ckpt.restore(self.io, path)
+        body = ckpt.load_trainer_state(path)
         self.state = TrainState(**{**body["trainer"], "stopped": ""})
         self.train_reader.load_state_dict(body["reader"])
-        if body.get("world_size") == (torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1):
+        if body.get("world_size") == self.world_size:
             ckpt.set_rng_state(body["rng"])
         self._print(f"resumed from {path.name}: step {self.state.step}, epoch {self.state.epoch}")
         return True
@@ -125,8 +144,9 @@ class Trainer:
 
     def train_step(self, batch: Any) -> dict[str, float]:
         """One optimizer step; returns the step's losses (``loss`` and its parts)."""
+        factor = lr_factor(self.state.step, self.total_steps, self.cfg.optim)
         for g in self.optimizer.param_groups:
-            g["lr"] = lr_at(self.state.step, self.total_steps, self.cfg.optim)
+            g["lr"] = g.setdefault("base_lr", g["lr"]) * factor
         with self._autocast():
             losses = self.model(batch)
         loss = losses["loss"]
@@ -176,6 +196,7 @@ class Trainer:
             if self.cfg.max_steps and self.state.step >= self.cfg.max_steps:
                 self.state.stopped = "max_steps"
                 break
+            maybe_inject_fault(self.rank, self.state.step)
         self.state.train_seconds += time.perf_counter() - started
         bar.close()
 
@@ -185,11 +206,21 @@ class Trainer:
         out: dict[str, float] = {}
         for split, reader in readers.items():
             reader.set_epoch(0)
+            total = None
+            if self.world_size > 1:  # every rank must make as many (collective) forwards
+                total = int(self.reduce_max(torch.tensor([len(reader)])).item())
             if split.startswith("rank_"):
-                out.update(evaluate_ranking(self.module, reader, self.tasks, self.device))
+                out.update(evaluate_ranking(self.module, reader, self.tasks, self.device, total))
             else:
-                out.update(evaluate(self.module, reader, self.eval_cfg, self.device, self.reduce))
+                out.update(evaluate(self.module, reader, self.eval_cfg, self.device, self.reduce, total))
         return out
+
+    def reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return t
+        t = t.clone()
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return t
 
     def validate(self) -> dict[str, float]:
         metrics = self.evaluate(self.valid_readers)
@@ -225,24 +256,41 @@ class Trainer:
             if self.state.epoch >= cfg.max_epochs:
                 self.state.stopped = "max_epochs"
                 break
+            if cfg.max_steps and self.state.step >= cfg.max_steps:
+                self.state.stopped = "max_steps"
+                break
             self.run_epoch()
             if self.state.stopped:
                 break
             self.state.epoch += 1
             self.train_reader.set_epoch(self.state.epoch)
+            if not cfg.evaluate:
+                continue
             if self.state.epoch % cfg.eval_every_epochs == 0 or self.state.epoch == cfg.max_epochs:
                 self.validate()
                 self.save()
                 if self.state.evals_since_best >= cfg.patience:
                     self.state.stopped = f"no improvement in {cfg.patience} evaluations"
+        if not cfg.evaluate:
+            self.save()
+            return self.summary()
         if self.state.last_eval_step != self.state.step:
             self.validate()
             self.save()
         return self.finish()
 
+    def summary(self) -> dict[str, Any]:
+        """Results of a train-only run (``train.evaluate = false``)."""
+        results = {"stopped": self.state.stopped, "epochs": self.state.epoch, "steps": self.state.step,
+                   "train_seconds": round(self.state.train_seconds, 1)}
+        if self.rank == 0:
+            (self.run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+            plot_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
+        return results
+
     def finish(self) -> dict[str, Any]:
         best = ckpt.step_dir(self.ckpt_root, self.state.best_step)
-        ckpt.load_checkpoint(best, self.model, None)
+        ckpt.restore(self.io, best, with_optimizer=False)
         results: dict[str, Any] = {
             "stopped": self.state.stopped,
             "epochs": self.state.epoch,

@@ -1,0 +1,243 @@
+"""Hybrid parallelism: TorchRec model-parallel tables + data-parallel dense, applied from outside.
+
+``parallelize`` takes the unsharded, single-process model and applies, in this order:
+
+1. the sharding plan: per-table constraints from the feature spec (``TableConfig.sharding``),
+   TorchRec's planner for the rest ("auto"); checked first against what the device supports;
+2. the fused sparse optimizer, attached to the parameters of every sharded table *before*
+   DMP (``apply_optimizer_in_backward``) so TorchRec fuses it into fbgemm's lookup kernel,
+   which updates the rows inside backward (data-parallel tables stay with the dense AdamW);
+3. ``DistributedModelParallel``: shards the tables across ranks (model parallel) and wraps
+   the dense remainder in DDP (data parallel);
+4. one optimizer: DMP's fused optimizer + AdamW over the dense parameters (a
+   ``CombinedOptimizer``), whose state keys are the model's parameter names, so checkpoints
+   move between world sizes.
+
+The same job config runs as one process (a world of one; no torchrun needed) and under
+``torchrun --nnodes N --nproc-per-node M``. Facts of TorchRec 1.8 / fbgemm-gpu-cpu 1.8 on CPU
+(gloo) that shape the checks below: fused Adam is CUDA-only; a sequence table
+(EmbeddingCollection) cannot be data-parallel on CPU (fbgemm's dense kernel pools); TorchRec's
+planner offers no row-wise for pooled tables on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torchrec
+from torch import nn
+
+from embedding.spec import EmbeddingConfig
+from genrec.config import ConfigError
+
+SparseOptimizer = Literal["adam", "rowwise_adagrad", "adagrad", "sgd"]
+CPU_EC_SHARDINGS = ("table_wise", "row_wise", "column_wise")
+CPU_EBC_SHARDINGS = ("table_wise", "column_wise", "table_column_wise", "data_parallel")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    # auto: DMP under torchrun (WORLD_SIZE > 1) or whenever the sparse optimizer is a fused
+    # one (so 1 and N processes train, and checkpoint, alike); none: the plain model
+    mode: Literal["auto", "dmp", "none"] = "auto"
+    # adam: embeddings in the dense AdamW (single process; fused Adam needs CUDA);
+    # the others are fbgemm's fused optimizers, the same math in 1 or N processes
+    sparse_optimizer: SparseOptimizer = "adam"
+    sparse_lr: float = 0.0  # 0: train.optim.lr
+    sparse_eps: float = 1e-8
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    distributed: bool = False  # a process group is up (torchrun, or a world of one for DMP)
+
+    def reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.distributed:
+            return t
+        t = t.clone()
+        dist.all_reduce(t)
+        return t
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def broadcast(self, obj: Any) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def uses_dmp(cfg: ParallelConfig) -> bool:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.mode == "none":
+        if world > 1:
+            raise ConfigError("train.parallel.mode = 'none' cannot run under torchrun with WORLD_SIZE > 1")
+        return False
+    return cfg.mode == "dmp" or world > 1 or cfg.sparse_optimizer != "adam"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(cfg: ParallelConfig) -> DistContext:
+    """Joins torchrun's process group (or makes a world of one when DMP runs alone)."""
+    use_cuda = torch.cuda.is_available()
+    if not uses_dmp(cfg):
+        return DistContext(device=torch.device("cuda") if use_cuda else torch.device("cpu"))
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
+    if not dist.is_initialized():
+        if "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    return DistContext(dist.get_rank(), dist.get_world_size(), local, device, True)
+
+
+def check_plan(emb: EmbeddingConfig, cfg: ParallelConfig, device: torch.device) -> None:
+    """Refuses, before any training, what this device cannot shard or fuse; names the fix."""
+    if device.type == "cpu" and cfg.sparse_optimizer == "adam":
+        raise ConfigError(
+            "train.parallel.sparse_optimizer = 'adam' cannot be fused on CPU (fbgemm's CPU kernels have no Adam); "
+            "set it to 'rowwise_adagrad', 'adagrad' or 'sgd' to shard tables on CPU, or run one process with mode = 'none'")
+    if device.type != "cpu":
+        return
+    for t in emb.tables:
+        if t.sharding == "auto":
+            continue
+        allowed = CPU_EC_SHARDINGS if t.pooling == "none" else CPU_EBC_SHARDINGS
+        if t.sharding not in allowed:
+            kind = "sequence (EmbeddingCollection)" if t.pooling == "none" else "pooled (EmbeddingBagCollection)"
+            raise ConfigError(
+                f"table '{t.name}': sharding '{t.sharding}' is not available for {kind} tables on CPU/gloo; "
+                f"use one of {list(allowed)} (or 'auto')")
+        if t.oov == "mch" and t.sharding != "row_wise":
+            raise ConfigError(f"table '{t.name}': managed-collision tables shard row-wise only; set sharding = 'row_wise'")
+    if cfg.sparse_optimizer == "rowwise_adagrad" and any(t.oov == "mch" for t in emb.tables):
+        raise ConfigError("managed-collision tables cannot use 'rowwise_adagrad' on CPU (fbgemm lacks "
+                         "reset_weight_momentum there); use 'adagrad' or 'sgd'")
+
+
+def sparse_optimizer(cfg: ParallelConfig, lr: float) -> tuple[type, dict[str, float]]:
+    lr = cfg.sparse_lr or lr
+    return {
+        "adam": (torch.optim.Adam, {"lr": lr, "eps": cfg.sparse_eps}),
+        "rowwise_adagrad": (torchrec.optim.RowWiseAdagrad, {"lr": lr, "eps": cfg.sparse_eps}),
+        "adagrad": (torch.optim.Adagrad, {"lr": lr, "eps": cfg.sparse_eps}),
+        "sgd": (torch.optim.SGD, {"lr": lr}),
+    }[cfg.sparse_optimizer]
+
+
+def sharding_plan(model: nn.Module, emb: EmbeddingConfig, ctx: DistContext, sharders: list, batch_size: int):  # noqa: ANN201
+    from torchrec.distributed.planner import (
+        EmbeddingShardingPlanner,
+        ParameterConstraints,
+        Topology,
+    )
+
+    constraints = {}
+    for t in emb.tables:
+        kernels = ["fused"] if (ctx.device.type == "cpu" or t.oov == "mch") and t.sharding != "data_parallel" else None
+        types = [t.sharding] if t.sharding != "auto" else None
+        if types is None and ctx.device.type == "cpu":
+            types = list(CPU_EC_SHARDINGS if t.pooling == "none" else CPU_EBC_SHARDINGS)
+        if t.oov == "mch":
+            types = ["row_wise"]
+        if types or kernels:
+            constraints[t.name] = ParameterConstraints(sharding_types=types, compute_kernels=kernels)
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=ctx.world_size, compute_device=ctx.device.type),
+        constraints=constraints, batch_size=batch_size)
+    # plan() on every rank, not collective_plan(): an unsatisfiable plan then fails on all
+    # ranks alike instead of leaving the others waiting in a broadcast
+    return planner.plan(model, sharders)
+
+
+def sharders_for(emb: EmbeddingConfig) -> list:
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
+
+    fused = {}
+    if any(t.data_type == "fp16" for t in emb.tables):
+        fused["stochastic_rounding"] = True  # honoured on GPU; fbgemm's CPU kernels ignore it
+    return [EmbeddingCollectionSharder(fused_params=fused or None), EmbeddingBagCollectionSharder(fused_params=fused or None),
+            ManagedCollisionEmbeddingCollectionSharder()]
+
+
+@dataclass
+class Parallelized:
+    model: nn.Module  # call this to train (DMP)
+    module: nn.Module  # the model inside (sharded tables), for evaluation
+    optimizer: torch.optim.Optimizer
+    dense_params: list[nn.Parameter]
+    dense_optimizer: Any  # KeyedOptimizerWrapper (its state is lazy; see init_optimizer_state)
+    plan: Any
+
+    def state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        if "optim" in state:
+            self.optimizer.load_state_dict(state["optim"])
+
+    def init_optimizer_state(self) -> None:
+        """AdamW's state is created at its first step; a checkpoint needs it present to load into."""
+        self.dense_optimizer.init_state()
+
+    def describe(self) -> dict[str, str]:
+        out = {}
+        for module_plan in self.plan.plan.values():
+            for table, p in module_plan.items():
+                out[table] = f"{p.sharding_type} on ranks {p.ranks} ({p.compute_kernel})"
+        return out
+
+
+def parallelize(model: nn.Module, emb: EmbeddingConfig, cfg: ParallelConfig, lr: float, make_dense_optimizer,
+                ctx: DistContext, batch_size: int) -> Parallelized:  # noqa: ANN001
+    """Applies, in order: fused sparse optimizer -> sharding plan -> DMP (tables sharded,
+    dense under DDP) -> one combined optimizer. See the module docstring."""
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    check_plan(emb, cfg, ctx.device)
+    # (1) the plan: which table goes where, and how
+    sharders = sharders_for(emb)
+    plan = sharding_plan(model, emb, ctx, sharders, batch_size)
+    # (2) the fused sparse optimizer on every table that will be sharded (data-parallel
+    # tables are replicated parameters: DDP averages their gradients, AdamW updates them)
+    replicated = {t for mp in plan.plan.values() for t, p in mp.items() if p.sharding_type == "data_parallel"}
+    opt_cls, opt_kw = sparse_optimizer(cfg, lr)
+    fused = [p for name, p in model.sparse.named_parameters() if name.split(".")[-2] not in replicated]
+    apply_optimizer_in_backward(opt_cls, fused, opt_kw)
+    # (3) shard the tables (model parallel), DDP the rest (data parallel)
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                   device=ctx.device, plan=plan, sharders=sharders)
+    # (4) one optimizer: fused (sparse) + AdamW (dense); keys are parameter names
+    dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    dense_opt = KeyedOptimizerWrapper(dense, make_dense_optimizer)
+    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense_opt])
+    return Parallelized(dmp, dmp.module, optimizer, list(dense.values()), dense_opt, plan)
