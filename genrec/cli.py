@@ -15,6 +15,8 @@ parse, build, run; the logic lives in the layers and is tested without the CLI.
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -163,6 +165,8 @@ def _handler(cmd: str) -> Handler:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # `kill -USR1 <pid>` prints every thread's Python stack: how to see where a job hangs
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     bad = [a for a in rest if not (a.startswith("--") and "=" in a)]

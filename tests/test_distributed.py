@@ -120,9 +120,10 @@ def test_one_process_checkpoint_resumes_on_two_ranks(tiny_synth, tmp_path):
 
 def test_killed_worker_is_restarted_and_ends_like_an_uninterrupted_run(tiny_synth, two_rank_run):
     env = {**ENV, "GENREC_FAULT_INJECT": "1:7"}  # rank 1 SIGKILLs itself after step 7 (checkpoint at 4)
-    # more than one restart allowed: on a loaded 2-core machine the re-formed gloo mesh can
-    # time out once; the fault is injected on the first attempt only
-    proc = run(TORCHRUN + ["--nproc-per-node", "2", "--max-restarts", "3", "--master-port", str(free_port())]
+    # the c10d rendezvous (as in production) starts every restart in a fresh store round; a
+    # static --master-port store can hand the new workers the dead ones' addresses
+    proc = run(TORCHRUN + ["--nproc-per-node", "2", "--max-restarts", "3", "--rdzv-backend", "c10d",
+                           "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
                + train_args(tiny_synth, two_rank_run, "killed"), env=env)
     assert proc.returncode == 0
     logged = [json.loads(x)["step"] for x in (two_rank_run / "dist" / "killed" / "metrics.jsonl").read_text().splitlines()

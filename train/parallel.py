@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Literal
 
 import torch
@@ -51,6 +52,9 @@ class ParallelConfig:
     sparse_lr: float = 0.0  # 0: train.optim.lr
     sparse_eps: float = 1e-8
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    # collectives (and joining the group) fail after this long instead of hanging; with
+    # torchrun --max-restarts a stuck worker group then restarts
+    timeout_s: float = 300.0
 
 
 @dataclass
@@ -102,10 +106,17 @@ def init_distributed(cfg: ParallelConfig) -> DistContext:
         return DistContext(device=torch.device("cuda") if use_cuda else torch.device("cpu"))
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
     if not dist.is_initialized():
+        timeout = timedelta(seconds=cfg.timeout_s)
         if "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend)
+            # Keys of this attempt's group live under their own prefix, so workers restarted by
+            # torchrun can never read the addresses of the dead attempt's workers.
+            store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            dist.init_process_group(backend, store=dist.PrefixStore(f"genrec/attempt_{attempt}", store),
+                                    rank=rank, world_size=world, timeout=timeout)
         else:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                                    timeout=timeout)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
     if use_cuda:
