@@ -64,9 +64,15 @@ def write_json(name: str, payload: Any) -> Path:
 
 def update_results_md(section: str, body: str) -> None:
     """Replaces the block between ``<!-- section -->`` markers in RESULTS.md (or appends it)."""
+    import fcntl
+
     start, end = f"<!-- {section} -->", f"<!-- /{section} -->"
     block = f"{start}\n{body.rstrip()}\n{end}"
-    text = RESULTS_MD.read_text() if RESULTS_MD.exists() else "# Benchmark results\n"
-    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
-    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
-    RESULTS_MD.write_text(text)
+    RESULTS_MD.parent.mkdir(parents=True, exist_ok=True)
+    # benchmarks may run side by side (one per core): serialise the read-modify-write
+    with open(RESULTS_MD.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        text = RESULTS_MD.read_text() if RESULTS_MD.exists() else "# Benchmark results\n"
+        pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+        text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+        RESULTS_MD.write_text(text)

@@ -46,16 +46,20 @@ def run_baselines(name: str, data: Path) -> list[dict]:
     return out
 
 
-def run_model(name: str, data: Path, model: str, budget: float | None, out_dir: str) -> dict:
+def run_model(name: str, data: Path, model: str, budget: float | None, out_dir: str,
+              threads: int = 0) -> dict:
     overrides = [f'--data.path="{data}"', f'--run.out_dir="{out_dir}"', f"--run.name={name}_{model}"]
     if budget is not None:
         overrides.append(f"--train.time_budget_min={budget}")
+    if threads:
+        overrides.append(f"--train.threads={threads}")
     job = load_job(CONFIGS[model], overrides)
     run_dir, res = run_training(job)
     test = res["test"]
     return {"dataset": name, "model": model, **{k: test[k] for k in KEYS}, "epochs": res["epochs"],
             "best_epoch": res["best_epoch"], "train_seconds": res["train_seconds"], "stopped": res["stopped"],
-            "config": CONFIGS[model], "run_dir": str(run_dir)}
+            "config": CONFIGS[model], "run_dir": str(run_dir), "threads": threads or None,
+            "budget_min": job.train.time_budget_min}
 
 
 def render(records: list[dict]) -> str:
@@ -70,7 +74,8 @@ def render(records: list[dict]) -> str:
                   "| model | HR@10 | NDCG@10 | HR@50 | HR@200 | NDCG@200 | MRR | epochs | train time | date |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            t = f"{r['train_seconds'] / 60:.1f} min" if r["epochs"] else "-"
+            thr = r.get("threads") or r["machine"]["threads"]
+            t = f"{r['train_seconds'] / 60:.1f} min on {thr} thread(s)" if r["epochs"] else "-"
             lines.append(f"| {r['model']} | {r['hr@10']:.4f} | {r['ndcg@10']:.4f} | {r['hr@50']:.4f} | "
                          f"{r['hr@200']:.4f} | {r['ndcg@200']:.4f} | {r['mrr']:.4f} | {r['epochs'] or '-'} | {t} | {r['date']} |")
         for label, hr, ndcg in PUBLISHED[ds]:
@@ -85,17 +90,19 @@ def main() -> None:
     ap.add_argument("--datasets", default="ml1m,beauty")
     ap.add_argument("--models", default="hstu,transformer")
     ap.add_argument("--budget-min", type=float, default=None, help="override the configs' training time budget")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--out-dir", default="runs/benchmarks")
     args = ap.parse_args()
     path = RESULTS / "quality.json"
-    records = json.loads(path.read_text())["records"] if path.exists() else []
     for name in args.datasets.split(","):
         data = dataset(name)
         new = [] if args.no_baselines else run_baselines(name, data)
         for model in args.models.split(","):
             if model:
-                new.append(run_model(name, data, model, args.budget_min, args.out_dir))
+                new.append(run_model(name, data, model, args.budget_min, args.out_dir, args.threads))
+        # re-read: other quality runs (one per core) may have written since this one started
+        records = json.loads(path.read_text())["records"] if path.exists() else []
         for rec in new:
             rec.update(date=today(), machine=machine())
             records = [r for r in records if (r["dataset"], r["model"]) != (rec["dataset"], rec["model"])]

@@ -85,6 +85,8 @@ def _quantize_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--embeddings", choices=["fp32", "fp16", "int8", "int4"], default="int8")
     p.add_argument("--dense", choices=["fp32", "bf16", "int8", "fp8"], default="fp32")
     p.add_argument("--eval", metavar="DATA", help="dataset to measure accuracy on (default: the run's)")
+    p.add_argument("--no-eval", action="store_true",
+                   help="skip the accuracy measurement (sizes only; for catalogues too large to rank every user)")
     p.add_argument("--row-alignment", type=int, default=16, help="served row padding in bytes (fbgemm TBE)")
     p.add_argument("--no-progress", action="store_true")
 

@@ -97,6 +97,7 @@ def export(
     qcfg: QuantizeConfig,
     eval_data: str | Path | None = None,
     progress: bool = True,
+    measure_accuracy: bool = True,
 ) -> dict[str, Any]:
     """Writes the artifact and returns the report (sizes and accuracy before / after)."""
     from train.data.reader import make_reader
@@ -107,7 +108,7 @@ def export(
     job, model = load_training_model(run_dir, ckpt_dir)
     bar.update(1)
     data = Path(eval_data) if eval_data else Path(job.data.path)
-    have_data = (data / "dataset.json").exists()
+    have_data = measure_accuracy and (data / "dataset.json").exists()
 
     def measure(m: torch.nn.Module) -> dict[str, float] | None:
         if not have_data:
