@@ -18,6 +18,8 @@ import argparse
 import json
 from pathlib import Path
 
+import torch
+
 from benchmarks.common import RESULTS, dataset, machine, today, update_results_md, write_json
 from quant.convert import QuantizeConfig, export, load_model
 from train.data.reader import make_reader
@@ -45,7 +47,7 @@ def artifact_row(run_dir: Path, out: Path, emb: str, dense: str, data: Path) -> 
             "test_hr@10": m["hr@10"], "test_ndcg@10": m["ndcg@10"], "valid": rep["metrics"]["after"]}
 
 
-def qat_rows(data: Path, budget: float, out: Path) -> list[dict]:
+def qat_rows(data: Path, budget: float, out: Path, threads: int = 0) -> list[dict]:
     rows = []
     for qat, emb in (("none", "int8"), ("int8", "int8"), ("none", "int4"), ("int4", "int4")):
         name = f"qat_{qat}"
@@ -54,6 +56,8 @@ def qat_rows(data: Path, budget: float, out: Path) -> list[dict]:
             over = [f'--data.path="{data}"', f"--train.time_budget_min={budget}", f'--run.out_dir="{out / "runs"}"',
                     f"--run.name={name}", f'--embedding.tables=[{{name="item", features=["item"], dim=64, '
                                           f'init_std=0.02, qat="{qat}"}}]']
+            if threads:
+                over.append(f"--train.threads={threads}")
             run_training(load_job("configs/hstu.toml", over))
             run_dir = next(iter(sorted((out / "runs" / name).glob("*/results.json"))))
         run_dir = run_dir.parent
@@ -70,7 +74,10 @@ def main() -> None:
     ap.add_argument("--run", help="trained ML-1M HSTU run (default: the quality benchmark's)")
     ap.add_argument("--out", default="runs/benchmarks/quant")
     ap.add_argument("--qat-budget-min", type=float, default=0.0, help="also compare QAT (0: skip)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     data = dataset("ml1m")
     run = Path(args.run) if args.run else None
     if run is None:
@@ -83,7 +90,7 @@ def main() -> None:
         r["table_ratio"] = r["table_bytes"] / base["table_bytes"]
         r["artifact_ratio"] = r["artifact_bytes"] / base["artifact_bytes"]
         r["ndcg_rel_loss"] = 1 - r["test_ndcg@10"] / base["test_ndcg@10"]
-    qat = qat_rows(data, args.qat_budget_min, out) if args.qat_budget_min else []
+    qat = qat_rows(data, args.qat_budget_min, out, args.threads) if args.qat_budget_min else []
     write_json("quant", {"date": today(), "machine": machine(), "run": str(run), "rows": rows, "qat": qat})
     lines = ["## Quantization (ML-1M HSTU, serving artifacts)", "",
              f"`python -m benchmarks.quant` — {today()}; model: `{run}` (test split, full-corpus ranking).", "",

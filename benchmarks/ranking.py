@@ -39,11 +39,14 @@ def synthetic_data() -> Path:
     return out
 
 
-def run_variant(name: str, data: Path, variant: str, budget: float | None, out_dir: str) -> dict:
+def run_variant(name: str, data: Path, variant: str, budget: float | None, out_dir: str,
+                threads: int = 0) -> dict:
     overrides = [f'--data.path="{data}"', f'--run.out_dir="{out_dir}"', f"--run.name=ranking_{name}_{variant}",
                  *VARIANTS[variant]]
     if budget is not None:
         overrides.append(f"--train.time_budget_min={budget}")
+    if threads:
+        overrides.append(f"--train.threads={threads}")
     run_dir, res = run_training(load_job(CONFIGS[name], overrides))
     return {"dataset": name, "variant": variant, "epochs": res["epochs"], "best_epoch": res["best_epoch"],
             "train_seconds": res["train_seconds"], "run_dir": str(run_dir), "test": res["test"]}
@@ -88,6 +91,7 @@ def main() -> None:
     ap.add_argument("--datasets", default="synthetic,ml1m")
     ap.add_argument("--variants", default="joint,retrieval-only,dlrm")
     ap.add_argument("--budget-min", type=float, default=None)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
     ap.add_argument("--out-dir", default="runs/benchmarks")
     args = ap.parse_args()
     path = RESULTS / "ranking.json"
@@ -95,8 +99,8 @@ def main() -> None:
     for name in args.datasets.split(","):
         data = synthetic_data() if name == "synthetic" else dataset(name)
         for variant in args.variants.split(","):
-            rec = run_variant(name, data, variant, args.budget_min, args.out_dir)
-            rec.update(date=today(), machine=machine())
+            rec = run_variant(name, data, variant, args.budget_min, args.out_dir, args.threads)
+            rec.update(date=today(), machine=machine(), budget_min=args.budget_min)
             records = [r for r in records if (r["dataset"], r["variant"]) != (name, variant)]
             records.append(rec)
             write_json("ranking", {"records": records})
