@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.softmax_ce import softmax_cross_entropy
+
 
 @dataclass(frozen=True)
 class RetrievalConfig:
@@ -65,7 +67,8 @@ class RetrievalHead(nn.Module):
         if self.cfg.loss == "full_softmax":
             items = self.normalize(lookup(corpus_ids))
             index = torch.searchsorted(corpus_ids, targets)
-            return F.cross_entropy(self.scores(users, items), index)
+            # = F.cross_entropy(self.scores(users, items), index), without the [T, N] logits
+            return softmax_cross_entropy(users, items, index, 1.0 / self.cfg.temperature)
         neg_ids, log_q = self._sample(targets, corpus_ids)
         rows = self.normalize(lookup(torch.cat([targets, neg_ids])))
         pos_rows, neg_rows = rows[: targets.numel()], rows[targets.numel() :]

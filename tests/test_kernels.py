@@ -77,3 +77,37 @@ def test_auto_backend_uses_the_reference_on_cpu_and_refuses_bad_head_dims():
         hstu_attention(q, k, v, offsets, backend="triton", **kw)
     with pytest.raises(ValueError, match="unknown attention backend"):
         hstu_attention(q, k, v, offsets, backend="cuda", **kw)
+
+
+@pytest.mark.parametrize("t,n,d,chunk", [(37, 11, 8, 5), (100, 50, 16, None), (5, 300, 4, 1000), (1, 3, 2, None)])
+def test_chunked_softmax_cross_entropy_matches_the_unfused_loss(t, n, d, chunk):
+    from kernels.softmax_ce import softmax_cross_entropy
+
+    g = torch.Generator().manual_seed(t * n)
+    u = torch.randn(t, d, generator=g, dtype=torch.float64)
+    it = torch.randn(n, d, generator=g, dtype=torch.float64)
+    idx = torch.randint(n, (t,), generator=g)
+    u.requires_grad_(), it.requires_grad_()
+    ref = torch.nn.functional.cross_entropy(u @ it.t() * 3.0, idx)
+    ref_gu, ref_git = torch.autograd.grad(ref * 0.7, (u, it))
+    u32, it32 = u.detach().float().requires_grad_(), it.detach().float().requires_grad_()
+    out = softmax_cross_entropy(u32, it32, idx, 3.0, chunk_rows=chunk)
+    gu, git = torch.autograd.grad(out * 0.7, (u32, it32))
+    assert out.item() == pytest.approx(ref.item(), rel=1e-5, abs=1e-5)
+    torch.testing.assert_close(gu.double(), ref_gu, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(git.double(), ref_git, rtol=1e-4, atol=1e-5)
+
+
+def test_chunked_softmax_cross_entropy_keeps_fp32_under_bf16_autocast():
+    from kernels.softmax_ce import softmax_cross_entropy
+
+    u = torch.randn(64, 16, requires_grad=True)
+    it = torch.randn(40, 16)
+    idx = torch.randint(40, (64,))
+    ref = torch.nn.functional.cross_entropy(u @ it.t(), idx)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = softmax_cross_entropy(u, it, idx)
+    assert out.dtype == torch.float32
+    assert out.item() == pytest.approx(ref.item(), rel=1e-5)
+    out.backward()
+    assert u.grad.dtype == torch.float32 and torch.isfinite(u.grad).all()
