@@ -15,7 +15,7 @@ head (128 shared negatives, what large catalogues use), each pair in the same ro
 share of the step spent in the retrieval loss (identical work in both paths) is timed too:
 it bounds what any tower speed-up can give.
 
-    python -m benchmarks.train_speed [--steps 20] [--rounds 3] [--threads 2]
+    python -m benchmarks.train_speed [--steps 20] [--rounds 3] [--threads 2] [--bf16]
 """
 
 from __future__ import annotations
@@ -82,9 +82,12 @@ def measure(job, steps: int, rounds: int, label: str) -> dict:
     fast_batches = [b for _, b in zip(range(steps + 1), make_reader(job.data, "train", emb, msl))]
     naive_batches = [b for _, b in zip(range(steps + 1), make_reader(replace(job.data, sort_window=0), "train", emb, msl))]
 
+    amp = job.train.precision == "bf16"
+
     def step_with(loss_fn):
         def step(b: SequenceBatch) -> None:
-            loss = loss_fn(b)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                loss = loss_fn(b)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -118,6 +121,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--bf16", action="store_true", help="also time the shipped config under bf16 autocast")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -127,6 +131,9 @@ def main() -> None:
     variants = {f"shipped head ({shipped.model.retrieval.loss})": shipped,
                 "sampled softmax, 128 negatives": load_job(args.config, base + [
                     '--model.retrieval.loss="sampled_softmax"', "--model.retrieval.num_negatives=128"])}
+    if args.bf16:
+        variants["shipped head, bf16 autocast (loss kept fp32)"] = load_job(
+            args.config, base + ['--train.precision="bf16"'])
     res = {k: measure(j, args.steps, args.rounds, k) for k, j in variants.items()}
     bs = shipped.data.batch_size
     result = {"date": today(), "machine": machine(), "config": args.config, "batch_size": bs,

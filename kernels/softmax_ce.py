@@ -6,12 +6,16 @@ softmax and its gradient: on ML-1M (T ~ 14k tokens a batch, N = 3.7k) that is ~2
 tensor and several full passes over memory, and it was ~85% of an HSTU training step on CPU
 (benchmarks/RESULTS.md, training throughput).
 
-Here the tokens are processed in chunks sized to stay in cache. Forward keeps only the
-per-token log-sum-exp; backward recomputes each chunk's logits (one extra GEMM) and turns
-them into the gradient in place:
+Here the tokens are processed in chunks sized to stay in cache, and the gradients are
+formed in the same pass as the loss (the loss is a scalar, so backward only scales them):
+per chunk one GEMM for the logits, one exp pass, and two GEMMs for the gradients,
 
-    p = exp(logits - lse);  p[t, index_t] -= 1
-    d_users[chunk] = (g / T) * scale * p @ items;  d_items += (g / T) * p.T @ (scale * users[chunk])
+    e = exp(logits - rowmax);  z = e.sum(1)
+    d_users[chunk] = scale / T * (e @ items / z - items[index])
+    d_items += 1 / T * (e.T @ (scale * users[chunk] / z) - onehot(index).T @ (scale * users[chunk]))
+
+with no pass over the [rows, N] chunk beyond the exp (the 1/z lands on the thin side).
+The gradients are only formed when an input requires one.
 
 Exact (same math as the unfused loss, fp32 accumulation); works on any device.
 """
@@ -31,54 +35,46 @@ def _rows_per_chunk(n_items: int, chunk_rows: int | None) -> int:
     return min(1024, max(16, _CHUNK_ELEMS // max(n_items, 1)))
 
 
-def _lse_(logits: torch.Tensor) -> torch.Tensor:
-    """Row log-sum-exp, overwriting ``logits`` with exp(logits - rowmax) (one pass fewer
-    than torch.logsumexp, whose result is the same)."""
-    m = logits.amax(dim=1, keepdim=True)
-    return logits.sub_(m).exp_().sum(dim=1).log_().add_(m.squeeze(1))
-
-
 class _ChunkedSoftmaxCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, users: torch.Tensor, items: torch.Tensor, index: torch.Tensor, scale: float,
                 chunk_rows: int | None) -> torch.Tensor:
+        need_u, need_it = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         u, it = users.float() * scale, items.float()  # the scale folded into the queries: no pass over logits
         t = u.shape[0]
         rows = _rows_per_chunk(it.shape[0], chunk_rows)
-        lse = torch.empty(t, dtype=torch.float32, device=u.device)
         total = torch.zeros((), dtype=torch.float32, device=u.device)
+        gu = torch.empty_like(u) if need_u else None
+        git = torch.zeros_like(it) if need_it else None
         for s in range(0, t, rows):
             e = min(s + rows, t)
             logits = torch.mm(u[s:e], it.t())
             tgt = logits.gather(1, index[s:e, None]).squeeze(1)
-            lse[s:e] = _lse_(logits)
-            total += (lse[s:e] - tgt).sum()
-        ctx.save_for_backward(u, it, index, lse)
-        ctx.scale, ctx.rows, ctx.dtypes = scale, rows, (users.dtype, items.dtype)
+            m = logits.amax(dim=1, keepdim=True)
+            z = logits.sub_(m).exp_().sum(dim=1)  # logits now holds exp(logits - rowmax)
+            total += (z.log() + m.squeeze(1) - tgt).sum()
+            if need_u or need_it:
+                # softmax = exp / z: the 1/z goes onto the thin [rows, D] side, never over the chunk
+                inv = z.reciprocal_()[:, None]
+                if need_u:
+                    torch.mm(logits, it, out=gu[s:e]).mul_(inv)
+                if need_it:
+                    git.addmm_(logits.t(), u[s:e] * inv)
+        # minus the one-hot of the targets
+        if need_u:
+            gu.sub_(it[index]).mul_(scale / max(t, 1))
+        if need_it:
+            git.index_add_(0, index, u, alpha=-1.0).div_(max(t, 1))
+        ctx.save_for_backward(gu if need_u else None, git if need_it else None)
+        ctx.dtypes = (users.dtype, items.dtype)
         return total / max(t, 1)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        u, it, index, lse = ctx.saved_tensors
-        t, scale, rows = u.shape[0], ctx.scale, ctx.rows
-        need_u, need_it = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gu = torch.empty_like(u) if need_u else None
-        git = torch.zeros_like(it) if need_it else None
-        coef = grad_out.float() / max(t, 1)
-        for s in range(0, t, rows):
-            e = min(s + rows, t)
-            p = torch.mm(u[s:e], it.t()).sub_(lse[s:e, None]).exp_()
-            p[torch.arange(e - s, device=p.device), index[s:e]] -= 1.0
-            if need_u:
-                torch.mm(p, it, out=gu[s:e])
-            if need_it:
-                git.addmm_(p.t(), u[s:e])  # u is already scaled
-        if need_u:
-            gu.mul_(coef * scale)
-        if need_it:
-            git.mul_(coef)
-        return (gu.to(ctx.dtypes[0]) if need_u else None, git.to(ctx.dtypes[1]) if need_it else None,
-                None, None, None)
+        gu, git = ctx.saved_tensors
+        g = grad_out.float()
+        return (None if gu is None else (gu * g).to(ctx.dtypes[0]),
+                None if git is None else (git * g).to(ctx.dtypes[1]), None, None, None)
 
 
 def softmax_cross_entropy(users: torch.Tensor, items: torch.Tensor, index: torch.Tensor, scale: float = 1.0,
