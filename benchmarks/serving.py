@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import re
@@ -136,9 +137,7 @@ def main() -> None:
     results, sweeps = {}, {}
     for engine in args.engines.split(","):
         if engine == "sglang":
-            try:
-                import sglang  # noqa: F401
-            except ImportError:
+            if importlib.util.find_spec("sglang") is None:  # importing it needs serve.sglang_shim first
                 results[engine] = {"skipped": "SGLang is not installed (bash .ci/setup-sglang)"}
                 continue
         prof = out / f"profile-{engine}.json"

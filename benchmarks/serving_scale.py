@@ -13,6 +13,7 @@ history length, and the server's resident memory.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import signal
 import subprocess
@@ -31,13 +32,13 @@ def genrec(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "genrec.cli", *args], cwd=ROOT, check=True)
 
 
-def build(out: Path, items: int, users: int) -> Path:
+def build(out: Path, items: int, users: int, max_len: int = 400) -> Path:
     """Data -> a few training steps -> int8 artifact (each step skipped when already done)."""
     data, art = out / "data", out / "artifact-int8"
     if not (data / "dataset.json").exists():
         # flat popularity and enough events that nearly every id occurs at least once
         genrec("data", "synth", "--out", str(data), f"--num_users={users}", f"--num_items={items}",
-               "--num_topics=1000", "--zipf=0.3", "--median_len=80", "--max_len=1000")
+               "--num_topics=1000", "--zipf=0.3", "--median_len=80", f"--max_len={max_len}")
     if not (art / "manifest.json").exists():
         genrec("train", "--config", "configs/demo.toml", f'--data.path="{data}"', f'--run.out_dir="{out}"',
                "--run.name=scale", "--run.id=train", "--model.max_seq_len=4096", "--train.max_steps=10",
@@ -76,6 +77,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--items", type=int, default=1_000_000)
     ap.add_argument("--users", type=int, default=40_000)
+    ap.add_argument("--max-len", type=int, default=400, help="longest training sequence of the synthetic logs")
     ap.add_argument("--histories", default="200,1000,4000")
     ap.add_argument("--engines", default="torch,sglang")
     ap.add_argument("--requests", type=int, default=40, help="requests timed per history length")
@@ -85,15 +87,13 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    art = build(out, args.items, args.users)
+    art = build(out, args.items, args.users, args.max_len)
     build_s = time.perf_counter() - t0
     corpus = catalogue(art)
     results: dict[str, dict] = {}
     for engine in args.engines.split(","):
         if engine == "sglang":
-            try:
-                import sglang  # noqa: F401
-            except ImportError:
+            if importlib.util.find_spec("sglang") is None:  # importing it needs serve.sglang_shim first
                 results[engine] = {"skipped": "SGLang is not installed (bash .ci/setup-sglang)"}
                 continue
         proc, target = start_server(engine, art, args.threads, out / f"profile-{engine}.json")

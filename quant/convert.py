@@ -169,5 +169,5 @@ def format_report(report: dict[str, Any]) -> str:
             b, a = m["before"][k], m["after"][k]
             lines.append(f"| {k} | {b:.4f} | {a:.4f} | {100 * (a - b) / b:+.2f}% |")
     else:
-        lines.append("\n(no dataset at hand: accuracy not measured; pass --eval DATA)")
+        lines.append("\n(accuracy not measured: --no-eval, or no dataset at hand; pass --eval DATA)")
     return "\n".join(lines)
