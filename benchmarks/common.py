@@ -44,6 +44,7 @@ def machine() -> dict[str, Any]:
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)),  # < cores when pinned (taskset) beside other work
         "threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "torch": torch.__version__,

@@ -34,20 +34,24 @@ def time_bucket(dt: torch.Tensor, num_buckets: int) -> torch.Tensor:
     """Log-spaced buckets of a time gap: 0 for dt <= 0, then floor(2 * log2(1 + dt)).
 
     Half-octave buckets: seconds-scale gaps land in 2..~60, position gaps (the fallback
-    when timestamps are missing) in 2..~16. Clamped to ``num_buckets - 1``.
+    when timestamps are missing) in 2..~16. Clamped to ``num_buckets - 1``. int32 indices
+    (the [B, L, L] tensors of long sequences are the cost here: no int64 passes over them).
     """
-    dt = dt.clamp(min=0).to(torch.float32)
-    return (2.0 * torch.log2(1.0 + dt)).floor().long().clamp(max=num_buckets - 1)
+    x = dt.to(torch.float32).clamp_(min=0).add_(1.0).log2_().mul_(2.0).floor_()
+    return x.clamp_(max=num_buckets - 1).to(torch.int32)
 
 
 def attention_mask(
-    lengths: torch.Tensor, max_len: int, num_targets: torch.Tensor | None = None
+    lengths: torch.Tensor, max_len: int, num_targets: torch.Tensor | None = None,
+    rows: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """[B, L, L] bool: which key j query i may see (see module docstring)."""
+    """[B, L, L] bool: which key j query i may see (see module docstring). ``rows`` = (s, e):
+    only queries s..e-1 against keys 0..e-1 ([B, e - s, e]; no query sees a later key)."""
+    s, e = rows if rows is not None else (0, max_len)
     ar = torch.arange(max_len, device=lengths.device)
-    i, j = ar[:, None], ar[None, :]
+    i, j = ar[s:e, None], ar[None, :e]
     valid = ar[None, :] < lengths[:, None]  # [B, L]
-    pair = valid[:, :, None] & valid[:, None, :]
+    pair = valid[:, s:e, None] & valid[:, None, :e]
     if num_targets is None:
         return pair & (j <= i)[None]
     hist = (lengths - num_targets)[:, None, None]  # [B, 1, 1]
@@ -75,27 +79,55 @@ def relative_bias(
     query_times: torch.Tensor | None,
     index: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_targets: torch.Tensor | None = None,
+    rows: tuple[int, int] | None = None,
+    padded_times: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """[B, L, L] additive bias (or None): position term plus time term.
 
     ``pos_weights`` [max_seq_len]: bias by distance p(i) - p(j) (clamped; p from
     :func:`token_positions`). ``time_weights`` [num_buckets]: bias by :func:`time_bucket`
-    of ``query_times[i] - timestamps[j]``.
+    of ``query_times[i] - timestamps[j]``. ``rows`` as in :func:`attention_mask`;
+    ``padded_times``: :func:`padded_relative_times` of the batch, when the caller has them.
     """
+    s, e = rows if rows is not None else (0, max_len)
     bias = None
     if pos_weights is not None:
-        p = token_positions(max_len, offsets[1:] - offsets[:-1], num_targets)
-        dist = (p[:, :, None] - p[:, None, :]).clamp(0, max_seq_len - 1)
-        bias = pos_weights[dist]  # [1 or B, L, L]
+        p = token_positions(max_len, offsets[1:] - offsets[:-1], num_targets).to(torch.int32)
+        dist = (p[:, s:e, None] - p[:, None, :e]).clamp_(0, max_seq_len - 1)
+        bias = _lookup(pos_weights, dist)  # [1 or B, e - s, e]
     if time_weights is not None:
-        if timestamps is None or query_times is None:
-            raise ValueError("time_weights needs timestamps and query_times")
-        tk = jagged_to_padded(timestamps, offsets, max_len, index=index)
-        tq = jagged_to_padded(query_times, offsets, max_len, index=index)
-        buckets = time_bucket(tq[:, :, None] - tk[:, None, :], time_weights.numel())
-        tb = time_weights[buckets]  # [B, L, L]
+        if padded_times is None:
+            if timestamps is None or query_times is None:
+                raise ValueError("time_weights needs timestamps and query_times")
+            padded_times = padded_relative_times(query_times, timestamps, offsets, max_len, index)
+        tq, tk = padded_times
+        buckets = time_bucket(tq[:, s:e, None] - tk[:, None, :e], time_weights.numel())
+        tb = _lookup(time_weights, buckets)  # [B, e - s, e]
         bias = tb if bias is None else bias + tb
     return bias
+
+
+def _lookup(weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """weights[idx] for a 1-D table: index_select on the flat index is ~2-5x faster on CPU
+    than advanced indexing (which widens int32 indices to int64 first)."""
+    return weights.index_select(0, idx.reshape(-1)).view(idx.shape)
+
+
+def padded_relative_times(query_times: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor,
+                          max_len: int, index: tuple[torch.Tensor, torch.Tensor] | None = None,
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query times, key times) padded to [B, L], as int32 seconds from the batch's earliest
+    key time (gaps of up to 68 years; differences are what the bias reads)."""
+    base = timestamps.min() if timestamps.numel() else timestamps.new_zeros(())
+    rel = lambda t: jagged_to_padded((t - base).clamp_(-(2**31) + 1, 2**31 - 1).to(torch.int32), offsets,  # noqa: E731
+                                     max_len, index=index)
+    return rel(query_times), rel(timestamps)
+
+
+# Inference on long sequences goes through the queries in blocks of this many rows, so the
+# [B, rows, L] scores, bias and mask stay cache-sized instead of [B, L, L] (at L = 4000 each
+# of those is 16M elements; allocating and streaming them dominated a long-history request).
+QUERY_BLOCK = 256
 
 
 def hstu_attention_reference(
@@ -112,9 +144,13 @@ def hstu_attention_reference(
     query_times: torch.Tensor | None = None,
     num_targets: torch.Tensor | None = None,
     max_len: int | None = None,
+    query_block: int | None = None,
 ) -> torch.Tensor:
     """Pure-PyTorch jagged HSTU attention: pads to the batch's longest sequence, computes
-    dense masked attention, returns jagged rows. The ground truth for every fast path."""
+    dense masked attention, returns jagged rows. The ground truth for every fast path.
+
+    ``query_block``: rows of queries per block (default: all at once when training, blocks
+    of :data:`QUERY_BLOCK` at inference on sequences longer than twice that)."""
     lengths = offsets[1:] - offsets[:-1]
     if max_len is None:
         max_len = int(lengths.max()) if lengths.numel() else 0
@@ -124,15 +160,25 @@ def hstu_attention_reference(
     qp = jagged_to_padded(q, offsets, max_len, index=index).transpose(1, 2)  # [B, H, L, D]
     kp = jagged_to_padded(k, offsets, max_len, index=index).transpose(1, 2)
     vp = jagged_to_padded(v, offsets, max_len, index=index).transpose(1, 2)
-    scores = torch.matmul(qp, kp.transpose(-1, -2)) * alpha  # [B, H, L, L]
-    bias = relative_bias(
-        offsets, max_len, max_seq_len, pos_weights, time_weights, timestamps, query_times, index, num_targets
-    )
-    if bias is not None:
-        scores = scores + bias[:, None].to(scores.dtype)
-    mask = attention_mask(lengths, max_len, num_targets)[:, None]
-    attn = F.silu(scores) * (mask.to(scores.dtype) / max_seq_len)
-    out = torch.matmul(attn, vp).transpose(1, 2)  # [B, L, H, Dv]
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, pos_weights, time_weights))
+    block = query_block or (QUERY_BLOCK if not grad and max_len > 2 * QUERY_BLOCK else max_len)
+    times = None
+    if time_weights is not None and timestamps is not None and query_times is not None:
+        times = padded_relative_times(query_times, timestamps, offsets, max_len, index)
+    outs = []
+    for s in range(0, max_len, block):
+        e = min(s + block, max_len)
+        # queries s..e-1 never see keys at or after e (causal history, candidates after it)
+        scores = torch.matmul(qp[:, :, s:e], kp[:, :, :e].transpose(-1, -2)) * alpha  # [B, H, e - s, e]
+        bias = relative_bias(offsets, max_len, max_seq_len, pos_weights, time_weights, timestamps, query_times,
+                             index, num_targets, rows=(s, e), padded_times=times)
+        if bias is not None:
+            scores = scores + bias[:, None].to(scores.dtype)
+        mask = attention_mask(lengths, max_len, num_targets, rows=(s, e))[:, None]
+        attn = F.silu(scores) * (mask.to(scores.dtype) / max_seq_len)
+        outs.append(torch.matmul(attn, vp[:, :, :e]))
+    out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).transpose(1, 2)  # [B, L, H, Dv]
     return padded_to_jagged(out, offsets, index=index)
 
 

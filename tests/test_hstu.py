@@ -52,6 +52,23 @@ def test_jagged_reference_matches_per_pair_loop(lengths):
     torch.testing.assert_close(out, loop_attention(q, k, v, lens, pos_w, time_w, ts, qt))
 
 
+@pytest.mark.parametrize("num_targets", [None, [3, 0, 5]])
+def test_query_blocked_reference_matches_per_pair_loop(num_targets):
+    """Inference on long sequences goes through the queries in blocks; same numbers."""
+    from kernels.hstu_attention import hstu_attention_reference
+
+    lengths = [11, 2, 9]
+    nt = None if num_targets is None else torch.tensor(num_targets)
+    q, k, v, lens, pos_w, time_w, ts, qt = random_case(lengths, seed=3)
+    expect = loop_attention(q, k, v, lens, pos_w, time_w, ts, qt, nt)
+    for block in (1, 4, 5, 11):
+        with torch.no_grad():
+            out = hstu_attention_reference(q, k, v, lengths_to_offsets(lens), max_seq_len=MAX_SEQ_LEN,
+                                           alpha=8**-0.5, pos_weights=pos_w, time_weights=time_w, timestamps=ts,
+                                           query_times=qt, num_targets=nt, query_block=block)
+        torch.testing.assert_close(out, expect)
+
+
 def test_target_aware_mask_matches_loop_and_isolates_candidates():
     lengths, nt = [6, 4], torch.tensor([3, 1])
     q, k, v, lens, pos_w, time_w, ts, qt = random_case(lengths, seed=1)
