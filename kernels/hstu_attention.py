@@ -162,13 +162,11 @@ def hstu_attention_reference(
     vp = jagged_to_padded(v, offsets, max_len, index=index).transpose(1, 2)
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, pos_weights, time_weights))
-    block = query_block or (QUERY_BLOCK if not grad and max_len > 2 * QUERY_BLOCK else max_len)
     times = None
     if time_weights is not None and timestamps is not None and query_times is not None:
         times = padded_relative_times(query_times, timestamps, offsets, max_len, index)
-    outs = []
-    for s in range(0, max_len, block):
-        e = min(s + block, max_len)
+
+    def rows(s: int, e: int) -> torch.Tensor:
         # queries s..e-1 never see keys at or after e (causal history, candidates after it)
         scores = torch.matmul(qp[:, :, s:e], kp[:, :, :e].transpose(-1, -2)) * alpha  # [B, H, e - s, e]
         bias = relative_bias(offsets, max_len, max_seq_len, pos_weights, time_weights, timestamps, query_times,
@@ -177,8 +175,16 @@ def hstu_attention_reference(
             scores = scores + bias[:, None].to(scores.dtype)
         mask = attention_mask(lengths, max_len, num_targets, rows=(s, e))[:, None]
         attn = F.silu(scores) * (mask.to(scores.dtype) / max_seq_len)
-        outs.append(torch.matmul(attn, vp[:, :, :e]))
-    out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).transpose(1, 2)  # [B, L, H, Dv]
+        return torch.matmul(attn, vp[:, :, :e])  # [B, H, e - s, Dv]
+
+    # one shot when training (and under torch.compile: decided before any test on the
+    # dynamic max_len, so no shape guard or recompile) and for short sequences
+    if query_block is None and (grad or max_len <= 2 * QUERY_BLOCK):
+        out = rows(0, max_len)
+    else:
+        block = query_block or QUERY_BLOCK
+        out = torch.cat([rows(s, min(s + block, max_len)) for s in range(0, max_len, block)], dim=2)
+    out = out.transpose(1, 2)  # [B, L, H, Dv]
     return padded_to_jagged(out, offsets, index=index)
 
 
