@@ -254,23 +254,36 @@ def hstu_cached_attention(
     if c == 0:
         return v.new_zeros(v.shape)
     lengths = hist_offsets[1:] - hist_offsets[:-1]
-    n = int(lengths.max()) if lengths.numel() else 0
-    kp = jagged_to_padded(k_hist, hist_offsets, max(n, 1))[owner]  # [C, L, H, D]
-    vp = jagged_to_padded(v_hist, hist_offsets, max(n, 1))[owner]
-    scores = torch.einsum("chd,clhd->chl", q, kp) * alpha  # [C, H, L]
+    b = lengths.numel()
+    n = max(int(lengths.max()) if b else 0, 1)
+    # Candidates grouped by user into [B, Cmax] slots, so each user's candidates meet that
+    # user's keys and values in one GEMM (no per-candidate copy of the history).
+    counts = torch.bincount(owner, minlength=b)
+    starts = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(owner, stable=True)
+    slot = torch.empty_like(owner)
+    slot[order] = torch.arange(c, device=owner.device) - starts[owner[order]]
+    cmax = int(counts.max())
+    qp = q.new_zeros(b, cmax, *q.shape[1:])
+    qp[owner, slot] = q
+    kp = jagged_to_padded(k_hist, hist_offsets, n)  # [B, L, H, D]
+    vp = jagged_to_padded(v_hist, hist_offsets, n)
+    scores = torch.einsum("bchd,blhd->bhcl", qp, kp) * alpha  # [B, H, Cmax, L]
     self_score = (q * k).sum(-1) * alpha  # [C, H]
-    h = lengths[owner]  # [C]
-    j = torch.arange(max(n, 1), device=q.device)
+    j = torch.arange(n, device=q.device)
     if pos_weights is not None:
-        dist = (h[:, None] - j[None, :]).clamp(0, max_seq_len - 1)
-        scores = scores + pos_weights[dist][:, None, :]
+        # a candidate sits at position h (its user's history length): the bias is per user
+        dist = (lengths[:, None] - j[None, :]).clamp(0, max_seq_len - 1)
+        scores = scores + pos_weights[dist][:, None, None, :]
         self_score = self_score + pos_weights[0]
     if time_weights is not None:
-        tk = jagged_to_padded(hist_times, hist_offsets, max(n, 1))[owner]  # [C, L]
-        buckets = time_bucket(query_times[:, None] - tk, time_weights.numel())
-        scores = scores + time_weights[buckets][:, None, :]
-        self_score = self_score + time_weights[time_bucket(torch.zeros_like(query_times), time_weights.numel())][:, None]
-    mask = (j[None, :] < h[:, None])[:, None, :]
+        tk = jagged_to_padded(hist_times, hist_offsets, n)  # [B, L]
+        tq = query_times.new_zeros(b, cmax)
+        tq[owner, slot] = query_times
+        buckets = time_bucket(tq[:, :, None] - tk[:, None, :], time_weights.numel())  # [B, Cmax, L]
+        scores = scores + time_weights[buckets.long()][:, None]
+        self_score = self_score + time_weights[time_bucket(torch.zeros_like(query_times), time_weights.numel()).long()][:, None]
+    mask = (j[None, :] < lengths[:, None])[:, None, None, :]
     attn = F.silu(scores) * (mask.to(scores.dtype) / max_seq_len)
-    out = torch.einsum("chl,clhd->chd", attn, vp)
+    out = torch.einsum("bhcl,blhd->bchd", attn, vp)[owner, slot]  # [C, H, D]
     return out + (F.silu(self_score) / max_seq_len)[..., None] * v
