@@ -253,9 +253,14 @@ def hstu_cached_attention(
     c = q.shape[0]
     if c == 0:
         return v.new_zeros(v.shape)
-    lengths = hist_offsets[1:] - hist_offsets[:-1]
-    b = lengths.numel()
-    n = max(int(lengths.max()) if b else 0, 1)
+    # only the users that own candidates here (a micro-batch spans a few of the batch's users)
+    users, owner = torch.unique(owner, return_inverse=True)
+    lengths = (hist_offsets[1:] - hist_offsets[:-1])[users]
+    b = users.numel()
+    n = max(int(lengths.max()), 1)
+    j = torch.arange(n, device=q.device)
+    valid = j[None, :] < lengths[:, None]  # [B, L]
+    rows = torch.where(valid, hist_offsets[:-1][users][:, None] + j[None, :], 0)  # history row per slot
     # Candidates grouped by user into [B, Cmax] slots, so each user's candidates meet that
     # user's keys and values in one GEMM (no per-candidate copy of the history).
     counts = torch.bincount(owner, minlength=b)
@@ -266,24 +271,23 @@ def hstu_cached_attention(
     cmax = int(counts.max())
     qp = q.new_zeros(b, cmax, *q.shape[1:])
     qp[owner, slot] = q
-    kp = jagged_to_padded(k_hist, hist_offsets, n)  # [B, L, H, D]
-    vp = jagged_to_padded(v_hist, hist_offsets, n)
+    gather = (lambda t: t[rows]) if k_hist.shape[0] else (lambda t: t.new_zeros(b, n, *t.shape[1:]))  # noqa: E731
+    kp, vp = gather(k_hist), gather(v_hist)  # [B, L, H, D]
     scores = torch.einsum("bchd,blhd->bhcl", qp, kp) * alpha  # [B, H, Cmax, L]
     self_score = (q * k).sum(-1) * alpha  # [C, H]
-    j = torch.arange(n, device=q.device)
     if pos_weights is not None:
         # a candidate sits at position h (its user's history length): the bias is per user
         dist = (lengths[:, None] - j[None, :]).clamp(0, max_seq_len - 1)
         scores = scores + pos_weights[dist][:, None, None, :]
         self_score = self_score + pos_weights[0]
     if time_weights is not None:
-        tk = jagged_to_padded(hist_times, hist_offsets, n)  # [B, L]
+        tk = gather(hist_times)  # [B, L]
         tq = query_times.new_zeros(b, cmax)
         tq[owner, slot] = query_times
         buckets = time_bucket(tq[:, :, None] - tk[:, None, :], time_weights.numel())  # [B, Cmax, L]
         scores = scores + time_weights[buckets.long()][:, None]
         self_score = self_score + time_weights[time_bucket(torch.zeros_like(query_times), time_weights.numel()).long()][:, None]
-    mask = (j[None, :] < lengths[:, None])[:, None, None, :]
+    mask = valid[:, None, None, :]
     attn = F.silu(scores) * (mask.to(scores.dtype) / max_seq_len)
     out = torch.einsum("bhcl,blhd->bchd", attn, vp)[owner, slot]  # [C, H, D]
     return out + (F.silu(self_score) / max_seq_len)[..., None] * v
