@@ -278,15 +278,15 @@ def hstu_cached_attention(
     if pos_weights is not None:
         # a candidate sits at position h (its user's history length): the bias is per user
         dist = (lengths[:, None] - j[None, :]).clamp(0, max_seq_len - 1)
-        scores = scores + pos_weights[dist][:, None, None, :]
+        scores = scores + _lookup(pos_weights, dist)[:, None, None, :]
         self_score = self_score + pos_weights[0]
     if time_weights is not None:
         tk = gather(hist_times)  # [B, L]
         tq = query_times.new_zeros(b, cmax)
         tq[owner, slot] = query_times
         buckets = time_bucket(tq[:, :, None] - tk[:, None, :], time_weights.numel())  # [B, Cmax, L]
-        scores = scores + time_weights[buckets.long()][:, None]
-        self_score = self_score + time_weights[time_bucket(torch.zeros_like(query_times), time_weights.numel()).long()][:, None]
+        scores = scores + _lookup(time_weights, buckets)[:, None]
+        self_score = self_score + time_weights[0]  # a candidate's gap to itself is 0: bucket 0
     mask = valid[:, None, None, :]
     attn = F.silu(scores) * (mask.to(scores.dtype) / max_seq_len)
     out = torch.einsum("bhcl,blhd->bchd", attn, vp)[owner, slot]  # [C, H, D]
