@@ -103,6 +103,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics HTTP port (0: off)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="medium",
+                   help="torch.set_float32_matmul_precision: medium routes fp32 GEMMs to oneDNN (may use bf16 "
+                   "inside where the CPU has it); highest: torch's default")
     p.add_argument("--max-batch", type=int, default=32, help="requests per engine batch")
     p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a batch waits to fill")
     p.add_argument("--max-queue", type=int, default=256, help="queued requests before RESOURCE_EXHAUSTED")

@@ -188,6 +188,89 @@ def hstu_attention_reference(
     return padded_to_jagged(out, offsets, index=index)
 
 
+def bias_table(pos_weights: torch.Tensor | None, time_weights: torch.Tensor | None, max_seq_len: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The position and time biases as one flat table, for :func:`bias_codes`:
+    ``table[d * nb + b] = pos_weights[d] + time_weights[b]`` (a missing term reads 0) and a
+    last slot, for masked pairs, so negative that SiLU of it is exactly 0."""
+    pos = pos_weights if pos_weights is not None else torch.zeros(max_seq_len)
+    tw = time_weights if time_weights is not None else torch.zeros(1, device=pos.device)
+    pos, tw = pos.to(device=tw.device, dtype=dtype), tw.to(dtype)
+    masked = torch.full((1,), torch.finfo(dtype).min / 2, dtype=dtype, device=tw.device)
+    return torch.cat([(pos[:, None] + tw[None, :]).reshape(-1), masked])
+
+
+def bias_codes(lengths: torch.Tensor, max_len: int, max_seq_len: int, num_buckets: int,
+               times: tuple[torch.Tensor, torch.Tensor] | None, num_targets: torch.Tensor | None,
+               rows: tuple[int, int]) -> torch.Tensor:
+    """[B, e - s, e] int32 index of every (query, key) pair into :func:`bias_table`:
+    position distance * num_buckets + time bucket, or the masked slot where the mask
+    (:func:`attention_mask`) forbids the pair. Shared by every layer of a tower."""
+    s, e = rows
+    p = token_positions(max_len, lengths, num_targets).to(torch.int32)
+    code = (p[:, s:e, None] - p[:, None, :e]).clamp_(0, max_seq_len - 1).mul_(num_buckets)
+    if times is not None:
+        tq, tk = times
+        code = code + time_bucket(tq[:, s:e, None] - tk[:, None, :e], num_buckets)
+    mask = attention_mask(lengths, max_len, num_targets, rows=rows)
+    return torch.where(mask, code, max_seq_len * num_buckets)
+
+
+def hstu_attention_inference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    max_seq_len: int,
+    alpha: float,
+    pos_weights: torch.Tensor | None = None,
+    time_weights: torch.Tensor | None = None,
+    timestamps: torch.Tensor | None = None,
+    query_times: torch.Tensor | None = None,
+    num_targets: torch.Tensor | None = None,
+    max_len: int | None = None,
+    plan: dict | None = None,
+) -> torch.Tensor:
+    """:func:`hstu_attention_reference` without autograd, in fewer passes (what serving runs
+    on CPU): the mask and both relative biases become one int32 code per (query, key)
+    pair, computed once per batch and shared by every layer through ``plan`` (a dict the
+    caller keeps for the batch); a layer then does one table gather, a fused
+    ``scores = bias + alpha * q k^T`` (baddbmm), SiLU and the value GEMM, and scales by
+    1 / N once on the output. Query blocks as in the reference for long sequences."""
+    lengths = offsets[1:] - offsets[:-1]
+    if max_len is None:
+        max_len = int(lengths.max()) if lengths.numel() else 0
+    if q.shape[0] == 0 or max_len == 0:
+        return v.new_zeros(v.shape)
+    plan = {} if plan is None else plan
+    use_time = time_weights is not None and timestamps is not None and query_times is not None
+    nb = time_weights.numel() if use_time else 1
+    key = ("hstu", max_len, max_seq_len, nb, use_time)
+    if key not in plan:
+        index = jagged_index(offsets, q.shape[0])
+        times = padded_relative_times(query_times, timestamps, offsets, max_len, index) if use_time else None
+        block = max_len if max_len <= 2 * QUERY_BLOCK else QUERY_BLOCK
+        blocks = [(s, min(s + block, max_len)) for s in range(0, max_len, block)]
+        plan[key] = (index, [(r, bias_codes(lengths, max_len, max_seq_len, nb, times, num_targets, r)) for r in blocks])
+    index, blocks = plan[key]
+    table = bias_table(pos_weights, time_weights if use_time else None, max_seq_len, q.dtype)
+    h = q.shape[1]
+    qkv = jagged_to_padded(torch.cat([q, k, v], dim=-1), offsets, max_len, index=index)  # [B, L, H, 2Dqk + Dv]
+    dqk = q.shape[-1]
+    qp, kp, vp = (t.transpose(1, 2) for t in qkv.split([dqk, dqk, v.shape[-1]], dim=-1))  # [B, H, L, D]
+    outs = []
+    for (s, e), code in blocks:
+        bias = _lookup(table, code)  # [B, r, e]
+        if h == 1:
+            scores = torch.baddbmm(bias, qp[:, 0, s:e], kp[:, 0, :e].transpose(-1, -2), alpha=alpha)[:, None]
+        else:
+            scores = torch.matmul(qp[:, :, s:e], kp[:, :, :e].transpose(-1, -2)).mul_(alpha).add_(bias[:, None])
+        outs.append(torch.matmul(F.silu(scores, inplace=True), vp[:, :, :e]))  # [B, H, r, Dv]
+    out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).transpose(1, 2)  # [B, L, H, Dv]
+    return padded_to_jagged(out, offsets, index=index).div_(max_seq_len)
+
+
 def hstu_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -203,14 +286,16 @@ def hstu_attention(
     num_targets: torch.Tensor | None = None,
     max_len: int | None = None,
     backend: Backend = "auto",
+    plan: dict | None = None,
 ) -> torch.Tensor:
     """Jagged HSTU attention; ``backend`` picks the implementation (same semantics).
 
     ``reference``: pure PyTorch (any device). ``triton``: the fused kernels of
     ``kernels.triton_hstu`` (CUDA, or CPU under ``TRITON_INTERPRET=1``). ``auto``: Triton on
-    CUDA when its head-dim constraints hold, the reference elsewhere. ``max_len``
-    (optional) is the longest sequence in the batch, when the caller knows it without a
-    device sync.
+    CUDA when its head-dim constraints hold; elsewhere :func:`hstu_attention_inference`
+    when nothing needs gradients (``plan``: a per-batch dict the layers of one tower share),
+    the reference otherwise. ``max_len`` (optional) is the longest sequence in the batch,
+    when the caller knows it without a device sync.
     """
     if backend not in ("auto", "reference", "triton"):
         raise ValueError(f"unknown attention backend '{backend}'; use 'auto', 'reference' or 'triton'")
@@ -220,6 +305,10 @@ def hstu_attention(
         from kernels.triton_hstu import triton_hstu_attention
 
         return triton_hstu_attention(q, k, v, offsets, **kw)
+    # (under torch.compile the reference, whose elementwise work the compiler fuses)
+    if backend == "auto" and not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, pos_weights, time_weights))):
+        return hstu_attention_inference(q, k, v, offsets, plan=plan, **kw)
     return hstu_attention_reference(q, k, v, offsets, **kw)
 
 
@@ -241,19 +330,20 @@ def hstu_cached_attention(
     pos_weights: torch.Tensor | None = None,
     time_weights: torch.Tensor | None = None,
     hist_times: torch.Tensor | None = None,
-    query_times: torch.Tensor | None = None,
+    request_times: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Candidates attending to a cached history: what :func:`hstu_attention` computes for
     the ``num_targets`` rows, without recomputing the history (M-FALCON-style serving).
 
     q, k, v [C, H, D] for C candidates; k_hist, v_hist [Th, H, D] the history keys/values
-    of B users (``hist_offsets`` [B+1]); ``owner`` [C] each candidate's user. A candidate
-    sits at position h (its user's history length) and sees history j < h and itself.
+    of B users (``hist_offsets`` [B+1]); ``owner`` [C] each candidate's user;
+    ``request_times`` [B] the time each user's candidates are scored at. A candidate sits
+    at position h (its user's history length) and sees history j < h and itself.
     """
-    c = q.shape[0]
+    c, h = q.shape[0], q.shape[1]
     if c == 0:
         return v.new_zeros(v.shape)
-    # only the users that own candidates here (a micro-batch spans a few of the batch's users)
+    # only the users that own candidates here (a micro-batch may span a few of the batch's users)
     users, owner = torch.unique(owner, return_inverse=True)
     lengths = (hist_offsets[1:] - hist_offsets[:-1])[users]
     b = users.numel()
@@ -262,32 +352,38 @@ def hstu_cached_attention(
     valid = j[None, :] < lengths[:, None]  # [B, L]
     rows = torch.where(valid, hist_offsets[:-1][users][:, None] + j[None, :], 0)  # history row per slot
     # Candidates grouped by user into [B, Cmax] slots, so each user's candidates meet that
-    # user's keys and values in one GEMM (no per-candidate copy of the history).
+    # user's keys and values in one GEMM (no per-candidate copy of the history). Requests
+    # send them grouped already (same count per user, in user order): then it is a view.
     counts = torch.bincount(owner, minlength=b)
-    starts = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(owner, stable=True)
-    slot = torch.empty_like(owner)
-    slot[order] = torch.arange(c, device=owner.device) - starts[owner[order]]
     cmax = int(counts.max())
-    qp = q.new_zeros(b, cmax, *q.shape[1:])
-    qp[owner, slot] = q
+    grouped = cmax * b == c and bool((owner[1:] >= owner[:-1]).all())
+    if grouped:
+        qp = q.view(b, cmax, *q.shape[1:])
+    else:
+        starts = torch.cumsum(counts, 0) - counts
+        order = torch.argsort(owner, stable=True)
+        slot = torch.empty_like(owner)
+        slot[order] = torch.arange(c, device=owner.device) - starts[owner[order]]
+        qp = q.new_zeros(b, cmax, *q.shape[1:])
+        qp[owner, slot] = q
     gather = (lambda t: t[rows]) if k_hist.shape[0] else (lambda t: t.new_zeros(b, n, *t.shape[1:]))  # noqa: E731
     kp, vp = gather(k_hist), gather(v_hist)  # [B, L, H, D]
-    scores = torch.einsum("bchd,blhd->bhcl", qp, kp) * alpha  # [B, H, Cmax, L]
-    self_score = (q * k).sum(-1) * alpha  # [C, H]
-    if pos_weights is not None:
-        # a candidate sits at position h (its user's history length): the bias is per user
-        dist = (lengths[:, None] - j[None, :]).clamp(0, max_seq_len - 1)
-        scores = scores + _lookup(pos_weights, dist)[:, None, None, :]
-        self_score = self_score + pos_weights[0]
-    if time_weights is not None:
-        tk = gather(hist_times)  # [B, L]
-        tq = query_times.new_zeros(b, cmax)
-        tq[owner, slot] = query_times
-        buckets = time_bucket(tq[:, :, None] - tk[:, None, :], time_weights.numel())  # [B, Cmax, L]
-        scores = scores + _lookup(time_weights, buckets)[:, None]
-        self_score = self_score + time_weights[0]  # a candidate's gap to itself is 0: bucket 0
-    mask = valid[:, None, None, :]
-    attn = F.silu(scores) * (mask.to(scores.dtype) / max_seq_len)
-    out = torch.einsum("bhcl,blhd->bchd", attn, vp)[owner, slot]  # [C, H, D]
-    return out + (F.silu(self_score) / max_seq_len)[..., None] * v
+    # Every candidate of a user has the same position and query time, so the bias (and the
+    # mask, as the table's masked slot) is one row per user: [B, L].
+    use_time = time_weights is not None and hist_times is not None and request_times is not None
+    nb = time_weights.numel() if use_time else 1
+    code = (lengths[:, None] - j[None, :]).clamp_(0, max_seq_len - 1).mul_(nb)
+    if use_time:
+        code = code + time_bucket(request_times[users][:, None] - gather(hist_times), nb)
+    table = bias_table(pos_weights, time_weights if use_time else None, max_seq_len, q.dtype)
+    bias = table[torch.where(valid, code, max_seq_len * nb)]  # [B, L]
+    inplace = not torch.is_grad_enabled()
+    if h == 1:
+        scores = torch.baddbmm(bias[:, None, :], qp[:, :, 0], kp[:, :, 0].transpose(1, 2), alpha=alpha)
+        out = torch.bmm(F.silu(scores, inplace=inplace), vp[:, :, 0])[:, :, None]  # [B, Cmax, 1, Dv]
+    else:
+        scores = torch.einsum("bchd,blhd->bhcl", qp, kp) * alpha + bias[:, None, None, :]  # [B, H, Cmax, L]
+        out = torch.einsum("bhcl,blhd->bchd", F.silu(scores, inplace=inplace), vp)
+    out = out.reshape(c, h, -1) if grouped else out[owner, slot]  # [C, H, Dv]
+    self_score = (q * k).sum(-1) * alpha + table[0]  # a candidate's distance and time gap to itself: 0
+    return (out + F.silu(self_score)[..., None] * v) / max_seq_len

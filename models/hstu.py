@@ -17,7 +17,7 @@ training-speed benchmark.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -65,6 +65,7 @@ class JaggedMeta:
     timestamps: torch.Tensor | None  # [T]
     query_times: torch.Tensor | None  # [T]
     num_targets: torch.Tensor | None  # [B]
+    plan: dict = field(default_factory=dict)  # what every layer's attention shares (inference)
 
 
 class HSTULayer(nn.Module):
@@ -117,6 +118,7 @@ class HSTULayer(nn.Module):
             num_targets=meta.num_targets,
             max_len=meta.max_len,
             backend=c.attention_backend,
+            plan=meta.plan,
         )
         return self._gate(x, u, attn.reshape(t, h * c.v_dim))
 
@@ -128,7 +130,7 @@ class HSTULayer(nn.Module):
         attn = hstu_cached_attention(
             q.view(n, h, c.qk_dim), k.view(n, h, c.qk_dim), v.view(n, h, c.v_dim), kv[0], kv[1],
             hist.offsets, owner, max_seq_len=self.max_seq_len, alpha=self.alpha, pos_weights=self.pos_weights,
-            time_weights=self.time_weights, hist_times=hist.times, query_times=hist.request_times[owner])
+            time_weights=self.time_weights, hist_times=hist.times, request_times=hist.request_times)
         return self._gate(x, u, attn.reshape(n, h * c.v_dim))
 
     def forward_padded(

@@ -51,5 +51,6 @@ def cmd_serve(args: argparse.Namespace, overrides: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
+    torch.set_float32_matmul_precision(args.matmul_precision)
     asyncio.run(_serve(config_from_args(args), args.artifact))
     return 0

@@ -92,7 +92,7 @@ class TorchEngine:
 
     name = "torch"
 
-    def __init__(self, artifact: str | Path, device: str = "cpu", micro_batch: int = 256,
+    def __init__(self, artifact: str | Path, device: str = "cpu", micro_batch: int = 4096,
                  objective_tasks: tuple[str, ...] | None = None) -> None:
         self.device = torch.device(device)
         self.model, self.manifest = load_model(artifact, self.device)

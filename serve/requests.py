@@ -99,6 +99,14 @@ def parse(cls: type[Message], data: bytes) -> Message:
         msg = cls.FromString(data)
     except DecodeError as e:
         raise InvalidRequest(f"request: cannot parse {cls.DESCRIPTOR.name} ({e}); truncated or not protobuf") from None
+    # Fast check first: with unknown fields dropped, the canonical re-encoding of a request
+    # (no maps, packed scalars) is never longer than the bytes it came from, and is as long
+    # only when nothing was dropped. Otherwise walk the message to name the field (~0.2 ms
+    # for 200 events, half of a request's decoding, hence not on every call).
+    msg.DiscardUnknownFields()
+    if msg.ByteSize() == len(data):
+        return msg
+    msg = cls.FromString(data)
     bad = _unknown_fields(msg, "")
     if bad:
         raise InvalidRequest(f"{bad}: has fields this contract (genrec.v1) does not define")

@@ -69,6 +69,34 @@ def test_query_blocked_reference_matches_per_pair_loop(num_targets):
         torch.testing.assert_close(out, expect)
 
 
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("num_targets", [None, [3, 0, 5]])
+def test_inference_path_matches_loop_blocked_and_shares_its_plan(monkeypatch, heads, num_targets):
+    """The serving path (one bias code per pair, baddbmm) in query blocks, with the plan
+    one layer built reused by another layer's weights: same numbers as the loop."""
+    import kernels.hstu_attention as ha
+
+    monkeypatch.setattr(ha, "QUERY_BLOCK", 2)  # 11 > 2 * 2: blocks of 2 query rows
+    lengths = [11, 2, 9]
+    nt = None if num_targets is None else torch.tensor(num_targets)
+    q, k, v, lens, pos_w, time_w, ts, qt = random_case(lengths, heads=heads, seed=5)
+    plan: dict = {}
+    kw = dict(max_seq_len=MAX_SEQ_LEN, alpha=8**-0.5, timestamps=ts, query_times=qt, num_targets=nt, plan=plan)
+    for pw, tw in ((pos_w, time_w), (pos_w.flip(0), time_w * 2)):
+        out = ha.hstu_attention(q, k, v, lengths_to_offsets(lens), pos_weights=pw, time_weights=tw, **kw)
+        torch.testing.assert_close(out, loop_attention(q, k, v, lens, pw, tw, ts, qt, nt))
+    assert len(plan) == 1
+    blocks = next(iter(plan.values()))[1]
+    assert [r for r, _ in blocks] == [(s, min(s + 2, 11)) for s in range(0, 11, 2)]
+
+
+def test_inference_path_without_bias_terms():
+    q, k, v, lens, pos_w, time_w, ts, qt = random_case([4, 3], seed=6)
+    zero_p, zero_t = torch.zeros_like(pos_w), torch.zeros_like(time_w)
+    out = hstu_attention(q, k, v, lengths_to_offsets(lens), max_seq_len=MAX_SEQ_LEN, alpha=8**-0.5)
+    torch.testing.assert_close(out, loop_attention(q, k, v, lens, zero_p, zero_t, ts, qt))
+
+
 def test_target_aware_mask_matches_loop_and_isolates_candidates():
     lengths, nt = [6, 4], torch.tensor([3, 1])
     q, k, v, lens, pos_w, time_w, ts, qt = random_case(lengths, seed=1)

@@ -98,6 +98,32 @@ def test_chunked_softmax_cross_entropy_matches_the_unfused_loss(t, n, d, chunk):
     torch.testing.assert_close(git.double(), ref_git, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+def test_chunked_softmax_cross_entropy_under_the_training_matmul_precisions(precision):
+    """train.matmul_precision may route the loss GEMMs to oneDNN (bf16 inside on CPUs with
+    fast bf16): the loss and gradients stay within bf16 rounding of the fp64 reference."""
+    from kernels.softmax_ce import softmax_cross_entropy
+
+    g = torch.Generator().manual_seed(5)
+    u = torch.nn.functional.normalize(torch.randn(300, 64, generator=g, dtype=torch.float64), dim=-1)
+    it = torch.nn.functional.normalize(torch.randn(500, 64, generator=g, dtype=torch.float64), dim=-1)
+    idx = torch.randint(500, (300,), generator=g)
+    u.requires_grad_(), it.requires_grad_()
+    ref = torch.nn.functional.cross_entropy(u @ it.t() * 20.0, idx)
+    ref_gu, ref_git = torch.autograd.grad(ref, (u, it))
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        u32, it32 = u.detach().float().requires_grad_(), it.detach().float().requires_grad_()
+        out = softmax_cross_entropy(u32, it32, idx, 20.0)
+        gu, git = torch.autograd.grad(out, (u32, it32))
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert out.item() == pytest.approx(ref.item(), rel=1e-2)
+    for a, b in ((gu, ref_gu), (git, ref_git)):
+        assert ((a.double() - b).norm() / b.norm()).item() < 2e-2
+
+
 def test_chunked_softmax_cross_entropy_keeps_fp32_under_bf16_autocast():
     from kernels.softmax_ce import softmax_cross_entropy
 

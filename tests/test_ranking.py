@@ -162,3 +162,8 @@ def test_cached_history_scores_equal_the_full_pass(tower, encoding):
     owner = torch.tensor([i for i, (_, _, cs) in enumerate(users) for _ in cs])
     parts = [m.score_candidates(state, items[s], owner[s]) for s in (slice(0, 4), slice(4, 7))]  # micro-batches
     torch.testing.assert_close(torch.cat(parts), full)
+    # any order of candidates and users, and the grouped fast case (same count per user, in user order)
+    perm = torch.tensor([5, 2, 4, 0, 3, 1])
+    torch.testing.assert_close(m.score_candidates(state, items[perm], owner[perm]), full[perm])
+    grouped = torch.tensor([0, 1, 3, 4])  # users 0 and 1, two candidates each
+    torch.testing.assert_close(m.score_candidates(state, items[grouped], owner[grouped]), full[grouped])

@@ -354,3 +354,23 @@ def test_naive_engine_returns_the_same_answers_as_the_batched_engine(artifacts):
     for a, b in zip(fast.run(works), naive.run(works)):
         np.testing.assert_array_equal(a.item_ids, b.item_ids)
         np.testing.assert_allclose(a.scores, b.scores, rtol=1e-5, atol=1e-7)
+
+
+def test_unknown_fields_are_named_at_any_depth_and_odd_but_valid_encodings_pass():
+    """parse() checks unknown fields by size first; the slow walk must still name nested ones,
+    and a valid message that is not canonically encoded must not be refused."""
+    from serve.requests import InvalidRequest, parse
+
+    req = pb.RecommendRequest(user=user(history(3), CTX), retrieve_k=10)
+    data = req.SerializeToString()
+    assert parse(pb.RecommendRequest, data) == req
+    # the same field twice (last wins) and an explicit default: longer than canonical, valid
+    odd = data + pb.RecommendRequest(retrieve_k=10).SerializeToString() + bytes([0x18, 0x00])
+    assert parse(pb.RecommendRequest, odd).retrieve_k == 10
+    # an unknown field inside the second event of the history
+    ev = pb.Event(item_id=7, timestamp=T0).SerializeToString() + bytes([0x98, 0x06, 0x01])
+    nested = pb.User(history=[pb.Event(item_id=5, timestamp=T0)]).SerializeToString()
+    nested += bytes([0x0A, len(ev)]) + ev  # field 1 (history), length-delimited
+    bad = pb.RecommendRequest(retrieve_k=10).SerializeToString() + bytes([0x0A, len(nested)]) + nested
+    with pytest.raises(InvalidRequest, match=r"^user\.history\[1\]: has fields"):
+        parse(pb.RecommendRequest, bad)

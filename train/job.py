@@ -49,6 +49,11 @@ class TrainConfig:
     patience: int = 10  # evaluations without improvement before stopping
     early_stop_metric: str = "ndcg@10"
     precision: Literal["fp32", "bf16"] = "fp32"
+    # torch.set_float32_matmul_precision for fp32 GEMMs. "medium" lets torch route them to
+    # oneDNN, which may use bf16 inside where the CPU has fast bf16; on this project's EPYC
+    # it ran them 2-5x faster than the default MKL path at fp32-level error (measured,
+    # benchmarks/RESULTS.md, training throughput). "highest": torch's default.
+    matmul_precision: Literal["highest", "high", "medium"] = "medium"
     seed: int = 0
     log_every_steps: int = 20
     checkpoint_every_steps: int = 0  # extra mid-epoch checkpoints; 0: only at evaluations

@@ -49,6 +49,7 @@ def run_training(job: JobConfig, run_dir: Path | None = None) -> tuple[Path, dic
     rank calls this; rank 0 writes files and returns the results the others also get."""
     if job.train.threads:
         torch.set_num_threads(job.train.threads)
+    torch.set_float32_matmul_precision(job.train.matmul_precision)
     ctx = init_distributed(job.train.parallel)
     try:
         seed_everything(job.train.seed)
