@@ -123,6 +123,9 @@ class SparseArch(nn.Module):
         pooled = pooled_table_configs(cfg)
         self.ebc = EmbeddingBagCollection(tables=pooled, device=device) if pooled else None
 
+        # feature -> direct row lookup, used at inference when every sequence feature has one
+        # (a served artifact's quantized tables: quant.embeddings.ServedRows)
+        self.rows = nn.ModuleDict()
         # feature -> bits of fake quantization in training (TableConfig.qat)
         self.qat_bits = {f: {"int8": 8, "int4": 4}[t.qat] for t in cfg.sequence_tables if t.qat != "none"
                          for f in t.features}
@@ -144,7 +147,19 @@ class SparseArch(nn.Module):
             return kjt
         return KeyedJaggedTensor.from_jt_dict({f: kjt[f] for f in features})
 
+    def _direct(self) -> bool:
+        return bool(self.rows) and not self.training and all(f in self.rows for f in self.sequence_features)
+
     def forward(self, seq: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        if self._direct():
+            values, lengths, b = seq.values(), seq.lengths(), seq.stride()
+            out, start = {}, 0
+            for i, (f, n) in enumerate(zip(seq.keys(), seq.length_per_key())):
+                if f in self.rows:
+                    out[f] = JaggedTensor(values=self.rows[f](values[start : start + n]),
+                                          lengths=lengths[i * b : (i + 1) * b])
+                start += n
+            return out
         out = {}
         if self.plain_features:
             out.update(self._lookup(self._subset(seq, self.plain_features), self.plain_features, False))
@@ -167,6 +182,8 @@ class SparseArch(nn.Module):
         when the collection is sharded (the ids travel as a one-sample KJT).
         """
         feature = feature or self.cfg.item_feature
+        if self._direct():
+            return self.rows[feature](ids)
         n = ids.numel()
         mch = feature in self.mch_features
         keys = self.mch_features if mch else self.plain_features

@@ -25,7 +25,7 @@ from quant.artifact import ArtifactError, Manifest, load_tensors, read_manifest,
 from quant.dense import Scheme as DenseScheme
 from quant.dense import dense_bytes, dense_tensors, load_dense
 from quant.embeddings import Scheme as EmbScheme
-from quant.embeddings import install, quantized_modules, table_bytes, table_tensors
+from quant.embeddings import install, quantized_modules, served_rows, table_bytes, table_tensors
 from train import checkpoint as ckpt
 from train.rundir import code_version
 
@@ -86,7 +86,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[Ge
     q = manifest.quantization
     model = GenerativeRecommender(model_cfg, emb_cfg, dense["corpus_ids"], sparse_device=torch.device("meta"))
     ec, ebc = quantized_modules(emb_cfg, tensors["embeddings.safetensors"], q["embeddings"], q.get("row_alignment", 16))
-    install(model.sparse, ec, ebc)
+    install(model.sparse, ec, ebc, served_rows(emb_cfg, tensors["embeddings.safetensors"], q["embeddings"]))
     load_dense(model, dense, q["dense"], device)
     return model.to(device).eval(), manifest
 

@@ -14,6 +14,7 @@ from typing import Literal
 
 import fbgemm_gpu  # noqa: F401 - registers torch.ops.fbgemm
 import torch
+from torch import nn
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEBC
 from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEC
@@ -87,11 +88,43 @@ def quantized_modules(
     return ec, ebc
 
 
-def install(arch: SparseArch, ec: QuantEC, ebc: QuantEBC | None) -> None:
-    """Swaps the float TorchRec modules of ``arch`` for their quantized counterparts."""
+class ServedRows(nn.Module):
+    """Rows of one quantized sequence table for row ids, by fbgemm's row-wise dequantize op:
+    what the quantized EmbeddingCollection returns for those ids (same codes, same fp16
+    scale and bias), without its KJT split, TBE call and jagged re-assembly, which cost
+    more than the lookup itself for a serving batch of a few hundred ids."""
+
+    def __init__(self, parts: dict[str, torch.Tensor], scheme: Scheme, dim: int) -> None:
+        super().__init__()
+        self.bits, self.dim = BITS.get(scheme), dim
+        packed = torch.cat([parts["codes"], parts["scale_bias"]], dim=1) if self.bits else parts["weight"]
+        self.register_buffer("packed", packed.contiguous(), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.packed.index_select(0, ids.reshape(-1))
+        if self.bits:
+            return torch.ops.fbgemm.FusedNBitRowwiseQuantizedSBHalfToFloat(rows, self.bits)[:, : self.dim]
+        return rows.float()
+
+
+def served_rows(cfg: EmbeddingConfig, tensors: dict[str, torch.Tensor], scheme: Scheme) -> dict[str, ServedRows]:
+    """feature -> its table's :class:`ServedRows`, for every sequence feature."""
+    out = {}
+    for t in cfg.sequence_tables:
+        parts = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.split(".", 1)[0] == t.name}
+        rows = ServedRows(parts, scheme, t.dim)
+        out.update({f: rows for f in t.features})
+    return out
+
+
+def install(arch: SparseArch, ec: QuantEC, ebc: QuantEBC | None, rows: dict[str, ServedRows] | None = None) -> None:
+    """Swaps the float TorchRec modules of ``arch`` for their quantized counterparts (and
+    gives it ``rows``, the direct lookups inference uses for sequence features)."""
     arch.ec = ec
     if ebc is not None:
         arch.ebc = ebc
+    if rows:
+        arch.rows = nn.ModuleDict(rows)
 
 
 def table_bytes(tensors: dict[str, torch.Tensor]) -> int:

@@ -63,6 +63,37 @@ def test_torchrec_quantized_lookup_matches_the_float_table():
         assert (got - ref).abs().max() < tol * ref.abs().max(), scheme
 
 
+@pytest.mark.parametrize("scheme", ["fp32", "fp16", "int8", "int4"])
+def test_served_direct_rows_equal_the_quantized_collection(scheme):
+    """Inference reads sequence rows straight from the packed table (ServedRows); they must
+    be the rows TorchRec's quantized EmbeddingCollection returns, for the sequence KJT too."""
+    from torchrec import KeyedJaggedTensor
+
+    from embedding.collection import SparseArch
+    from embedding.spec import EmbeddingConfig, TableConfig
+    from quant.embeddings import install, quantized_modules, served_rows, table_tensors
+
+    cfg = EmbeddingConfig(tables=(TableConfig("item", ("item",), dim=32, num_embeddings=300),
+                                  TableConfig("action", ("action",), dim=32, num_embeddings=8)))
+    tensors = table_tensors(SparseArch(cfg), scheme)
+    via_ec, direct = SparseArch(cfg).eval(), SparseArch(cfg).eval()
+    ec, _ = quantized_modules(cfg, tensors, scheme)
+    via_ec.ec = ec
+    install(direct, ec, None, served_rows(cfg, tensors, scheme))
+    ids = torch.tensor([0, 5, 299, 17, 5])
+    torch.testing.assert_close(direct.lookup(ids), via_ec.lookup(ids), rtol=0, atol=0)
+    torch.testing.assert_close(direct.lookup(torch.tensor([1, 7]), "action"), via_ec.lookup(torch.tensor([1, 7]), "action"))
+    kjt = KeyedJaggedTensor(keys=["item", "action"], values=torch.tensor([3, 4, 5, 9, 1, 2, 3, 0]),
+                            lengths=torch.tensor([3, 1, 3, 1]))
+    a, b = direct(kjt), via_ec(kjt)
+    assert a.keys() == b.keys()
+    for f in a:
+        torch.testing.assert_close(a[f].values(), b[f].values(), rtol=0, atol=0)
+        torch.testing.assert_close(a[f].lengths(), b[f].lengths())
+    direct.train()  # training never takes the direct path
+    assert direct(kjt)["item"].values().shape == (4, 32)
+
+
 @pytest.mark.parametrize("scheme,rel", [("int8", 0.02), ("fp8", 0.08)])
 def test_quantized_linear_layers_track_the_float_layer(scheme, rel):
     torch.manual_seed(0)
