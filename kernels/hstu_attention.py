@@ -340,17 +340,74 @@ def hstu_cached_attention(
     ``request_times`` [B] the time each user's candidates are scored at. A candidate sits
     at position h (its user's history length) and sees history j < h and itself.
     """
+    lengths = hist_offsets[1:] - hist_offsets[:-1]
+    return _grouped_attention(q, k, v, k_hist, v_hist, hist_offsets[:-1], lengths, owner, max_seq_len=max_seq_len,
+                              alpha=alpha, pos_weights=pos_weights, time_weights=time_weights, hist_times=hist_times,
+                              request_times=request_times)
+
+
+def hstu_last_row_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    max_seq_len: int,
+    alpha: float,
+    pos_weights: torch.Tensor | None = None,
+    time_weights: torch.Tensor | None = None,
+    timestamps: torch.Tensor | None = None,
+    query_times: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The rows of :func:`hstu_attention` (no targets) at each sequence's last token only:
+    [B, H, Dv] from q, k, v [T, H, D]. What the last layer of a tower needs when only the
+    final position's output is read (a user vector): one query row per sequence instead of
+    the whole causal [L, L] block."""
+    lengths = offsets[1:] - offsets[:-1]
+    if (lengths < 1).any():
+        raise ValueError("hstu_last_row_attention: every sequence needs at least one token")
+    last = offsets[1:] - 1
+    use_time = time_weights is not None and timestamps is not None and query_times is not None
+    return _grouped_attention(
+        q[last], k[last], v[last], k, v, offsets[:-1], lengths - 1, torch.arange(lengths.numel(), device=q.device),
+        max_seq_len=max_seq_len, alpha=alpha, pos_weights=pos_weights, time_weights=time_weights,
+        hist_times=timestamps, request_times=query_times[last] if use_time else None,
+        self_times=timestamps[last] if use_time else None)
+
+
+def _grouped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_hist: torch.Tensor,
+    v_hist: torch.Tensor,
+    hist_starts: torch.Tensor,
+    hist_lengths: torch.Tensor,
+    owner: torch.Tensor,
+    *,
+    max_seq_len: int,
+    alpha: float,
+    pos_weights: torch.Tensor | None,
+    time_weights: torch.Tensor | None,
+    hist_times: torch.Tensor | None,
+    request_times: torch.Tensor | None,
+    self_times: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Query rows q [C, H, D] of users ``owner`` [C], each at position ``hist_lengths[user]``
+    and time ``request_times[user]``, against that user's history rows
+    ``hist_starts[user] + 0 .. hist_lengths[user] - 1`` of k_hist / v_hist, and themselves
+    (k, v [C, H, D]; time gap to itself ``request_time - self_times`` when given, else 0)."""
     c, h = q.shape[0], q.shape[1]
     if c == 0:
         return v.new_zeros(v.shape)
     # only the users that own candidates here (a micro-batch may span a few of the batch's users)
     users, owner = torch.unique(owner, return_inverse=True)
-    lengths = (hist_offsets[1:] - hist_offsets[:-1])[users]
+    lengths = hist_lengths[users]
     b = users.numel()
     n = max(int(lengths.max()), 1)
     j = torch.arange(n, device=q.device)
     valid = j[None, :] < lengths[:, None]  # [B, L]
-    rows = torch.where(valid, hist_offsets[:-1][users][:, None] + j[None, :], 0)  # history row per slot
+    rows = torch.where(valid, hist_starts[users][:, None] + j[None, :], 0)  # history row per slot
     # Candidates grouped by user into [B, Cmax] slots, so each user's candidates meet that
     # user's keys and values in one GEMM (no per-candidate copy of the history). Requests
     # send them grouped already (same count per user, in user order): then it is a view.
@@ -385,5 +442,9 @@ def hstu_cached_attention(
         scores = torch.einsum("bchd,blhd->bhcl", qp, kp) * alpha + bias[:, None, None, :]  # [B, H, Cmax, L]
         out = torch.einsum("bhcl,blhd->bchd", F.silu(scores, inplace=inplace), vp)
     out = out.reshape(c, h, -1) if grouped else out[owner, slot]  # [C, H, Dv]
-    self_score = (q * k).sum(-1) * alpha + table[0]  # a candidate's distance and time gap to itself: 0
+    self_score = (q * k).sum(-1) * alpha  # [C, H]; distance to itself 0
+    if use_time and self_times is not None:
+        self_score = self_score + table[time_bucket(request_times[users][owner] - self_times, nb)][:, None]
+    else:
+        self_score = self_score + table[0]  # a candidate is seen at the request time: time gap 0
     return (out + F.silu(self_score)[..., None] * v) / max_seq_len

@@ -28,6 +28,7 @@ from kernels.hstu_attention import (
     attention_mask,
     hstu_attention,
     hstu_cached_attention,
+    hstu_last_row_attention,
     time_bucket,
     token_positions,
 )
@@ -122,6 +123,20 @@ class HSTULayer(nn.Module):
         )
         return self._gate(x, u, attn.reshape(t, h * c.v_dim))
 
+    def forward_last(self, x: torch.Tensor, meta: JaggedMeta, cache: list | None = None) -> torch.Tensor:
+        """Only each sequence's last row: x [T, D] -> [B, D] (keys and values of every row still
+        go to ``cache``). For the last layer at inference, when only that row is read."""
+        c, h, t = self.cfg, self.cfg.num_heads, x.shape[0]
+        u, v, q, k = self._split(x)
+        if cache is not None:
+            cache.append((k.view(t, h, c.qk_dim), v.view(t, h, c.v_dim)))
+        attn = hstu_last_row_attention(
+            q.view(t, h, c.qk_dim), k.view(t, h, c.qk_dim), v.view(t, h, c.v_dim), meta.offsets,
+            max_seq_len=self.max_seq_len, alpha=self.alpha, pos_weights=self.pos_weights,
+            time_weights=self.time_weights, timestamps=meta.timestamps, query_times=meta.query_times)
+        last = meta.offsets[1:] - 1
+        return self._gate(x[last], u[last], attn.reshape(-1, h * c.v_dim))
+
     def forward_cached(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], hist: CachedHistory,
                        owner: torch.Tensor) -> torch.Tensor:
         """Candidate rows x [C, D] against the cached history of their users -> [C, D]."""
@@ -170,10 +185,17 @@ class HSTUTower(nn.Module):
         self.layers = nn.ModuleList(HSTULayer(cfg, dim, max_seq_len) for _ in range(cfg.num_layers))
         self.final_norm = nn.LayerNorm(dim)
 
-    def forward(self, x: torch.Tensor, meta: JaggedMeta, cache: list | None = None) -> torch.Tensor:
-        for layer in self.layers:
+    def forward(self, x: torch.Tensor, meta: JaggedMeta, cache: list | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """``last_only``: return only each sequence's last row, [B, D] (no targets): the last
+        layer then attends from that row alone (:meth:`HSTULayer.forward_last`)."""
+        if last_only and meta.num_targets is not None:
+            raise ValueError("last_only needs sequences without targets")
+        for i, layer in enumerate(self.layers):
+            if last_only and i == len(self.layers) - 1:
+                return self.final_norm(layer.forward_last(x, meta, cache))
             x = layer(x, meta, cache)
-        return self.final_norm(x)
+        return self.final_norm(x[meta.offsets[1:] - 1] if last_only else x)
 
     def forward_cached(self, x: torch.Tensor, hist: CachedHistory, owner: torch.Tensor) -> torch.Tensor:
         """Candidates [C, D] of users ``owner`` [C] against ``hist`` (from ``forward(cache=)``)."""

@@ -161,7 +161,7 @@ class GenerativeRecommender(nn.Module):
         x, tok = self._tokens(batch)
         meta = JaggedMeta(tok.offsets, tok.max_len, tok.timestamps, tok.query_times, tok.num_targets)
         layers: list = []
-        h = self.tower(x, meta, cache=layers)
+        h = self.tower(x, meta, cache=layers, last_only=True)  # [B, D]: each history's last row
         hist = CachedHistory(layers, tok.offsets, tok.timestamps, tok.query_times[tok.last_rows])
         ctx = None
         if self.ranking is not None and self.ranking_context:
@@ -169,7 +169,7 @@ class GenerativeRecommender(nn.Module):
                 raise ValueError("this model ranks with context features; the batch has none")
             ctx = self.sparse.pooled(batch.context).values()
         lengths = tok.offsets[1:] - tok.offsets[:-1]
-        return self.head.normalize(h[tok.last_rows]), HistoryState(hist, lengths, ctx)
+        return self.head.normalize(h), HistoryState(hist, lengths, ctx)
 
     def score_candidates(self, state: HistoryState, items: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
         """Task probabilities [C, tasks] of candidate ``items`` [C] for users ``owner`` [C]

@@ -102,7 +102,8 @@ class TransformerTower(nn.Module):
         self.layers = nn.ModuleList(TransformerLayer(cfg, dim) for _ in range(cfg.num_layers))
         self.final_norm = nn.RMSNorm(dim)
 
-    def forward(self, x: torch.Tensor, meta: JaggedMeta, cache: list | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: JaggedMeta, cache: list | None = None,
+                last_only: bool = False) -> torch.Tensor:
         lengths = meta.offsets[1:] - meta.offsets[:-1]
         n = meta.max_len
         mask = attention_mask(lengths, n, meta.num_targets)
@@ -112,7 +113,7 @@ class TransformerTower(nn.Module):
         index = jagged_index(meta.offsets, x.shape[0])
         for layer in self.layers:
             x = layer(x, meta, mask, index, cache)
-        return self.final_norm(x)
+        return self.final_norm(x[meta.offsets[1:] - 1] if last_only else x)
 
     def forward_cached(self, x: torch.Tensor, hist: CachedHistory, owner: torch.Tensor) -> torch.Tensor:
         for layer, kv in zip(self.layers, hist.layers):

@@ -97,6 +97,22 @@ def test_inference_path_without_bias_terms():
     torch.testing.assert_close(out, loop_attention(q, k, v, lens, zero_p, zero_t, ts, qt))
 
 
+@pytest.mark.parametrize("heads", [1, 2])
+def test_last_row_attention_equals_the_full_pass_at_each_last_row(heads):
+    from kernels.hstu_attention import hstu_last_row_attention
+
+    lengths = [5, 1, 7, 2]
+    q, k, v, lens, pos_w, time_w, ts, qt = random_case(lengths, heads=heads, seed=8)
+    offsets = lengths_to_offsets(lens)
+    kw = dict(max_seq_len=MAX_SEQ_LEN, alpha=8**-0.5, pos_weights=pos_w, time_weights=time_w, timestamps=ts,
+              query_times=qt)
+    full = loop_attention(q, k, v, lens, pos_w, time_w, ts, qt)
+    torch.testing.assert_close(hstu_last_row_attention(q, k, v, offsets, **kw), full[offsets[1:] - 1])
+    no_time = {**kw, "time_weights": None}
+    torch.testing.assert_close(hstu_last_row_attention(q, k, v, offsets, **no_time),
+                               hstu_attention(q, k, v, offsets, **no_time)[offsets[1:] - 1])
+
+
 def test_target_aware_mask_matches_loop_and_isolates_candidates():
     lengths, nt = [6, 4], torch.tensor([3, 1])
     q, k, v, lens, pos_w, time_w, ts, qt = random_case(lengths, seed=1)
@@ -145,6 +161,11 @@ def test_tower_jagged_equals_padded_formulation():
                                jagged_to_padded(ts, offsets, n), jagged_to_padded(qt, offsets, n))
     valid = torch.arange(n)[None, :] < lengths[:, None]
     torch.testing.assert_close(jag, pad[valid])
+    # serving reads only the last rows: the last layer then attends from them alone
+    cache: list = []
+    last = tower(x, JaggedMeta(offsets, int(lengths.max()), ts, qt, None), cache=cache, last_only=True)
+    torch.testing.assert_close(last, jag[offsets[1:] - 1])
+    assert len(cache) == 2 and cache[1][0].shape == (t, 2, 8)
 
 
 def test_tower_output_does_not_depend_on_batch_mates():
