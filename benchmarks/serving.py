@@ -41,12 +41,14 @@ from benchmarks.loadtest import load_workload, make_workload, plot, sweep
 from proto.genrec.v1 import recommender_pb2 as pb
 
 SWEEPS = {
-    "naive": [10, 20, 40, 60, 80, 100, 130],
-    "torch": [50, 100, 200, 300, 400, 500, 600, 800],
+    "naive": [25, 50, 100, 150, 200, 250, 300],
+    "torch": [100, 200, 300, 400, 500, 600, 800],
     "sglang": [25, 50, 100, 200, 300, 400],
 }
-SERVER_ARGS = {"naive": ["--max-batch", "1"], "torch": ["--max-batch", "32", "--max-wait-ms", "2"],
-               "sglang": ["--max-batch", "32", "--max-wait-ms", "2"]}
+# batched engines: continuous batching (no wait to fill a batch: whatever queued while the
+# previous batch ran forms the next one); the naive server takes one request at a time
+SERVER_ARGS = {"naive": ["--max-batch", "1"], "torch": ["--max-batch", "32", "--max-wait-ms", "0"],
+               "sglang": ["--max-batch", "32", "--max-wait-ms", "0"]}
 
 
 def default_artifact(out: Path) -> Path:

@@ -103,9 +103,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics HTTP port (0: off)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    p.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="medium",
-                   help="torch.set_float32_matmul_precision: medium routes fp32 GEMMs to oneDNN (may use bf16 "
-                   "inside where the CPU has it); highest: torch's default")
+    p.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest",
+                   help="torch.set_float32_matmul_precision. highest (torch's default) for serving on CPU: "
+                   "medium hands fp32 GEMMs to oneDNN, which builds a kernel per new shape, and serving "
+                   "batches change shape every call (measured: 5.5 vs 2.5 ms for a one-request batch)")
+    p.add_argument("--gil-switch-ms", type=float, default=0.5,
+                   help="sys.setswitchinterval: how long a thread may hold the GIL when another waits")
     p.add_argument("--max-batch", type=int, default=32, help="requests per engine batch")
     p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a batch waits to fill")
     p.add_argument("--max-queue", type=int, default=256, help="queued requests before RESOURCE_EXHAUSTED")

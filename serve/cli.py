@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 
 import torch
@@ -52,5 +53,8 @@ def cmd_serve(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_float32_matmul_precision(args.matmul_precision)
+    # The engine thread releases the GIL in every torch op; Python's default 5 ms switch
+    # interval then lets the event loop hold it that long before the engine gets it back.
+    sys.setswitchinterval(args.gil_switch_ms / 1e3)
     asyncio.run(_serve(config_from_args(args), args.artifact))
     return 0
