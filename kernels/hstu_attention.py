@@ -130,6 +130,22 @@ def padded_relative_times(query_times: torch.Tensor, timestamps: torch.Tensor, o
 QUERY_BLOCK = 256
 
 
+def _query_blocks(max_len: int, block: int | None = None) -> list[tuple[int, int]]:
+    """Query row ranges (s, e): ``block`` rows each, or by default one range for sequences
+    up to twice :data:`QUERY_BLOCK` and blocks of it beyond."""
+    if block is None:
+        block = max_len if max_len <= 2 * QUERY_BLOCK else QUERY_BLOCK
+    return [(s, min(s + block, max_len)) for s in range(0, max_len, block)]
+
+
+def _batch_lengths(offsets: torch.Tensor, max_len: int | None) -> tuple[torch.Tensor, int]:
+    """Per-sequence lengths and the longest (``max_len`` when the caller knows it)."""
+    lengths = offsets[1:] - offsets[:-1]
+    if max_len is None:
+        max_len = int(lengths.max()) if lengths.numel() else 0
+    return lengths, max_len
+
+
 def hstu_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -151,9 +167,7 @@ def hstu_attention_reference(
 
     ``query_block``: rows of queries per block (default: all at once when training, blocks
     of :data:`QUERY_BLOCK` at inference on sequences longer than twice that)."""
-    lengths = offsets[1:] - offsets[:-1]
-    if max_len is None:
-        max_len = int(lengths.max()) if lengths.numel() else 0
+    lengths, max_len = _batch_lengths(offsets, max_len)
     if q.shape[0] == 0 or max_len == 0:
         return v.new_zeros(v.shape)
     index = jagged_index(offsets, q.shape[0])
@@ -182,8 +196,7 @@ def hstu_attention_reference(
     if query_block is None and (grad or max_len <= 2 * QUERY_BLOCK):
         out = rows(0, max_len)
     else:
-        block = query_block or QUERY_BLOCK
-        out = torch.cat([rows(s, min(s + block, max_len)) for s in range(0, max_len, block)], dim=2)
+        out = torch.cat([rows(s, e) for s, e in _query_blocks(max_len, query_block)], dim=2)
     out = out.transpose(1, 2)  # [B, L, H, Dv]
     return padded_to_jagged(out, offsets, index=index)
 
@@ -238,9 +251,7 @@ def hstu_attention_inference(
     caller keeps for the batch); a layer then does one table gather, a fused
     ``scores = bias + alpha * q k^T`` (baddbmm), SiLU and the value GEMM, and scales by
     1 / N once on the output. Query blocks as in the reference for long sequences."""
-    lengths = offsets[1:] - offsets[:-1]
-    if max_len is None:
-        max_len = int(lengths.max()) if lengths.numel() else 0
+    lengths, max_len = _batch_lengths(offsets, max_len)
     if q.shape[0] == 0 or max_len == 0:
         return v.new_zeros(v.shape)
     plan = {} if plan is None else plan
@@ -250,9 +261,8 @@ def hstu_attention_inference(
     if key not in plan:
         index = jagged_index(offsets, q.shape[0])
         times = padded_relative_times(query_times, timestamps, offsets, max_len, index) if use_time else None
-        block = max_len if max_len <= 2 * QUERY_BLOCK else QUERY_BLOCK
-        blocks = [(s, min(s + block, max_len)) for s in range(0, max_len, block)]
-        plan[key] = (index, [(r, bias_codes(lengths, max_len, max_seq_len, nb, times, num_targets, r)) for r in blocks])
+        plan[key] = (index, [(r, bias_codes(lengths, max_len, max_seq_len, nb, times, num_targets, r))
+                             for r in _query_blocks(max_len)])
     index, blocks = plan[key]
     table = bias_table(pos_weights, time_weights if use_time else None, max_seq_len, q.dtype)
     h = q.shape[1]
@@ -433,7 +443,7 @@ def _grouped_attention(
     if use_time:
         code = code + time_bucket(request_times[users][:, None] - gather(hist_times), nb)
     table = bias_table(pos_weights, time_weights if use_time else None, max_seq_len, q.dtype)
-    bias = table[torch.where(valid, code, max_seq_len * nb)]  # [B, L]
+    bias = _lookup(table, torch.where(valid, code, max_seq_len * nb))  # [B, L]
     inplace = not torch.is_grad_enabled()
     if h == 1:
         scores = torch.baddbmm(bias[:, None, :], qp[:, :, 0], kp[:, :, 0].transpose(1, 2), alpha=alpha)
@@ -444,7 +454,7 @@ def _grouped_attention(
     out = out.reshape(c, h, -1) if grouped else out[owner, slot]  # [C, H, Dv]
     self_score = (q * k).sum(-1) * alpha  # [C, H]; distance to itself 0
     if use_time and self_times is not None:
-        self_score = self_score + table[time_bucket(request_times[users][owner] - self_times, nb)][:, None]
+        self_score = self_score + _lookup(table, time_bucket(request_times[users][owner] - self_times, nb))[:, None]
     else:
         self_score = self_score + table[0]  # a candidate is seen at the request time: time gap 0
     return (out + F.silu(self_score)[..., None] * v) / max_seq_len

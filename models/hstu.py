@@ -92,23 +92,25 @@ class HSTULayer(nn.Module):
                 nn.init.normal_(p, std=0.02)
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [..., D] -> u [..., H * Dv] (the gate) and v, q, k per head: [..., H, D]."""
         c, h = self.cfg, self.cfg.num_heads
         uvqk = F.silu(self.uvqk(self.norm(x)))
-        return torch.split(uvqk, [h * c.v_dim, h * c.v_dim, h * c.qk_dim, h * c.qk_dim], dim=-1)
+        u, v, q, k = torch.split(uvqk, [h * c.v_dim, h * c.v_dim, h * c.qk_dim, h * c.qk_dim], dim=-1)
+        return u, v.unflatten(-1, (h, c.v_dim)), q.unflatten(-1, (h, c.qk_dim)), k.unflatten(-1, (h, c.qk_dim))
 
     def _gate(self, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        return x + self.out(self.dropout(u * self.out_norm(attn)))
+        """Residual + U-gated output; ``attn`` [..., H, Dv]."""
+        return x + self.out(self.dropout(u * self.out_norm(attn.flatten(-2))))
 
     def forward(self, x: torch.Tensor, meta: JaggedMeta, cache: list | None = None) -> torch.Tensor:
         """x [T, D] -> [T, D]; appends this layer's (k, v) [T, H, D] to ``cache`` if given."""
-        c, h, t = self.cfg, self.cfg.num_heads, x.shape[0]
         u, v, q, k = self._split(x)
         if cache is not None:
-            cache.append((k.view(t, h, c.qk_dim), v.view(t, h, c.v_dim)))
+            cache.append((k, v))
         attn = hstu_attention(
-            q.view(t, h, c.qk_dim),
-            k.view(t, h, c.qk_dim),
-            v.view(t, h, c.v_dim),
+            q,
+            k,
+            v,
             meta.offsets,
             max_seq_len=self.max_seq_len,
             alpha=self.alpha,
@@ -118,35 +120,31 @@ class HSTULayer(nn.Module):
             query_times=meta.query_times,
             num_targets=meta.num_targets,
             max_len=meta.max_len,
-            backend=c.attention_backend,
+            backend=self.cfg.attention_backend,
             plan=meta.plan,
         )
-        return self._gate(x, u, attn.reshape(t, h * c.v_dim))
+        return self._gate(x, u, attn)
 
     def forward_last(self, x: torch.Tensor, meta: JaggedMeta, cache: list | None = None) -> torch.Tensor:
         """Only each sequence's last row: x [T, D] -> [B, D] (keys and values of every row still
         go to ``cache``). For the last layer at inference, when only that row is read."""
-        c, h, t = self.cfg, self.cfg.num_heads, x.shape[0]
         u, v, q, k = self._split(x)
         if cache is not None:
-            cache.append((k.view(t, h, c.qk_dim), v.view(t, h, c.v_dim)))
+            cache.append((k, v))
         attn = hstu_last_row_attention(
-            q.view(t, h, c.qk_dim), k.view(t, h, c.qk_dim), v.view(t, h, c.v_dim), meta.offsets,
-            max_seq_len=self.max_seq_len, alpha=self.alpha, pos_weights=self.pos_weights,
+            q, k, v, meta.offsets, max_seq_len=self.max_seq_len, alpha=self.alpha, pos_weights=self.pos_weights,
             time_weights=self.time_weights, timestamps=meta.timestamps, query_times=meta.query_times)
         last = meta.offsets[1:] - 1
-        return self._gate(x[last], u[last], attn.reshape(-1, h * c.v_dim))
+        return self._gate(x[last], u[last], attn)
 
     def forward_cached(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], hist: CachedHistory,
                        owner: torch.Tensor) -> torch.Tensor:
         """Candidate rows x [C, D] against the cached history of their users -> [C, D]."""
-        c, h, n = self.cfg, self.cfg.num_heads, x.shape[0]
         u, v, q, k = self._split(x)
         attn = hstu_cached_attention(
-            q.view(n, h, c.qk_dim), k.view(n, h, c.qk_dim), v.view(n, h, c.v_dim), kv[0], kv[1],
-            hist.offsets, owner, max_seq_len=self.max_seq_len, alpha=self.alpha, pos_weights=self.pos_weights,
+            q, k, v, kv[0], kv[1], hist.offsets, owner, max_seq_len=self.max_seq_len, alpha=self.alpha, pos_weights=self.pos_weights,
             time_weights=self.time_weights, hist_times=hist.times, request_times=hist.request_times)
-        return self._gate(x, u, attn.reshape(n, h * c.v_dim))
+        return self._gate(x, u, attn)
 
     def forward_padded(
         self,
@@ -157,12 +155,9 @@ class HSTULayer(nn.Module):
         num_targets: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Naive padded formulation: x [B, L, D], times [B, L] -> [B, L, D]."""
-        c, h = self.cfg, self.cfg.num_heads
-        b, n, _ = x.shape
+        c, n = self.cfg, x.shape[1]
         u, v, q, k = self._split(x)
-        q = q.view(b, n, h, c.qk_dim).transpose(1, 2)
-        k = k.view(b, n, h, c.qk_dim).transpose(1, 2)
-        v = v.view(b, n, h, c.v_dim).transpose(1, 2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, L, D]
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.alpha  # [B, H, L, L]
         if self.pos_weights is not None:
             p = token_positions(n, lengths, num_targets)
@@ -173,8 +168,7 @@ class HSTULayer(nn.Module):
             scores = scores + self.time_weights[time_bucket(dt, c.num_time_buckets)][:, None]
         mask = attention_mask(lengths, n, num_targets)[:, None]
         attn = F.silu(scores) * mask / self.max_seq_len
-        a = torch.matmul(attn, v).transpose(1, 2).reshape(b, n, h * c.v_dim)
-        return self._gate(x, u, a)
+        return self._gate(x, u, torch.matmul(attn, v).transpose(1, 2))
 
 
 class HSTUTower(nn.Module):
