@@ -31,3 +31,14 @@ def test_resume_reproduces_the_uninterrupted_loss_trajectory(tiny_synth, tiny_co
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
     assert resumed["test"]["ndcg@10"] == pytest.approx(straight["test"]["ndcg@10"], abs=1e-6)
+
+
+def test_without_a_validation_split_the_last_model_is_tested(tiny_synth, tiny_config, tmp_path):
+    job = load_job(tiny_config, tiny_job_overrides(tiny_synth, tmp_path) + [
+        "--data.valid_users=0", "--train.max_epochs=2", "--run.name=novalid"])
+    run_dir, res = run_training(job)
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert not [r for r in recs if r.get("split") == "valid"]
+    (test,) = [r for r in recs if r.get("split") == "test"]
+    assert res["valid"] is None and res["best_step"] == res["steps"] == test["step"] > 0
+    assert res["epochs"] == 2 and 0 <= res["test"]["hr@10"] <= 1

@@ -9,7 +9,7 @@ import pytest
 
 from embedding.spec import EmbeddingConfig, IdOutOfRange, TableConfig
 from train.data.convert import convert_movielens, convert_ratings, convert_sequences
-from train.data.reader import SequenceReader
+from train.data.reader import SequenceReader, holds_valid
 from train.data.schema import DataFormatError, read_info
 from train.data.synthetic import SyntheticConfig, SyntheticWorld, generate
 
@@ -160,6 +160,28 @@ def test_leave_one_out_splits(tmp_path):
     te = next(iter(SequenceReader(tmp_path / "d", "test", **kw)))
     assert te.seq.values().tolist() == [6, 7, 8, 9] and te.targets.tolist() == [10]
     assert te.has_time.tolist() == [False]
+
+
+def test_valid_users_share_holds_out_a_fixed_user_subset_and_trains_the_rest_through_events_minus_one(tmp_path):
+    src = tmp_path / "seq.txt"
+    src.write_text("".join(f"{u} " + " ".join(str(i) for i in range(1, 11)) + "\n" for u in range(1, 401)))
+    convert_sequences(src, tmp_path / "d")
+    kw = dict(embedding=emb(11), max_seq_len=4, batch_size=1000)
+    held = [holds_valid(u, 0.25) for u in range(1, 401)]
+    assert 70 < sum(held) < 130  # about a quarter, the same users every time
+    va = next(iter(SequenceReader(tmp_path / "d", "valid", valid_users=0.25, **kw)))
+    assert sorted(va.user_ids.tolist()) == [u for u, h in zip(range(1, 401), held) if h]
+    tr = next(iter(SequenceReader(tmp_path / "d", "train", train_window="last", shuffle=False,
+                                  sort_window=0, valid_users=0.25, **kw)))
+    last = tr.targets.view(400, 4)[:, -1].tolist()
+    assert tr.user_ids.tolist() == list(range(1, 401))
+    assert last == [8 if h else 9 for h in held]  # held-out users stop before their validation target 9
+    assert 10 not in tr.seq.values().tolist() + tr.targets.tolist()  # the test target never enters training
+    te = next(iter(SequenceReader(tmp_path / "d", "test", valid_users=0.0, **kw)))
+    assert te.targets.tolist() == [10] * 400
+    assert all(holds_valid(u, 1.0) for u in range(1, 401)) and not any(holds_valid(u, 0.0) for u in range(1, 401))
+    with pytest.raises(ValueError, match="valid_users"):
+        SequenceReader(tmp_path / "d", "valid", valid_users=1.5, **kw)
 
 
 def test_id_outside_the_table_is_an_error_or_hashed(tmp_path):

@@ -59,7 +59,7 @@ def run_training(job: JobConfig, run_dir: Path | None = None) -> tuple[Path, dic
         msl = job.model.max_seq_len
         tasks = task_masks(job, read_info(job.data.path))
         retrieval = job.model.arch == "generative"
-        splits = ["train"] + (["valid", "test"] if retrieval else [])
+        splits = ["train"] + ((["valid"] if job.data.valid_users > 0 else []) + ["test"] if retrieval else [])
         splits += ["rank_valid", "rank_test"] if tasks and job.data.ranking.enabled else []
         per_rank = replace(job.data, batch_size=max(1, job.data.batch_size // ctx.world_size))
         readers = {s: make_reader(per_rank, s, emb, msl, seed=job.train.seed, rank=ctx.rank, world_size=ctx.world_size,

@@ -223,6 +223,10 @@ class Trainer:
         return t
 
     def validate(self) -> dict[str, float]:
+        if not self.valid_readers:  # no validation split (data.valid_users = 0): the latest model is the one tested
+            self.state.last_eval_step = self.state.best_step = self.state.step
+            self.state.best_epoch = self.state.epoch
+            return {}
         metrics = self.evaluate(self.valid_readers)
         rec = {"kind": "eval", "split": "valid", "step": self.state.step, "epoch": self.state.epoch,
                "train_seconds": self.state.train_seconds, **metrics}
@@ -299,7 +303,7 @@ class Trainer:
             "best_epoch": self.state.best_epoch,
             "best_step": self.state.best_step,
             "best_checkpoint": best.name,
-            "valid": next(h for h in self.state.history[::-1] if h["step"] == self.state.best_step),
+            "valid": next((h for h in self.state.history[::-1] if h["step"] == self.state.best_step), None),
         }
         if self.test_readers:
             test = self.evaluate(self.test_readers)

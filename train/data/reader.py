@@ -15,6 +15,11 @@ so a resumed job sees exactly the samples it had not seen.
 Splits (leave-one-out, as in SASRec / HSTU): ``train`` uses events[:-2] with every position
 predicting the next; ``valid`` predicts events[-2] from events[:-2]; ``test`` predicts
 events[-1] from events[:-1]. Histories keep their last ``max_seq_len`` events.
+
+``valid_users`` (default 1: every user) is the share of users whose events[-2] is held out
+for validation, picked by a fixed hash of the user id; the others train on events[:-1].
+0 is the HSTU code's protocol (train on events[:-1], no validation, test the last model).
+The test target events[-1] never enters training.
 """
 
 from __future__ import annotations
@@ -53,6 +58,9 @@ class DataConfig:
     train_window: Literal["last", "random"] = "last"
     sort_window: int = 16  # batches per length-sorting window; 0 keeps the shuffled order
     context_features: bool = False  # read ctx_* columns into batch.context
+    # share of users whose events[-2] is held out for validation (hash of the user id);
+    # the rest also train on it. 0: no validation split (the HSTU code's protocol).
+    valid_users: float = 1.0
     ranking: RankingDataConfig = field(default_factory=RankingDataConfig)
 
 
@@ -103,7 +111,11 @@ class SequenceReader:
         ranking: RankingDataConfig | None = None,
         tasks: dict[str, int] | None = None,
         tokens_per_event: int = 1,
+        valid_users: float = 1.0,
     ) -> None:
+        if not 0.0 <= valid_users <= 1.0:
+            raise ValueError(f"data.valid_users must be in [0, 1], got {valid_users}")
+        self.valid_users = valid_users
         self.path = Path(path)
         self.info = read_info(self.path)
         self.file = self.path / "interactions.parquet"
@@ -232,14 +244,17 @@ class SequenceReader:
         return UserEvents(int(grp.user_id[r]), seq, ts, acts, oracle)
 
     def _train_end(self, ev: UserEvents) -> int:
-        """Events usable for training: events[:-2], and (ranking) only before cutoff_valid."""
-        end = ev.items.size - 2
+        """Events usable for training: events[:-2] (events[:-1] for users not held out for
+        validation), and (ranking) only before cutoff_valid."""
+        end = ev.items.size - (2 if holds_valid(ev.user, self.valid_users) else 1)
         if self.ranking.enabled and ev.times is not None:
             end = min(end, int(np.searchsorted(ev.times, self.cutoffs[0], side="left")))
         return end
 
     def _sample(self, ev: UserEvents, g: int, r: int) -> Sample | None:
         rk, msl = self.ranking, self.max_seq_len // self.tpe  # events that fit the tower
+        if self.split == "valid" and not holds_valid(ev.user, self.valid_users):
+            return None
         if self.split in ("valid", "test"):
             return loo_eval(ev, ev.items.size - (2 if self.split == "valid" else 1), msl)
         labelled = ev.actions is not None and ev.times is not None
@@ -296,6 +311,14 @@ class SequenceReader:
             raise IdOutOfRange(feature, e.value, e.size, f"{self.file}, user {user}") from None
 
 
+def holds_valid(user: int, share: float) -> bool:
+    """Whether ``user``'s events[-2] is a validation target: a fixed multiplicative hash of
+    the id, so the same users are held out in every epoch, rank and run."""
+    if share >= 1.0:
+        return True
+    return ((user * 0x9E3779B1) & 0xFFFFFFFF) < share * 2**32
+
+
 @lru_cache(maxsize=8)
 def ranking_cutoffs(file: Path, fraction: float) -> tuple[float, float]:
     """(cutoff_valid, cutoff_test): the times after which the last 2x and 1x ``fraction``
@@ -332,4 +355,5 @@ def make_reader(cfg: DataConfig, split: Split, embedding: EmbeddingConfig, max_s
         ranking=cfg.ranking,
         tasks=tasks,
         tokens_per_event=tokens_per_event,
+        valid_users=cfg.valid_users,
     )
