@@ -107,6 +107,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="torch.set_float32_matmul_precision. highest (torch's default) for serving on CPU: "
                    "medium hands fp32 GEMMs to oneDNN, which builds a kernel per new shape, and serving "
                    "batches change shape every call (measured: 5.5 vs 2.5 ms for a one-request batch)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the torch / naive engine in its own process, so model work never waits for the "
+                   "gRPC front-end's GIL (the SGLang engine always runs in the server process)")
     p.add_argument("--gil-switch-ms", type=float, default=0.5,
                    help="sys.setswitchinterval: how long a thread may hold the GIL when another waits")
     p.add_argument("--max-batch", type=int, default=32, help="requests per engine batch")

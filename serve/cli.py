@@ -16,6 +16,7 @@ import torch
 from serve.batcher import BatchConfig
 from serve.requests import Limits
 from serve.server import RecommenderServer, ServeConfig
+from serve.worker import ProcessSettings
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -25,6 +26,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         batch=BatchConfig(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
                           max_inflight=args.max_inflight),
         limits=Limits(max_history=args.max_history, max_candidates=args.max_candidates, max_retrieve=args.max_retrieve),
+        engine_process=args.engine_process,
+        process=ProcessSettings(threads=args.threads, matmul_precision=args.matmul_precision),
     )
 
 

@@ -109,6 +109,10 @@ class TorchEngine:
         self.version = version_of(self.manifest)
         self.stages: dict[str, float] = {}  # seconds spent per stage, summed over batches
 
+    @property
+    def tower(self) -> str:
+        return self.model.cfg.tower
+
     def _mark(self, stage: str, t0: float) -> float:
         now = time.perf_counter()
         self.stages[stage] = self.stages.get(stage, 0.0) + now - t0

@@ -22,7 +22,7 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import grpc
@@ -34,6 +34,7 @@ from serve.batcher import BatchConfig, Batcher, DeadlineExceeded, Overloaded, Sh
 from serve.engine import Result
 from serve.metrics import ServerMetrics
 from serve.requests import InvalidRequest, Kind, Limits, decode
+from serve.worker import EngineProcess, ProcessSettings
 
 log = logging.getLogger("genrec.serve")
 RECOMMENDER = "genrec.v1.Recommender"
@@ -51,6 +52,10 @@ class ServeConfig:
     grace_s: float = 10.0
     batch: BatchConfig = field(default_factory=BatchConfig)
     limits: Limits = field(default_factory=Limits)
+    # run the torch / naive engine in its own process (serve.worker): no GIL shared with
+    # the front-end; the SGLang engine always runs in the server process
+    engine_process: bool = False
+    process: ProcessSettings = field(default_factory=ProcessSettings)
 
 
 def make_engine(kind: str, artifact: str, device: str):  # noqa: ANN201 - an engine
@@ -61,6 +66,13 @@ def make_engine(kind: str, artifact: str, device: str):  # noqa: ANN201 - an eng
     from serve.engine import NaiveTorchEngine, TorchEngine
 
     return (NaiveTorchEngine if kind == "naive" else TorchEngine)(artifact, device=device)
+
+
+def open_engine(cfg: ServeConfig, artifact: str):  # noqa: ANN201 - an engine
+    """The engine the config asks for: in a child process, or in this one."""
+    if cfg.engine_process and cfg.engine != "sglang":
+        return EngineProcess(cfg.engine, artifact, cfg.device, cfg.process)
+    return make_engine(cfg.engine, artifact, cfg.device)
 
 
 def _scored(result: Result, tasks: tuple[str, ...]) -> list[pb.ScoredItem]:
@@ -79,7 +91,7 @@ def _scored(result: Result, tasks: tuple[str, ...]) -> list[pb.ScoredItem]:
 class RecommenderServer:
     def __init__(self, cfg: ServeConfig, artifact: str, engine=None) -> None:  # noqa: ANN001
         self.cfg, self.artifact = cfg, artifact
-        self.engine = engine if engine is not None else make_engine(cfg.engine, artifact, cfg.device)
+        self.engine = engine if engine is not None else open_engine(cfg, artifact)
         self.metrics = ServerMetrics()
         self.metrics.model.labels(self.engine.version, self.engine.name).set(1)
         self.server: grpc.aio.Server | None = None
@@ -127,6 +139,8 @@ class RecommenderServer:
             await self.batcher.drain(grace)
         if self.server:
             await self.server.stop(grace)
+        if hasattr(self.engine, "close"):
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
 
     async def wait(self) -> None:
         if self.server:
@@ -136,11 +150,13 @@ class RecommenderServer:
         """Loads ``path`` off the event loop, then swaps it in between batches."""
         async with self._reloading:
             t0 = time.monotonic()
-            engine = await asyncio.get_running_loop().run_in_executor(
-                None, make_engine, self.engine.name, path, self.cfg.device)
+            loop = asyncio.get_running_loop()
+            engine = await loop.run_in_executor(None, open_engine, replace(self.cfg, engine=self.engine.name), path)
             old, self.engine, self.artifact = self.engine, engine, path
             self.metrics.model.labels(old.version, old.name).set(0)
             self.metrics.model.labels(engine.version, engine.name).set(1)
+            if hasattr(old, "close"):  # an engine process: stops after its batch in flight
+                loop.run_in_executor(None, old.close)
             log.info("loaded %s in %.1fs", engine.version, time.monotonic() - t0)
             return engine.version
 
@@ -208,7 +224,7 @@ class RecommenderServer:
         e = self.engine
         s = e.schema
         q = e.manifest.quantization
-        return pb.ModelInfo(model_version=e.version, artifact_path=self.artifact, tower=e.model.cfg.tower,
+        return pb.ModelInfo(model_version=e.version, artifact_path=self.artifact, tower=e.tower,
                             tasks=list(s.tasks), context_features=list(s.embedding.pooled_features),
                             catalogue_size=s.catalogue_size, max_history=s.max_history, engine=e.name,
                             embeddings=q.get("embeddings", ""), dense=q.get("dense", ""))

@@ -25,6 +25,7 @@ from serve.client import RecommenderClient, user
 from serve.engine import TorchEngine
 from serve.requests import Limits
 from serve.server import ServeConfig
+from serve.worker import EngineProcess, ProcessSettings
 from tests.serving_helpers import ThreadedServer, tiny_ranking_artifact
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -300,6 +301,54 @@ def test_reload_swaps_the_artifact_without_dropping_calls(artifacts):
         assert c.info().tower == "transformer" and new_version in versions and len(versions) == 2
     finally:
         srv.stop()
+
+
+def test_engine_process_answers_like_the_in_process_engine_and_replaces_a_killed_child(artifacts):
+    from serve.requests import Work, decode_user
+
+    local = TorchEngine(artifacts["hstu"])
+    remote = EngineProcess("torch", str(artifacts["hstu"]), settings=ProcessSettings(threads=1))
+    try:
+        assert (remote.name, remote.version, remote.schema, remote.tower) == ("torch", local.version, local.schema, "hstu")
+        u = decode_user(user(history(9), CTX), local.schema, Limits())
+        works = [Work("recommend", u, retrieve_k=30, top_k=5), Work("retrieve", u, retrieve_k=10)]
+
+        def same(got):
+            for a, b in zip(got, local.run(works), strict=True):
+                np.testing.assert_array_equal(a.item_ids, b.item_ids)
+                np.testing.assert_allclose(a.scores, b.scores, rtol=1e-6)
+
+        same(remote.run(works))
+        assert remote.stages["encode_history"] > 0
+        bad = Work("rank", u, candidates=np.array([10**9]), candidate_ids=np.array([10**9]), bids=np.ones(1))
+        with pytest.raises(Exception) as e:  # the engine's own error, raised again in this process
+            remote.run([bad])
+        assert not isinstance(e.value, EOFError) and remote.proc.is_alive()
+        os.kill(remote.proc.pid, signal.SIGKILL)
+        remote.proc.join(10)
+        same(remote.run(works))  # a new child took over
+        assert remote.restarts == 1
+    finally:
+        remote.close()
+    assert not remote.proc.is_alive() and remote.stages["encode_history"] > 0  # stages kept after close
+
+
+def test_reload_in_engine_process_mode_swaps_and_stops_the_old_child(artifacts):
+    srv = ThreadedServer(artifacts["hstu"], ServeConfig(host="127.0.0.1", port=0, engine_process=True,
+                                                        process=ProcessSettings(threads=1)))
+    try:
+        old = srv.server.engine
+        assert isinstance(old, EngineProcess)
+        c = RecommenderClient(srv.target, timeout_s=60)
+        u = user(history(6), CTX)
+        assert len(c.recommend(u, retrieve_k=20, top_k=5).items) == 5
+        c.load_artifact(str(artifacts["transformer"]))
+        assert c.info().tower == "transformer" and len(c.retrieve(u, k=5).items) == 5
+        old.proc.join(30)
+        assert not old.proc.is_alive()
+    finally:
+        srv.stop()
+    assert not srv.server.engine.proc.is_alive()
 
 
 def test_two_replicas_behind_client_side_round_robin(artifacts):

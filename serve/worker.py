@@ -1,0 +1,161 @@
+"""An engine in its own process, behind the gRPC front-end.
+
+In one process the engine thread and the front-end (asyncio loop, gRPC callbacks, request
+decoding and response encoding) share one GIL: every torch op boundary of a batch may wait
+for a handler, and every handler for the batch's Python between ops. ``EngineProcess``
+moves the engine into a child process with its own interpreter; the front-end keeps
+batching (``serve.batcher``) and hands each batch over a pipe::
+
+    front-end process                          engine process (spawned)
+    Batcher -> EngineProcess.run(works) --pickle--> engine.run(works)
+            <-- results | the engine's exception --
+
+It stands in for the engine object the server holds (name, version, schema, manifest,
+tower, stages, ``run``), so batching, deadlines, reload and metrics are unchanged. A batch
+costs two pipe transfers of its validated arrays (tens of microseconds). If the child
+dies, the batch in flight fails (INTERNAL) and the next batch starts a new child.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from quant.artifact import Manifest
+from serve.requests import ModelSchema, Work
+
+
+@dataclass(frozen=True)
+class ProcessSettings:
+    threads: int = 0  # torch intra-op threads in the child (0: torch's default)
+    matmul_precision: str = "highest"
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process failed to start or died."""
+
+
+def _child(conn: Connection, kind: str, artifact: str, device: str, settings: ProcessSettings) -> None:
+    import torch
+
+    from serve.server import make_engine
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    torch.set_float32_matmul_precision(settings.matmul_precision)
+    try:
+        engine = make_engine(kind, artifact, device)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("error", e))
+        return
+    conn.send(("ready", {"name": engine.name, "version": engine.version, "schema": engine.schema,
+                         "manifest": engine.manifest, "tower": engine.tower}))
+    while True:
+        try:
+            op, payload = conn.recv()
+        except EOFError:  # the parent went away
+            return
+        if op == "stop":
+            conn.send(("ok", None))
+            return
+        if op == "stages":
+            conn.send(("ok", dict(engine.stages)))
+            continue
+        try:
+            conn.send(("ok", engine.run(payload)))
+        except Exception as e:  # noqa: BLE001 - every caller of the batch gets it
+            try:
+                conn.send(("raise", e))
+            except Exception:  # noqa: BLE001 - an exception that does not pickle
+                conn.send(("raise", RuntimeError(f"{type(e).__name__}: {e}")))
+
+
+class EngineProcess:
+    """The engine ``kind`` for ``artifact``, run in a spawned child process."""
+
+    def __init__(self, kind: str, artifact: str, device: str = "cpu",
+                 settings: ProcessSettings | None = None) -> None:
+        self.kind, self.artifact, self.device = kind, str(artifact), device
+        self.settings = settings or ProcessSettings()
+        self.lock = threading.Lock()  # one batch (or control call) on the pipe at a time
+        self.restarts = 0
+        self.closed = False
+        self._last_stages: dict[str, float] = {}
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no torch thread pools inherited by fork
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_child, args=(child, self.kind, self.artifact, self.device, self.settings),
+                                name=f"genrec-engine-{self.kind}", daemon=True)
+        self.proc.start()
+        child.close()
+        try:
+            tag, body = self.conn.recv()
+        except EOFError:
+            self.proc.join(5)
+            raise EngineProcessError(f"engine process exited while loading {self.artifact} "
+                                     f"(exit code {self.proc.exitcode})") from None
+        if tag == "error":
+            self.proc.join(5)
+            raise body
+        meta: dict[str, Any] = body
+        self.name: str = meta["name"]
+        self.version: str = meta["version"]
+        self.schema: ModelSchema = meta["schema"]
+        self.manifest: Manifest = meta["manifest"]
+        self.tower: str = meta["tower"]
+
+    def _call(self, op: str, payload: Any = None) -> Any:  # noqa: ANN401 - the op's reply
+        with self.lock:
+            if self.closed:
+                raise EngineProcessError("the engine process was closed")
+            if not self.proc.is_alive():
+                self.restarts += 1
+                self._start()
+            try:
+                self.conn.send((op, payload))
+                tag, body = self.conn.recv()
+            except (EOFError, BrokenPipeError, ConnectionResetError):
+                self.proc.join(1)
+                raise EngineProcessError(f"engine process died (exit code {self.proc.exitcode}); "
+                                         "the next batch starts a new one") from None
+        if tag == "raise":
+            raise body
+        return body
+
+    def run(self, works: list[Work]) -> list:
+        return self._call("run", works)
+
+    @property
+    def stages(self) -> dict[str, float]:
+        """Seconds per stage inside the engine (its process), summed over batches."""
+        if self.closed:
+            return self._last_stages
+        try:
+            self._last_stages = self._call("stages")
+        except EngineProcessError:
+            pass
+        return self._last_stages
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Waits for the batch in flight, then stops the child."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            if self.proc.is_alive():
+                try:
+                    self.conn.send(("stages", None))
+                    self._last_stages = self.conn.recv()[1]
+                    self.conn.send(("stop", None))
+                    self.conn.recv()
+                except (EOFError, BrokenPipeError, ConnectionResetError):
+                    pass
+                self.proc.join(timeout)
+                if self.proc.is_alive():
+                    self.proc.kill()
+            self.conn.close()
