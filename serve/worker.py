@@ -39,9 +39,15 @@ class EngineProcessError(RuntimeError):
 
 
 def _child(conn: Connection, kind: str, artifact: str, device: str, settings: ProcessSettings) -> None:
+    import signal
+
     import torch
 
     from serve.server import make_engine
+
+    # Ctrl-C reaches the whole process group: the front-end drains and then stops this
+    # process itself, so the batches it still sends must find it alive.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
