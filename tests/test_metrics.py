@@ -42,3 +42,20 @@ def test_target_rank_excludes_history_but_never_the_target():
 def test_target_outside_corpus_is_an_error():
     with pytest.raises(ValueError, match="not in the model's corpus"):
         target_ranks(torch.zeros(1, 2), torch.tensor([7]), torch.tensor([1, 2]))
+
+
+def test_transition_baseline_counts_the_models_training_span(tmp_path):
+    from train.baselines import Baseline
+    from train.data.convert import convert_sequences
+
+    src = tmp_path / "seq.txt"
+    src.write_text("1 1 2 3 4 5\n2 1 2 3 9 8\n")
+    convert_sequences(src, tmp_path / "d")
+    corpus = [1, 2, 3, 4, 5, 8, 9]
+    strict = Baseline(tmp_path / "d", "transition", valid_users=1.0)  # events[:-2]: 1->2 twice, 2->3 twice
+    s = dict(zip(corpus, strict.scores(torch.tensor([2, 3]))[0].tolist()))
+    assert s[3] == pytest.approx(2 + 2 / 3) and all(v < 1 for k, v in s.items() if k != 3)
+    assert strict.scores(torch.tensor([3])).max() < 1  # nothing follows 3 before the validation events
+    through = Baseline(tmp_path / "d", "transition", valid_users=0.0)  # events[:-1] adds 3->4 and 3->9
+    t = dict(zip(corpus, through.scores(torch.tensor([3]))[0].tolist()))
+    assert t[4] >= 1 and t[9] >= 1 and all(v < 1 for k, v in t.items() if k not in (4, 9))

@@ -1,8 +1,11 @@
 """Non-neural baselines under the same protocol as the models.
 
-* ``popular``: the most interacted items of the training split (events[:-2]), unseen only.
+* ``popular``: the most interacted items of the training split, unseen only.
 * ``transition``: first-order item-to-item counts from the training split; a user's
   candidates are the successors of their last item, by count, then the rest by popularity.
+
+The training split is the models': events[:-2] of users held out for validation, events[:-1]
+of the others (``valid_users``, as ``data.valid_users``).
 
 Both score the whole corpus, so the same ``target_ranks`` (history removed) ranks them.
 """
@@ -16,14 +19,15 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from train.data.reader import SequenceReader
+from train.data.reader import SequenceReader, holds_valid
 from train.evaluate import EvalConfig, RankingMetrics, target_ranks
 
 
 class Baseline:
     """Counts from the training part of every sequence; scores [B, N] over ``corpus``."""
 
-    def __init__(self, data_path: str | Path, kind: Literal["popular", "transition"]) -> None:
+    def __init__(self, data_path: str | Path, kind: Literal["popular", "transition"],
+                 valid_users: float = 1.0) -> None:
         self.kind = kind
         items = pq.read_table(Path(data_path) / "items.parquet").column("item_id").to_numpy()
         self.corpus = torch.from_numpy(np.sort(items))
@@ -32,10 +36,12 @@ class Baseline:
         pf = pq.ParquetFile(Path(data_path) / "interactions.parquet")
         corpus_np = self.corpus.numpy()
         for g in range(pf.num_row_groups):
-            col = pf.read_row_group(g, columns=["item_ids"]).column("item_ids").combine_chunks()
+            grp = pf.read_row_group(g, columns=["user_id", "item_ids"])
+            col, users = grp.column("item_ids").combine_chunks(), grp.column("user_id").to_pylist()
             off, vals = col.offsets.to_numpy(), col.values.to_numpy()
             for b in range(len(off) - 1):
-                seq = np.searchsorted(corpus_np, vals[off[b] : off[b + 1] - 2])
+                end = off[b + 1] - (2 if holds_valid(users[b], valid_users) else 1)
+                seq = np.searchsorted(corpus_np, vals[off[b] : end])
                 np.add.at(pop, seq, 1.0)
                 if kind == "transition" and seq.size > 1:
                     pairs.append(seq[:-1] * items.size + seq[1:])

@@ -116,7 +116,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
         job = load_config(JobConfig, None, [f'--data.path="{args.data}"', *overrides])
         emb = resolve_embedding(job.embedding, read_info(args.data))
         reader = make_reader(job.data, args.split, emb, job.model.max_seq_len)
-        metrics = evaluate_baseline(Baseline(args.data, args.baseline), reader, job.eval)
+        metrics = evaluate_baseline(Baseline(args.data, args.baseline, job.data.valid_users), reader, job.eval)
         name = args.baseline
     else:
         if not args.run:
@@ -151,7 +151,7 @@ def cmd_demo(args: argparse.Namespace, overrides: list[str]) -> int:
     emb_cfg = resolve_embedding(job.embedding, read_info(data))
     for kind in ("popular", "transition"):
         reader = make_reader(replace(job.data, context_features=False), "test", emb_cfg, job.model.max_seq_len)
-        rows[f"{kind} baseline (test)"] = evaluate_baseline(Baseline(data, kind), reader, job.eval)
+        rows[f"{kind} baseline (test)"] = evaluate_baseline(Baseline(data, kind, job.data.valid_users), reader, job.eval)
     print(f"\nrun directory: {run_dir}  ({results['epochs']} epochs, {results['train_seconds']:.0f}s training)")
     print(format_table(rows))
     return 0
