@@ -9,12 +9,16 @@ harness from this process:
 * (b) torch: cross-request batching, history encoded once (``--engine torch``);
 * (c) sglang: the tower inside SGLang (``--engine sglang``), when SGLang is installed.
 
+The naive and torch engines run in their own process behind the gRPC front-end (the
+default of ``genrec serve``); ``torch-inproc`` is (b) with the engine in the server's
+process (``--no-engine-process``), for the side-by-side.
+
 Also measured in the same run: single-request latency (closed loop), the model's FLOPs per
 request (``torch.utils.flop_counter``), the machine's peak from a matmul micro-benchmark,
 hence how close each server gets to the physical limit, and where the server's time goes
 at load (its per-stage profile).
 
-    python -m benchmarks.serving [--artifact DIR] [--engines naive,torch,sglang] [--duration 10]
+    python -m benchmarks.serving [--artifact DIR] [--engines naive,torch,torch-inproc,sglang] [--duration 10]
 """
 
 from __future__ import annotations
@@ -43,12 +47,15 @@ from proto.genrec.v1 import recommender_pb2 as pb
 SWEEPS = {
     "naive": [25, 50, 100, 150, 200, 250, 300],
     "torch": [100, 200, 300, 400, 500, 600, 800],
+    "torch-inproc": [100, 200, 300, 400, 500, 600],
     "sglang": [25, 50, 100, 200, 300, 400],
 }
 # batched engines: continuous batching (no wait to fill a batch: whatever queued while the
 # previous batch ran forms the next one); the naive server takes one request at a time
 SERVER_ARGS = {"naive": ["--max-batch", "1"], "torch": ["--max-batch", "32", "--max-wait-ms", "0"],
                "sglang": ["--max-batch", "32", "--max-wait-ms", "0"]}
+SERVER_ARGS["torch-inproc"] = [*SERVER_ARGS["torch"], "--no-engine-process"]
+ENGINE = {"torch-inproc": "torch"}  # server variant -> --engine
 
 
 def default_artifact(out: Path) -> Path:
@@ -89,7 +96,7 @@ def flops_per_request(artifact: Path, payload: bytes) -> float:
 
 def start_server(engine: str, artifact: Path, threads: int, profile_out: Path) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "GENREC_PROFILE_OUT": str(profile_out)}
-    cmd = [sys.executable, "-m", "genrec.cli", "serve", "--artifact", str(artifact), "--engine", engine,
+    cmd = [sys.executable, "-m", "genrec.cli", "serve", "--artifact", str(artifact), "--engine", ENGINE.get(engine, engine),
            "--host", "127.0.0.1", "--port", "0", "--threads", str(threads), "--max-queue", "512",
            *SERVER_ARGS[engine]]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -120,7 +127,7 @@ def single_request_latency(target: str, payloads: list[bytes], n: int = 300) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--artifact")
-    ap.add_argument("--engines", default="naive,torch,sglang")
+    ap.add_argument("--engines", default="naive,torch,torch-inproc,sglang")
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--slo-p99-ms", type=float, default=15.0)
     ap.add_argument("--server-threads", type=int, default=1)
@@ -173,7 +180,8 @@ def main() -> None:
 def render(p: dict) -> str:
     lines = ["## Serving (ML-1M HSTU artifact, open-loop load test)", "",
              f"`python -m benchmarks.serving` — {p['date']}, {p['machine']['cpu']}, {p['machine']['cores']} cores "
-             f"shared by server ({p['server_threads']} compute thread) and load generator. Requests: history up to 200, "
+             f"shared by the server (a gRPC front-end process and an engine process with {p['server_threads']} compute "
+             "thread; torch-inproc: the engine in the front-end's process) and the load generator. Requests: history up to 200, "
              "retrieve 100 from the catalogue, rank 100, return 10.", "",
              f"| server | max QPS with p99 <= {p['slo_p99_ms']:g} ms | x naive | single request p50 / p99 ms | "
              "FLOP utilization at max |", "|---|---|---|---|---|"]
@@ -187,7 +195,7 @@ def render(p: dict) -> str:
                      f"{100 * r['utilization_at_max']:.1f}% |")
     lines += ["", f"Model FLOPs per request: {p['flops_per_request'] / 1e6:.1f} MFLOP; machine peak (fp32 matmul, "
               f"{p['server_threads']} thread): {p['peak_gflops']:.1f} GFLOP/s.", "",
-              "Where the batched server's time goes at load (share of server time):", ""]
+              "Where the batched server's time goes at load (share of server time, front-end and engine process):", ""]
     prof = p["engines"].get("torch", {}).get("profile", {})
     stages = prof.get("stages_s", {})
     total = sum(stages.values()) or 1.0
