@@ -110,6 +110,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the torch / naive engine in its own process, so model work never waits for the "
                    "gRPC front-end's GIL (the SGLang engine always runs in the server process)")
+    p.add_argument("--engine-cpus", default="", help="pin the engine process to these CPUs, e.g. 0 or 0,1 "
+                   "(the front-end keeps the server's; pin it with taskset)")
     p.add_argument("--gil-switch-ms", type=float, default=0.5,
                    help="sys.setswitchinterval: how long a thread may hold the GIL when another waits")
     p.add_argument("--max-batch", type=int, default=32, help="requests per engine batch")

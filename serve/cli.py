@@ -27,7 +27,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                           max_inflight=args.max_inflight),
         limits=Limits(max_history=args.max_history, max_candidates=args.max_candidates, max_retrieve=args.max_retrieve),
         engine_process=args.engine_process,
-        process=ProcessSettings(threads=args.threads, matmul_precision=args.matmul_precision),
+        process=ProcessSettings(threads=args.threads, matmul_precision=args.matmul_precision,
+                                cpus=tuple(int(c) for c in args.engine_cpus.split(",")) if args.engine_cpus else ()),
     )
 
 

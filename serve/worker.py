@@ -19,6 +19,7 @@ dies, the batch in flight fails (INTERNAL) and the next batch starts a new child
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -32,6 +33,7 @@ from serve.requests import ModelSchema, Work
 class ProcessSettings:
     threads: int = 0  # torch intra-op threads in the child (0: torch's default)
     matmul_precision: str = "highest"
+    cpus: tuple[int, ...] = ()  # pin the engine process to these CPUs (empty: the server's)
 
 
 class EngineProcessError(RuntimeError):
@@ -48,6 +50,8 @@ def _child(conn: Connection, kind: str, artifact: str, device: str, settings: Pr
     # Ctrl-C reaches the whole process group: the front-end drains and then stops this
     # process itself, so the batches it still sends must find it alive.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if settings.cpus:
+        os.sched_setaffinity(0, settings.cpus)
 
     if settings.threads:
         torch.set_num_threads(settings.threads)

@@ -307,8 +307,10 @@ def test_engine_process_answers_like_the_in_process_engine_and_replaces_a_killed
     from serve.requests import Work, decode_user
 
     local = TorchEngine(artifacts["hstu"])
-    remote = EngineProcess("torch", str(artifacts["hstu"]), settings=ProcessSettings(threads=1))
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    remote = EngineProcess("torch", str(artifacts["hstu"]), settings=ProcessSettings(threads=1, cpus=(cpu,)))
     try:
+        assert os.sched_getaffinity(remote.proc.pid) == {cpu}
         assert (remote.name, remote.version, remote.schema, remote.tower) == ("torch", local.version, local.schema, "hstu")
         u = decode_user(user(history(9), CTX), local.schema, Limits())
         works = [Work("recommend", u, retrieve_k=30, top_k=5), Work("retrieve", u, retrieve_k=10)]
