@@ -75,6 +75,11 @@ def open_engine(cfg: ServeConfig, artifact: str):  # noqa: ANN201 - an engine
     return make_engine(cfg.engine, artifact, cfg.device)
 
 
+def _log_failure(fut: asyncio.Future) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("closing the previous engine failed: %r", fut.exception())
+
+
 def _scored(result: Result, tasks: tuple[str, ...]) -> list[pb.ScoredItem]:
     out = []
     for j in range(result.item_ids.size):
@@ -92,6 +97,7 @@ class RecommenderServer:
     def __init__(self, cfg: ServeConfig, artifact: str, engine=None) -> None:  # noqa: ANN001
         self.cfg, self.artifact = cfg, artifact
         self.engine = engine if engine is not None else open_engine(cfg, artifact)
+        self.owns_engine = engine is None  # an engine handed in is closed by whoever made it
         self.metrics = ServerMetrics()
         self.metrics.model.labels(self.engine.version, self.engine.name).set(1)
         self.server: grpc.aio.Server | None = None
@@ -139,7 +145,7 @@ class RecommenderServer:
             await self.batcher.drain(grace)
         if self.server:
             await self.server.stop(grace)
-        if hasattr(self.engine, "close"):
+        if self.owns_engine and hasattr(self.engine, "close"):
             await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
 
     async def wait(self) -> None:
@@ -155,8 +161,9 @@ class RecommenderServer:
             old, self.engine, self.artifact = self.engine, engine, path
             self.metrics.model.labels(old.version, old.name).set(0)
             self.metrics.model.labels(engine.version, engine.name).set(1)
-            if hasattr(old, "close"):  # an engine process: stops after its batch in flight
-                loop.run_in_executor(None, old.close)
+            if self.owns_engine and hasattr(old, "close"):  # e.g. an engine process: stops after its batch in flight
+                loop.run_in_executor(None, old.close).add_done_callback(_log_failure)
+            self.owns_engine = True
             log.info("loaded %s in %.1fs", engine.version, time.monotonic() - t0)
             return engine.version
 
