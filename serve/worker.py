@@ -126,16 +126,20 @@ class EngineProcess:
             if not self.proc.is_alive():
                 self.restarts += 1
                 self._start()
-            try:
-                self.conn.send((op, payload))
-                tag, body = self.conn.recv()
-            except (EOFError, BrokenPipeError, ConnectionResetError):
-                self.proc.join(1)
-                raise EngineProcessError(f"engine process died (exit code {self.proc.exitcode}); "
-                                         "the next batch starts a new one") from None
+            tag, body = self._exchange(op, payload)
         if tag == "raise":
             raise body
         return body
+
+    def _exchange(self, op: str, payload: Any = None) -> tuple[str, Any]:
+        """One request and its reply on the pipe (the caller holds the lock)."""
+        try:
+            self.conn.send((op, payload))
+            return self.conn.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            self.proc.join(1)
+            raise EngineProcessError(f"engine process died (exit code {self.proc.exitcode}); "
+                                     "the next batch starts a new one") from None
 
     def run(self, works: list[Work]) -> list:
         return self._call("run", works)
@@ -159,11 +163,9 @@ class EngineProcess:
             self.closed = True
             if self.proc.is_alive():
                 try:
-                    self.conn.send(("stages", None))
-                    self._last_stages = self.conn.recv()[1]
-                    self.conn.send(("stop", None))
-                    self.conn.recv()
-                except (EOFError, BrokenPipeError, ConnectionResetError):
+                    self._last_stages = self._exchange("stages")[1]
+                    self._exchange("stop")
+                except EngineProcessError:
                     pass
                 self.proc.join(timeout)
                 if self.proc.is_alive():

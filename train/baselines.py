@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from train.data.reader import SequenceReader, holds_valid
+from train.data.reader import SequenceReader, train_events
 from train.evaluate import EvalConfig, RankingMetrics, target_ranks
 
 
@@ -40,7 +40,7 @@ class Baseline:
             col, users = grp.column("item_ids").combine_chunks(), grp.column("user_id").to_pylist()
             off, vals = col.offsets.to_numpy(), col.values.to_numpy()
             for b in range(len(off) - 1):
-                end = off[b + 1] - (2 if holds_valid(users[b], valid_users) else 1)
+                end = off[b] + train_events(users[b], off[b + 1] - off[b], valid_users)
                 seq = np.searchsorted(corpus_np, vals[off[b] : end])
                 np.add.at(pop, seq, 1.0)
                 if kind == "transition" and seq.size > 1:

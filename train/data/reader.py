@@ -246,7 +246,7 @@ class SequenceReader:
     def _train_end(self, ev: UserEvents) -> int:
         """Events usable for training: events[:-2] (events[:-1] for users not held out for
         validation), and (ranking) only before cutoff_valid."""
-        end = ev.items.size - (2 if holds_valid(ev.user, self.valid_users) else 1)
+        end = train_events(ev.user, ev.items.size, self.valid_users)
         if self.ranking.enabled and ev.times is not None:
             end = min(end, int(np.searchsorted(ev.times, self.cutoffs[0], side="left")))
         return end
@@ -317,6 +317,12 @@ def holds_valid(user: int, share: float) -> bool:
     if share >= 1.0:
         return True
     return ((user * 0x9E3779B1) & 0xFFFFFFFF) < share * 2**32
+
+
+def train_events(user: int, num_events: int, valid_share: float) -> int:
+    """How many of a user's first events retrieval trains on: all but the test event, and
+    all but the validation one too when the user is held out for validation."""
+    return num_events - (2 if holds_valid(user, valid_share) else 1)
 
 
 @lru_cache(maxsize=8)
