@@ -17,8 +17,10 @@ by ``--max-requests``.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
+import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -157,6 +159,10 @@ async def sweep(target: str, qps_steps: list[float], duration: float, payloads: 
                 timeout_s: float = 1.0, max_requests: int = 1_000_000, progress: bool = True,
                 cooldown_s: float = 1.0, method: str = "Recommend") -> LoadTestResult:
     result = LoadTestResult(target, method, slo_ms)
+    # what is loaded now stays; a full collection over it would stall the sender ~0.1 s
+    # (serve.server.quiet_gc has the same reason on the server side)
+    gc.collect()
+    gc.freeze()
     async with grpc.aio.insecure_channel(target) as ch:
         await asyncio.wait_for(ch.channel_ready(), timeout=30)
         call = ch.unary_unary(f"/genrec.v1.Recommender/{method}")
@@ -242,6 +248,8 @@ def cmd_loadtest(args, overrides: list[str]) -> int:  # noqa: ANN001
         raise SystemExit("genrec loadtest needs --target HOST:PORT (or --make-workload DATA)")
     if not args.workload:
         raise SystemExit("genrec loadtest needs --workload FILE (make one with --make-workload DATA --out FILE)")
+    if args.cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     payloads = load_workload(args.workload)
     qps = [float(x) for x in args.qps.split(",")]
     t0 = time.perf_counter()

@@ -10,15 +10,18 @@ harness from this process:
 * (c) sglang: the tower inside SGLang (``--engine sglang``), when SGLang is installed.
 
 The naive and torch engines run in their own process behind the gRPC front-end (the
-default of ``genrec serve``); ``torch-inproc`` is (b) with the engine in the server's
-process (``--no-engine-process``), for the side-by-side.
+default of ``genrec serve``), pinned to the last CPU with the front-end on the others
+(``--engine-cpus auto``); the load generator then keeps to the front-end's CPUs. For the
+side-by-side: ``torch-inproc`` is (b) with the engine in the server's process
+(``--no-engine-process``, nothing pinned), ``torch-replicas2`` is (b) with two engine
+processes, one per CPU, each taking whole batches (``--engine-replicas 2``).
 
 Also measured in the same run: single-request latency (closed loop), the model's FLOPs per
 request (``torch.utils.flop_counter``), the machine's peak from a matmul micro-benchmark,
 hence how close each server gets to the physical limit, and where the server's time goes
 at load (its per-stage profile).
 
-    python -m benchmarks.serving [--artifact DIR] [--engines naive,torch,torch-inproc,sglang] [--duration 10]
+    python -m benchmarks.serving [--artifact DIR] [--engines naive,torch,torch-inproc,torch-replicas2,sglang]
 """
 
 from __future__ import annotations
@@ -43,11 +46,13 @@ import torch
 from benchmarks.common import RESULTS, ROOT, dataset, machine, today, update_results_md, write_json
 from benchmarks.loadtest import load_workload, make_workload, plot, sweep
 from proto.genrec.v1 import recommender_pb2 as pb
+from serve.worker import plan_cpus
 
 SWEEPS = {
     "naive": [25, 50, 100, 150, 200, 250, 300],
     "torch": [100, 200, 300, 400, 500, 600, 800],
     "torch-inproc": [100, 200, 300, 400, 500, 600],
+    "torch-replicas2": [100, 200, 300, 400, 500, 600],
     "sglang": [25, 50, 100, 200, 300, 400],
 }
 # batched engines: continuous batching (no wait to fill a batch: whatever queued while the
@@ -55,7 +60,9 @@ SWEEPS = {
 SERVER_ARGS = {"naive": ["--max-batch", "1"], "torch": ["--max-batch", "32", "--max-wait-ms", "0"],
                "sglang": ["--max-batch", "32", "--max-wait-ms", "0"]}
 SERVER_ARGS["torch-inproc"] = [*SERVER_ARGS["torch"], "--no-engine-process"]
-ENGINE = {"torch-inproc": "torch"}  # server variant -> --engine
+REPLICAS = {"torch-replicas2": 2}  # engine processes, each taking whole batches
+SERVER_ARGS["torch-replicas2"] = [*SERVER_ARGS["torch"], "--engine-replicas", "2"]
+ENGINE = {"torch-inproc": "torch", "torch-replicas2": "torch"}  # server variant -> --engine
 
 
 def default_artifact(out: Path) -> Path:
@@ -127,7 +134,7 @@ def single_request_latency(target: str, payloads: list[bytes], n: int = 300) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--artifact")
-    ap.add_argument("--engines", default="naive,torch,torch-inproc,sglang")
+    ap.add_argument("--engines", default="naive,torch,torch-inproc,torch-replicas2,sglang")
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--slo-p99-ms", type=float, default=15.0)
     ap.add_argument("--server-threads", type=int, default=1)
@@ -143,7 +150,8 @@ def main() -> None:
     peak = peak_gflops(args.server_threads)
     flops = flops_per_request(artifact, payloads[0])
     torch.set_num_threads(1)  # the load generator keeps to itself
-    results, sweeps = {}, {}
+    results, sweeps, layout = {}, {}, {}
+    all_cpus = tuple(sorted(os.sched_getaffinity(0)))
     for engine in args.engines.split(","):
         if engine == "sglang":
             if importlib.util.find_spec("sglang") is None:  # importing it needs serve.sglang_shim first
@@ -151,16 +159,24 @@ def main() -> None:
                 continue
         prof = out / f"profile-{engine}.json"
         proc, target = start_server(engine, artifact, args.server_threads, prof)
+        # engine-process servers pin their engine (--engine-cpus auto): the load generator
+        # stays beside the front-end, off the engine's CPU; in-process servers float
+        engine_cpus, front_cpus = plan_cpus("none" if "inproc" in engine or engine == "sglang" else "auto",
+                                            args.server_threads, all_cpus, REPLICAS.get(engine, 1))
+        os.sched_setaffinity(0, front_cpus or all_cpus)
+        layout[engine] = {"engine_cpus": list(engine_cpus), "front_end_and_load_generator_cpus": list(front_cpus)}
         try:
             single = single_request_latency(target, payloads)
             res = asyncio.run(sweep(target, SWEEPS[engine], args.duration, payloads, args.slo_p99_ms, timeout_s=1.0))
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=120)
+            os.sched_setaffinity(0, all_cpus)
         sweeps[engine] = res
         profile = json.loads(prof.read_text()) if prof.exists() else {}
         best = res.max_qps_within_slo
         results[engine] = {"max_qps_within_slo": best, "single_request": single, "sweep": asdict(res),
+                           "cpus": layout[engine],
                            "profile": profile,
                            "utilization_at_max": flops * best / (peak * 1e9) if best else 0.0}
         print(engine, json.dumps({k: results[engine][k] for k in ("max_qps_within_slo", "single_request")}))
@@ -181,8 +197,9 @@ def render(p: dict) -> str:
     lines = ["## Serving (ML-1M HSTU artifact, open-loop load test)", "",
              f"`python -m benchmarks.serving` — {p['date']}, {p['machine']['cpu']}, {p['machine']['cores']} cores "
              f"shared by the server (a gRPC front-end process and an engine process with {p['server_threads']} compute "
-             "thread; torch-inproc: the engine in the front-end's process) and the load generator. Requests: history up to 200, "
-             "retrieve 100 from the catalogue, rank 100, return 10.", "",
+             "thread, pinned to the last CPU; the front-end and the load generator on the other) and the load generator; "
+             "torch-inproc: the engine in the front-end's process, nothing pinned; torch-replicas2: two engine processes, "
+             "one per CPU. Requests: history up to 200, retrieve 100 from the catalogue, rank 100, return 10.", "",
              f"| server | max QPS with p99 <= {p['slo_p99_ms']:g} ms | x naive | single request p50 / p99 ms | "
              "FLOP utilization at max |", "|---|---|---|---|---|"]
     for name, r in p["engines"].items():

@@ -110,14 +110,19 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the torch / naive engine in its own process, so model work never waits for the "
                    "gRPC front-end's GIL (the SGLang engine always runs in the server process)")
-    p.add_argument("--engine-cpus", default="", help="pin the engine process to these CPUs, e.g. 0 or 0,1 "
-                   "(the front-end keeps the server's; pin it with taskset)")
+    p.add_argument("--engine-replicas", type=int, default=1,
+                   help="engine processes of the model; each batch runs on a free one (--engine-process)")
+    p.add_argument("--engine-cpus", default="auto",
+                   help="CPUs of the engine process: auto (with --threads N and more than N CPUs: the engine "
+                   "owns the last N, the front-end the rest; otherwise no pinning), none, or a list such as 1 "
+                   "or 2,3 (the front-end then takes the other CPUs)")
     p.add_argument("--gil-switch-ms", type=float, default=0.5,
                    help="sys.setswitchinterval: how long a thread may hold the GIL when another waits")
     p.add_argument("--max-batch", type=int, default=32, help="requests per engine batch")
     p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a batch waits to fill")
     p.add_argument("--max-queue", type=int, default=256, help="queued requests before RESOURCE_EXHAUSTED")
-    p.add_argument("--max-inflight", type=int, default=1, help="batches computed at once")
+    p.add_argument("--max-inflight", type=int, default=0,
+                   help="batches computed at once (0: one per engine replica)")
     p.add_argument("--default-timeout-ms", type=float, default=1000.0, help="deadline of calls that set none")
     p.add_argument("--grace-s", type=float, default=10.0, help="shutdown: time for calls in flight")
     p.add_argument("--max-history", type=int, default=4096)
@@ -137,6 +142,8 @@ def _loadtest_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout-ms", type=float, default=1000.0, help="per-call deadline")
     p.add_argument("--max-requests", type=int, default=1_000_000, help="stop the whole run after this many")
     p.add_argument("--out", help="output directory (run) or workload file (--make-workload)")
+    p.add_argument("--cpus", default="", help="pin the load generator to these CPUs, e.g. 0 (keep it off a "
+                   "server engine's pinned CPU when both share a machine)")
     p.add_argument("--no-progress", action="store_true")
     w = p.add_argument_group("workload creation")
     w.add_argument("--make-workload", metavar="DATA", help="write a workload from a dataset's latest user events")

@@ -341,6 +341,7 @@ def hstu_cached_attention(
     time_weights: torch.Tensor | None = None,
     hist_times: torch.Tensor | None = None,
     request_times: torch.Tensor | None = None,
+    plan: dict | None = None,
 ) -> torch.Tensor:
     """Candidates attending to a cached history: what :func:`hstu_attention` computes for
     the ``num_targets`` rows, without recomputing the history (M-FALCON-style serving).
@@ -349,11 +350,13 @@ def hstu_cached_attention(
     of B users (``hist_offsets`` [B+1]); ``owner`` [C] each candidate's user;
     ``request_times`` [B] the time each user's candidates are scored at. A candidate sits
     at position h (its user's history length) and sees history j < h and itself.
+    ``plan``: a dict the layers of one tower share for one set of candidates (the grouping
+    by user, the history rows and the bias codes are computed by the first layer).
     """
     lengths = hist_offsets[1:] - hist_offsets[:-1]
     return _grouped_attention(q, k, v, k_hist, v_hist, hist_offsets[:-1], lengths, owner, max_seq_len=max_seq_len,
                               alpha=alpha, pos_weights=pos_weights, time_weights=time_weights, hist_times=hist_times,
-                              request_times=request_times)
+                              request_times=request_times, plan=plan)
 
 
 def hstu_last_row_attention(
@@ -402,48 +405,35 @@ def _grouped_attention(
     hist_times: torch.Tensor | None,
     request_times: torch.Tensor | None,
     self_times: torch.Tensor | None = None,
+    plan: dict | None = None,
 ) -> torch.Tensor:
     """Query rows q [C, H, D] of users ``owner`` [C], each at position ``hist_lengths[user]``
     and time ``request_times[user]``, against that user's history rows
     ``hist_starts[user] + 0 .. hist_lengths[user] - 1`` of k_hist / v_hist, and themselves
-    (k, v [C, H, D]; time gap to itself ``request_time - self_times`` when given, else 0)."""
+    (k, v [C, H, D]; time gap to itself ``request_time - self_times`` when given, else 0).
+    ``plan``: as in :func:`hstu_cached_attention`."""
     c, h = q.shape[0], q.shape[1]
     if c == 0:
         return v.new_zeros(v.shape)
-    # only the users that own candidates here (a micro-batch may span a few of the batch's users)
-    users, owner = torch.unique(owner, return_inverse=True)
-    lengths = hist_lengths[users]
-    b = users.numel()
-    n = max(int(lengths.max()), 1)
-    j = torch.arange(n, device=q.device)
-    valid = j[None, :] < lengths[:, None]  # [B, L]
-    rows = torch.where(valid, hist_starts[users][:, None] + j[None, :], 0)  # history row per slot
-    # Candidates grouped by user into [B, Cmax] slots, so each user's candidates meet that
-    # user's keys and values in one GEMM (no per-candidate copy of the history). Requests
-    # send them grouped already (same count per user, in user order): then it is a view.
-    counts = torch.bincount(owner, minlength=b)
-    cmax = int(counts.max())
-    grouped = cmax * b == c and bool((owner[1:] >= owner[:-1]).all())
+    use_time = time_weights is not None and hist_times is not None and request_times is not None
+    nb = time_weights.numel() if use_time else 1
+    key = ("grouped", max_seq_len, nb)
+    layout = plan.get(key) if plan is not None else None
+    if layout is None:
+        layout = _group_layout(owner, hist_starts, hist_lengths, k_hist.shape[0], max_seq_len, nb,
+                               hist_times if use_time else None, request_times if use_time else None, self_times)
+        if plan is not None:
+            plan[key] = layout
+    users, owner, b, n, rows, slot, grouped, cmax, code, self_code = layout
     if grouped:
         qp = q.view(b, cmax, *q.shape[1:])
     else:
-        starts = torch.cumsum(counts, 0) - counts
-        order = torch.argsort(owner, stable=True)
-        slot = torch.empty_like(owner)
-        slot[order] = torch.arange(c, device=owner.device) - starts[owner[order]]
         qp = q.new_zeros(b, cmax, *q.shape[1:])
         qp[owner, slot] = q
-    gather = (lambda t: t[rows]) if k_hist.shape[0] else (lambda t: t.new_zeros(b, n, *t.shape[1:]))  # noqa: E731
-    kp, vp = gather(k_hist), gather(v_hist)  # [B, L, H, D]
-    # Every candidate of a user has the same position and query time, so the bias (and the
-    # mask, as the table's masked slot) is one row per user: [B, L].
-    use_time = time_weights is not None and hist_times is not None and request_times is not None
-    nb = time_weights.numel() if use_time else 1
-    code = (lengths[:, None] - j[None, :]).clamp_(0, max_seq_len - 1).mul_(nb)
-    if use_time:
-        code = code + time_bucket(request_times[users][:, None] - gather(hist_times), nb)
+    # history keys/values per user slot [B, L, H, D] (an empty history: zeros)
+    kp, vp = (t[rows] if t.shape[0] else t.new_zeros(b, n, *t.shape[1:]) for t in (k_hist, v_hist))
     table = bias_table(pos_weights, time_weights if use_time else None, max_seq_len, q.dtype)
-    bias = _lookup(table, torch.where(valid, code, max_seq_len * nb))  # [B, L]
+    bias = _lookup(table, code)  # [B, L]: every candidate of a user has the same position and time
     inplace = not torch.is_grad_enabled()
     if h == 1:
         scores = torch.baddbmm(bias[:, None, :], qp[:, :, 0], kp[:, :, 0].transpose(1, 2), alpha=alpha)
@@ -453,8 +443,46 @@ def _grouped_attention(
         out = torch.einsum("bhcl,blhd->bchd", F.silu(scores, inplace=inplace), vp)
     out = out.reshape(c, h, -1) if grouped else out[owner, slot]  # [C, H, Dv]
     self_score = (q * k).sum(-1) * alpha  # [C, H]; distance to itself 0
-    if use_time and self_times is not None:
-        self_score = self_score + _lookup(table, time_bucket(request_times[users][owner] - self_times, nb))[:, None]
-    else:
-        self_score = self_score + table[0]  # a candidate is seen at the request time: time gap 0
+    # a candidate is seen at the request time (time gap 0, table slot 0) unless self_times say otherwise
+    self_score = self_score + (table[0] if self_code is None else _lookup(table, self_code)[:, None])
     return (out + F.silu(self_score)[..., None] * v) / max_seq_len
+
+
+def _group_layout(owner: torch.Tensor, hist_starts: torch.Tensor, hist_lengths: torch.Tensor, hist_rows: int,
+                  max_seq_len: int, nb: int, hist_times: torch.Tensor | None, request_times: torch.Tensor | None,
+                  self_times: torch.Tensor | None) -> tuple:
+    """What :func:`_grouped_attention` needs that does not depend on the layer: candidates
+    grouped by user into [B, Cmax] slots, each user's history rows [B, L], and the bias
+    code per (user, history slot) with the mask folded in as :func:`bias_table`'s masked
+    slot (and each candidate's code against itself, when ``self_times`` are given)."""
+    # only the users that own candidates here (a micro-batch may span a few of the batch's users)
+    users, owner = torch.unique(owner, return_inverse=True)
+    lengths = hist_lengths[users]
+    b, c = users.numel(), owner.numel()
+    n = max(int(lengths.max()), 1)
+    j = torch.arange(n, device=owner.device)
+    valid = j[None, :] < lengths[:, None]  # [B, L]
+    rows = torch.where(valid, hist_starts[users][:, None] + j[None, :], 0)  # history row per slot
+    if not hist_rows:
+        rows = None
+    # Each user's candidates meet that user's keys and values in one GEMM (no per-candidate
+    # copy of the history). Requests send them grouped already (same count per user, in
+    # user order): then the [B, Cmax] view needs no scatter.
+    counts = torch.bincount(owner, minlength=b)
+    cmax = int(counts.max())
+    grouped = cmax * b == c and bool((owner[1:] >= owner[:-1]).all())
+    slot = None
+    if not grouped:
+        starts = torch.cumsum(counts, 0) - counts
+        order = torch.argsort(owner, stable=True)
+        slot = torch.empty_like(owner)
+        slot[order] = torch.arange(c, device=owner.device) - starts[owner[order]]
+    code = (lengths[:, None] - j[None, :]).clamp_(0, max_seq_len - 1).mul_(nb)
+    self_code = None
+    if hist_times is not None and request_times is not None:
+        ht = hist_times[rows] if rows is not None else hist_times.new_zeros(b, n)
+        code = code + time_bucket(request_times[users][:, None] - ht, nb)
+        if self_times is not None:
+            self_code = time_bucket(request_times[users][owner] - self_times, nb)
+    code = torch.where(valid, code, max_seq_len * nb)
+    return users, owner, b, n, rows, slot, grouped, cmax, code, self_code

@@ -138,12 +138,13 @@ class HSTULayer(nn.Module):
         return self._gate(x[last], u[last], attn)
 
     def forward_cached(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], hist: CachedHistory,
-                       owner: torch.Tensor) -> torch.Tensor:
-        """Candidate rows x [C, D] against the cached history of their users -> [C, D]."""
+                       owner: torch.Tensor, plan: dict | None = None) -> torch.Tensor:
+        """Candidate rows x [C, D] against the cached history of their users -> [C, D]
+        (``plan``: shared by the layers of one call, see ``hstu_cached_attention``)."""
         u, v, q, k = self._split(x)
         attn = hstu_cached_attention(
             q, k, v, kv[0], kv[1], hist.offsets, owner, max_seq_len=self.max_seq_len, alpha=self.alpha, pos_weights=self.pos_weights,
-            time_weights=self.time_weights, hist_times=hist.times, request_times=hist.request_times)
+            time_weights=self.time_weights, hist_times=hist.times, request_times=hist.request_times, plan=plan)
         return self._gate(x, u, attn)
 
     def forward_padded(
@@ -193,8 +194,9 @@ class HSTUTower(nn.Module):
 
     def forward_cached(self, x: torch.Tensor, hist: CachedHistory, owner: torch.Tensor) -> torch.Tensor:
         """Candidates [C, D] of users ``owner`` [C] against ``hist`` (from ``forward(cache=)``)."""
+        plan: dict = {}  # the candidates' grouping and bias codes, computed by the first layer
         for layer, kv in zip(self.layers, hist.layers):
-            x = layer.forward_cached(x, kv, hist, owner)
+            x = layer.forward_cached(x, kv, hist, owner, plan)
         return self.final_norm(x)
 
     def forward_padded(

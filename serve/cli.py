@@ -16,20 +16,29 @@ import torch
 from serve.batcher import BatchConfig
 from serve.requests import Limits
 from serve.server import RecommenderServer, ServeConfig
-from serve.worker import ProcessSettings
+from serve.worker import ProcessSettings, plan_cpus
 
 
-def config_from_args(args: argparse.Namespace) -> ServeConfig:
+def config_from_args(args: argparse.Namespace, cpus: list[tuple[int, ...]] | None = None) -> ServeConfig:
+    """``cpus``: each engine replica's CPUs (:func:`engine_cpus`)."""
     return ServeConfig(
         host=args.host, port=args.port, metrics_port=args.metrics_port, engine=args.engine, device=args.device,
         default_timeout_ms=args.default_timeout_ms, grace_s=args.grace_s,
         batch=BatchConfig(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
-                          max_inflight=args.max_inflight),
+                          max_inflight=args.max_inflight or args.engine_replicas),
         limits=Limits(max_history=args.max_history, max_candidates=args.max_candidates, max_retrieve=args.max_retrieve),
-        engine_process=args.engine_process,
-        process=ProcessSettings(threads=args.threads, matmul_precision=args.matmul_precision,
-                                cpus=tuple(int(c) for c in args.engine_cpus.split(",")) if args.engine_cpus else ()),
+        engine_process=args.engine_process, engine_replicas=args.engine_replicas,
+        process=ProcessSettings(threads=args.threads, matmul_precision=args.matmul_precision),
+        replica_cpus=tuple(cpus or ()),
     )
+
+
+def engine_cpus(args: argparse.Namespace) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
+    """(each engine replica's CPUs, front-end CPUs); pinning applies only when the engines
+    have their own processes."""
+    if not args.engine_process or args.engine not in ("torch", "naive"):
+        return [], ()
+    return plan_cpus(args.engine_cpus, args.threads, tuple(sorted(os.sched_getaffinity(0))), args.engine_replicas)
 
 
 async def _serve(cfg: ServeConfig, artifact: str) -> None:
@@ -56,9 +65,15 @@ def cmd_serve(args: argparse.Namespace, overrides: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
+    engine, front = engine_cpus(args)
+    if front:
+        os.sched_setaffinity(0, front)
+    if any(engine):
+        print("engine processes on CPU " + " | ".join(",".join(map(str, c)) or "any" for c in engine)
+              + "; front-end on CPU " + (",".join(map(str, front)) or "any"), flush=True)
     torch.set_float32_matmul_precision(args.matmul_precision)
     # The engine thread releases the GIL in every torch op; Python's default 5 ms switch
     # interval then lets the event loop hold it that long before the engine gets it back.
     sys.setswitchinterval(args.gil_switch_ms / 1e3)
-    asyncio.run(_serve(config_from_args(args), args.artifact))
+    asyncio.run(_serve(config_from_args(args, engine), args.artifact))
     return 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -36,6 +37,46 @@ class ProcessSettings:
     cpus: tuple[int, ...] = ()  # pin the engine process to these CPUs (empty: the server's)
 
 
+def plan_cpus(spec: str, threads: int, available: tuple[int, ...],
+              replicas: int = 1) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
+    """(CPUs of each engine replica, front-end CPUs) for ``--engine-cpus``; an empty tuple
+    leaves a process where the OS puts it.
+
+    ``auto``: with a fixed thread count per engine, each replica owns ``threads`` CPUs
+    taken from the end of ``available``; when CPUs are left over the front-end (asyncio loop,
+    gRPC threads, decoding) keeps them, so neither evicts the other's caches or waits behind
+    it for a core, else the front-end floats (replicas then still get a CPU each). No
+    pinning when the replicas need more CPUs than there are, when one engine would own
+    them all, or with torch's default thread count. ``none``: no pinning. A list
+    (``1``, ``2,3``): the engines there, split evenly between the replicas, and the
+    front-end on the other available CPUs."""
+    spec = spec.strip().lower()
+    none: tuple[list[tuple[int, ...]], tuple[int, ...]] = ([()] * replicas, ())
+    if spec in ("", "none"):
+        return none
+    cpus = sorted(available)
+    if spec == "auto":
+        need = replicas * threads
+        if threads < 1 or need > len(cpus) or (replicas == 1 and need == len(cpus)):
+            return none  # (one engine on every CPU: nothing to separate)
+        engine = cpus[len(cpus) - replicas * threads:]
+    else:
+        try:
+            engine = sorted({int(c) for c in spec.split(",")})
+        except ValueError:
+            raise ValueError(f"--engine-cpus: '{spec}' is not auto, none or a list of CPU numbers") from None
+        missing = set(engine) - set(cpus)
+        if missing:
+            raise ValueError(f"--engine-cpus: CPU {sorted(missing)} not available to this process "
+                             f"(available: {cpus})")
+        if len(engine) % replicas:
+            raise ValueError(f"--engine-cpus: {len(engine)} CPUs do not split evenly between {replicas} replicas")
+    per = len(engine) // replicas
+    # the last CPUs go to the first replica: with one replica it owns the last CPUs
+    groups = [tuple(engine[len(engine) - (i + 1) * per: len(engine) - i * per]) for i in range(replicas)]
+    return groups, tuple(c for c in cpus if c not in engine)
+
+
 class EngineProcessError(RuntimeError):
     """The engine process failed to start or died."""
 
@@ -45,7 +86,7 @@ def _child(conn: Connection, kind: str, artifact: str, device: str, settings: Pr
 
     import torch
 
-    from serve.server import make_engine
+    from serve.server import make_engine, quiet_gc
 
     # Ctrl-C reaches the whole process group: the front-end drains and then stops this
     # process itself, so the batches it still sends must find it alive.
@@ -61,6 +102,7 @@ def _child(conn: Connection, kind: str, artifact: str, device: str, settings: Pr
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", e))
         return
+    quiet_gc()
     conn.send(("ready", {"name": engine.name, "version": engine.version, "schema": engine.schema,
                          "manifest": engine.manifest, "tower": engine.tower}))
     while True:
@@ -171,3 +213,46 @@ class EngineProcess:
                 if self.proc.is_alive():
                     self.proc.kill()
             self.conn.close()
+
+
+class EnginePool:
+    """``replicas`` engine processes of one artifact behind one engine interface: a batch
+    runs on whichever replica is free, so up to ``len(replicas)`` batches compute at once
+    (the server's batcher keeps that many in flight). On a small machine this beats one
+    engine taking ever larger batches: each batch stays small, and a burst of requests
+    waits for the next free replica instead of behind one long batch."""
+
+    def __init__(self, replicas: list[EngineProcess]) -> None:
+        if not replicas:
+            raise ValueError("EnginePool needs at least one engine")
+        self.replicas = replicas
+        first = replicas[0]
+        self.name, self.version, self.schema = first.name, first.version, first.schema
+        self.manifest, self.tower, self.artifact = first.manifest, first.tower, first.artifact
+        self.idle: queue.SimpleQueue[EngineProcess] = queue.SimpleQueue()
+        for r in replicas:
+            self.idle.put(r)
+
+    def run(self, works: list[Work]) -> list:
+        engine = self.idle.get()
+        try:
+            return engine.run(works)
+        finally:
+            self.idle.put(engine)
+
+    @property
+    def restarts(self) -> int:
+        return sum(r.restarts for r in self.replicas)
+
+    @property
+    def stages(self) -> dict[str, float]:
+        """Seconds per stage, summed over the replicas."""
+        total: dict[str, float] = {}
+        for r in self.replicas:
+            for k, v in r.stages.items():
+                total[k] = total.get(k, 0.0) + v
+        return total
+
+    def close(self, timeout: float = 10.0) -> None:
+        for r in self.replicas:
+            r.close(timeout)

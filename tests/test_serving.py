@@ -24,8 +24,8 @@ from serve.batcher import BatchConfig
 from serve.client import RecommenderClient, user
 from serve.engine import TorchEngine
 from serve.requests import Limits
-from serve.server import ServeConfig
-from serve.worker import EngineProcess, ProcessSettings
+from serve.server import ServeConfig, open_engine
+from serve.worker import EnginePool, EngineProcess, ProcessSettings, plan_cpus
 from tests.serving_helpers import ThreadedServer, tiny_ranking_artifact
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -351,6 +351,70 @@ def test_reload_in_engine_process_mode_swaps_and_stops_the_old_child(artifacts):
     finally:
         srv.stop()
     assert not srv.server.engine.proc.is_alive()
+
+
+def test_cpu_plan_gives_the_engines_their_own_cpus_and_the_front_end_the_rest():
+    assert plan_cpus("auto", 1, (0, 1)) == ([(1,)], (0,))
+    assert plan_cpus("auto", 2, (0, 1, 2, 3)) == ([(2, 3)], (0, 1))
+    assert plan_cpus("auto", 1, (0, 1, 2), replicas=2) == ([(2,), (1,)], (0,))
+    assert plan_cpus("auto", 1, (0, 1), replicas=2) == ([(1,), (0,)], ())  # one CPU each; the front-end floats
+    assert plan_cpus("auto", 0, (0, 1)) == ([()], ())  # torch's default threads: no pinning
+    assert plan_cpus("auto", 1, (0,)) == ([()], ())  # nothing left for the front-end
+    assert plan_cpus("auto", 2, (0, 1, 2), replicas=2) == ([(), ()], ())  # not enough CPUs
+    assert plan_cpus("none", 1, (0, 1)) == ([()], ())
+    assert plan_cpus("3", 1, (0, 1, 2, 3)) == ([(3,)], (0, 1, 2))
+    assert plan_cpus("0,1", 1, (0, 1), replicas=2) == ([(1,), (0,)], ())
+    for spec, err in (("7", "not available"), ("x", "not auto"), ("0,1,2", "split evenly")):
+        with pytest.raises(ValueError, match=err):
+            plan_cpus(spec, 1, (0, 1, 2), replicas=2)
+
+
+def test_engine_pool_runs_batches_on_free_replicas_with_the_same_answers(artifacts):
+    from serve.requests import Work, decode_user
+
+    local = TorchEngine(artifacts["hstu"])
+    u = decode_user(user(history(9), CTX), local.schema, Limits())
+    works = [Work("recommend", u, retrieve_k=30, top_k=5), Work("retrieve", u, retrieve_k=10)]
+    expected = local.run(works)
+    cfg = ServeConfig(engine_process=True, engine_replicas=2, process=ProcessSettings(threads=1))
+    pool = open_engine(cfg, str(artifacts["hstu"]))
+    try:
+        assert isinstance(pool, EnginePool) and len(pool.replicas) == 2
+        assert (pool.version, pool.schema, pool.tower) == (local.version, local.schema, "hstu")
+        pids = {r.proc.pid for r in pool.replicas}
+        assert len(pids) == 2
+        with ThreadPoolExecutor(4) as ex:  # more callers than replicas: each waits for a free one
+            outs = list(ex.map(lambda _: pool.run(works), range(16)))
+        for got in outs:
+            for a, b in zip(got, expected, strict=True):
+                np.testing.assert_array_equal(a.item_ids, b.item_ids)
+                np.testing.assert_allclose(a.scores, b.scores, rtol=1e-6)
+        # both replicas took batches: 16 runs of 2 works each, summed over the replicas
+        per_replica = [r.stages["encode_history"] for r in pool.replicas]
+        assert all(t > 0 for t in per_replica)
+        assert pool.stages["encode_history"] == pytest.approx(sum(per_replica))
+    finally:
+        pool.close()
+    assert not any(r.proc.is_alive() for r in pool.replicas)
+    with pytest.raises(ValueError, match="own process"):
+        open_engine(ServeConfig(engine_replicas=2), str(artifacts["hstu"]))
+
+
+def test_server_with_engine_replicas_serves_batches_concurrently(artifacts):
+    cfg = ServeConfig(host="127.0.0.1", port=0, engine_process=True, engine_replicas=2,
+                      process=ProcessSettings(threads=1), batch=BatchConfig(max_batch=4, max_wait_ms=0, max_inflight=2))
+    srv = ThreadedServer(artifacts["hstu"], cfg)
+    try:
+        c = RecommenderClient(srv.target, timeout_s=60)
+        us = [user(history(n), CTX) for n in (3, 6, 9, 12)]
+        with ThreadPoolExecutor(4) as ex:
+            got = list(ex.map(lambda u: c.recommend(u, retrieve_k=20, top_k=5), us * 4))
+        assert all(len(r.items) == 5 for r in got)
+        # at least 4 batches (max_batch 4) and free replicas queue first in, first out: both computed
+        assert all(r.stages.get("encode_history", 0) > 0 for r in srv.server.engine.replicas)
+    finally:
+        srv.stop()
+    assert not any(r.proc.is_alive() for r in srv.server.engine.replicas)
 
 
 def test_two_replicas_behind_client_side_round_robin(artifacts):
