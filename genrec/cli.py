@@ -113,9 +113,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-replicas", type=int, default=1,
                    help="engine processes of the model; each batch runs on a free one (--engine-process)")
     p.add_argument("--engine-cpus", default="auto",
-                   help="CPUs of the engine process: auto (with --threads N and more than N CPUs: the engine "
-                   "owns the last N, the front-end the rest; otherwise no pinning), none, or a list such as 1 "
-                   "or 2,3 (the front-end then takes the other CPUs)")
+                   help="CPUs of the engine process(es): auto (with --threads N: each replica owns N CPUs from the "
+                   "last one down, the front-end keeps any left; no pinning when they do not fit or one engine "
+                   "would own them all), none, or a list such as 1 or 2,3 (split between the replicas; the "
+                   "front-end takes the other CPUs)")
     p.add_argument("--gil-switch-ms", type=float, default=0.5,
                    help="sys.setswitchinterval: how long a thread may hold the GIL when another waits")
     p.add_argument("--max-batch", type=int, default=32, help="requests per engine batch")

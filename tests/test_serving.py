@@ -95,6 +95,11 @@ def test_end_to_end_cli_server_over_a_real_port(artifacts):
             m = re.search(r"on 127\.0\.0\.1:(\d+)", line)
             port = int(m.group(1)) if m else None
         assert port, "server did not start"
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) >= 2:  # --engine-cpus auto: the engine process owns the last CPU, the front-end the rest
+            kids = [int(k) for k in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+            assert os.sched_getaffinity(proc.pid) == set(cpus[:-1])
+            assert {cpus[-1]} in [os.sched_getaffinity(k) for k in kids]
         target = f"127.0.0.1:{port}"
         ch = grpc.insecure_channel(target)
         hs = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="genrec.v1.Recommender"))
