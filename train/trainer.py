@@ -14,6 +14,9 @@ test -> ``results.json`` and ``curves.png``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import functools
 import json
 import math
 import os
@@ -59,6 +62,29 @@ def maybe_inject_fault(rank: int, step: int) -> None:
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        lib = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return lib if lib is not None and hasattr(lib, "malloc_trim") else None
+
+
+def release_free_memory() -> None:
+    """Hands the allocator's free pages back to the OS (glibc ``malloc_trim``; elsewhere a
+    no-op). CPU training allocates tensors of a new size every step (jagged batches), and
+    glibc serves the large ones from its heap once its mmap threshold has risen to their
+    size: freed, they leave holes that count in the process's RSS. On ML-1M (6 layers, one
+    thread) RSS grew ~180 MB an epoch over epochs 4-9 without this and ~120 MB with it,
+    measured side by side; a fixed 128 KB mmap threshold stopped the growth but cost a third
+    of the step's speed. Once per epoch it costs ~10 ms."""
+    lib = _libc()
+    if lib is not None:
+        lib.malloc_trim(0)
 
 
 @dataclass
@@ -268,6 +294,7 @@ class Trainer:
                 break
             self.state.epoch += 1
             self.train_reader.set_epoch(self.state.epoch)
+            release_free_memory()
             if not cfg.evaluate:
                 continue
             if self.state.epoch % cfg.eval_every_epochs == 0 or self.state.epoch == cfg.max_epochs:
