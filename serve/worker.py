@@ -173,10 +173,13 @@ class EngineProcess:
             raise body
         return body
 
-    def _exchange(self, op: str, payload: Any = None) -> tuple[str, Any]:
-        """One request and its reply on the pipe (the caller holds the lock)."""
+    def _exchange(self, op: str, payload: Any = None, timeout: float | None = None) -> tuple[str, Any]:
+        """One request and its reply on the pipe (the caller holds the lock); ``timeout``:
+        how long to wait for the reply (None: as long as the batch takes)."""
         try:
             self.conn.send((op, payload))
+            if timeout is not None and not self.conn.poll(timeout):
+                raise EngineProcessError(f"engine process did not answer '{op}' in {timeout:g}s")
             return self.conn.recv()
         except (EOFError, BrokenPipeError, ConnectionResetError):
             self.proc.join(1)
@@ -198,21 +201,29 @@ class EngineProcess:
         return self._last_stages
 
     def close(self, timeout: float = 10.0) -> None:
-        """Waits for the batch in flight, then stops the child."""
-        with self.lock:
+        """Waits for the batch in flight, then stops the child. Every wait is bounded by
+        ``timeout``: a child that does not answer (or a batch that never returns) is killed,
+        so a reload or a shutdown never hangs on a stuck engine."""
+        got = self.lock.acquire(timeout=timeout)
+        try:
             if self.closed:
                 return
             self.closed = True
-            if self.proc.is_alive():
+            if self.proc.is_alive() and got:
                 try:
-                    self._last_stages = self._exchange("stages")[1]
-                    self._exchange("stop")
+                    self._last_stages = self._exchange("stages", timeout=timeout)[1]
+                    self._exchange("stop", timeout=timeout)
                 except EngineProcessError:
                     pass
                 self.proc.join(timeout)
-                if self.proc.is_alive():
-                    self.proc.kill()
-            self.conn.close()
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(timeout)
+            if got:  # (else the stuck batch's call still reads it: killing the child ends that read)
+                self.conn.close()
+        finally:
+            if got:
+                self.lock.release()
 
 
 class EnginePool:

@@ -340,6 +340,14 @@ def test_engine_process_answers_like_the_in_process_engine_and_replaces_a_killed
     assert not remote.proc.is_alive() and remote.stages["encode_history"] > 0  # stages kept after close
 
 
+def test_closing_a_stuck_engine_process_is_bounded(artifacts):
+    remote = EngineProcess("torch", str(artifacts["hstu"]), settings=ProcessSettings(threads=1))
+    os.kill(remote.proc.pid, signal.SIGSTOP)  # alive, never answers
+    t0 = time.monotonic()
+    remote.close(timeout=1.0)
+    assert time.monotonic() - t0 < 10 and not remote.proc.is_alive()
+
+
 def test_reload_in_engine_process_mode_swaps_and_stops_the_old_child(artifacts):
     srv = ThreadedServer(artifacts["hstu"], ServeConfig(host="127.0.0.1", port=0, engine_process=True,
                                                         process=ProcessSettings(threads=1)))
@@ -351,8 +359,8 @@ def test_reload_in_engine_process_mode_swaps_and_stops_the_old_child(artifacts):
         assert len(c.recommend(u, retrieve_k=20, top_k=5).items) == 5
         c.load_artifact(str(artifacts["transformer"]))
         assert c.info().tower == "transformer" and len(c.retrieve(u, k=5).items) == 5
-        old.proc.join(30)
-        assert not old.proc.is_alive()
+        old.proc.join(60)  # close() waits at most ~40 s: lock, reply, exit, kill (10 s each)
+        assert not old.proc.is_alive(), f"old engine process still alive (closed: {old.closed})"
     finally:
         srv.stop()
     assert not srv.server.engine.proc.is_alive()
