@@ -229,9 +229,11 @@ class EngineProcess:
 class EnginePool:
     """``replicas`` engine processes of one artifact behind one engine interface: a batch
     runs on whichever replica is free, so up to ``len(replicas)`` batches compute at once
-    (the server's batcher keeps that many in flight). On a small machine this beats one
-    engine taking ever larger batches: each batch stays small, and a burst of requests
-    waits for the next free replica instead of behind one long batch."""
+    (the server's batcher keeps that many in flight): a burst waits for the next free
+    replica instead of behind one ever larger batch. The way to use a large host's cores;
+    on the 2-core benchmark machine two replicas (one sharing the front-end's CPU) had a
+    worse tail than one pinned engine up to 300 QPS and a better one from 400 QPS
+    (benchmarks/RESULTS.md, serving)."""
 
     def __init__(self, replicas: list[EngineProcess]) -> None:
         if not replicas:
