@@ -46,7 +46,6 @@ import torch
 from benchmarks.common import RESULTS, ROOT, dataset, machine, today, update_results_md, write_json
 from benchmarks.loadtest import load_workload, make_workload, plot, sweep
 from proto.genrec.v1 import recommender_pb2 as pb
-from serve.worker import plan_cpus
 
 SWEEPS = {
     # steps below 100 QPS too: on a noisy 2-core VM the 15 ms budget can sit right at 100
@@ -61,7 +60,6 @@ SWEEPS = {
 SERVER_ARGS = {"naive": ["--max-batch", "1"], "torch": ["--max-batch", "32", "--max-wait-ms", "0"],
                "sglang": ["--max-batch", "32", "--max-wait-ms", "0"]}
 SERVER_ARGS["torch-inproc"] = [*SERVER_ARGS["torch"], "--no-engine-process"]
-REPLICAS = {"torch-replicas2": 2}  # engine processes, each taking whole batches
 SERVER_ARGS["torch-replicas2"] = [*SERVER_ARGS["torch"], "--engine-replicas", "2"]
 ENGINE = {"torch-inproc": "torch", "torch-replicas2": "torch"}  # server variant -> --engine
 
@@ -102,22 +100,33 @@ def flops_per_request(artifact: Path, payload: bytes) -> float:
     return float(fc.get_total_flops())
 
 
-def start_server(engine: str, artifact: Path, threads: int, profile_out: Path) -> tuple[subprocess.Popen, str]:
+def start_server(engine: str, artifact: Path, threads: int, profile_out: Path) -> tuple[subprocess.Popen, str, dict]:
+    """The server process, its address, and the CPU layout it reports (``--engine-cpus auto``:
+    engine processes and front-end CPUs; empty lists when nothing is pinned)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "GENREC_PROFILE_OUT": str(profile_out)}
     cmd = [sys.executable, "-m", "genrec.cli", "serve", "--artifact", str(artifact), "--engine", ENGINE.get(engine, engine),
            "--host", "127.0.0.1", "--port", "0", "--threads", str(threads), "--max-queue", "512",
            *SERVER_ARGS[engine]]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    layout: dict = {"engine_cpus": [], "front_end_cpus": []}
     deadline = time.time() + 300
     while time.time() < deadline:
         line = proc.stdout.readline()
         if not line and proc.poll() is not None:
             raise RuntimeError(f"{engine} server exited ({proc.returncode})")
+        pinned = re.search(r"engine processes on CPU (.+); front-end on CPU (\S+)", line)
+        if pinned:
+            layout = {"engine_cpus": [_cpus(g) for g in pinned.group(1).split(" | ")],
+                      "front_end_cpus": _cpus(pinned.group(2))}
         m = re.search(r"on 127\.0\.0\.1:(\d+)", line)
         if m:
-            return proc, f"127.0.0.1:{m.group(1)}"
+            return proc, f"127.0.0.1:{m.group(1)}", layout
     proc.kill()
     raise RuntimeError(f"{engine} server did not start in 300 s")
+
+
+def _cpus(text: str) -> list[int]:
+    return [] if text == "any" else [int(c) for c in text.split(",")]
 
 
 def single_request_latency(target: str, payloads: list[bytes], n: int = 300) -> dict[str, float]:
@@ -151,7 +160,7 @@ def main() -> None:
     peak = peak_gflops(args.server_threads)
     flops = flops_per_request(artifact, payloads[0])
     torch.set_num_threads(1)  # the load generator keeps to itself
-    results, sweeps, layout = {}, {}, {}
+    results, sweeps = {}, {}
     all_cpus = tuple(sorted(os.sched_getaffinity(0)))
     for engine in args.engines.split(","):
         if engine == "sglang":
@@ -159,13 +168,10 @@ def main() -> None:
                 results[engine] = {"skipped": "SGLang is not installed (bash .ci/setup-sglang)"}
                 continue
         prof = out / f"profile-{engine}.json"
-        proc, target = start_server(engine, artifact, args.server_threads, prof)
-        # engine-process servers pin their engine (--engine-cpus auto): the load generator
-        # stays beside the front-end, off the engine's CPU; in-process servers float
-        engine_cpus, front_cpus = plan_cpus("none" if "inproc" in engine or engine == "sglang" else "auto",
-                                            args.server_threads, all_cpus, REPLICAS.get(engine, 1))
-        os.sched_setaffinity(0, front_cpus or all_cpus)
-        layout[engine] = {"engine_cpus": list(engine_cpus), "front_end_and_load_generator_cpus": list(front_cpus)}
+        proc, target, layout = start_server(engine, artifact, args.server_threads, prof)
+        # a pinned engine (--engine-cpus auto): the load generator stays beside the front-end,
+        # off the engine's CPU; otherwise it floats like the server
+        os.sched_setaffinity(0, layout["front_end_cpus"] or all_cpus)
         try:
             single = single_request_latency(target, payloads)
             res = asyncio.run(sweep(target, SWEEPS[engine], args.duration, payloads, args.slo_p99_ms, timeout_s=1.0))
@@ -177,7 +183,7 @@ def main() -> None:
         profile = json.loads(prof.read_text()) if prof.exists() else {}
         best = res.max_qps_within_slo
         results[engine] = {"max_qps_within_slo": best, "single_request": single, "sweep": asdict(res),
-                           "cpus": layout[engine],
+                           "cpus": layout,  # the load generator shares the front-end's
                            "profile": profile,
                            "utilization_at_max": flops * best / (peak * 1e9) if best else 0.0}
         print(engine, json.dumps({k: results[engine][k] for k in ("max_qps_within_slo", "single_request")}))

@@ -20,7 +20,7 @@ num_targets [B]. Output [T, H, Dv].
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -424,16 +424,16 @@ def _grouped_attention(
                                hist_times if use_time else None, request_times if use_time else None, self_times)
         if plan is not None:
             plan[key] = layout
-    users, owner, b, n, rows, slot, grouped, cmax, code, self_code = layout
-    if grouped:
+    b, n, cmax = layout.code.shape[0], layout.code.shape[1], layout.cmax
+    if layout.slot is None:  # grouped already
         qp = q.view(b, cmax, *q.shape[1:])
     else:
         qp = q.new_zeros(b, cmax, *q.shape[1:])
-        qp[owner, slot] = q
+        qp[layout.owner, layout.slot] = q
     # history keys/values per user slot [B, L, H, D] (an empty history: zeros)
-    kp, vp = (t[rows] if t.shape[0] else t.new_zeros(b, n, *t.shape[1:]) for t in (k_hist, v_hist))
+    kp, vp = (t[layout.rows] if layout.rows is not None else t.new_zeros(b, n, *t.shape[1:]) for t in (k_hist, v_hist))
     table = bias_table(pos_weights, time_weights if use_time else None, max_seq_len, q.dtype)
-    bias = _lookup(table, code)  # [B, L]: every candidate of a user has the same position and time
+    bias = _lookup(table, layout.code)  # [B, L]: every candidate of a user has the same position and time
     inplace = not torch.is_grad_enabled()
     if h == 1:
         scores = torch.baddbmm(bias[:, None, :], qp[:, :, 0], kp[:, :, 0].transpose(1, 2), alpha=alpha)
@@ -441,20 +441,31 @@ def _grouped_attention(
     else:
         scores = torch.einsum("bchd,blhd->bhcl", qp, kp) * alpha + bias[:, None, None, :]  # [B, H, Cmax, L]
         out = torch.einsum("bhcl,blhd->bchd", F.silu(scores, inplace=inplace), vp)
-    out = out.reshape(c, h, -1) if grouped else out[owner, slot]  # [C, H, Dv]
+    out = out.reshape(c, h, -1) if layout.slot is None else out[layout.owner, layout.slot]  # [C, H, Dv]
     self_score = (q * k).sum(-1) * alpha  # [C, H]; distance to itself 0
     # a candidate is seen at the request time (time gap 0, table slot 0) unless self_times say otherwise
-    self_score = self_score + (table[0] if self_code is None else _lookup(table, self_code)[:, None])
+    self_score = self_score + (table[0] if layout.self_code is None else _lookup(table, layout.self_code)[:, None])
     return (out + F.silu(self_score)[..., None] * v) / max_seq_len
+
+
+class _GroupLayout(NamedTuple):
+    """What :func:`_grouped_attention` needs that does not depend on the layer."""
+
+    owner: torch.Tensor  # [C] each candidate's user slot 0..B-1
+    slot: torch.Tensor | None  # [C] its column in the [B, Cmax] grid; None: already grouped (a view)
+    cmax: int  # most candidates of one user
+    rows: torch.Tensor | None  # [B, L] history row of each user slot; None: no history rows at all
+    code: torch.Tensor  # [B, L] bias code per (user, history slot), masked slots folded in
+    self_code: torch.Tensor | None  # [C] each candidate's code against itself (with self_times)
 
 
 def _group_layout(owner: torch.Tensor, hist_starts: torch.Tensor, hist_lengths: torch.Tensor, hist_rows: int,
                   max_seq_len: int, nb: int, hist_times: torch.Tensor | None, request_times: torch.Tensor | None,
-                  self_times: torch.Tensor | None) -> tuple:
-    """What :func:`_grouped_attention` needs that does not depend on the layer: candidates
-    grouped by user into [B, Cmax] slots, each user's history rows [B, L], and the bias
-    code per (user, history slot) with the mask folded in as :func:`bias_table`'s masked
-    slot (and each candidate's code against itself, when ``self_times`` are given)."""
+                  self_times: torch.Tensor | None) -> _GroupLayout:
+    """Candidates grouped by user into [B, Cmax] slots, each user's history rows [B, L],
+    and the bias code per (user, history slot) with the mask folded in as
+    :func:`bias_table`'s masked slot (and each candidate's code against itself, when
+    ``self_times`` are given)."""
     # only the users that own candidates here (a micro-batch may span a few of the batch's users)
     users, owner = torch.unique(owner, return_inverse=True)
     lengths = hist_lengths[users]
@@ -462,17 +473,14 @@ def _group_layout(owner: torch.Tensor, hist_starts: torch.Tensor, hist_lengths: 
     n = max(int(lengths.max()), 1)
     j = torch.arange(n, device=owner.device)
     valid = j[None, :] < lengths[:, None]  # [B, L]
-    rows = torch.where(valid, hist_starts[users][:, None] + j[None, :], 0)  # history row per slot
-    if not hist_rows:
-        rows = None
+    rows = torch.where(valid, hist_starts[users][:, None] + j[None, :], 0) if hist_rows else None
     # Each user's candidates meet that user's keys and values in one GEMM (no per-candidate
     # copy of the history). Requests send them grouped already (same count per user, in
     # user order): then the [B, Cmax] view needs no scatter.
     counts = torch.bincount(owner, minlength=b)
     cmax = int(counts.max())
-    grouped = cmax * b == c and bool((owner[1:] >= owner[:-1]).all())
     slot = None
-    if not grouped:
+    if not (cmax * b == c and bool((owner[1:] >= owner[:-1]).all())):
         starts = torch.cumsum(counts, 0) - counts
         order = torch.argsort(owner, stable=True)
         slot = torch.empty_like(owner)
@@ -484,5 +492,4 @@ def _group_layout(owner: torch.Tensor, hist_starts: torch.Tensor, hist_lengths: 
         code = code + time_bucket(request_times[users][:, None] - ht, nb)
         if self_times is not None:
             self_code = time_bucket(request_times[users][owner] - self_times, nb)
-    code = torch.where(valid, code, max_seq_len * nb)
-    return users, owner, b, n, rows, slot, grouped, cmax, code, self_code
+    return _GroupLayout(owner, slot, cmax, rows, torch.where(valid, code, max_seq_len * nb), self_code)

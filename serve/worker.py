@@ -59,7 +59,7 @@ def plan_cpus(spec: str, threads: int, available: tuple[int, ...],
         need = replicas * threads
         if threads < 1 or need > len(cpus) or (replicas == 1 and need == len(cpus)):
             return none  # (one engine on every CPU: nothing to separate)
-        engine = cpus[len(cpus) - replicas * threads:]
+        engine = cpus[len(cpus) - need:]
     else:
         try:
             engine = sorted({int(c) for c in spec.split(",")})

@@ -67,11 +67,13 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
+    if not name:
+        return None
     try:
-        lib = ctypes.CDLL(name) if name else None
+        lib = ctypes.CDLL(name)
     except OSError:
         return None
-    return lib if lib is not None and hasattr(lib, "malloc_trim") else None
+    return lib if hasattr(lib, "malloc_trim") else None
 
 
 def release_free_memory() -> None:
