@@ -73,9 +73,10 @@ class RankingHead(nn.Module):
         self.weights = torch.tensor([t.weight for t in cfg.tasks])
 
     def forward(self, h: torch.Tensor, items: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        items = items.to(h.dtype)  # embedding rows are fp32; the tower may run in bf16
         parts = [h, items, h * items]
         if context is not None:
-            parts.append(context)
+            parts.append(context.to(h.dtype))
         return self.mlp(torch.cat(parts, dim=-1))
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -101,8 +101,14 @@ class GenerativeRecommender(nn.Module):
                 f"a history of {longest} tokens exceeds model.max_seq_len "
                 f"{self.cfg.max_seq_len}; truncate it before the model"
             )
-        x = tok.x * self.scale + self.pos_emb(tok.positions)
+        x = (tok.x * self.scale).to(self.dense_dtype) + self.pos_emb(tok.positions)
         return self.input_dropout(x), tok
+
+    @property
+    def dense_dtype(self) -> torch.dtype:
+        """What the tower and heads compute in (fp32, or bf16 for a low-precision serving
+        artifact); embedding rows arrive in fp32 and are cast once at the tower's input."""
+        return self.pos_emb.weight.dtype
 
     def encode(self, batch: SequenceBatch) -> tuple[torch.Tensor, Tokens]:
         """Tower outputs for every token: [M, D] (and the batch's token layout)."""
@@ -145,7 +151,7 @@ class GenerativeRecommender(nn.Module):
     def user_embeddings(self, batch: SequenceBatch) -> torch.Tensor:
         """Normalised user vector after each history's last event: [B, D]."""
         h, tok = self.encode(batch)
-        return self.head.normalize(h[tok.last_rows])
+        return self.head.normalize(h[tok.last_rows].float())
 
     def rank(self, batch: SequenceBatch) -> torch.Tensor:
         """Task probabilities of each candidate (the trailing ``num_targets`` events): [C, tasks]."""
@@ -169,7 +175,7 @@ class GenerativeRecommender(nn.Module):
                 raise ValueError("this model ranks with context features; the batch has none")
             ctx = self.sparse.pooled(batch.context).values()
         lengths = tok.offsets[1:] - tok.offsets[:-1]
-        return self.head.normalize(h), HistoryState(hist, lengths, ctx)
+        return self.head.normalize(h.float()), HistoryState(hist, lengths, ctx)
 
     def score_candidates(self, state: HistoryState, items: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
         """Task probabilities [C, tasks] of candidate ``items`` [C] for users ``owner`` [C]
@@ -180,7 +186,7 @@ class GenerativeRecommender(nn.Module):
         x = rows
         if "action" in self.sparse.sequence_features and not self.interleaved:
             x = x + self.sparse.lookup(torch.zeros_like(items), "action")  # unknown action
-        x = x * self.scale + self.pos_emb(state.lengths[owner])
+        x = (x * self.scale).to(self.dense_dtype) + self.pos_emb(state.lengths[owner])
         h = self.tower.forward_cached(x, state.history, owner)
         ctx = state.context[owner] if state.context is not None else None
         return torch.sigmoid(self.ranking(h, rows, ctx).float())

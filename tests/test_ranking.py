@@ -167,3 +167,27 @@ def test_cached_history_scores_equal_the_full_pass(tower, encoding):
     torch.testing.assert_close(m.score_candidates(state, items[perm], owner[perm]), full[perm])
     grouped = torch.tensor([0, 1, 3, 4])  # users 0 and 1, two candidates each
     torch.testing.assert_close(m.score_candidates(state, items[grouped], owner[grouped]), full[grouped])
+
+
+@pytest.mark.parametrize("tower", ["hstu", "transformer"])
+def test_a_bf16_dense_model_serves_close_to_fp32(tower):
+    """A bf16 serving artifact (dense tower and heads in bf16, embedding rows fp32, as on
+    GPU): the rows are cast at the tower's input and the user vectors come back fp32."""
+    m = model(tower)
+    users = [(HIST, HACT, [11, 12, 13]), ([5, 6], [1, 3], [14, 15])]
+    hist_only = make_batch([(h, a, []) for h, a, _ in users])
+    hist_only.num_targets = None
+    items = torch.tensor([c for _, _, cs in users for c in cs])
+    owner = torch.tensor([i for i, (_, _, cs) in enumerate(users) for _ in cs])
+    with torch.inference_mode():
+        vec32, state32 = m.encode_history(hist_only)
+        p32 = m.score_candidates(state32, items, owner)
+        m.tower.to(torch.bfloat16), m.pos_emb.to(torch.bfloat16), m.ranking.to(torch.bfloat16)
+        assert m.dense_dtype == torch.bfloat16
+        vec16, state16 = m.encode_history(hist_only)
+        p16 = m.score_candidates(state16, items, owner)
+        full16 = m.rank(make_batch(users))
+    assert vec16.dtype == torch.float32 and p16.dtype == torch.float32
+    torch.testing.assert_close(vec16, vec32, atol=0.03, rtol=0.03)
+    torch.testing.assert_close(p16, p32, atol=0.02, rtol=0.02)
+    torch.testing.assert_close(full16, p32, atol=0.02, rtol=0.02)
