@@ -71,12 +71,16 @@ def test_query_blocked_reference_matches_per_pair_loop(num_targets):
 
 @pytest.mark.parametrize("heads", [1, 2])
 @pytest.mark.parametrize("num_targets", [None, [3, 0, 5]])
-def test_inference_path_matches_loop_blocked_and_shares_its_plan(monkeypatch, heads, num_targets):
+@pytest.mark.parametrize("long", [True, False])
+def test_inference_path_matches_loop_blocked_and_shares_its_plan(monkeypatch, heads, num_targets, long):
     """The serving path (one bias code per pair, baddbmm) in query blocks, with the plan
     one layer built reused by another layer's weights: same numbers as the loop."""
     import kernels.hstu_attention as ha
 
-    monkeypatch.setattr(ha, "QUERY_BLOCK", 2)  # 11 > 2 * 2: blocks of 2 query rows
+    if long:
+        monkeypatch.setattr(ha, "QUERY_BLOCK", 2)  # 11 > 2 * 2: blocks of QUERY_BLOCK = 2 query rows
+    else:
+        monkeypatch.setattr(ha, "CAUSAL_BLOCK", 2)  # a short sequence: blocks of CAUSAL_BLOCK = 2 rows
     lengths = [11, 2, 9]
     nt = None if num_targets is None else torch.tensor(num_targets)
     q, k, v, lens, pos_w, time_w, ts, qt = random_case(lengths, heads=heads, seed=5)
