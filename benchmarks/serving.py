@@ -14,8 +14,7 @@ default of ``genrec serve``), pinned to the last CPU with the front-end on the o
 (``--engine-cpus auto``); the load generator then keeps to the front-end's CPUs. For the
 side-by-side: ``torch-inproc`` is (b) with the engine in the server's process
 (``--no-engine-process``, nothing pinned), ``torch-replicas2`` is (b) with two engine
-processes, one per CPU: the one on the last CPU takes every batch while it is free, the
-other (on the front-end's CPU) the overflow of a burst (``--engine-replicas 2``).
+processes, one per CPU, each taking whole batches (``--engine-replicas 2``).
 
 Also measured in the same run: single-request latency (closed loop), the model's FLOPs per
 request (``torch.utils.flop_counter``), the machine's peak from a matmul micro-benchmark,
@@ -207,7 +206,7 @@ def render(p: dict) -> str:
              f"shared by the server (a gRPC front-end process and an engine process with {p['server_threads']} compute "
              "thread, pinned to the last CPU; the front-end and the load generator on the other) and the load generator; "
              "torch-inproc: the engine in the front-end's process, nothing pinned; torch-replicas2: two engine processes, "
-             "one per CPU, the second (beside the front-end) taking only the overflow of a burst. Requests: history up to 200, retrieve 100 from the catalogue, rank 100, return 10.", "",
+             "one per CPU. Requests: history up to 200, retrieve 100 from the catalogue, rank 100, return 10.", "",
              f"| server | max QPS with p99 <= {p['slo_p99_ms']:g} ms | x naive | single request p50 / p99 ms | "
              "FLOP utilization at max |", "|---|---|---|---|---|"]
     for name, r in p["engines"].items():
