@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -42,10 +43,9 @@ def plan_cpus(spec: str, threads: int, available: tuple[int, ...],
     leaves a process where the OS puts it.
 
     ``auto``: with a fixed thread count per engine, each replica owns ``threads`` CPUs
-    taken from the end of ``available``, the first replica the last ones; when CPUs are left
-    over the front-end (asyncio loop, gRPC threads, decoding) keeps them, so neither evicts
-    the other's caches or waits behind it for a core; when replicas fill every CPU the
-    front-end shares those of the replicas after the first (which only take overflow). No
+    taken from the end of ``available``; when CPUs are left over the front-end (asyncio loop,
+    gRPC threads, decoding) keeps them, so neither evicts the other's caches or waits behind
+    it for a core, else the front-end floats (replicas then still get a CPU each). No
     pinning when the replicas need more CPUs than there are, when one engine would own
     them all, or with torch's default thread count. ``none``: no pinning. A list
     (``1``, ``2,3``): the engines there, split evenly between the replicas, and the
@@ -74,12 +74,7 @@ def plan_cpus(spec: str, threads: int, available: tuple[int, ...],
     per = len(engine) // replicas
     # the last CPUs go to the first replica: with one replica it owns the last CPUs
     groups = [tuple(engine[len(engine) - (i + 1) * per: len(engine) - i * per]) for i in range(replicas)]
-    front = tuple(c for c in cpus if c not in engine)
-    if not front and replicas > 1 and spec == "auto":
-        # every CPU holds a replica: the front-end shares those of the overflow replicas
-        # (EnginePool gives the first replica every batch it can take)
-        front = tuple(c for c in cpus if c not in groups[0])
-    return groups, front
+    return groups, tuple(c for c in cpus if c not in engine)
 
 
 class EngineProcessError(RuntimeError):
@@ -233,12 +228,12 @@ class EngineProcess:
 
 class EnginePool:
     """``replicas`` engine processes of one artifact behind one engine interface: a batch
-    runs on the first free replica in order, so up to ``len(replicas)`` batches compute at
-    once (the server's batcher keeps that many in flight) and a burst waits for the next free
-    replica instead of behind one ever larger batch. The first replica takes every batch
-    while it is free, the others only the overflow: with ``--engine-cpus auto`` the first
-    owns a CPU of its own and the later ones share the front-end's, which a light load then
-    leaves to the front-end. The way to use a large host's cores."""
+    runs on whichever replica is free, so up to ``len(replicas)`` batches compute at once
+    (the server's batcher keeps that many in flight): a burst waits for the next free
+    replica instead of behind one ever larger batch. The way to use a large host's cores;
+    on the 2-core benchmark machine two replicas (one sharing the front-end's CPU) had a
+    worse tail than one pinned engine up to 300 QPS and a better one from 400 QPS
+    (benchmarks/RESULTS.md, serving)."""
 
     def __init__(self, replicas: list[EngineProcess]) -> None:
         if not replicas:
@@ -247,20 +242,16 @@ class EnginePool:
         first = replicas[0]
         self.name, self.version, self.schema = first.name, first.version, first.schema
         self.manifest, self.tower, self.artifact = first.manifest, first.tower, first.artifact
-        self._busy = [False] * len(replicas)
-        self._free = threading.Condition()
+        self.idle: queue.SimpleQueue[EngineProcess] = queue.SimpleQueue()
+        for r in replicas:
+            self.idle.put(r)
 
     def run(self, works: list[Work]) -> list:
-        with self._free:
-            self._free.wait_for(lambda: not all(self._busy))
-            i = self._busy.index(False)
-            self._busy[i] = True
+        engine = self.idle.get()
         try:
-            return self.replicas[i].run(works)
+            return engine.run(works)
         finally:
-            with self._free:
-                self._busy[i] = False
-                self._free.notify()
+            self.idle.put(engine)
 
     @property
     def restarts(self) -> int:
