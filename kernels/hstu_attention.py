@@ -135,10 +135,10 @@ CAUSAL_BLOCK = 64
 
 
 def _query_blocks(max_len: int, block: int | None = None) -> list[tuple[int, int]]:
-    """Query row ranges (s, e): ``block`` rows each, or by default one range for sequences
-    up to twice :data:`QUERY_BLOCK` and blocks of it beyond."""
+    """Query row ranges (s, e): ``block`` rows each, or by default blocks of
+    :data:`CAUSAL_BLOCK` for sequences up to twice :data:`QUERY_BLOCK` and of it beyond."""
     if block is None:
-        block = max_len if max_len <= 2 * QUERY_BLOCK else QUERY_BLOCK
+        block = CAUSAL_BLOCK if max_len <= 2 * QUERY_BLOCK else QUERY_BLOCK
     return [(s, min(s + block, max_len)) for s in range(0, max_len, block)]
 
 
@@ -254,7 +254,7 @@ def hstu_attention_inference(
     pair, computed once per batch and shared by every layer through ``plan`` (a dict the
     caller keeps for the batch); a layer then does one table gather, a fused
     ``scores = bias + alpha * q k^T`` (baddbmm), SiLU and the value GEMM, and scales by
-    1 / N once on the output. Query blocks of :data:`CAUSAL_BLOCK` rows (of :data:`QUERY_BLOCK` for long sequences)."""
+    1 / N once on the output, going through the queries in :func:`_query_blocks`."""
     lengths, max_len = _batch_lengths(offsets, max_len)
     if q.shape[0] == 0 or max_len == 0:
         return v.new_zeros(v.shape)
@@ -266,7 +266,7 @@ def hstu_attention_inference(
         index = jagged_index(offsets, q.shape[0])
         times = padded_relative_times(query_times, timestamps, offsets, max_len, index) if use_time else None
         plan[key] = (index, [(r, bias_codes(lengths, max_len, max_seq_len, nb, times, num_targets, r))
-                             for r in _query_blocks(max_len, CAUSAL_BLOCK if max_len <= 2 * QUERY_BLOCK else None)])
+                             for r in _query_blocks(max_len)])
     index, blocks = plan[key]
     table = bias_table(pos_weights, time_weights if use_time else None, max_seq_len, q.dtype)
     h = q.shape[1]

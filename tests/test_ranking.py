@@ -182,7 +182,8 @@ def test_a_bf16_dense_model_serves_close_to_fp32(tower):
     with torch.inference_mode():
         vec32, state32 = m.encode_history(hist_only)
         p32 = m.score_candidates(state32, items, owner)
-        m.tower.to(torch.bfloat16), m.pos_emb.to(torch.bfloat16), m.ranking.to(torch.bfloat16)
+        for part in (m.tower, m.pos_emb, m.ranking):
+            part.to(torch.bfloat16)
         assert m.dense_dtype == torch.bfloat16
         vec16, state16 = m.encode_history(hist_only)
         p16 = m.score_candidates(state16, items, owner)
