@@ -360,7 +360,8 @@ def test_reload_in_engine_process_mode_swaps_and_stops_the_old_child(artifacts):
         c.load_artifact(str(artifacts["transformer"]))
         assert c.info().tower == "transformer" and len(c.retrieve(u, k=5).items) == 5
         old.proc.join(60)  # close() waits at most ~40 s: lock, reply, exit, kill (10 s each)
-        assert not old.proc.is_alive(), f"old engine process still alive (closed: {old.closed})"
+        assert not old.proc.is_alive(), (f"old engine process still alive (closed: {old.closed}, pid {old.proc.pid}, "
+                                         f"restarts {old.restarts})")  # which child: the first or a restarted one
     finally:
         srv.stop()
     assert not srv.server.engine.proc.is_alive()
