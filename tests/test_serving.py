@@ -359,7 +359,12 @@ def test_reload_in_engine_process_mode_swaps_and_stops_the_old_child(artifacts):
         assert len(c.recommend(u, retrieve_k=20, top_k=5).items) == 5
         c.load_artifact(str(artifacts["transformer"]))
         assert c.info().tower == "transformer" and len(c.retrieve(u, k=5).items) == 5
-        old.proc.join(60)  # close() waits at most ~40 s: lock, reply, exit, kill (10 s each)
+        # close() (on an executor thread) joins the child and waits at most ~40 s: lock, reply, exit, kill
+        # (10 s each). Poll rather than join here: two threads joining one child race in waitpid, and
+        # the loser reads "alive" for a moment after the winner reaped it (CPython multiprocessing).
+        deadline = time.monotonic() + 60
+        while old.proc.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert not old.proc.is_alive(), (f"old engine process still alive (closed: {old.closed}, pid {old.proc.pid}, "
                                          f"restarts {old.restarts})")  # which child: the first or a restarted one
     finally:
