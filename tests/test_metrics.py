@@ -39,6 +39,18 @@ def test_target_rank_excludes_history_but_never_the_target():
     assert no_hist.tolist() == [2, 0]
 
 
+def test_ties_rank_ahead_of_the_target():
+    corpus = torch.tensor([10, 20, 30, 40, 50])
+    # user 0: 20 and 40 tie with target 30, 50 above -> rank 3; seen 40 drops out -> 2
+    # user 1: every item scores the same (a model that cannot tell them apart) -> last
+    # user 2: target 20 seen before (a repeat), tied with 10 -> rank 1
+    scores = torch.tensor([[0.0, 0.5, 0.5, 0.5, 0.9], [0.3] * 5, [0.7, 0.7, 0.1, 0.1, 0.1]])
+    targets = torch.tensor([30, 10, 20])
+    assert target_ranks(scores, targets, corpus).tolist() == [3, 4, 1]
+    seen = target_ranks(scores, targets, corpus, torch.tensor([40, 20]), torch.tensor([1, 0, 1]))
+    assert seen.tolist() == [2, 4, 1]
+
+
 def test_target_outside_corpus_is_an_error():
     with pytest.raises(ValueError, match="not in the model's corpus"):
         target_ranks(torch.zeros(1, 2), torch.tensor([7]), torch.tensor([1, 2]))

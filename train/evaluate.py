@@ -73,7 +73,9 @@ def target_ranks(
     """0-based rank of each target among corpus items not seen before.
 
     scores [B, N] over sorted ``corpus_ids`` [N]; targets [B] ids; seen_ids [E] with
-    seen_lengths [B]. Ties count in the target's favour only against itself.
+    seen_lengths [B]. Ties go against the target: every other item scored the same ranks
+    ahead of it, so a model that cannot tell items apart (equal scores, e.g. the shared
+    miss row of a managed-collision table) earns no hits from the ties.
     """
     b = scores.shape[0]
     tidx = torch.searchsorted(corpus_ids, targets).clamp(max=corpus_ids.numel() - 1)
@@ -86,7 +88,9 @@ def target_ranks(
         col = torch.searchsorted(corpus_ids, seen_ids).clamp(max=corpus_ids.numel() - 1)
         known = corpus_ids[col] == seen_ids
         scores = scores.index_put((row[known], col[known]), torch.tensor(float("-inf"), dtype=scores.dtype))
-    return (scores > target_score).sum(1)
+    # the target's own entry still equals its score unless a repeat put it in the history
+    own = (scores.gather(1, tidx[:, None]) == target_score).squeeze(1)
+    return (scores >= target_score).sum(1) - own.long()
 
 
 @torch.no_grad()
