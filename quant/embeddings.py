@@ -47,18 +47,43 @@ def dequantize(parts: dict[str, torch.Tensor], scheme: Scheme, dim: int) -> torc
 
 
 def table_tensors(arch: SparseArch, scheme: Scheme) -> dict[str, torch.Tensor]:
-    """Artifact tensors of every table: ``<table>.<part>``."""
-    if arch.mc_ec is not None:
-        raise ValueError(
-            "managed-collision (oov = \"mch\") tables cannot be exported yet: the artifact would need the "
-            "raw-id -> row map; train the serving model with oov = \"hash\" or \"error\"")
+    """Artifact tensors of every table: ``<table>.<part>``; a managed-collision table also
+    gets its raw-id map (``<table>.mch_ids``, ``<table>.mch_rows``: :func:`mch_maps`)."""
     out: dict[str, torch.Tensor] = {}
-    modules = [m for m in (arch.ec, arch.ebc) if m is not None]
-    for module in modules:
-        for key, weight in module.state_dict().items():
-            table = key.split(".")[-2]
-            for part, t in quantize_weight(weight, scheme).items():
-                out[f"{table}.{part}"] = t
+    weights = {}
+    for module in (arch.ec, arch.ebc):
+        if module is not None:
+            weights.update(module.state_dict())
+    if arch.mc_ec is not None:
+        weights.update({k: v for k, v in arch.mc_ec.state_dict().items() if k.startswith(_MC_EMBEDDINGS)})
+        for table, (ids, rows) in mch_maps(arch).items():
+            out[f"{table}.mch_ids"], out[f"{table}.mch_rows"] = ids, rows
+    for key, weight in weights.items():
+        table = key.split(".")[-2]
+        for part, t in quantize_weight(weight, scheme).items():
+            out[f"{table}.{part}"] = t
+    return out
+
+
+_MC_EMBEDDINGS = "_embedding_module.embeddings."
+_MC_MODULES = "_managed_collision_collection._managed_collision_modules."
+
+
+def mch_maps(arch: SparseArch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """table -> (raw ids [K] int64 ascending, their rows [K] int32) of every managed-collision
+    table: the ids its TorchRec module holds a row for at the checkpoint (free slots left
+    out). Every other raw id reads the table's last row, the module's shared miss row."""
+    state = arch.mc_ec.state_dict() if arch.mc_ec is not None else {}
+    free = torch.iinfo(torch.int64).max
+    out = {}
+    for key, ids in state.items():
+        if not (key.startswith(_MC_MODULES) and key.endswith("._mch_sorted_raw_ids")):
+            continue
+        prefix = key[: -len("_mch_sorted_raw_ids")]
+        rows = state[prefix + "_mch_remapped_ids_mapping"]
+        keep = ids != free
+        ids, order = torch.sort(ids[keep])
+        out[prefix[len(_MC_MODULES) : -1]] = (ids.contiguous(), rows[keep][order].to(torch.int32).contiguous())
     return out
 
 
@@ -92,16 +117,33 @@ class ServedRows(nn.Module):
     """Rows of one quantized sequence table for row ids, by fbgemm's row-wise dequantize op:
     what the quantized EmbeddingCollection returns for those ids (same codes, same fp16
     scale and bias), without its KJT split, TBE call and jagged re-assembly, which cost
-    more than the lookup itself for a serving batch of a few hundred ids."""
+    more than the lookup itself for a serving batch of a few hundred ids.
+
+    A managed-collision table (``mch_ids`` / ``mch_rows`` in ``parts``, :func:`mch_maps`)
+    takes raw ids: each is looked up in the map, as TorchRec's module remaps it in eval
+    mode, and an id without a row reads the last row (the shared miss row)."""
 
     def __init__(self, parts: dict[str, torch.Tensor], scheme: Scheme, dim: int) -> None:
         super().__init__()
         self.bits, self.dim = BITS.get(scheme), dim
         packed = torch.cat([parts["codes"], parts["scale_bias"]], dim=1) if self.bits else parts["weight"]
         self.register_buffer("packed", packed.contiguous(), persistent=False)
+        self.remap = "mch_ids" in parts
+        if self.remap:
+            self.register_buffer("mch_ids", parts["mch_ids"], persistent=False)
+            self.register_buffer("mch_rows", parts["mch_rows"].long(), persistent=False)
+            self.miss_row = packed.shape[0] - 1
+
+    def row_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Table rows of ``ids`` (raw ids of a managed-collision table -> their rows)."""
+        ids = ids.reshape(-1)
+        if not self.remap or self.mch_ids.numel() == 0:
+            return torch.full_like(ids, self.miss_row) if self.remap else ids
+        pos = torch.searchsorted(self.mch_ids, ids).clamp_(max=self.mch_ids.numel() - 1)
+        return torch.where(self.mch_ids[pos] == ids, self.mch_rows[pos], self.miss_row)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.packed.index_select(0, ids.reshape(-1))
+        rows = self.packed.index_select(0, self.row_ids(ids))
         if self.bits:
             return torch.ops.fbgemm.FusedNBitRowwiseQuantizedSBHalfToFloat(rows, self.bits)[:, : self.dim]
         return rows.float()
@@ -119,8 +161,11 @@ def served_rows(cfg: EmbeddingConfig, tensors: dict[str, torch.Tensor], scheme: 
 
 def install(arch: SparseArch, ec: QuantEC, ebc: QuantEBC | None, rows: dict[str, ServedRows] | None = None) -> None:
     """Swaps the float TorchRec modules of ``arch`` for their quantized counterparts (and
-    gives it ``rows``, the direct lookups inference uses for sequence features)."""
+    gives it ``rows``, the direct lookups inference uses for sequence features). A
+    managed-collision collection goes: its tables are in ``ec`` and its raw-id maps in
+    ``rows``."""
     arch.ec = ec
+    arch.mc_ec = None
     if ebc is not None:
         arch.ebc = ebc
     if rows:

@@ -143,6 +143,32 @@ def test_artifact_round_trip_serves_what_was_measured(trained_run, tiny_synth, t
     assert abs(again["hr@50"] - report["metrics"]["before"]["hr@50"]) < 0.05
 
 
+def test_managed_collision_tables_export_their_raw_id_map(tiny_synth, tmp_path):
+    """An MCH item table (raw ids, fewer rows than items, so the module evicts) exports its
+    raw-id -> row map: the artifact looks raw ids up as the trained model does, kept ids
+    and missed ones (the shared miss row) alike, and ranks exactly as measured."""
+    cfg = tmp_path / "mch.toml"
+    cfg.write_text('[[embedding.tables]]\nname = "item"\nfeatures = ["item"]\ndim = 16\nnum_embeddings = 256\n'
+                   'oov = "mch"\nraw_id_space = 1000000\nmch_eviction_interval = 4\nmch_buckets = 1\n')
+    run_dir, _ = run_training(load_job(cfg, tiny_job_overrides(tiny_synth, tmp_path) + ["--train.max_epochs=1"]))
+    art = tmp_path / "art"
+    report = export(run_dir, art, QuantizeConfig(embeddings="fp32", dense="fp32"), progress=False)
+    files = json.loads((art / "manifest.json").read_text())["tensors"]["embeddings.safetensors"]
+    kept = files["item.mch_ids"]["shape"][0]
+    assert 0 < kept < 256 and files["item.mch_rows"]["shape"] == [kept]
+    served, _ = load_model(art)
+    _, trained = load_training_model(*resolve_checkpoint(run_dir))
+    ids = torch.cat([served.sparse.rows["item"].mch_ids[:50], torch.tensor([0, 999_999, 123_457])])
+    torch.testing.assert_close(served.sparse.lookup(ids), trained.sparse.lookup(ids), atol=0, rtol=0)
+    assert (served.sparse.rows["item"].row_ids(torch.tensor([999_999])) == 255).all()  # missed: the last row
+    job = load_job(run_dir / "config.toml")
+    again = evaluate(served, make_reader(job.data, "valid", job.embedding, job.model.max_seq_len))
+    assert again == report["metrics"]["before"]
+    int8 = tmp_path / "int8"
+    export(run_dir, int8, QuantizeConfig(embeddings="int8"), progress=False, measure_accuracy=False)
+    torch.testing.assert_close(load_model(int8)[0].sparse.lookup(ids), trained.sparse.lookup(ids), atol=0.02, rtol=0)
+
+
 @pytest.fixture()
 def artifact(trained_run, tmp_path):
     art = tmp_path / "art"
