@@ -167,7 +167,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines += ["", f"| metric ({m['split']}) | before | after | change |", "|---|---|---|---|"]
         for k in ("hr@10", "ndcg@10", "hr@50", "mrr"):
             b, a = m["before"][k], m["after"][k]
-            lines.append(f"| {k} | {b:.4f} | {a:.4f} | {100 * (a - b) / b:+.2f}% |")
+            change = f"{100 * (a - b) / b:+.2f}%" if b else f"{a - b:+.4f} (absolute)"
+            lines.append(f"| {k} | {b:.4f} | {a:.4f} | {change} |")
     else:
         lines.append("\n(accuracy not measured: --no-eval, or no dataset at hand; pass --eval DATA)")
     return "\n".join(lines)

@@ -12,6 +12,7 @@ from quant.artifact import ArtifactError
 from quant.convert import (
     QuantizeConfig,
     export,
+    format_report,
     load_model,
     load_training_model,
     resolve_checkpoint,
@@ -167,6 +168,13 @@ def test_managed_collision_tables_export_their_raw_id_map(tiny_synth, tmp_path):
     int8 = tmp_path / "int8"
     export(run_dir, int8, QuantizeConfig(embeddings="int8"), progress=False, measure_accuracy=False)
     torch.testing.assert_close(load_model(int8)[0].sparse.lookup(ids), trained.sparse.lookup(ids), atol=0.02, rtol=0)
+
+
+def test_report_of_a_model_with_zero_metrics_prints_absolute_changes():
+    sizes = {"embeddings": {"before": 400, "after": 100, "scheme": "int8"}, "dense": {"before": 100, "after": 100, "scheme": "fp32"}}
+    zero = {k: 0.0 for k in ("hr@10", "ndcg@10", "hr@50", "mrr")}
+    text = format_report({"sizes": sizes, "metrics": {"split": "valid", "before": zero, "after": {**zero, "mrr": 0.001}}})
+    assert "| hr@10 | 0.0000 | 0.0000 | +0.0000 (absolute) |" in text and "+0.0010 (absolute)" in text
 
 
 @pytest.fixture()
