@@ -35,14 +35,12 @@ def dataset(name: str, cache: Path = ROOT / "data") -> Path:
 def machine() -> dict[str, Any]:
     import torch
 
-    cpu = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
-    except OSError:
-        pass
+    from train.rundir import cpu_identity
+
+    cpu, isa = cpu_identity()
     return {
         "cpu": cpu,
+        "isa": isa,
         "cores": os.cpu_count(),
         "cores_usable": len(os.sched_getaffinity(0)),  # < cores when pinned (taskset) beside other work
         "threads": torch.get_num_threads(),

@@ -57,3 +57,18 @@ def test_malformed_data_is_named(tmp_path):
     bad.write_text("1 2 3\n2 4 five\n")
     proc = genrec("data", "convert", "sequences", bad, "--out", tmp_path / "d", check=False)
     assert proc.returncode == 2 and "seq.txt:2: 'five' is not an integer id" in proc.stderr
+
+
+def test_cpu_identity_tells_cpu_generations_apart(tmp_path):
+    from train.rundir import cpu_identity
+
+    def info(model: int, flags: str) -> Path:
+        f = tmp_path / f"cpuinfo{model}"
+        f.write_text(f"processor\t: 0\ncpu family\t: 25\nmodel\t\t: {model}\nmodel name\t: AMD EPYC\n"
+                     f"flags\t\t: fpu sse2 {flags}\n\nprocessor\t: 1\nmodel name\t: other\n")
+        return f
+
+    assert cpu_identity(info(17, "avx2 avx512f avx512_bf16")) == (
+        "AMD EPYC (family 25 model 17, avx2+avx512f+avx512_bf16)", ["avx2", "avx512f", "avx512_bf16"])
+    assert cpu_identity(info(1, "avx2")) == ("AMD EPYC (family 25 model 1, avx2)", ["avx2"])
+    assert cpu_identity(tmp_path / "missing") == (None, [])

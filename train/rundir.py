@@ -38,6 +38,31 @@ def code_version() -> dict[str, Any]:
     return {"commit": commit or None, "dirty": bool(git("status", "--porcelain")) if commit else None}
 
 
+# instruction-set features that change CPU kernel speed (oneDNN / MKL / inductor pick code by them)
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_identity(cpuinfo: str | Path = "/proc/cpuinfo") -> tuple[str | None, list[str]]:
+    """('<model name> (family F model M, <ISA>)', ISA flags present) from ``cpuinfo``: a VM
+    can land on another CPU generation under the same model name, and the figures move with it."""
+    info: dict[str, str] = {}
+    try:
+        with open(cpuinfo) as f:
+            for ln in f:
+                if not ln.strip():
+                    break  # the first processor is enough
+                k, _, v = ln.partition(":")
+                info[k.strip()] = v.strip()
+    except OSError:
+        return None, []
+    flags = set(info.get("flags", "").split())
+    isa = [f for f in ISA_FLAGS if f in flags]
+    name = info.get("model name")
+    if name and "cpu family" in info:
+        name = f"{name} (family {info['cpu family']} model {info.get('model', '?')}, {'+'.join(isa) or 'no AVX2'})"
+    return name, isa
+
+
 def environment() -> dict[str, Any]:
     env: dict[str, Any] = {
         "python": platform.python_version(),
@@ -54,11 +79,7 @@ def environment() -> dict[str, Any]:
             env[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001 - a missing or broken optional package is just unrecorded
             env[mod] = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            env["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
-    except OSError:
-        env["cpu"] = None
+    env["cpu"], env["isa"] = cpu_identity()
     return env
 
 

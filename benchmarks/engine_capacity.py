@@ -1,0 +1,150 @@
+"""Engine capacity: what the batched PyTorch engine alone allows, apart from the server.
+
+The serving benchmark measures the whole path (gRPC front-end, engine process, load
+generator, all on 2 cores) and its figure swings with the host. This one isolates the
+engine, in one process on one core with one thread, on the serving benchmark's artifact and
+requests (ML-1M HSTU; history up to 200, retrieve 100, rank 100, return 10):
+
+1. S(B): the engine's time for a batch of B requests (``TorchEngine.run``, the median of
+   several batches of distinct random requests), for B from 1 to 16, and its linear fit
+   S(B) = fixed + per_request * B;
+2. the open-loop latency the engine alone would give: Poisson arrivals at each offered QPS,
+   continuous batching (whatever queued while a batch ran forms the next, up to 32, as the
+   server's ``--max-wait-ms 0``), each batch taking the measured S(B) (interpolated), p50 and
+   p99 from the arrival times; hence the highest QPS within the p99 budget and how much
+   faster the engine would have to be to meet the goal;
+3. the machine's fp32 matmul peak in the same run, so runs on different days compare.
+
+This is an optimistic bound on the served figure, not a replacement: every batch takes its
+median time (the spread of real batches adds to the p99), and the served p99 also adds
+decode, IPC between front-end and engine, encode and the load generator's share of the CPUs.
+
+    python -m benchmarks.engine_capacity [--artifact DIR] [--qps 50,100,...] [--goal-qps 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.common import dataset, machine, today, update_results_md, write_json
+from benchmarks.loadtest import load_workload, make_workload
+from benchmarks.serving import default_artifact, peak_gflops
+
+BATCHES = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+def batch_times(engine, works: list, reps: int, seed: int = 0) -> dict[int, float]:  # noqa: ANN001
+    """Median ms of ``engine.run`` on B distinct random requests, for each B in BATCHES."""
+    rng = np.random.default_rng(seed)
+    for _ in range(3):  # warm-up
+        engine.run([works[0]])
+    out = {}
+    for b in BATCHES:
+        xs = []
+        for _ in range(reps):
+            batch = [works[i] for i in rng.choice(len(works), b, replace=False)]
+            t0 = time.perf_counter()
+            engine.run(batch)
+            xs.append((time.perf_counter() - t0) * 1e3)
+        out[b] = float(np.median(xs))
+    return out
+
+
+def simulate(service_ms, qps: float, n: int = 50_000, max_batch: int = 32, seed: int = 0) -> tuple[float, float]:  # noqa: ANN001
+    """(p50, p99) ms from arrival to completion: Poisson arrivals at ``qps``, one engine
+    taking whatever has queued (up to ``max_batch``) as soon as it is free, a batch of B
+    taking ``service_ms(B)``. The first 1000 requests warm the queue up and are not counted."""
+    arrivals = np.cumsum(np.random.default_rng(seed).exponential(1000.0 / qps, n))
+    lat = np.empty(n)
+    t, i = 0.0, 0
+    while i < n:
+        t = max(t, arrivals[i])
+        j = min(int(np.searchsorted(arrivals, t, side="right")), i + max_batch)
+        t += service_ms(j - i)
+        lat[i:j] = t - arrivals[i:j]
+        i = j
+    return float(np.percentile(lat[1000:], 50)), float(np.percentile(lat[1000:], 99))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--artifact")
+    ap.add_argument("--qps", default="25,50,100,150,200,250,300,400")
+    ap.add_argument("--slo-p99-ms", type=float, default=15.0)
+    ap.add_argument("--goal-qps", type=float, default=300.0)
+    ap.add_argument("--reps", type=int, default=25)
+    ap.add_argument("--out", default="runs/benchmarks/serving")
+    args = ap.parse_args()
+    from serve.engine import TorchEngine
+    from serve.requests import Limits, decode
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    artifact = Path(args.artifact) if args.artifact else default_artifact(out)
+    wl = out / "workload.jsonl"
+    if not wl.exists():
+        make_workload(dataset("ml1m"), wl, n=2000, history=200, retrieve_k=100, top_k=10, with_actions=True)
+    torch.set_num_threads(1)
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    os.sched_setaffinity(0, {cpu})  # one core, as the served engine process
+    peak = peak_gflops(1)
+    engine = TorchEngine(artifact)
+    works = [decode("recommend", p, engine.schema, Limits()) for p in load_workload(wl)[:500]]
+    gc.collect()
+    gc.freeze()  # as the server does once loaded
+    times = batch_times(engine, works, args.reps)
+    bs, ms = np.array(list(times)), np.array(list(times.values()))
+    per_request, fixed = (float(v) for v in np.polyfit(bs, ms, 1))
+
+    def service(scale: float):  # noqa: ANN202
+        return lambda b: scale * float(np.interp(b, bs, ms, right=ms[-1] + per_request * (b - bs[-1])))
+
+    steps = []
+    for q in (float(x) for x in args.qps.split(",")):
+        p50, p99 = simulate(service(1.0), q)
+        steps.append({"offered_qps": q, "p50_ms": p50, "p99_ms": p99})
+    ok = [s["offered_qps"] for s in steps if s["p99_ms"] <= args.slo_p99_ms]
+    # the largest engine cost (a factor on every S(B)) that meets the goal, in steps of 0.05
+    scale = next((f for f in np.arange(1.0, 0.0, -0.05) if simulate(service(f), args.goal_qps)[1] <= args.slo_p99_ms), None)
+    payload = {"date": today(), "machine": machine(), "command": " ".join(["python -m benchmarks.engine_capacity", *sys.argv[1:]]),
+               "artifact": str(artifact), "cpu": cpu, "peak_gflops": peak,
+               "batch_ms": {str(k): v for k, v in times.items()}, "fit": {"fixed_ms": fixed, "per_request_ms": per_request},
+               "slo_p99_ms": args.slo_p99_ms, "steps": steps, "max_qps_within_slo": max(ok) if ok else 0,
+               "goal_qps": args.goal_qps, "cost_factor_for_goal": None if scale is None else round(float(scale), 2)}
+    write_json("engine_capacity", payload)
+    update_results_md("engine_capacity", render(payload))
+    print(render(payload))
+
+
+def render(p: dict) -> str:
+    m = p["machine"]
+    lines = ["## Engine capacity (the batched PyTorch engine alone, simulated open loop)", "",
+             f"`{p['command']}` — {p['date']}, {m['cpu']}, one core (CPU {p['cpu']}), 1 thread; "
+             f"fp32 matmul peak in the same run {p['peak_gflops']:.1f} GFLOP/s. Artifact `{p['artifact']}` and the "
+             "serving benchmark's requests (history up to 200, retrieve 100, rank 100, return 10).", "",
+             "| batch of B requests | " + " | ".join(p["batch_ms"]) + " |",
+             "|---|" + "---|" * len(p["batch_ms"]),
+             "| engine ms (median) | " + " | ".join(f"{v:.2f}" for v in p["batch_ms"].values()) + " |", "",
+             f"Fit: S(B) = {p['fit']['fixed_ms']:.2f} + {p['fit']['per_request_ms']:.2f} B ms.", "",
+             "| offered QPS | p50 ms | p99 ms |", "|---|---|---|"]
+    lines += [f"| {s['offered_qps']:g} | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} |" for s in p["steps"]]
+    f = p["cost_factor_for_goal"]
+    need = (f"the engine alone meets it at {p['goal_qps']:g} QPS only at {f:.2f}x of this run's cost per batch"
+            if f is not None else f"no cost factor down to 0.05x meets it at {p['goal_qps']:g} QPS")
+    lines += ["", f"Highest offered QPS with the engine alone within p99 <= {p['slo_p99_ms']:g} ms: "
+              f"**{p['max_qps_within_slo']:g}**; {need}. Poisson arrivals, continuous batching up to 32, "
+              "each batch taking its median S(B): an optimistic bound, since real batches spread and the served p99 adds "
+              "the front-end, IPC and the load generator.", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
