@@ -81,8 +81,13 @@ def managed_collision_collection(cfg: EmbeddingConfig, device: torch.device | No
             zch_size=t.num_embeddings, device=dev, eviction_policy=policy, eviction_interval=s.mch_eviction_interval,
             input_hash_size=s.raw_id_space, buckets=s.mch_buckets)
     mcc = mc_modules.ManagedCollisionCollection(managed_collision_modules=modules, embedding_configs=tables)
+    # in place: eviction re-initialises rows through .data. A training step looks the table up
+    # more than once (the sequence, then target and negative items); when the second lookup
+    # evicts, a tracked write would invalidate the first lookup's saved weights, and a sharded
+    # (TBE) backward then fails at the first eviction.
     return ManagedCollisionEmbeddingCollection(EmbeddingCollection(tables=tables, device=device), mcc,
-                                               return_remapped_features=False)
+                                               return_remapped_features=False,
+                                               allow_in_place_embed_weight_update=True)
 
 
 def pooled_table_configs(cfg: EmbeddingConfig) -> list[EmbeddingBagConfig]:

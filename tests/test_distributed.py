@@ -153,6 +153,32 @@ def test_two_nodes_through_c10d_rendezvous_equal_one_node(tiny_synth, two_rank_r
         assert two["test"][k] == pytest.approx(one["test"][k], abs=1e-9), k
 
 
+MCH_CONFIG = CONFIG.replace("dim = 16\n", """dim = 16
+num_embeddings = 256
+oov = "mch"
+raw_id_space = 1000
+mch_eviction_interval = 3
+mch_buckets = 2
+""").replace("rowwise_adagrad", "adagrad")
+
+
+def test_managed_collision_table_sharded_row_wise_trains_through_evictions(tiny_synth, tmp_path):
+    """A row-wise sharded MCH item table (fewer rows than items) evicts every 3 steps while a
+    step looks the table up twice (sequence, then targets and negatives): the eviction's
+    re-initialisation must not invalidate the first lookup's saved weights (it did: the
+    backward failed at the first eviction)."""
+    cfg = tmp_path / "mch.toml"
+    cfg.write_text(MCH_CONFIG)
+    assert 'oov = "mch"' in MCH_CONFIG and "sparse_optimizer = \"adagrad\"" in MCH_CONFIG
+    run(TORCHRUN + ["--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "genrec.cli", "train",
+                    "--config", str(cfg), *tiny_job_overrides(tiny_synth, tmp_path), "--train.max_epochs=1",
+                    "--run.id=mch"])
+    res = json.loads((tmp_path / "mch" / "mch" / "results.json").read_text())
+    assert res["steps"] >= 7 and res["stopped"] == "max_epochs"  # two evictions and more
+    sharding = json.loads((tmp_path / "mch" / "mch" / "sharding.json").read_text())
+    assert sharding["item"].startswith("row_wise on ranks [0, 1]")
+
+
 def test_unsupported_sharding_fails_before_training_with_the_fix(tiny_synth, tmp_path):
     cfg = tmp_path / "bad.toml"
     cfg.write_text(CONFIG + """
