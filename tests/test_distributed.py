@@ -177,6 +177,10 @@ def test_managed_collision_table_sharded_row_wise_trains_through_evictions(tiny_
     assert res["steps"] >= 7 and res["stopped"] == "max_epochs"  # two evictions and more
     sharding = json.loads((tmp_path / "mch" / "mch" / "sharding.json").read_text())
     assert sharding["item"].startswith("row_wise on ranks [0, 1]")
+    # one process reads one miss row where the 2 shards had one each: said, not hidden
+    single = run([sys.executable, "-m", "genrec.cli", "eval", "--run", str(tmp_path / "mch" / "mch"), "--json"])
+    assert "managed-collision tables were trained on 2 ranks" in single.stderr
+    assert json.loads(single.stdout)["users"] == res["test"]["users"]
 
 
 def test_unsupported_sharding_fails_before_training_with_the_fix(tiny_synth, tmp_path):

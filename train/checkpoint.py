@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import json
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +109,15 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Restores model (and optimizer) tensors from ``path``; returns this rank's trainer state."""
     PlainState(model, optimizer).restore(path, with_optimizer=optimizer is not None)
-    return load_trainer_state(path)
+    state = load_trainer_state(path)
+    written = int(state.get("world_size", 1))
+    sparse = getattr(model, "sparse", None)
+    if written > 1 and _rank_world()[1] == 1 and getattr(sparse, "mc_ec", None) is not None:
+        # TorchRec's sharded MCH gives each shard its own miss row; one process has one
+        warnings.warn(f"{path}: managed-collision tables were trained on {written} ranks, where ids without a row "
+                      f"read their shard's miss row (one per shard); here they all read the table's last row, so "
+                      f"those ids score differently than in training", stacklevel=2)
+    return state
 
 
 class PlainState:
