@@ -162,19 +162,22 @@ mch_buckets = 2
 """).replace("rowwise_adagrad", "adagrad")
 
 
-def test_managed_collision_table_sharded_row_wise_trains_through_evictions(tiny_synth, tmp_path):
-    """A row-wise sharded MCH item table (fewer rows than items) evicts every 3 steps while a
-    step looks the table up twice (sequence, then targets and negatives): the eviction's
-    re-initialisation must not invalidate the first lookup's saved weights (it did: the
-    backward failed at the first eviction)."""
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_managed_collision_table_sharded_row_wise_trains_through_evictions(tiny_synth, tmp_path, nproc):
+    """A row-wise sharded MCH item table (fewer rows than items; DMP in one process too)
+    evicts every 3 steps while a step looks the table up twice (sequence, then targets and
+    negatives): the eviction's re-initialisation must not invalidate the first lookup's
+    saved weights (it did: the backward failed at the first eviction, on 1 rank and on 2)."""
     cfg = tmp_path / "mch.toml"
     cfg.write_text(MCH_CONFIG)
     assert 'oov = "mch"' in MCH_CONFIG and "sparse_optimizer = \"adagrad\"" in MCH_CONFIG
-    run(TORCHRUN + ["--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "genrec.cli", "train",
-                    "--config", str(cfg), *tiny_job_overrides(tiny_synth, tmp_path), "--train.max_epochs=1",
-                    "--run.id=mch"])
+    launch = [sys.executable] if nproc == 1 else TORCHRUN + ["--nproc-per-node", "2", "--master-port", str(free_port())]
+    run(launch + ["-m", "genrec.cli", "train", "--config", str(cfg), *tiny_job_overrides(tiny_synth, tmp_path),
+                  "--train.max_epochs=1", "--run.id=mch"])
     res = json.loads((tmp_path / "mch" / "mch" / "results.json").read_text())
     assert res["steps"] >= 7 and res["stopped"] == "max_epochs"  # two evictions and more
+    if nproc == 1:
+        return
     sharding = json.loads((tmp_path / "mch" / "mch" / "sharding.json").read_text())
     assert sharding["item"].startswith("row_wise on ranks [0, 1]")
     # one process reads one miss row where the 2 shards had one each: said, not hidden
