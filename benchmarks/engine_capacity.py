@@ -34,9 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import dataset, machine, today, update_results_md, write_json
-from benchmarks.loadtest import load_workload, make_workload
-from benchmarks.serving import default_artifact, peak_gflops
+from benchmarks.common import machine, today, update_results_md, write_json
+from benchmarks.serving import artifact_and_requests, peak_gflops
 
 BATCHES = (1, 2, 3, 4, 6, 8, 12, 16)
 
@@ -86,18 +85,13 @@ def main() -> None:
     from serve.engine import TorchEngine
     from serve.requests import Limits, decode
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    artifact = Path(args.artifact) if args.artifact else default_artifact(out)
-    wl = out / "workload.jsonl"
-    if not wl.exists():
-        make_workload(dataset("ml1m"), wl, n=2000, history=200, retrieve_k=100, top_k=10, with_actions=True)
+    artifact, payloads = artifact_and_requests(Path(args.out), args.artifact)
     torch.set_num_threads(1)
     cpu = sorted(os.sched_getaffinity(0))[-1]
     os.sched_setaffinity(0, {cpu})  # one core, as the served engine process
     peak = peak_gflops(1)
     engine = TorchEngine(artifact)
-    works = [decode("recommend", p, engine.schema, Limits()) for p in load_workload(wl)[:500]]
+    works = [decode("recommend", p, engine.schema, Limits()) for p in payloads[:500]]
     gc.collect()
     gc.freeze()  # as the server does once loaded
     times = batch_times(engine, works, args.reps)

@@ -78,6 +78,18 @@ def default_artifact(out: Path) -> Path:
     return art
 
 
+def artifact_and_requests(out: Path, artifact: str | None) -> tuple[Path, list[bytes]]:
+    """The artifact (given, or :func:`default_artifact`) and the serialized requests of
+    ``out/workload.jsonl`` (written from ML-1M the first time: history up to 200, retrieve
+    100, rank them, return 10)."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = Path(artifact) if artifact else default_artifact(out)
+    wl = out / "workload.jsonl"
+    if not wl.exists():
+        make_workload(dataset("ml1m"), wl, n=2000, history=200, retrieve_k=100, top_k=10, with_actions=True)
+    return path, load_workload(wl)
+
+
 def peak_gflops(threads: int, n: int = 2048, reps: int = 10) -> float:
     torch.set_num_threads(threads)
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -152,12 +164,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/benchmarks/serving")
     args = ap.parse_args()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    artifact = Path(args.artifact) if args.artifact else default_artifact(out)
-    wl = out / "workload.jsonl"
-    if not wl.exists():
-        make_workload(dataset("ml1m"), wl, n=2000, history=200, retrieve_k=100, top_k=10, with_actions=True)
-    payloads = load_workload(wl)
+    artifact, payloads = artifact_and_requests(out, args.artifact)
     peak = peak_gflops(args.server_threads)
     flops = flops_per_request(artifact, payloads[0])
     torch.set_num_threads(1)  # the load generator keeps to itself
