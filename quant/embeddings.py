@@ -55,8 +55,9 @@ def table_tensors(arch: SparseArch, scheme: Scheme) -> dict[str, torch.Tensor]:
         if module is not None:
             weights.update(module.state_dict())
     if arch.mc_ec is not None:
-        weights.update({k: v for k, v in arch.mc_ec.state_dict().items() if k.startswith(_MC_EMBEDDINGS)})
-        for table, (ids, rows) in mch_maps(arch).items():
+        mc_state = arch.mc_ec.state_dict()
+        weights.update({k: v for k, v in mc_state.items() if k.startswith(_MC_EMBEDDINGS)})
+        for table, (ids, rows) in mch_maps(mc_state).items():
             out[f"{table}.mch_ids"], out[f"{table}.mch_rows"] = ids, rows
     for key, weight in weights.items():
         table = key.split(".")[-2]
@@ -69,11 +70,11 @@ _MC_EMBEDDINGS = "_embedding_module.embeddings."
 _MC_MODULES = "_managed_collision_collection._managed_collision_modules."
 
 
-def mch_maps(arch: SparseArch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def mch_maps(state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """table -> (raw ids [K] int64 ascending, their rows [K] int32) of every managed-collision
-    table: the ids its TorchRec module holds a row for at the checkpoint (free slots left
-    out). Every other raw id reads the table's last row, the module's shared miss row."""
-    state = arch.mc_ec.state_dict() if arch.mc_ec is not None else {}
+    table in ``state`` (a ManagedCollisionEmbeddingCollection's state dict): the ids its
+    TorchRec module holds a row for at the checkpoint (free slots left out). Every other raw
+    id reads the table's last row, the module's shared miss row."""
     free = torch.iinfo(torch.int64).max
     out = {}
     for key, ids in state.items():
@@ -137,8 +138,10 @@ class ServedRows(nn.Module):
     def row_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Table rows of ``ids`` (raw ids of a managed-collision table -> their rows)."""
         ids = ids.reshape(-1)
-        if not self.remap or self.mch_ids.numel() == 0:
-            return torch.full_like(ids, self.miss_row) if self.remap else ids
+        if not self.remap:
+            return ids
+        if self.mch_ids.numel() == 0:  # the module kept no id: every id misses
+            return torch.full_like(ids, self.miss_row)
         pos = torch.searchsorted(self.mch_ids, ids).clamp_(max=self.mch_ids.numel() - 1)
         return torch.where(self.mch_ids[pos] == ids, self.mch_rows[pos], self.miss_row)
 
