@@ -24,7 +24,6 @@ decode, IPC between front-end and engine, encode and the load generator's share 
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import sys
@@ -35,9 +34,10 @@ import numpy as np
 import torch
 
 from benchmarks.common import machine, today, update_results_md, write_json
-from benchmarks.serving import artifact_and_requests, peak_gflops
+from benchmarks.serving import artifact_and_requests, peak_gflops, serving_arguments
 
 BATCHES = (1, 2, 3, 4, 6, 8, 12, 16)
+MAX_BATCH = 32  # the server's --max-batch in the serving benchmark
 
 
 def batch_times(engine, works: list, reps: int, seed: int = 0) -> dict[int, float]:  # noqa: ANN001
@@ -57,7 +57,7 @@ def batch_times(engine, works: list, reps: int, seed: int = 0) -> dict[int, floa
     return out
 
 
-def simulate(service_ms, qps: float, n: int = 50_000, max_batch: int = 32, seed: int = 0) -> tuple[float, float]:  # noqa: ANN001
+def simulate(service_ms, qps: float, n: int = 50_000, max_batch: int = MAX_BATCH, seed: int = 0) -> tuple[float, float]:  # noqa: ANN001
     """(p50, p99) ms from arrival to completion: Poisson arrivals at ``qps``, one engine
     taking whatever has queued (up to ``max_batch``) as soon as it is free, a batch of B
     taking ``service_ms(B)``. The first 1000 requests warm the queue up and are not counted."""
@@ -74,13 +74,10 @@ def simulate(service_ms, qps: float, n: int = 50_000, max_batch: int = 32, seed:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--artifact")
+    ap = serving_arguments(__doc__)
     ap.add_argument("--qps", default="25,50,100,150,200,250,300,400")
-    ap.add_argument("--slo-p99-ms", type=float, default=15.0)
     ap.add_argument("--goal-qps", type=float, default=300.0)
     ap.add_argument("--reps", type=int, default=25)
-    ap.add_argument("--out", default="runs/benchmarks/serving")
     args = ap.parse_args()
     from serve.engine import TorchEngine
     from serve.requests import Limits, decode
@@ -98,8 +95,13 @@ def main() -> None:
     bs, ms = np.array(list(times)), np.array(list(times.values()))
     per_request, fixed = (float(v) for v in np.polyfit(bs, ms, 1))
 
+    # S(B) for every batch the simulation can form, once: measured points interpolated, the fit's
+    # slope beyond the largest measured batch
+    sizes = np.arange(MAX_BATCH + 1)
+    table = np.where(sizes <= bs[-1], np.interp(sizes, bs, ms), ms[-1] + per_request * (sizes - bs[-1]))
+
     def service(scale: float):  # noqa: ANN202
-        return lambda b: scale * float(np.interp(b, bs, ms, right=ms[-1] + per_request * (b - bs[-1])))
+        return lambda b: scale * float(table[b])
 
     steps = []
     for q in (float(x) for x in args.qps.split(",")):

@@ -78,6 +78,15 @@ def default_artifact(out: Path) -> Path:
     return art
 
 
+def serving_arguments(doc: str) -> argparse.ArgumentParser:
+    """The options the serving benchmarks share: --artifact, --slo-p99-ms, --out."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--artifact", help="the artifact to serve (default: exported from the ranking benchmark's ML-1M run)")
+    ap.add_argument("--slo-p99-ms", type=float, default=15.0)
+    ap.add_argument("--out", default="runs/benchmarks/serving")
+    return ap
+
+
 def artifact_and_requests(out: Path, artifact: str | None) -> tuple[Path, list[bytes]]:
     """The artifact (given, or :func:`default_artifact`) and the serialized requests of
     ``out/workload.jsonl`` (written from ML-1M the first time: history up to 200, retrieve
@@ -155,13 +164,10 @@ def single_request_latency(target: str, payloads: list[bytes], n: int = 300) -> 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--artifact")
+    ap = serving_arguments(__doc__)
     ap.add_argument("--engines", default="naive,torch,torch-inproc,torch-replicas2,sglang")
     ap.add_argument("--duration", type=float, default=10.0)
-    ap.add_argument("--slo-p99-ms", type=float, default=15.0)
     ap.add_argument("--server-threads", type=int, default=1)
-    ap.add_argument("--out", default="runs/benchmarks/serving")
     args = ap.parse_args()
     out = Path(args.out)
     artifact, payloads = artifact_and_requests(out, args.artifact)
