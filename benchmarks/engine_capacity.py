@@ -7,8 +7,9 @@ requests (ML-1M HSTU; history up to 200, retrieve 100, rank 100, return 10):
 
 1. S(B): the engine's time for a batch of B requests (``TorchEngine.run``, the median of
    several batches of distinct random requests), for B from 1 to 16, and its linear fit
-   S(B) = fixed + per_request * B;
-2. the open-loop latency the engine alone would give: Poisson arrivals at each offered QPS,
+   S(B) = fixed + per_request * B; for the engine's default (padded) path and, side by side on
+   the same batches in alternation, the model's jagged path (``TorchEngine(padded=False)``);
+2. the open-loop latency the engine alone (the default path) would give: Poisson arrivals at each offered QPS,
    continuous batching (whatever queued while a batch ran forms the next, up to 32, as the
    server's ``--max-wait-ms 0``), each batch taking the measured S(B) (interpolated), p50 and
    p99 from the arrival times; hence the highest QPS within the p99 budget and how much
@@ -40,20 +41,24 @@ BATCHES = (1, 2, 3, 4, 6, 8, 12, 16)
 MAX_BATCH = 32  # the server's --max-batch in the serving benchmark
 
 
-def batch_times(engine, works: list, reps: int, seed: int = 0) -> dict[int, float]:  # noqa: ANN001
-    """Median ms of ``engine.run`` on B distinct random requests, for each B in BATCHES."""
+def batch_times(engines: dict, works: list, reps: int, seed: int = 0) -> dict[str, dict[int, float]]:
+    """Median ms of each engine's ``run`` on B distinct random requests, for each B in
+    BATCHES: {engine name: {B: ms}}. The engines take the same batches in alternation."""
     rng = np.random.default_rng(seed)
-    for _ in range(3):  # warm-up
-        engine.run([works[0]])
-    out = {}
+    for e in engines.values():  # warm-up
+        for _ in range(3):
+            e.run([works[0]])
+    out: dict[str, dict[int, float]] = {name: {} for name in engines}
     for b in BATCHES:
-        xs = []
+        xs: dict[str, list[float]] = {name: [] for name in engines}
         for _ in range(reps):
             batch = [works[i] for i in rng.choice(len(works), b, replace=False)]
-            t0 = time.perf_counter()
-            engine.run(batch)
-            xs.append((time.perf_counter() - t0) * 1e3)
-        out[b] = float(np.median(xs))
+            for name, e in engines.items():
+                t0 = time.perf_counter()
+                e.run(batch)
+                xs[name].append((time.perf_counter() - t0) * 1e3)
+        for name in engines:
+            out[name][b] = float(np.median(xs[name]))
     return out
 
 
@@ -87,11 +92,15 @@ def main() -> None:
     cpu = sorted(os.sched_getaffinity(0))[-1]
     os.sched_setaffinity(0, {cpu})  # one core, as the served engine process
     peak = peak_gflops(1)
-    engine = TorchEngine(artifact)
-    works = [decode("recommend", p, engine.schema, Limits()) for p in payloads[:500]]
+    engines = {"padded": TorchEngine(artifact), "jagged": TorchEngine(artifact, padded=False)}
+    if engines["padded"].padded is None:
+        raise SystemExit("this artifact's model does not take the padded path (serve.padded.supports)")
+    works = [decode("recommend", p, engines["padded"].schema, Limits()) for p in payloads[:500]]
     gc.collect()
     gc.freeze()  # as the server does once loaded
-    times = batch_times(engine, works, args.reps)
+    both = batch_times(engines, works, args.reps)
+    times = both["padded"]
+    jagged_fit = np.polyfit(np.array(list(both["jagged"])), np.array(list(both["jagged"].values())), 1)
     bs, ms = np.array(list(times)), np.array(list(times.values()))
     per_request, fixed = (float(v) for v in np.polyfit(bs, ms, 1))
 
@@ -113,6 +122,8 @@ def main() -> None:
     payload = {"date": today(), "machine": machine(), "command": " ".join(["python -m benchmarks.engine_capacity", *sys.argv[1:]]),
                "artifact": str(artifact), "cpu": cpu, "peak_gflops": peak,
                "batch_ms": {str(k): v for k, v in times.items()}, "fit": {"fixed_ms": fixed, "per_request_ms": per_request},
+               "jagged_batch_ms": {str(k): v for k, v in both["jagged"].items()},
+               "jagged_fit": {"fixed_ms": float(jagged_fit[1]), "per_request_ms": float(jagged_fit[0])},
                "slo_p99_ms": args.slo_p99_ms, "steps": steps, "max_qps_within_slo": max(ok) if ok else 0,
                "goal_qps": args.goal_qps, "cost_factor_for_goal": None if scale is None else round(float(scale), 2)}
     write_json("engine_capacity", payload)
@@ -128,8 +139,15 @@ def render(p: dict) -> str:
              "serving benchmark's requests (history up to 200, retrieve 100, rank 100, return 10).", "",
              "| batch of B requests | " + " | ".join(p["batch_ms"]) + " |",
              "|---|" + "---|" * len(p["batch_ms"]),
-             "| engine ms (median) | " + " | ".join(f"{v:.2f}" for v in p["batch_ms"].values()) + " |", "",
-             f"Fit: S(B) = {p['fit']['fixed_ms']:.2f} + {p['fit']['per_request_ms']:.2f} B ms.", "",
+             "| engine ms (median), padded path (the default) | "
+             + " | ".join(f"{v:.2f}" for v in p["batch_ms"].values()) + " |"]
+    jag = p.get("jagged_batch_ms")
+    if jag:
+        lines += ["| the model's jagged path, same batches alternately | " + " | ".join(f"{v:.2f}" for v in jag.values()) + " |",
+                  "| jagged / padded | " + " | ".join(f"{jag[k] / v:.2f}x" for k, v in p["batch_ms"].items()) + " |"]
+    lines += ["", f"Fit: S(B) = {p['fit']['fixed_ms']:.2f} + {p['fit']['per_request_ms']:.2f} B ms"
+              + (f" (jagged path: {p['jagged_fit']['fixed_ms']:.2f} + {p['jagged_fit']['per_request_ms']:.2f} B)" if jag else "")
+              + ".", "",
              "| offered QPS | p50 ms | p99 ms |", "|---|---|---|"]
     lines += [f"| {s['offered_qps']:g} | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} |" for s in p["steps"]]
     f = p["cost_factor_for_goal"]

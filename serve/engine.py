@@ -9,6 +9,10 @@ Flow of one batch (what ``TorchEngine.run`` does):
                (model.score_candidates) -> task probabilities
     order:     by the objective: retrieval score, a task, or eCPM = bid x prod(tasks)
 
+On CPU, an HSTU model with summed action tokens takes ``serve.padded.PaddedHSTU`` for the
+two model steps instead (same numbers, the batch padded to [B, L] once instead of the
+jagged bookkeeping); ``TorchEngine(padded=False)`` keeps the model's own path.
+
 Engines share this interface so the server and the parity test treat them alike; the
 SGLang engine (``serve.sglang_engine``) runs the same tower inside SGLang.
 """
@@ -28,6 +32,7 @@ from models.inputs import SequenceBatch
 from models.recommender import GenerativeRecommender
 from quant.artifact import Manifest
 from quant.convert import load_model
+from serve.padded import PaddedHistory, PaddedHSTU, supports
 from serve.requests import ModelSchema, UserInput, Work
 
 
@@ -93,7 +98,10 @@ class TorchEngine:
     name = "torch"
 
     def __init__(self, artifact: str | Path, device: str = "cpu", micro_batch: int = 4096,
-                 objective_tasks: tuple[str, ...] | None = None) -> None:
+                 objective_tasks: tuple[str, ...] | None = None, padded: bool | None = None) -> None:
+        """``padded``: run an HSTU model through :class:`serve.padded.PaddedHSTU` (same
+        numbers, far fewer operator calls); default: on CPU, when the model is one it covers.
+        False keeps the model's jagged path (``encode_history`` / ``score_candidates``)."""
         self.device = torch.device(device)
         self.model, self.manifest = load_model(artifact, self.device)
         self.artifact = str(artifact)
@@ -107,6 +115,9 @@ class TorchEngine:
                                     for i in range(0, corpus.numel(), 65536)])  # [N, D]
         self.corpus = corpus
         self.version = version_of(self.manifest)
+        if padded is None:
+            padded = self.device.type == "cpu" and supports(self.model)
+        self.padded = PaddedHSTU(self.model) if padded else None
         self.stages: dict[str, float] = {}  # seconds spent per stage, summed over batches
 
     @property
@@ -121,9 +132,12 @@ class TorchEngine:
     @torch.inference_mode()
     def run(self, works: list[Work]) -> list[Result]:
         t0 = t = time.perf_counter()
-        batch = collate_users([w.user for w in works], self.model, self.device)
-        t = self._mark("collate", t)
-        users, state = self.model.encode_history(batch)  # embedding lookups + tower
+        if self.padded is not None:  # lays the batch out itself
+            users, state = self.padded.encode([w.user for w in works])
+        else:
+            batch = collate_users([w.user for w in works], self.model, self.device)
+            t = self._mark("collate", t)
+            users, state = self.model.encode_history(batch)  # embedding lookups + tower
         t = self._mark("encode_history", t)
         need = [(i, w) for i, w in enumerate(works) if w.kind == "retrieve" or w.candidates is None]
         retrieved = self.retrieve(users, need) if need else {}
@@ -188,13 +202,19 @@ class TorchEngine:
         if not to_rank:
             return {}
         keys = list(to_rank)
+        counts = np.array([to_rank[i][0].size for i in keys])
+        if isinstance(state, PaddedHistory):
+            cands = np.zeros((len(keys), int(counts.max())), np.int64)  # row 0 pads; its scores are dropped
+            for r, i in enumerate(keys):
+                cands[r, : counts[r]] = to_rank[i][0]
+            probs = self.padded.score(state, np.array(keys), cands, counts)
+            return dict(zip(keys, np.split(probs, np.cumsum(counts)[:-1])))
         items = torch.from_numpy(np.concatenate([to_rank[i][0] for i in keys])).to(self.device)
         owner = torch.from_numpy(np.concatenate([np.full(to_rank[i][0].size, i) for i in keys])).to(self.device)
         mb = self.micro_batch
         probs = torch.cat([self.model.score_candidates(state, items[s : s + mb], owner[s : s + mb])
                            for s in range(0, items.numel(), mb)]).float().cpu().numpy()
-        splits = np.cumsum([to_rank[i][0].size for i in keys])[:-1]
-        return dict(zip(keys, np.split(probs, splits)))
+        return dict(zip(keys, np.split(probs, np.cumsum(counts)[:-1])))
 
     def order(self, objective: str, tasks: dict[str, np.ndarray], bids: np.ndarray,
               retrieval: np.ndarray | None) -> np.ndarray:
