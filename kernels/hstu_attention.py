@@ -134,7 +134,7 @@ QUERY_BLOCK = 256
 CAUSAL_BLOCK = 64
 
 
-def _query_blocks(max_len: int, block: int | None = None) -> list[tuple[int, int]]:
+def query_blocks(max_len: int, block: int | None = None) -> list[tuple[int, int]]:
     """Query row ranges (s, e): ``block`` rows each, or by default blocks of
     :data:`CAUSAL_BLOCK` for sequences up to twice :data:`QUERY_BLOCK` and of it beyond."""
     if block is None:
@@ -200,7 +200,7 @@ def hstu_attention_reference(
     if query_block is None and (grad or max_len <= 2 * QUERY_BLOCK):
         out = rows(0, max_len)
     else:
-        out = torch.cat([rows(s, e) for s, e in _query_blocks(max_len, query_block)], dim=2)
+        out = torch.cat([rows(s, e) for s, e in query_blocks(max_len, query_block)], dim=2)
     out = out.transpose(1, 2)  # [B, L, H, Dv]
     return padded_to_jagged(out, offsets, index=index)
 
@@ -254,7 +254,7 @@ def hstu_attention_inference(
     pair, computed once per batch and shared by every layer through ``plan`` (a dict the
     caller keeps for the batch); a layer then does one table gather, a fused
     ``scores = bias + alpha * q k^T`` (baddbmm), SiLU and the value GEMM, and scales by
-    1 / N once on the output, going through the queries in :func:`_query_blocks`."""
+    1 / N once on the output, going through the queries in :func:`query_blocks`."""
     lengths, max_len = _batch_lengths(offsets, max_len)
     if q.shape[0] == 0 or max_len == 0:
         return v.new_zeros(v.shape)
@@ -266,7 +266,7 @@ def hstu_attention_inference(
         index = jagged_index(offsets, q.shape[0])
         times = padded_relative_times(query_times, timestamps, offsets, max_len, index) if use_time else None
         plan[key] = (index, [(r, bias_codes(lengths, max_len, max_seq_len, nb, times, num_targets, r))
-                             for r in _query_blocks(max_len)])
+                             for r in query_blocks(max_len)])
     index, blocks = plan[key]
     table = bias_table(pos_weights, time_weights if use_time else None, max_seq_len, q.dtype)
     h = q.shape[1]

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.hstu_attention import _query_blocks, bias_table, time_bucket
+from kernels.hstu_attention import bias_table, query_blocks, time_bucket
 from models.hstu import HSTULayer
 from models.recommender import GenerativeRecommender
 from serve.requests import UserInput
@@ -148,7 +148,7 @@ class PaddedHSTU:
         tq, tk = torch.from_numpy(qtimes), torch.from_numpy(times)
         x = self._rows(torch.from_numpy(items[valid_np]), torch.from_numpy(actions[valid_np]) if self.has_action else None)
         x = (x * m.scale).to(m.dense_dtype) + m.pos_emb(pos)  # [T, D]
-        blocks = _query_blocks(n, self.query_block)
+        blocks = query_blocks(n, self.query_block)
         codes = [self._codes(tq, tk, lengths, s, e) for s, e in blocks] if len(self.layers) > 1 else []
         last = (lengths - 1).view(b, 1)
         # the last row's codes (the last layer) and a candidate's (position h, the request time)
