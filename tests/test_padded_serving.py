@@ -107,3 +107,21 @@ def test_only_models_it_computes_take_the_padded_path():
     with pytest.raises(ValueError, match="at least one history event"):
         PaddedHSTU(model()).encode([UserInput(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
                                               True, T0)])
+
+
+def test_a_retrieval_only_model_without_actions_encodes_alike():
+    """The README's ML-1M serving artifact: item table only, no ranking tasks."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(tower="hstu", max_seq_len=24, input_dropout=0.0,
+                      hstu=HSTUConfig(num_layers=2, qk_dim=16, v_dim=16, dropout=0.0, num_time_buckets=16))
+    m = GenerativeRecommender(cfg, EmbeddingConfig(tables=(TableConfig("item", ("item",), dim=16, num_embeddings=60),)),
+                              torch.arange(1, 60)).eval()
+    assert m.ranking is None and supports(m)
+    us = users(2)
+    with torch.inference_mode():
+        vec, _ = m.encode_history(collate_users(us, m, torch.device("cpu")))
+    pvec, hist = PaddedHSTU(m).encode(us)
+    torch.testing.assert_close(pvec, vec, atol=1e-5, rtol=1e-5)
+    assert hist.context is None
+    with pytest.raises(ValueError, match="no ranking tasks"):
+        PaddedHSTU(m).score(hist, np.array([0]), np.array([[1, 2]]), np.array([2]))
