@@ -42,3 +42,49 @@ def test_without_a_validation_split_the_last_model_is_tested(tiny_synth, tiny_co
     (test,) = [r for r in recs if r.get("split") == "test"]
     assert res["valid"] is None and res["best_step"] == res["steps"] == test["step"] > 0
     assert res["epochs"] == 2 and 0 <= res["test"]["hr@10"] <= 1
+
+
+def test_budget_horizon_counts_the_epochs_that_fit_the_rest_of_the_budget():
+    from train.trainer import budget_horizon
+
+    # 2 epochs done in 70 s of a 600 s budget, 30 s an epoch: (530 * 0.97) // 30 = 17 more
+    assert budget_horizon(2, 70.0, 30.0, 600.0, 80) == 19
+    assert budget_horizon(2, 70.0, 30.0, 600.0, 10) == 10  # never beyond max_epochs
+    assert budget_horizon(2, 590.0, 30.0, 600.0, 80) == 2  # nothing more fits: stop where it is
+    assert budget_horizon(2, 700.0, 30.0, 600.0, 80) == 2
+
+
+def test_a_schedule_fitted_to_the_time_budget_anneals_and_stops_at_its_horizon(tiny_synth, tiny_config, tmp_path,
+                                                                             monkeypatch):
+    import train.trainer as trainer
+
+    seen = {}
+
+    def fits(epoch, train_seconds, epoch_seconds, budget_s, max_epochs):
+        seen.update(epoch=epoch, epoch_seconds=epoch_seconds, budget_s=budget_s, max_epochs=max_epochs)
+        return 3  # as if only three epochs fit
+
+    monkeypatch.setattr(trainer, "budget_horizon", fits)
+    job = load_job(tiny_config, tiny_job_overrides(tiny_synth, tmp_path) + [
+        "--train.max_epochs=6", "--train.time_budget_min=60", "--train.schedule_horizon=time_budget",
+        "--train.optim.schedule=cosine", "--train.optim.min_lr_ratio=0.1", "--train.log_every_steps=1",
+        "--run.name=fitted"])
+    run_dir, res = run_training(job)
+    assert seen["epoch"] == 2 and seen["epoch_seconds"] > 0 and seen["budget_s"] == 3600 and seen["max_epochs"] == 6
+    assert res["epochs"] == res["schedule_epochs"] == 3 and res["stopped"] == "schedule horizon (time budget)"
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (sched,) = [r for r in recs if r["kind"] == "schedule"]
+    assert sched["horizon_epochs"] == 3 and sched["epoch"] == 2
+    lrs = {r["step"]: r["lr"] for r in recs if r["kind"] == "train"}
+    spe = res["steps"] // 3
+    opt = job.train.optim
+    # before the fit the schedule ran over 6 epochs, after it over 3: its last step reaches the floor
+    for step in (spe, 2 * spe, res["steps"]):
+        total = spe * (6 if step <= 2 * spe else 3)
+        assert lrs[step] == pytest.approx(opt.lr * trainer.lr_factor(step - 1, total, opt), rel=1e-6), step
+    assert lrs[res["steps"]] == pytest.approx(opt.lr * 0.1, rel=0.05)
+
+
+def test_a_time_budget_schedule_without_a_budget_is_refused(tiny_config):
+    with pytest.raises(ValueError, match="time_budget_min"):
+        load_job(tiny_config, ["--train.schedule_horizon=time_budget"])
