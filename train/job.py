@@ -45,11 +45,6 @@ class TrainConfig:
     max_epochs: int = 100
     max_steps: int = 0  # stop after this many optimizer steps in total; 0 = no limit
     time_budget_min: float = 0.0  # stop after this many minutes of training; 0 = no limit
-    # what the LR schedule anneals over: "max_epochs", or "time_budget": after the second
-    # epoch (the first carries compile and cache warm-up), the epochs that fit the rest of
-    # time_budget_min at that epoch's pace (at most max_epochs), so a slower machine ends the
-    # budget with the LR annealed instead of cut mid-schedule (train.trainer.budget_horizon)
-    schedule_horizon: Literal["max_epochs", "time_budget"] = "max_epochs"
     eval_every_epochs: int = 1
     patience: int = 10  # evaluations without improvement before stopping
     early_stop_metric: str = "ndcg@10"
@@ -69,10 +64,6 @@ class TrainConfig:
     progress: bool = True
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-
-    def __post_init__(self) -> None:
-        if self.schedule_horizon == "time_budget" and self.time_budget_min <= 0:
-            raise ValueError("train.schedule_horizon = 'time_budget' needs train.time_budget_min > 0")
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,7 @@ evaluation, and a ``reduce`` function that sums tensors across ranks (identity a
 
 Order of a run: resume from the newest checkpoint if there is one -> epochs of steps
 (bf16 autocast optional, clipped AdamW, warmup + constant/cosine LR) -> validation every
-``eval_every_epochs`` with a checkpoint each time -> stop at ``max_epochs`` (or the schedule
-horizon fitted to the time budget, ``train.schedule_horizon``), the time
+``eval_every_epochs`` with a checkpoint each time -> stop at ``max_epochs``, the time
 budget or ``patience`` evaluations without improvement -> reload the best checkpoint ->
 test -> ``results.json`` and ``curves.png``.
 """
@@ -48,19 +47,6 @@ def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
         return 1.0
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-# share of the remaining budget the fitted epochs may take (epoch times vary a little)
-BUDGET_MARGIN = 0.97
-
-
-def budget_horizon(epoch: int, train_seconds: float, epoch_seconds: float, budget_s: float, max_epochs: int) -> int:
-    """Epochs the schedule anneals over when it fits a time budget: the ``epoch`` done so
-    far plus as many more as fit the rest of ``budget_s`` (times :data:`BUDGET_MARGIN`) at
-    ``epoch_seconds`` each, at most ``max_epochs`` and at least ``epoch``."""
-    left = (budget_s - train_seconds) * BUDGET_MARGIN
-    more = int(left // epoch_seconds) if epoch_seconds > 0 else max_epochs
-    return max(epoch, min(max_epochs, epoch + max(0, more)))
 
 
 def maybe_inject_fault(rank: int, step: int) -> None:
@@ -115,7 +101,6 @@ class TrainState:
     last_eval_step: int = -1
     stopped: str = ""
     history: list[dict[str, Any]] = field(default_factory=list)
-    horizon_epochs: int = 0  # epochs the LR schedule anneals over, once fitted to the time budget; 0: max_epochs
 
 
 class Trainer:
@@ -151,15 +136,7 @@ class Trainer:
         self.log = MetricsLog(run_dir / "metrics.jsonl", enabled=rank == 0)
         self.state = TrainState()
         self.steps_per_epoch = len(train_reader)
-
-    @property
-    def horizon(self) -> int:
-        """Epochs the schedule anneals over (and training stops after)."""
-        return self.state.horizon_epochs or self.cfg.max_epochs
-
-    @property
-    def total_steps(self) -> int:
-        return self.steps_per_epoch * self.horizon
+        self.total_steps = self.steps_per_epoch * cfg.max_epochs
 
     # ----- checkpoints --------------------------------------------------------------------
     def save(self) -> Path:
@@ -308,25 +285,21 @@ class Trainer:
         self.resume()
         cfg = self.cfg
         while not self.state.stopped:
-            if self.state.epoch >= self.horizon:
-                self.state.stopped = "max_epochs" if self.horizon == cfg.max_epochs else "schedule horizon (time budget)"
+            if self.state.epoch >= cfg.max_epochs:
+                self.state.stopped = "max_epochs"
                 break
             if cfg.max_steps and self.state.step >= cfg.max_steps:
                 self.state.stopped = "max_steps"
                 break
-            whole, before = self.train_reader.batches_done == 0, self.state.train_seconds
             self.run_epoch()
             if self.state.stopped:
                 break
             self.state.epoch += 1
-            if (cfg.schedule_horizon == "time_budget" and not self.state.horizon_epochs and whole
-                    and self.state.epoch >= 2):
-                self._fit_horizon(self.state.train_seconds - before)
             self.train_reader.set_epoch(self.state.epoch)
             release_free_memory()
             if not cfg.evaluate:
                 continue
-            if self.state.epoch % cfg.eval_every_epochs == 0 or self.state.epoch == self.horizon:
+            if self.state.epoch % cfg.eval_every_epochs == 0 or self.state.epoch == cfg.max_epochs:
                 self.validate()
                 self.save()
                 if self.state.evals_since_best >= cfg.patience:
@@ -338,18 +311,6 @@ class Trainer:
             self.validate()
             self.save()
         return self.finish()
-
-    def _fit_horizon(self, epoch_seconds: float) -> None:
-        """``train.schedule_horizon = "time_budget"``: anneal over the epochs that fit the
-        budget at the pace of the epoch just run (the slowest rank's, so every rank agrees)."""
-        pace = torch.tensor([epoch_seconds, self.state.train_seconds], dtype=torch.float64)
-        epoch_s, done_s = (float(v) for v in self.reduce_max(pace))
-        self.state.horizon_epochs = budget_horizon(self.state.epoch, done_s, epoch_s, self.cfg.time_budget_min * 60,
-                                                   self.cfg.max_epochs)
-        self.log.write({"kind": "schedule", "step": self.state.step, "epoch": self.state.epoch,
-                        "epoch_seconds": epoch_s, "horizon_epochs": self.state.horizon_epochs})
-        self._print(f"schedule: {epoch_s:.1f} s an epoch, so the LR anneals over {self.state.horizon_epochs} epochs "
-                    f"(max_epochs {self.cfg.max_epochs}, budget {self.cfg.time_budget_min:g} min)")
 
     def summary(self) -> dict[str, Any]:
         """Results of a train-only run (``train.evaluate = false``)."""
@@ -368,7 +329,6 @@ class Trainer:
             "epochs": self.state.epoch,
             "steps": self.state.step,
             "train_seconds": round(self.state.train_seconds, 1),
-            "schedule_epochs": self.horizon,
             "best_epoch": self.state.best_epoch,
             "best_step": self.state.best_step,
             "best_checkpoint": best.name,
