@@ -62,6 +62,12 @@ def batch_times(engines: dict, works: list, reps: int, seed: int = 0) -> dict[st
     return out
 
 
+def linear_fit(times: dict[int, float]) -> tuple[float, float]:
+    """(fixed, per_request) ms of the least-squares line S(B) = fixed + per_request * B."""
+    per_request, fixed = np.polyfit(np.array(list(times)), np.array(list(times.values())), 1)
+    return float(fixed), float(per_request)
+
+
 def simulate(service_ms, qps: float, n: int = 50_000, max_batch: int = MAX_BATCH, seed: int = 0) -> tuple[float, float]:  # noqa: ANN001
     """(p50, p99) ms from arrival to completion: Poisson arrivals at ``qps``, one engine
     taking whatever has queued (up to ``max_batch``) as soon as it is free, a batch of B
@@ -100,9 +106,8 @@ def main() -> None:
     gc.freeze()  # as the server does once loaded
     both = batch_times(engines, works, args.reps)
     times = both["padded"]
-    jagged_fit = np.polyfit(np.array(list(both["jagged"])), np.array(list(both["jagged"].values())), 1)
     bs, ms = np.array(list(times)), np.array(list(times.values()))
-    per_request, fixed = (float(v) for v in np.polyfit(bs, ms, 1))
+    fixed, per_request = linear_fit(times)
 
     # S(B) for every batch the simulation can form, once: measured points interpolated, the fit's
     # slope beyond the largest measured batch
@@ -123,7 +128,7 @@ def main() -> None:
                "artifact": str(artifact), "cpu": cpu, "peak_gflops": peak,
                "batch_ms": {str(k): v for k, v in times.items()}, "fit": {"fixed_ms": fixed, "per_request_ms": per_request},
                "jagged_batch_ms": {str(k): v for k, v in both["jagged"].items()},
-               "jagged_fit": {"fixed_ms": float(jagged_fit[1]), "per_request_ms": float(jagged_fit[0])},
+               "jagged_fit": dict(zip(("fixed_ms", "per_request_ms"), linear_fit(both["jagged"]))),
                "slo_p99_ms": args.slo_p99_ms, "steps": steps, "max_qps_within_slo": max(ok) if ok else 0,
                "goal_qps": args.goal_qps, "cost_factor_for_goal": None if scale is None else round(float(scale), 2)}
     write_json("engine_capacity", payload)

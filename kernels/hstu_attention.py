@@ -233,6 +233,17 @@ def bias_codes(lengths: torch.Tensor, max_len: int, max_seq_len: int, num_bucket
     return torch.where(mask, code, max_seq_len * num_buckets)
 
 
+def silu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, alpha: float) -> torch.Tensor:
+    """SiLU(alpha q k^T + bias) v, not yet divided by N, without autograd: q [B, H, r, D],
+    k, v [B, H, L, D], bias [B, r or 1, L] (masked pairs at :func:`bias_table`'s masked
+    slot) -> [B, H, r, Dv]. One head: a fused ``baddbmm``."""
+    if q.shape[1] == 1:
+        scores = torch.baddbmm(bias, q[:, 0], k[:, 0].transpose(-1, -2), alpha=alpha)[:, None]
+    else:
+        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(alpha).add_(bias[:, None])
+    return torch.matmul(F.silu(scores, inplace=True), v)
+
+
 def hstu_attention_inference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -269,18 +280,11 @@ def hstu_attention_inference(
                              for r in query_blocks(max_len)])
     index, blocks = plan[key]
     table = bias_table(pos_weights, time_weights if use_time else None, max_seq_len, q.dtype)
-    h = q.shape[1]
     qkv = jagged_to_padded(torch.cat([q, k, v], dim=-1), offsets, max_len, index=index)  # [B, L, H, 2Dqk + Dv]
     dqk = q.shape[-1]
     qp, kp, vp = (t.transpose(1, 2) for t in qkv.split([dqk, dqk, v.shape[-1]], dim=-1))  # [B, H, L, D]
-    outs = []
-    for (s, e), code in blocks:
-        bias = _lookup(table, code)  # [B, r, e]
-        if h == 1:
-            scores = torch.baddbmm(bias, qp[:, 0, s:e], kp[:, 0, :e].transpose(-1, -2), alpha=alpha)[:, None]
-        else:
-            scores = torch.matmul(qp[:, :, s:e], kp[:, :, :e].transpose(-1, -2)).mul_(alpha).add_(bias[:, None])
-        outs.append(torch.matmul(F.silu(scores, inplace=True), vp[:, :, :e]))  # [B, H, r, Dv]
+    outs = [silu_attention(qp[:, :, s:e], kp[:, :, :e], vp[:, :, :e], _lookup(table, code), alpha)
+            for (s, e), code in blocks]  # [B, H, r, Dv] each
     out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).transpose(1, 2)  # [B, L, H, Dv]
     return padded_to_jagged(out, offsets, index=index).div_(max_seq_len)
 

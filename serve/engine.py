@@ -32,7 +32,7 @@ from models.inputs import SequenceBatch
 from models.recommender import GenerativeRecommender
 from quant.artifact import Manifest
 from quant.convert import load_model
-from serve.padded import PaddedHistory, PaddedHSTU, supports
+from serve.padded import PaddedHistory, PaddedHSTU, context_kjt, supports
 from serve.requests import ModelSchema, UserInput, Work
 
 
@@ -86,9 +86,7 @@ def collate_users(users: list[UserInput], model: GenerativeRecommender, device: 
         batch.num_targets = torch.tensor([k.size for k in cands], dtype=torch.int64)
     ctx_names = list(model.embedding_cfg.pooled_features)
     if ctx_names and model.ranking_context:
-        vals = [u.context.get(f, np.zeros(0, np.int64)) for f in ctx_names for u in users]
-        batch.context = KeyedJaggedTensor(keys=ctx_names, values=torch.from_numpy(np.concatenate(vals)),
-                                          lengths=torch.tensor([v.size for v in vals], dtype=torch.int64))
+        batch.context = context_kjt(users, ctx_names)
     return batch.to(device)
 
 
@@ -202,19 +200,15 @@ class TorchEngine:
         if not to_rank:
             return {}
         keys = list(to_rank)
-        counts = np.array([to_rank[i][0].size for i in keys])
         if isinstance(state, PaddedHistory):
-            cands = np.zeros((len(keys), int(counts.max())), np.int64)  # row 0 pads; its scores are dropped
-            for r, i in enumerate(keys):
-                cands[r, : counts[r]] = to_rank[i][0]
-            probs = self.padded.score(state, np.array(keys), cands, counts)
-            return dict(zip(keys, np.split(probs, np.cumsum(counts)[:-1])))
+            return dict(zip(keys, self.padded.score(state, keys, [to_rank[i][0] for i in keys])))
         items = torch.from_numpy(np.concatenate([to_rank[i][0] for i in keys])).to(self.device)
         owner = torch.from_numpy(np.concatenate([np.full(to_rank[i][0].size, i) for i in keys])).to(self.device)
         mb = self.micro_batch
         probs = torch.cat([self.model.score_candidates(state, items[s : s + mb], owner[s : s + mb])
                            for s in range(0, items.numel(), mb)]).float().cpu().numpy()
-        return dict(zip(keys, np.split(probs, np.cumsum(counts)[:-1])))
+        splits = np.cumsum([to_rank[i][0].size for i in keys])[:-1]
+        return dict(zip(keys, np.split(probs, splits)))
 
     def order(self, objective: str, tasks: dict[str, np.ndarray], bids: np.ndarray,
               retrieval: np.ndarray | None) -> np.ndarray:

@@ -9,7 +9,7 @@ much of a serving batch (one ML-1M request: 30.8 MFLOP, ~0.5 ms at the matmul pe
 packed through the GEMMs and only q, k, v are padded for the attention; each layer is about
 a dozen dense ops (LayerNorm, the fused uvqk GEMM, SiLU, one bias gather, ``baddbmm``, SiLU,
 ``bmm``, the gate), and the mask and both relative biases are one int32 code per (query,
-key) pair shared by all layers (as in ``kernels.hstu_attention.bias_codes``). Measured on the
+key) pair shared by all layers (``kernels.hstu_attention.bias_codes``). Measured on the
 serving benchmark's ML-1M artifact: 934 profiler events for a one-request batch against
 1,410, and 1.17-1.25x faster for batches of 1 to 16 (``benchmarks/engine_capacity.py``, which
 times both paths on the same batches).
@@ -33,11 +33,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torchrec import KeyedJaggedTensor
 
-from kernels.hstu_attention import bias_table, query_blocks, time_bucket
+from kernels.hstu_attention import bias_codes, bias_table, query_blocks, silu_attention, time_bucket
 from models.hstu import HSTULayer
 from models.recommender import GenerativeRecommender
 from serve.requests import UserInput
+
+
+def context_kjt(users: list[UserInput], names: list[str]) -> KeyedJaggedTensor:
+    """The users' context features as the pooled tables take them (a feature a user lacks: no ids)."""
+    vals = [u.context.get(f, np.zeros(0, np.int64)) for f in names for u in users]
+    return KeyedJaggedTensor(keys=names, values=torch.from_numpy(np.concatenate(vals)),
+                             lengths=torch.tensor([v.size for v in vals], dtype=torch.int64))
 
 
 def supports(model: GenerativeRecommender) -> bool:
@@ -113,17 +121,6 @@ class PaddedHSTU:
         rel = lambda t: np.clip(t - base, -(2**31) + 1, 2**31 - 1).astype(np.int32)  # noqa: E731
         return items, actions, rel(times), rel(qtimes), lengths
 
-    def _codes(self, tq: torch.Tensor, tk: torch.Tensor, lengths: torch.Tensor, s: int, e: int) -> torch.Tensor:
-        """[B, e - s, e] int32 bias codes of queries s..e-1 against keys 0..e-1: position
-        distance * buckets + time bucket, the masked slot for j > i or j past the history."""
-        i = torch.arange(s, e, dtype=torch.int32)[:, None]
-        j = torch.arange(e, dtype=torch.int32)[None, :]
-        code = (i - j).clamp_(0, self.n - 1).mul_(self.nb)[None]  # [1, r, e]
-        if self.use_time:
-            code = code + time_bucket(tq[:, s:e, None] - tk[:, None, :e], self.nb)
-        ok = (j <= i)[None] & (j[None] < lengths[:, None, None])
-        return torch.where(ok, code, self.masked)
-
     def _rows(self, ids: torch.Tensor, actions: torch.Tensor | None) -> torch.Tensor:
         """Token inputs before the position embedding: item row (+ action row), [..., D]."""
         sparse = self.model.sparse
@@ -149,7 +146,8 @@ class PaddedHSTU:
         x = self._rows(torch.from_numpy(items[valid_np]), torch.from_numpy(actions[valid_np]) if self.has_action else None)
         x = (x * m.scale).to(m.dense_dtype) + m.pos_emb(pos)  # [T, D]
         blocks = query_blocks(n, self.query_block)
-        codes = [self._codes(tq, tk, lengths, s, e) for s, e in blocks] if len(self.layers) > 1 else []
+        times = (tq, tk) if self.use_time else None
+        codes = [bias_codes(lengths, n, self.n, self.nb, times, None, r) for r in blocks] if len(self.layers) > 1 else []
         last = (lengths - 1).view(b, 1)
         # the last row's codes (the last layer) and a candidate's (position h, the request time)
         t_last = tq.gather(1, last)  # [B, 1] query time of the last event: the request time
@@ -162,7 +160,7 @@ class PaddedHSTU:
                 code = code + time_bucket(t_last - tk, self.nb)
             return code
 
-        last_code = torch.where(valid & (j <= last), row_code(last.to(torch.int32)), self.masked)  # [B, L]
+        last_code = torch.where(j <= last, row_code(last.to(torch.int32)), self.masked)  # [B, L]
         cand_code = torch.where(valid, row_code(lengths.view(b, 1).to(torch.int32)), self.masked)
         last_rows = torch.from_numpy(np.cumsum(lens) - 1)  # each history's last packed row
         kv = []
@@ -173,21 +171,21 @@ class PaddedHSTU:
             kv.append((k, v))
             table = self.tables[li]
             if li < len(self.layers) - 1:
-                outs = [self._attend(q[:, :, s:e], k[:, :, :e], v[:, :, :e],
-                                     table.index_select(0, c.view(-1)).view(c.shape), layer.alpha)
+                outs = [silu_attention(q[:, :, s:e], k[:, :, :e], v[:, :, :e],
+                                       table.index_select(0, c.view(-1)).view(c.shape), layer.alpha)
                         for (s, e), c in zip(blocks, codes)]
                 attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [B, H, L, Dv]
-                attn = attn.transpose(1, 2).reshape(b * n, -1).index_select(0, flat)  # [T, H*Dv]
-                x = self._gate(layer, x, u, attn)
+                attn = attn.transpose(1, 2).reshape(b * n, *attn.shape[1::2]).index_select(0, flat)  # [T, H, Dv]
+                x = layer._gate(x, u, attn.div_(self.n))
             else:  # only each history's last row is read
                 ql = self._heads(layer, vqk.index_select(0, last_rows)[:, None])[1]  # [B, H, 1, D]
                 bias = table.index_select(0, last_code.view(-1)).view(b, 1, n)
-                attn = self._attend(ql, k, v, bias, layer.alpha)[:, :, 0].flatten(1)  # [B, H*Dv]
-                x = self._gate(layer, x.index_select(0, last_rows), u.index_select(0, last_rows), attn)  # [B, D]
+                attn = silu_attention(ql, k, v, bias, layer.alpha)[:, :, 0]  # [B, H, Dv]
+                x = layer._gate(x.index_select(0, last_rows), u.index_select(0, last_rows), attn.div_(self.n))  # [B, D]
         h = m.tower.final_norm(x)
         ctx = None
         if m.ranking is not None and m.ranking_context:
-            ctx = self._context(users)
+            ctx = m.sparse.pooled(context_kjt(users, list(m.embedding_cfg.pooled_features))).values()
         return m.head.normalize(h.float()), PaddedHistory(kv, lengths, cand_code, ctx)
 
     @staticmethod
@@ -205,50 +203,27 @@ class PaddedHSTU:
         v, q, k = torch.split(vqk, [h * c.v_dim, h * c.qk_dim, h * c.qk_dim], dim=-1)
         return tuple(t.unflatten(-1, (h, -1)).transpose(1, 2) for t in (v, q, k))
 
-    @staticmethod
-    def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, alpha: float) -> torch.Tensor:
-        """SiLU(alpha q k^T + bias) v, not yet divided by N: q [B, H, r, D], k, v [B, H, L, D],
-        bias [B, r, L] -> [B, H, r, Dv]."""
-        if q.shape[1] == 1:
-            scores = torch.baddbmm(bias, q[:, 0], k[:, 0].transpose(1, 2), alpha=alpha)
-            return torch.bmm(F.silu(scores, inplace=True), v[:, 0])[:, None]
-        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(alpha).add_(bias[:, None])
-        return torch.matmul(F.silu(scores, inplace=True), v)
-
-    def _gate(self, layer: HSTULayer, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """x [..., D] + W_o(u * LayerNorm(attn / N)); attn [..., H*Dv] (heads flattened)."""
-        return x + layer.out(u * layer.out_norm(attn.div_(self.n)))
-
-    def _context(self, users: list[UserInput]) -> torch.Tensor:
-        from torchrec import KeyedJaggedTensor
-
-        names = list(self.model.embedding_cfg.pooled_features)
-        vals = [u.context.get(f, np.zeros(0, np.int64)) for f in names for u in users]
-        kjt = KeyedJaggedTensor(keys=names, values=torch.from_numpy(np.concatenate(vals)),
-                                lengths=torch.tensor([v.size for v in vals], dtype=torch.int64))
-        return self.model.sparse.pooled(kjt).values()
-
     # ---- candidates ---------------------------------------------------------------------
     @torch.inference_mode()
-    def score(self, hist: PaddedHistory, users: np.ndarray, candidates: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        """Task probabilities [sum(counts), tasks] of ``candidates`` [U, Cmax] (table rows, the
-        first ``counts[u]`` of row u real) for batch users ``users`` [U], in that order:
-        what ``score_candidates`` gives for them against the same histories."""
+    def score(self, hist: PaddedHistory, users: list[int], candidates: list[np.ndarray]) -> list[np.ndarray]:
+        """Task probabilities [c, tasks] of each ``candidates[i]`` (table rows) for batch user
+        ``users[i]``: what ``score_candidates`` gives for them against the same histories.
+        Users are scored in groups of at most ``max_scores`` (candidate, history) pairs."""
         m = self.model
         if m.ranking is None:
             raise ValueError("this model has no ranking tasks (model.ranking.tasks)")
-        cmax = candidates.shape[1]
+        counts = np.array([c.size for c in candidates])
+        cmax = int(counts.max()) if counts.size else 0
         if cmax == 0:
-            return np.zeros((0, len(m.cfg.ranking.tasks)), np.float32)
-        n = hist.code.shape[1]
-        group = max(1, self.max_scores // max(1, cmax * n))
-        probs = []
-        for s in range(0, users.size, group):
-            idx = torch.from_numpy(users[s : s + group])
-            probs.append(self._score(hist, idx, torch.from_numpy(candidates[s : s + group])))
-        out = torch.cat(probs).float()  # [U, Cmax, tasks]
-        keep = np.arange(cmax)[None, :] < counts[:, None]
-        return out.numpy()[keep]
+            return [np.zeros((0, len(m.cfg.ranking.tasks)), np.float32) for _ in candidates]
+        grid = np.zeros((len(candidates), cmax), np.int64)  # row 0 pads; its scores are dropped
+        for r, c in enumerate(candidates):
+            grid[r, : c.size] = c
+        group = max(1, self.max_scores // (cmax * hist.code.shape[1]))
+        idx, cands = torch.tensor(users, dtype=torch.int64), torch.from_numpy(grid)
+        probs = torch.cat([self._score(hist, idx[s : s + group], cands[s : s + group])
+                           for s in range(0, len(users), group)]).float().numpy()  # [U, Cmax, tasks]
+        return [p[:k] for p, k in zip(probs, counts)]
 
     def _score(self, hist: PaddedHistory, idx: torch.Tensor, cands: torch.Tensor) -> torch.Tensor:
         m = self.model
@@ -265,10 +240,10 @@ class PaddedHSTU:
             v, q, k = self._heads(layer, vqk)  # [U, H, C, D]
             table = self.tables[li]
             bias = table.index_select(0, code.view(-1)).view(code.shape[0], 1, -1)  # [U, 1, L]
-            attn = self._attend(q, k_h, v_h, bias, layer.alpha)  # [U, H, C, Dv]
+            attn = silu_attention(q, k_h, v_h, bias, layer.alpha)  # [U, H, C, Dv]
             # ... and itself: distance 0 at the request time, the table's slot 0
             attn.add_(F.silu((q * k).sum(-1, keepdim=True).mul_(layer.alpha).add_(table[0])) * v)
-            x = self._gate(layer, x, u, attn.transpose(1, 2).flatten(2))
+            x = layer._gate(x, u, attn.transpose(1, 2).div_(self.n))
         h = m.tower.final_norm(x)
         ctx = hist.context[idx][:, None].expand(-1, cands.shape[1], -1) if hist.context is not None else None
         return torch.sigmoid(m.ranking(h, item_rows, ctx).float())

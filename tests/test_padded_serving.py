@@ -56,11 +56,7 @@ def reference(m, us, cands):
 
 
 def padded_scores(path, hist, cands):
-    counts = np.array([c.size for _, c in cands])
-    grid = np.zeros((len(cands), counts.max()), np.int64)
-    for r, (_, c) in enumerate(cands):
-        grid[r, : c.size] = c
-    return torch.from_numpy(path.score(hist, np.array([i for i, _ in cands]), grid, counts))
+    return torch.from_numpy(np.concatenate(path.score(hist, [i for i, _ in cands], [c for _, c in cands])))
 
 
 # candidates per user (ragged, users out of order, one user without any)
@@ -124,4 +120,4 @@ def test_a_retrieval_only_model_without_actions_encodes_alike():
     torch.testing.assert_close(pvec, vec, atol=1e-5, rtol=1e-5)
     assert hist.context is None
     with pytest.raises(ValueError, match="no ranking tasks"):
-        PaddedHSTU(m).score(hist, np.array([0]), np.array([[1, 2]]), np.array([2]))
+        PaddedHSTU(m).score(hist, [0], [np.array([1, 2])])
