@@ -98,7 +98,7 @@ class TorchEngine:
     def __init__(self, artifact: str | Path, device: str = "cpu", micro_batch: int = 4096,
                  objective_tasks: tuple[str, ...] | None = None, padded: bool | None = None) -> None:
         """``padded``: run an HSTU model through :class:`serve.padded.PaddedHSTU` (same
-        numbers, a third fewer operator calls); default: on CPU, when the model is one it covers.
+        numbers, about 30% fewer operator calls); default: on CPU, when the model is one it covers.
         False keeps the model's jagged path (``encode_history`` / ``score_candidates``)."""
         self.device = torch.device(device)
         self.model, self.manifest = load_model(artifact, self.device)

@@ -1,5 +1,5 @@
 """The HSTU serving path on padded tensors: the same numbers as the model's jagged path,
-with a third fewer operator calls.
+with about 30% fewer operator calls.
 
 ``GenerativeRecommender.encode_history`` / ``score_candidates`` work on jagged rows, as
 training does: every batch builds KJTs, jagged indices, per-layer layouts and bias codes
@@ -10,8 +10,8 @@ packed through the GEMMs and only q, k, v are padded for the attention; each lay
 a dozen dense ops (LayerNorm, the fused uvqk GEMM, SiLU, one bias gather, ``baddbmm``, SiLU,
 ``bmm``, the gate), and the mask and both relative biases are one int32 code per (query,
 key) pair shared by all layers (``kernels.hstu_attention.bias_codes``). Measured on the
-serving benchmark's ML-1M artifact: 934 profiler events for a one-request batch against
-1,410, and 1.17-1.25x faster for batches of 1 to 16 (``benchmarks/engine_capacity.py``, which
+serving benchmark's ML-1M artifact: 985 torch profiler events for a one-request batch against
+1,412, and 1.17-1.25x faster for batches of 1 to 16 (``benchmarks/engine_capacity.py``, which
 times both paths on the same batches).
 
 Semantics are the model's, to float rounding (``tests/test_padded_serving.py`` checks user vectors and
