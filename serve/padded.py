@@ -11,7 +11,7 @@ a dozen dense ops (LayerNorm, the fused uvqk GEMM, SiLU, one bias gather, ``badd
 ``bmm``, the gate), and the mask and both relative biases are one int32 code per (query,
 key) pair shared by all layers (``kernels.hstu_attention.bias_codes``). Measured on the
 serving benchmark's ML-1M artifact: 985 torch profiler events for a one-request batch against
-1,412, and 1.17-1.25x faster for batches of 1 to 16 (``benchmarks/engine_capacity.py``, which
+1,412, and 1.14-1.25x faster for batches of 1 to 16 (``benchmarks/engine_capacity.py``, which
 times both paths on the same batches).
 
 Semantics are the model's, to float rounding (``tests/test_padded_serving.py`` checks user vectors and
