@@ -3,6 +3,7 @@ and published numbers, under the leave-one-out full-corpus protocol.
 
     python -m benchmarks.quality                         # everything (hours on 2 cores)
     python -m benchmarks.quality --datasets ml1m --models hstu --budget-min 60
+    python -m benchmarks.quality --datasets ml1m --models hstu --no-baselines --nproc 2   # torchrun, 2 CPU processes
 
 Each (dataset, model) record replaces the previous one in ``results/quality.json``, so
 runs can be done one at a time. Models train with the shipped config unchanged except
@@ -13,6 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -51,19 +55,43 @@ def run_baselines(name: str, data: Path) -> list[dict]:
 
 
 def run_model(name: str, data: Path, model: str, budget: float | None, out_dir: str,
-              threads: int = 0) -> dict:
+              threads: int = 0, nproc: int = 1) -> dict:
     overrides = [f'--data.path="{data}"', f'--run.out_dir="{out_dir}"', f"--run.name={name}_{model}"]
     if budget is not None:
         overrides.append(f"--train.time_budget_min={budget}")
     if threads:
         overrides.append(f"--train.threads={threads}")
     job = load_job(CONFIGS[model], overrides)
-    run_dir, res = run_training(job)
+    if nproc > 1:
+        # the same config under torchrun: processes on this machine, one data-parallel rank each
+        run_id = time.strftime("%Y%m%d-%H%M%S") + f"-x{nproc}"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "genrec.cli", "train", "--config", CONFIGS[model], *overrides, f"--run.id={run_id}"]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads or 1)}
+        subprocess.run(cmd, check=True, env=env)
+        run_dir = Path(out_dir) / f"{name}_{model}" / run_id
+        res = json.loads((run_dir / "results.json").read_text())
+    else:
+        run_dir, res = run_training(job)
     test = res["test"]
     return {"dataset": name, "model": model, **{k: test[k] for k in KEYS}, "epochs": res["epochs"],
             "best_epoch": res["best_epoch"], "train_seconds": res["train_seconds"], "stopped": res["stopped"],
-            "config": CONFIGS[model], "run_dir": str(run_dir), "threads": threads or None,
+            "config": CONFIGS[model], "run_dir": str(run_dir), "threads": threads or (1 if nproc > 1 else None), "processes": nproc,
             "budget_min": job.train.time_budget_min, "valid_users": job.data.valid_users}
+
+
+def key(record: dict) -> tuple:
+    """A record replaces an earlier one of the same dataset, model and process count."""
+    return record["dataset"], record["model"], record.get("processes", 1)
+
+
+def isa_of(record: dict) -> str:
+    """The widest vector ISA of the record's CPU (this VM's CPU changed under one name on
+    2026-12-01; records from before ``machine()`` named the ISA were on the AVX-512 one)."""
+    isa = record["machine"].get("isa")
+    if isa is None:
+        return "AVX-512" if record["date"] < "2026-12-01" else "?"
+    return "AVX-512" if any(f.startswith("avx512") for f in isa) else ("AVX2" if "avx2" in isa else "no AVX2")
 
 
 def render(records: list[dict]) -> str:
@@ -82,14 +110,17 @@ def render(records: list[dict]) -> str:
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             thr = r.get("threads") or r["machine"]["threads"]
-            t = f"{r['train_seconds'] / 60:.1f} min on {thr} thread(s)" if r["epochs"] else "-"
+            procs = r.get("processes", 1)
+            on = f"{procs} processes x {thr} thread(s)" if procs > 1 else f"{thr} thread(s)"
+            t = f"{r['train_seconds'] / 60:.1f} min on {on}, {isa_of(r)}" if r["epochs"] else "-"
             vu = f"{r.get('valid_users', 1.0):.0%}"
-            lines.append(f"| {r['model']} | {r['hr@10']:.4f} | {r['ndcg@10']:.4f} | {r['hr@50']:.4f} | "
+            label = r["model"] + (f" ({r['processes']} processes, DDP)" if r.get("processes", 1) > 1 else "")
+            lines.append(f"| {label} | {r['hr@10']:.4f} | {r['ndcg@10']:.4f} | {r['hr@50']:.4f} | "
                          f"{r['hr@200']:.4f} | {r['ndcg@200']:.4f} | {r['mrr']:.4f} | {r['epochs'] or '-'} | {t} | {vu} | {r['date']} |")
         for label, hr, ndcg in PUBLISHED[ds]:
             lines.append(f"| *{label}* | {hr:.4f} | {ndcg:.4f} | | | | | | | | published |")
-        m = rows[-1]["machine"]
-        lines += ["", VALID_NOTE, "", f"Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, torch {m['torch']}.", ""]
+        cpus = sorted({f"{r['machine']['cpu']}, {r['machine']['cores']} cores, torch {r['machine']['torch']}" for r in rows})
+        lines += ["", VALID_NOTE, "", "Machines (the train time names each row's vector ISA): " + "; ".join(cpus) + ".", ""]
     return "\n".join(lines)
 
 
@@ -99,6 +130,9 @@ def main() -> None:
     ap.add_argument("--models", default="hstu,transformer")
     ap.add_argument("--budget-min", type=float, default=None, help="override the configs' training time budget")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
+    ap.add_argument("--nproc", type=int, default=1,
+                    help="train each model under torchrun with this many processes (data parallel, one thread each "
+                         "unless --threads)")
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--out-dir", default="runs/benchmarks")
     args = ap.parse_args()
@@ -108,16 +142,16 @@ def main() -> None:
         new = [] if args.no_baselines else run_baselines(name, data)
         for model in args.models.split(","):
             if model:
-                new.append(run_model(name, data, model, args.budget_min, args.out_dir, args.threads))
+                new.append(run_model(name, data, model, args.budget_min, args.out_dir, args.threads, args.nproc))
         # re-read: other quality runs (one per core) may have written since this one started
         records = json.loads(path.read_text())["records"] if path.exists() else []
         for rec in new:
             rec.update(date=today(), machine=machine())
-            records = [r for r in records if (r["dataset"], r["model"]) != (rec["dataset"], rec["model"])]
+            records = [r for r in records if key(r) != key(rec)]
             records.append(rec)
             print(json.dumps({k: rec[k] for k in ("dataset", "model", "hr@10", "ndcg@10", "epochs", "train_seconds")}))
         order = {"popular baseline": 0, "transition baseline": 1, "transformer": 2, "hstu": 3}
-        records.sort(key=lambda r: (r["dataset"] != "ml1m", order.get(r["model"], 9)))
+        records.sort(key=lambda r: (r["dataset"] != "ml1m", order.get(r["model"], 9), r.get("processes", 1)))
         write_json("quality", {"protocol": "leave-one-out, full corpus, history excluded", "records": records})
         update_results_md("quality", render(records))
 

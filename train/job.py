@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from embedding.spec import EmbeddingConfig, prepare_ids
-from genrec.config import load_config
+from genrec.config import ConfigError, load_config
 from models.dlrm import PooledDLRM
 from models.recommender import GenerativeRecommender, ModelConfig
 from train.data.reader import DataConfig
@@ -64,6 +64,11 @@ class TrainConfig:
     progress: bool = True
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        if self.eval_every_epochs < 1:
+            raise ConfigError(f"train.eval_every_epochs = {self.eval_every_epochs}: must be 1 or more "
+                              "(train.evaluate = false trains without validation)")
 
 
 @dataclass(frozen=True)

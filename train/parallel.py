@@ -14,7 +14,14 @@
    move between world sizes.
 
 The same job config runs as one process (a world of one; no torchrun needed) and under
-``torchrun --nnodes N --nproc-per-node M``. Facts of TorchRec 1.8 / fbgemm-gpu-cpu 1.8 on CPU
+``torchrun --nnodes N --nproc-per-node M``.
+
+``mode = "ddp"`` (what ``auto`` picks under torchrun on CPU when the tables train in AdamW,
+``sparse_optimizer = "adam"``) replicates instead: every process holds every table and the
+whole model runs under torch DDP, one AdamW over all parameters, which is the single-process
+recipe's math with the batch split across processes. It is for catalogues that fit each
+process's memory (ML-1M's 3,706 items), where sharding buys nothing and CPU TorchRec can
+neither fuse Adam nor replicate a sequence table. Facts of TorchRec 1.8 / fbgemm-gpu-cpu 1.8 on CPU
 (gloo) that shape the checks below: fused Adam is CUDA-only; a sequence table
 (EmbeddingCollection) cannot be data-parallel on CPU (fbgemm's dense kernel pools); TorchRec's
 planner offers no row-wise for pooled tables on CPU.
@@ -44,8 +51,10 @@ CPU_EBC_SHARDINGS = ("table_wise", "column_wise", "table_column_wise", "data_par
 @dataclass(frozen=True)
 class ParallelConfig:
     # auto: DMP under torchrun (WORLD_SIZE > 1) or whenever the sparse optimizer is a fused
-    # one (so 1 and N processes train, and checkpoint, alike); none: the plain model
-    mode: Literal["auto", "dmp", "none"] = "auto"
+    # one (so 1 and N processes train, and checkpoint, alike), but DDP under torchrun on CPU
+    # when the tables train in AdamW (sparse_optimizer = "adam"); ddp: every table replicated,
+    # the whole model under torch DDP; none: the plain model
+    mode: Literal["auto", "dmp", "ddp", "none"] = "auto"
     # adam: embeddings in the dense AdamW (single process; fused Adam needs CUDA);
     # the others are fbgemm's fused optimizers, the same math in 1 or N processes
     sparse_optimizer: SparseOptimizer = "adam"
@@ -84,13 +93,24 @@ class DistContext:
         return box[0]
 
 
-def uses_dmp(cfg: ParallelConfig) -> bool:
+Strategy = Literal["none", "dmp", "ddp"]
+
+
+def strategy(cfg: ParallelConfig) -> Strategy:
+    """How this process trains: the plain model, sharded tables (DMP) or replicas (DDP)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.mode == "none":
         if world > 1:
             raise ConfigError("train.parallel.mode = 'none' cannot run under torchrun with WORLD_SIZE > 1")
-        return False
-    return cfg.mode == "dmp" or world > 1 or cfg.sparse_optimizer != "adam"
+        return "none"
+    if cfg.mode == "ddp":
+        if cfg.sparse_optimizer != "adam":
+            raise ConfigError(f"train.parallel.mode = 'ddp' trains the tables in the dense AdamW; "
+                              f"sparse_optimizer = '{cfg.sparse_optimizer}' needs mode = 'dmp' (or 'auto')")
+        return "ddp"
+    if cfg.mode == "auto" and world > 1 and cfg.sparse_optimizer == "adam" and not torch.cuda.is_available():
+        return "ddp"
+    return "dmp" if cfg.mode == "dmp" or world > 1 or cfg.sparse_optimizer != "adam" else "none"
 
 
 def _free_port() -> int:
@@ -102,7 +122,7 @@ def _free_port() -> int:
 def init_distributed(cfg: ParallelConfig) -> DistContext:
     """Joins torchrun's process group (or makes a world of one when DMP runs alone)."""
     use_cuda = torch.cuda.is_available()
-    if not uses_dmp(cfg):
+    if strategy(cfg) == "none":
         return DistContext(device=torch.device("cuda") if use_cuda else torch.device("cpu"))
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
     if not dist.is_initialized():
@@ -129,7 +149,8 @@ def check_plan(emb: EmbeddingConfig, cfg: ParallelConfig, device: torch.device) 
     if device.type == "cpu" and cfg.sparse_optimizer == "adam":
         raise ConfigError(
             "train.parallel.sparse_optimizer = 'adam' cannot be fused on CPU (fbgemm's CPU kernels have no Adam); "
-            "set it to 'rowwise_adagrad', 'adagrad' or 'sgd' to shard tables on CPU, or run one process with mode = 'none'")
+            "set it to 'rowwise_adagrad', 'adagrad' or 'sgd' to shard tables on CPU, or replicate them with mode = 'ddp' "
+            "(or 'auto'), or run one process with mode = 'none'")
     if device.type != "cpu":
         return
     for t in emb.tables:
@@ -252,3 +273,36 @@ def parallelize(model: nn.Module, emb: EmbeddingConfig, cfg: ParallelConfig, lr:
     dense_opt = KeyedOptimizerWrapper(dense, make_dense_optimizer)
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense_opt])
     return Parallelized(dmp, dmp.module, optimizer, list(dense.values()), dense_opt, plan)
+
+
+class Replicated:
+    """A DDP-replicated model's checkpoint I/O: the inner module's state, keyed as in one
+    process (so checkpoints move between 1 and N processes), written once by DCP."""
+
+    def __init__(self, model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimizer,
+                 tables: list[str]) -> None:
+        from train.checkpoint import PlainState
+
+        self.model, self.module, self.optimizer, self.tables = model, module, optimizer, tables
+        self.dense_params = [p for p in module.parameters() if p.requires_grad]
+        self._io = PlainState(module, optimizer)
+        self.state, self.load, self.init_optimizer_state = self._io.state, self._io.load, self._io.init_optimizer_state
+
+    def describe(self) -> dict[str, str]:
+        ranks = list(range(dist.get_world_size()))
+        return {name: f"replicated on ranks {ranks} (DDP, dense AdamW)" for name in self.tables}
+
+
+def replicate(model: nn.Module, emb: EmbeddingConfig, make_optimizer, ctx: DistContext) -> Replicated:  # noqa: ANN001
+    """``mode = "ddp"``: the whole model (tables included) under torch DDP, one optimizer over
+    all parameters: gradients are averaged across ranks, as DMP's DDP does for dense ones."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    for t in emb.tables:
+        if t.sharding not in ("auto", "data_parallel"):
+            raise ConfigError(f"table '{t.name}': sharding '{t.sharding}' with train.parallel.mode = 'ddp', which "
+                              "replicates every table; set it to 'auto' or 'data_parallel', or use mode = 'dmp'")
+    model = model.to(ctx.device)
+    ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    return Replicated(ddp, model, make_optimizer(p for p in model.parameters() if p.requires_grad),
+                      [t.name for t in emb.tables])

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from train.data.reader import make_reader
 from train.data.schema import read_info
 from train.job import JobConfig, build_model, task_masks, tokens_per_event
-from train.parallel import DistContext, init_distributed, parallelize
+from train.parallel import DistContext, init_distributed, parallelize, replicate, strategy
 from train.rundir import new_run_dir, write_run_files
 from train.trainer import Trainer, build_optimizer
 
@@ -53,7 +53,9 @@ def run_training(job: JobConfig, run_dir: Path | None = None) -> tuple[Path, dic
     ctx = init_distributed(job.train.parallel)
     try:
         seed_everything(job.train.seed)
-        model, emb = build_model(job, sparse_device=torch.device("meta") if ctx.distributed else None)
+        how = strategy(job.train.parallel) if ctx.distributed else "none"
+        # DMP materializes the (sharded) tables itself; a replica builds them whole
+        model, emb = build_model(job, sparse_device=torch.device("meta") if how == "dmp" else None)
         resolved = replace(job, embedding=emb)
         run_dir = resolve_run_dir(job, resolved, ctx, run_dir)
         msl = job.model.max_seq_len
@@ -72,11 +74,16 @@ def run_training(job: JobConfig, run_dir: Path | None = None) -> tuple[Path, dic
             return build_optimizer(list(params), optim)
 
         if ctx.distributed:
-            par = parallelize(model, emb, job.train.parallel, optim.lr, dense_optimizer, ctx, per_rank.batch_size)
+            if how == "ddp":
+                if job.train.compile:
+                    model.tower.compile(dynamic=True)
+                par = replicate(model, emb, dense_optimizer, ctx)
+            else:
+                par = parallelize(model, emb, job.train.parallel, optim.lr, dense_optimizer, ctx, per_rank.batch_size)
+                if job.train.compile:
+                    par.module.tower.compile(dynamic=True)
             if ctx.rank == 0:
                 (run_dir / "sharding.json").write_text(json.dumps(par.describe(), indent=2) + "\n")
-            if job.train.compile:
-                par.module.tower.compile(dynamic=True)
             trainer = Trainer(job.train, job.eval, run_dir, par.model, par.module, par.optimizer,
                               readers["train"], valid, test, tasks=list(tasks), rank=ctx.rank, reduce=ctx.reduce,
                               dense_params=par.dense_params, device=ctx.device, state_io=par,
