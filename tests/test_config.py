@@ -60,3 +60,8 @@ def test_all_shipped_configs_load():
 
     for p in sorted(Path(__file__).parents[1].glob("configs/*.toml")):
         assert isinstance(load_job(p), JobConfig), p
+
+
+def test_validation_interval_below_one_is_refused_naming_the_switch_that_turns_it_off():
+    with pytest.raises(ConfigError, match=r"train.eval_every_epochs = 0: must be 1 or more .*train.evaluate = false"):
+        load_job(None, ["--train.eval_every_epochs=0"])

@@ -6,7 +6,10 @@
 * a worker SIGKILLed mid-epoch is restarted by ``torchrun --max-restarts`` and the job ends
   exactly like an uninterrupted one (same losses after the restart, same metrics);
 * two torchrun "nodes" meeting through a c10d rendezvous on 127.0.0.1 equal one node x 2;
-* shardings the device cannot do, and checkpoints of another feature spec, are refused.
+* shardings the device cannot do, and checkpoints of another feature spec, are refused;
+* ``mode = "ddp"`` (what the default config gets under torchrun on CPU: its tables train in
+  AdamW, which fbgemm cannot fuse on CPU): one replicated step equals the reference, the
+  checkpoint evaluates the same in one process, and a killed worker resumes exactly.
 """
 
 from __future__ import annotations
@@ -58,9 +61,13 @@ def run(cmd: list[str], env: dict | None = None, check: bool = True, timeout: in
     return proc
 
 
-def train_args(data: Path, out: Path, run_id: str, extra: list[str] = ()) -> list[str]:
+# the default recipe's parallel settings: tables in AdamW, no sharding named
+DDP_CONFIG = CONFIG.replace('sharding = "row_wise"\n', "").split("[train.parallel]")[0]
+
+
+def train_args(data: Path, out: Path, run_id: str, extra: list[str] = (), config: str = CONFIG) -> list[str]:
     cfg = out / "dist.toml"
-    cfg.write_text(CONFIG)
+    cfg.write_text(config)
     return ["-m", "genrec.cli", "train", "--config", str(cfg), *tiny_job_overrides(data, out),
             "--train.log_every_steps=1", f"--run.id={run_id}", *extra]
 
@@ -75,14 +82,16 @@ def losses(out: Path, run_id: str) -> dict[int, float]:
 
 
 @pytest.mark.parametrize("ec,ebc", [("row_wise", "table_wise"), ("table_wise", "column_wise"),
-                                    ("column_wise", "table_column_wise"), ("row_wise", "data_parallel")])
+                                    ("column_wise", "table_column_wise"), ("row_wise", "data_parallel"),
+                                    ("ddp", "ddp")])
 def test_one_sharded_step_equals_the_unsharded_reference(tmp_path, ec, ebc):
     run(TORCHRUN + ["--nproc-per-node", "2", "--master-port", str(free_port()), "tests/dist/one_step.py",
                     ec, ebc, str(tmp_path)])
     res = json.loads((tmp_path / "result.json").read_text())
     assert max(res["diffs"].values()) < 1e-6, res["diffs"]
     assert min(v for k, v in res["moved"].items() if k.endswith("weight")) > 1e-4  # every weight did move
-    assert res["plan"]["item"].startswith(ec) and res["plan"]["region"].startswith(ebc)
+    want = ("replicated on ranks [0, 1]",) * 2 if ec == "ddp" else (ec, ebc)
+    assert res["plan"]["item"].startswith(want[0]) and res["plan"]["region"].startswith(want[1])
 
 
 @pytest.fixture(scope="module")
@@ -213,3 +222,58 @@ def test_checkpoint_of_another_feature_spec_is_refused_naming_the_table(two_rank
     path = ckpt.latest_checkpoint(run_dir / "checkpoints")
     with pytest.raises(ckpt.IncompatibleCheckpoint, match=r"table 'item' has shape \[\d+, 16\] in the checkpoint but \[\d+, 8\]"):
         ckpt.load_checkpoint(path, model, None)
+
+
+def test_strategy_replicates_under_torchrun_on_cpu_only_when_the_tables_train_in_adam(monkeypatch):
+    from embedding.spec import EmbeddingConfig, TableConfig
+    from genrec.config import ConfigError
+    from train.parallel import DistContext, ParallelConfig, replicate, strategy
+
+    assert strategy(ParallelConfig()) == "none"  # one process, AdamW everywhere: the plain model
+    assert strategy(ParallelConfig(sparse_optimizer="rowwise_adagrad")) == "dmp"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert strategy(ParallelConfig()) == "ddp"
+    assert strategy(ParallelConfig(sparse_optimizer="adagrad")) == "dmp"
+    with pytest.raises(ConfigError, match="mode = 'ddp' trains the tables in the dense AdamW; sparse_optimizer = 'sgd'"):
+        strategy(ParallelConfig(mode="ddp", sparse_optimizer="sgd"))
+    with pytest.raises(ConfigError, match="cannot run under torchrun"):
+        strategy(ParallelConfig(mode="none"))
+    emb = EmbeddingConfig(tables=(TableConfig("item", ("item",), dim=8, num_embeddings=10, sharding="row_wise"),))
+    with pytest.raises(ConfigError, match="table 'item': sharding 'row_wise' with train.parallel.mode = 'ddp'"):
+        replicate(None, emb, None, DistContext())
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tiny_synth, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    run(TORCHRUN + ["--nproc-per-node", "2", "--master-port", str(free_port())]
+        + train_args(tiny_synth, out, "straight", config=DDP_CONFIG))
+    return out
+
+
+def test_replicated_run_evaluates_the_same_in_one_process(ddp_run):
+    res = results(ddp_run, "straight")
+    assert res["stopped"] == "max_epochs" and res["steps"] > 4
+    sharding = json.loads((ddp_run / "dist" / "straight" / "sharding.json").read_text())
+    assert sharding == {"item": "replicated on ranks [0, 1] (DDP, dense AdamW)"}
+    single = json.loads(run([sys.executable, "-m", "genrec.cli", "eval", "--run",
+                             str(ddp_run / "dist" / "straight"), "--json"]).stdout)
+    for k in ("hr@10", "ndcg@10", "mrr"):
+        assert single[k] == pytest.approx(res["test"][k], abs=1e-9), k
+
+
+def test_replicated_run_with_a_killed_worker_ends_like_an_uninterrupted_one(tiny_synth, ddp_run):
+    env = {**ENV, "GENREC_FAULT_INJECT": "1:7"}
+    run(TORCHRUN + ["--nproc-per-node", "2", "--max-restarts", "3", "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+        + train_args(tiny_synth, ddp_run, "killed", config=DDP_CONFIG), env=env)
+    logged = [json.loads(x)["step"] for x in (ddp_run / "dist" / "killed" / "metrics.jsonl").read_text().splitlines()
+              if json.loads(x)["kind"] == "train"]
+    assert logged.count(5) == 2 and logged.count(8) == 1  # killed after step 7, resumed at the step-4 checkpoint
+    a, b = losses(ddp_run, "straight"), losses(ddp_run, "killed")
+    assert sorted(a) == sorted(b)
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
+    straight, killed = results(ddp_run, "straight"), results(ddp_run, "killed")
+    for k in ("hr@10", "ndcg@10", "mrr"):
+        assert killed["test"][k] == pytest.approx(straight["test"][k], abs=1e-6), k

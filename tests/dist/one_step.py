@@ -1,10 +1,12 @@
 """One training step of a sharded model (2 ranks, gloo) against the unsharded reference.
 
 Launched by tests/test_distributed.py as
-``torchrun --nproc-per-node 2 tests/dist/one_step.py EC_SHARDING EBC_SHARDING OUT``.
+``torchrun --nproc-per-node 2 tests/dist/one_step.py EC_SHARDING EBC_SHARDING OUT``
+(or ``... one_step.py ddp ddp OUT`` for the replicated model of ``mode = "ddp"``).
 Every rank builds the same seeded reference; the sharded model starts from its weights,
-takes one step on its own batch (fused SGD on the tables, SGD on the dense part); rank 0
-applies the same step to the reference on the mean of both ranks' losses and compares.
+takes one step on its own batch (fused SGD on the tables, SGD on the dense part; under DDP
+one SGD over everything); rank 0 applies the same step to the reference on the mean of
+both ranks' losses and compares.
 """
 
 import json
@@ -22,7 +24,7 @@ from models.inputs import SequenceBatch
 from models.ranking import RankingConfig, TaskConfig
 from models.recommender import GenerativeRecommender, ModelConfig
 from models.retrieval import RetrievalConfig
-from train.parallel import ParallelConfig, init_distributed, parallelize
+from train.parallel import ParallelConfig, init_distributed, parallelize, replicate
 
 SPARSE_LR, DENSE_LR = 0.1, 0.05
 
@@ -30,7 +32,8 @@ SPARSE_LR, DENSE_LR = 0.1, 0.05
 def config(ec: str, ebc: str) -> tuple[ModelConfig, EmbeddingConfig]:
     emb = EmbeddingConfig(tables=(
         TableConfig("item", ("item",), dim=16, num_embeddings=200, sharding=ec, init_std=0.05),
-        TableConfig("action", ("action",), dim=16, num_embeddings=8, sharding="table_wise", init_std=0.05),
+        TableConfig("action", ("action",), dim=16, num_embeddings=8, sharding="auto" if ec == "auto" else "table_wise",
+                    init_std=0.05),
         TableConfig("region", ("region",), dim=8, num_embeddings=6, pooling="sum", sharding=ebc, init_std=0.05),
     ))
     cfg = ModelConfig(tower="hstu", max_seq_len=16, input_dropout=0.0,
@@ -59,6 +62,8 @@ def batch(rank: int) -> SequenceBatch:
 
 def main() -> None:
     ec, ebc, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    if ec == "ddp":
+        return replicated(out)
     cfg, emb = config(ec, ebc)
     corpus = torch.arange(1, 200)
     torch.manual_seed(0)
@@ -89,6 +94,39 @@ def main() -> None:
         dcp.load({"model": got}, checkpoint_id=out / "ckpt", no_dist=True)
         want = reference.state_dict()
         diffs = {k: float((got[k].float() - want[k].float()).abs().max()) for k in want if want[k].is_floating_point()}
+        moved = {k: float((want[k].float() - start[k].float()).abs().max()) for k in want if want[k].is_floating_point()}
+        (out / "result.json").write_text(json.dumps({"diffs": diffs, "moved": moved, "plan": par.describe()}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def replicated(out: Path) -> None:
+    cfg, emb = config("auto", "auto")
+    corpus = torch.arange(1, 200)
+    torch.manual_seed(0)
+    reference = GenerativeRecommender(cfg, emb, corpus)
+    ctx = init_distributed(ParallelConfig(mode="ddp"))
+    torch.manual_seed(1 + ctx.rank)  # different weights per rank: replicate() must start all from rank 0's
+    model = GenerativeRecommender(cfg, emb, corpus)
+    if ctx.rank == 0:
+        model.load_state_dict(reference.state_dict())
+    start = {k: v.clone() for k, v in reference.state_dict().items()}
+    par = replicate(model, emb, lambda ps: torch.optim.SGD(list(ps), lr=DENSE_LR), ctx)
+    par.model(batch(ctx.rank))["loss"].backward()
+    par.optimizer.step()
+    got = {k: v.detach().clone() for k, v in par.module.state_dict().items()}
+    gathered = [None] * ctx.world_size
+    dist.all_gather_object(gathered, got)
+    if ctx.rank == 0:
+        ref_loss = torch.stack([reference(batch(r))["loss"] for r in range(ctx.world_size)]).mean()
+        ref_loss.backward()
+        with torch.no_grad():
+            for p in reference.parameters():
+                if p.grad is not None:
+                    p -= DENSE_LR * p.grad
+        want = reference.state_dict()
+        diffs = {k: max(float((g[k].float() - want[k].float()).abs().max()) for g in gathered)
+                 for k in want if want[k].is_floating_point()}
         moved = {k: float((want[k].float() - start[k].float()).abs().max()) for k in want if want[k].is_floating_point()}
         (out / "result.json").write_text(json.dumps({"diffs": diffs, "moved": moved, "plan": par.describe()}))
     dist.barrier()
