@@ -85,7 +85,7 @@ def _print_results(run_dir: Path, results: dict) -> None:
         print(format_table({f"{t} (test)": {k: test.get(f"{t}/{k}", "") for k in keys} for t in tasks}, keys))
 
 
-def _load_run_model(run: Path, checkpoint: str | None, data: str | None):  # noqa: ANN202
+def load_run_model(run: Path, checkpoint: str | None, data: str | None):  # noqa: ANN202
     from train import checkpoint as ckpt
     from train.job import build_model, load_job
 
@@ -121,7 +121,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     else:
         if not args.run:
             raise SystemExit("genrec eval needs --run DIR (or --baseline with --data)")
-        job, model, emb, path = _load_run_model(Path(args.run), args.checkpoint, args.data)
+        job, model, emb, path = load_run_model(Path(args.run), args.checkpoint, args.data)
         reader = make_reader(job.data, args.split, emb, job.model.max_seq_len)
         metrics = evaluate(model, reader, EvalConfig(**job.eval.__dict__))
         name = f"{Path(args.run).name}/{path.name}"
