@@ -5,7 +5,7 @@ and published numbers, under the leave-one-out full-corpus protocol.
     python -m benchmarks.quality --datasets ml1m --models hstu --budget-min 60
     python -m benchmarks.quality --datasets ml1m --models hstu --no-baselines --nproc 2   # torchrun, 2 CPU processes
 
-Each (dataset, model) record replaces the previous one in ``results/quality.json``, so
+Each (dataset, model, process count) record replaces the previous one in ``results/quality.json``, so
 runs can be done one at a time. Models train with the shipped config unchanged except
 ``data.path`` (and the time budget): the recipe is the default, not a per-dataset tune.
 """
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, dataset, machine, today, update_results_md, write_json
+from benchmarks.common import RESULTS, ROOT, dataset, machine, today, update_results_md, write_json
 from train.baselines import Baseline, evaluate_baseline
 from train.data.reader import make_reader
 from train.data.schema import read_info
@@ -79,8 +79,14 @@ def run_model(name: str, data: Path, model: str, budget: float | None, out_dir: 
     return {"dataset": name, "model": model, **{k: test[k] for k in KEYS}, "test_last": test_last(run_dir),
             "epochs": res["epochs"],
             "best_epoch": res["best_epoch"], "train_seconds": res["train_seconds"], "stopped": res["stopped"],
-            "config": CONFIGS[model], "run_dir": str(run_dir), "threads": threads or (1 if nproc > 1 else None), "processes": nproc,
+            "config": CONFIGS[model], "run_dir": repo_path(run_dir), "threads": threads or (1 if nproc > 1 else None), "processes": nproc,
             "budget_min": job.train.time_budget_min, "valid_users": job.data.valid_users}
+
+
+def repo_path(path: Path) -> str:
+    """``path`` relative to the repository when it lies inside it (records name no machine's paths)."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def test_last(run_dir: Path) -> dict:
@@ -138,7 +144,7 @@ def render(records: list[dict]) -> str:
             on = f"{procs} processes x {thr} thread(s)" if procs > 1 else f"{thr} thread(s)"
             t = f"{r['train_seconds'] / 60:.1f} min on {on}, {isa_of(r)}" if r["epochs"] else "-"
             vu = f"{r.get('valid_users', 1.0):.0%}"
-            label = r["model"] + (f" ({r['processes']} processes, DDP)" if r.get("processes", 1) > 1 else "")
+            label = r["model"] + (f" ({procs} processes, DDP)" if procs > 1 else "")
             lines.append(f"| {label} | {r['hr@10']:.4f} | {r['ndcg@10']:.4f} | {r['hr@50']:.4f} | "
                          f"{r['hr@200']:.4f} | {r['ndcg@200']:.4f} | {r['mrr']:.4f} | {r['epochs'] or '-'} | {t} | {vu} | "
                          f"{last_of(r)} | {r['date']} |")

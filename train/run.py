@@ -74,14 +74,10 @@ def run_training(job: JobConfig, run_dir: Path | None = None) -> tuple[Path, dic
             return build_optimizer(list(params), optim)
 
         if ctx.distributed:
-            if how == "ddp":
-                if job.train.compile:
-                    model.tower.compile(dynamic=True)
-                par = replicate(model, emb, dense_optimizer, ctx)
-            else:
-                par = parallelize(model, emb, job.train.parallel, optim.lr, dense_optimizer, ctx, per_rank.batch_size)
-                if job.train.compile:
-                    par.module.tower.compile(dynamic=True)
+            par = (replicate(model, emb, dense_optimizer, ctx) if how == "ddp" else
+                   parallelize(model, emb, job.train.parallel, optim.lr, dense_optimizer, ctx, per_rank.batch_size))
+            if job.train.compile:
+                par.module.tower.compile(dynamic=True)
             if ctx.rank == 0:
                 (run_dir / "sharding.json").write_text(json.dumps(par.describe(), indent=2) + "\n")
             trainer = Trainer(job.train, job.eval, run_dir, par.model, par.module, par.optimizer,
