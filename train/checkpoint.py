@@ -173,6 +173,10 @@ def restore(io: Any, path: Path, with_optimizer: bool = True) -> None:
     check_compatible(path, state["model"])
     if not with_optimizer:
         state = {"model": state["model"]}
+    else:  # entries besides the model that this checkpoint was written without (say, weight averages)
+        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        state = {k: v for k, v in state.items()
+                 if k == "model" or k in stored or any(s.startswith(k + ".") for s in stored)}
     dcp.load(state, checkpoint_id=path)
     io.load(state)
 

@@ -59,6 +59,9 @@ class TrainConfig:
     checkpoint_every_steps: int = 0  # extra mid-epoch checkpoints; 0: only at evaluations
     keep_checkpoints: int = 2
     compile: bool = False
+    # exponential moving average of the weights (train.average): validation, the test and
+    # checkpoints' model read the average; 0 = off. Not with sharded (DMP) tables.
+    ema_decay: float = 0.0
     evaluate: bool = True  # false: train only (throughput runs): no validation, no test
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     progress: bool = True
@@ -66,6 +69,8 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ConfigError(f"train.ema_decay = {self.ema_decay}: must be in [0, 1) (0 turns the average off)")
         if self.eval_every_epochs < 1:
             raise ConfigError(f"train.eval_every_epochs = {self.eval_every_epochs}: must be 1 or more "
                               "(train.evaluate = false trains without validation)")

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from genrec.config import ConfigError
 from train.data.reader import make_reader
 from train.data.schema import read_info
 from train.job import JobConfig, build_model, task_masks, tokens_per_event
@@ -54,6 +55,9 @@ def run_training(job: JobConfig, run_dir: Path | None = None) -> tuple[Path, dic
     try:
         seed_everything(job.train.seed)
         how = strategy(job.train.parallel) if ctx.distributed else "none"
+        if how == "dmp" and job.train.ema_decay > 0:
+            raise ConfigError("train.ema_decay averages unsharded weights; TorchRec's sharded tables (train.parallel."
+                              "mode = 'dmp') are not averaged: set train.ema_decay = 0 or mode = 'ddp'")
         # DMP materializes the (sharded) tables itself; a replica builds them whole
         model, emb = build_model(job, sparse_device=torch.device("meta") if how == "dmp" else None)
         resolved = replace(job, embedding=emb)

@@ -5,7 +5,8 @@ model that may already be parallelized (``train.parallel``), plus the inner modu
 evaluation, and a ``reduce`` function that sums tensors across ranks (identity alone).
 
 Order of a run: resume from the newest checkpoint if there is one -> epochs of steps
-(bf16 autocast optional, clipped AdamW, warmup + constant/cosine LR) -> validation every
+(bf16 autocast optional, clipped AdamW, warmup + constant/cosine LR, optionally a moving
+average of the weights, which validation and checkpoints then read) -> validation every
 ``eval_every_epochs`` with a checkpoint each time -> stop at ``max_epochs``, the time
 budget or ``patience`` evaluations without improvement -> reload the best checkpoint ->
 test -> ``results.json`` and ``curves.png``.
@@ -31,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 from train import checkpoint as ckpt
+from train.average import AveragedWeights
 from train.data.reader import SequenceReader
 from train.evaluate import EvalConfig, evaluate
 from train.job import OptimConfig, TrainConfig
@@ -132,6 +134,10 @@ class Trainer:
         self.dense_params = dense_params if dense_params is not None else [p for p in module.parameters() if p.requires_grad]
         self.ckpt_root = run_dir / "checkpoints"
         self.io = state_io or ckpt.PlainState(model, optimizer)
+        # the weights' moving average: what validation, the test and checkpoints' model read
+        self.average = AveragedWeights(self.io, module, cfg.ema_decay) if cfg.ema_decay > 0 else None
+        if self.average is not None:
+            self.io = self.average
         self.world_size = world_size
         self.log = MetricsLog(run_dir / "metrics.jsonl", enabled=rank == 0)
         self.state = TrainState()
@@ -183,6 +189,8 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.dense_params, self.cfg.optim.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.average is not None:
+            self.average.update()
         self.state.step += 1
         return {k: float(v.detach()) for k, v in losses.items()}
 
@@ -255,7 +263,8 @@ class Trainer:
             self.state.last_eval_step = self.state.best_step = self.state.step
             self.state.best_epoch = self.state.epoch
             return {}
-        metrics = self.evaluate(self.valid_readers)
+        with self.average.applied() if self.average is not None else contextlib.nullcontext():
+            metrics = self.evaluate(self.valid_readers)
         rec = {"kind": "eval", "split": "valid", "step": self.state.step, "epoch": self.state.epoch,
                "train_seconds": self.state.train_seconds, **metrics}
         self.log.write(rec)
