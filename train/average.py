@@ -63,7 +63,10 @@ class AveragedWeights:
         ``train_weights`` (also the template ``dcp.load`` fills in place)."""
         state = self.io.state()
         model = state["model"]
-        raw = {n: model[n] for n in self.avg if n in model}
+        missing = [n for n in self.avg if n not in model]
+        if missing:  # averaged for validation but not written: the checkpoint would not be what was validated
+            raise ValueError(f"trained tensors missing from the checkpoint's model state: {missing[:3]}")
+        raw = {n: model[n] for n in self.avg}
         state["model"] = {**model, **{n: self.avg[n] for n in raw}}
         state[RAW] = raw
         state["ema_steps"] = torch.tensor(self.steps)
