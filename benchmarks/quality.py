@@ -95,12 +95,10 @@ def test_last(run_dir: Path) -> dict:
     validation users (10% of ML-1M: 604) pick an epoch within their noise, and this shows
     what that choice cost or gained."""
     from train import checkpoint as ckpt
-    from train.cli import load_run_model
-    from train.evaluate import EvalConfig, evaluate
+    from train.cli import evaluate_run
 
     last = ckpt.latest_checkpoint(Path(run_dir) / "checkpoints")
-    job, model, emb, path = load_run_model(Path(run_dir), str(last), None)
-    m = evaluate(model, make_reader(job.data, "test", emb, job.model.max_seq_len), EvalConfig(**job.eval.__dict__))
+    m, path = evaluate_run(Path(run_dir), str(last), "test")
     return {"checkpoint": path.name, **{k: m[k] for k in KEYS}}
 
 

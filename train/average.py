@@ -73,15 +73,12 @@ class AveragedWeights:
         return state
 
     def load(self, state: dict[str, Any]) -> None:
-        """After ``dcp.load`` filled the template: the averages hold the checkpoint's model
-        entries; the module gets the trained weights (or, when only the model was loaded,
-        the averages: the evaluation of a best checkpoint)."""
-        model, raw = state["model"], state.get(RAW, {})
-        with torch.no_grad():
-            for n in self.avg:
-                if n in model and model[n] is not self.avg[n]:
-                    self.avg[n].copy_(model[n])
-        self.io.load({**state, "model": {**model, **{n: raw.get(n, self.avg[n]).clone() for n in self.avg if n in model}}})
+        """After ``dcp.load`` filled the template :meth:`state` returned: the averages already
+        hold the checkpoint's model entries (they were the template's tensors); the module
+        gets the trained weights (or, when only the model was loaded, the averages: the
+        evaluation of a best checkpoint)."""
+        raw = state.get(RAW, {})
+        self.io.load({**state, "model": {**state["model"], **{n: raw.get(n, a) for n, a in self.avg.items()}}})
         if "ema_steps" in state:
             self.steps = int(state["ema_steps"])
 

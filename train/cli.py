@@ -85,7 +85,7 @@ def _print_results(run_dir: Path, results: dict) -> None:
         print(format_table({f"{t} (test)": {k: test.get(f"{t}/{k}", "") for k in keys} for t in tasks}, keys))
 
 
-def load_run_model(run: Path, checkpoint: str | None, data: str | None):  # noqa: ANN202
+def _load_run_model(run: Path, checkpoint: str | None, data: str | None):  # noqa: ANN202
     from train import checkpoint as ckpt
     from train.job import build_model, load_job
 
@@ -103,9 +103,20 @@ def load_run_model(run: Path, checkpoint: str | None, data: str | None):  # noqa
     return job, model, emb, path
 
 
+def evaluate_run(run: Path, checkpoint: str | None, split: str, data: str | None = None) -> tuple[dict, Path]:
+    """Metrics of a run's checkpoint (default: its best, else its newest) on ``split``, and
+    that checkpoint's path: what ``genrec eval --run`` prints."""
+    from train.data.reader import make_reader
+    from train.evaluate import evaluate
+
+    job, model, emb, path = _load_run_model(run, checkpoint, data)
+    reader = make_reader(job.data, split, emb, job.model.max_seq_len)
+    return evaluate(model, reader, job.eval), path
+
+
 def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from train.data.reader import make_reader
-    from train.evaluate import EvalConfig, evaluate, format_table
+    from train.evaluate import format_table
 
     if args.baseline:
         from train.baselines import Baseline, evaluate_baseline
@@ -121,9 +132,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     else:
         if not args.run:
             raise SystemExit("genrec eval needs --run DIR (or --baseline with --data)")
-        job, model, emb, path = load_run_model(Path(args.run), args.checkpoint, args.data)
-        reader = make_reader(job.data, args.split, emb, job.model.max_seq_len)
-        metrics = evaluate(model, reader, EvalConfig(**job.eval.__dict__))
+        metrics, path = evaluate_run(Path(args.run), args.checkpoint, args.split, args.data)
         name = f"{Path(args.run).name}/{path.name}"
     if args.json:
         print(json.dumps(metrics, indent=2))
