@@ -244,7 +244,47 @@ def silu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
     return torch.matmul(F.silu(scores, inplace=True), v)
 
 
-def hstu_attention_inference(
+class _CodedBlocks(torch.autograd.Function):
+    """The padded core of :func:`hstu_attention_coded` under autograd, with a hand-written
+    backward: SiLU(alpha q k^T + table[code]) v per query block, q, k, v [B, H, L, D]
+    padded, ``blocks`` [((s, e), code [B, e - s, e])]. Autograd over the same ops would
+    zero a full-size gradient for every block's k / v slice and keep the block outputs'
+    concatenation; here each block's gradients go straight into q, k, v's and the
+    table's (summed over heads: a pair's bias is shared by the heads). Saves each block's
+    pre-activation scores; SiLU is recomputed from them."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,  # noqa: ANN001
+                blocks: list, alpha: float) -> torch.Tensor:
+        scores, outs = [], []
+        for (s, e), code in blocks:
+            sc = torch.matmul(q[:, :, s:e], k[:, :, :e].transpose(-1, -2)).mul_(alpha).add_(_lookup(table, code)[:, None])
+            scores.append(sc)  # [B, H, r, e]
+            outs.append(torch.matmul(F.silu(sc), v[:, :, :e]))
+        ctx.save_for_backward(q, k, v, *scores)
+        ctx.blocks, ctx.alpha, ctx.table_shape = [r for r, _ in blocks], alpha, table.shape
+        ctx.codes = [c for _, c in blocks]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):  # noqa: ANN205
+        q, k, v, *scores = ctx.saved_tensors
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        need_table = ctx.needs_input_grad[3]
+        dtable = torch.zeros(ctx.table_shape, dtype=dout.dtype, device=dout.device) if need_table else None
+        for ((s, e), code, sc) in zip(ctx.blocks, ctx.codes, scores):
+            do = dout[:, :, s:e]
+            dv[:, :, :e] += torch.matmul(F.silu(sc).transpose(-1, -2), do)
+            ds = torch.ops.aten.silu_backward(torch.matmul(do, v[:, :, :e].transpose(-1, -2)), sc)  # [B, H, r, e]
+            if need_table:
+                dtable.index_add_(0, code.reshape(-1), ds.sum(1).reshape(-1))
+            ds.mul_(ctx.alpha)
+            dq[:, :, s:e] = torch.matmul(ds, k[:, :, :e])
+            dk[:, :, :e] += torch.matmul(ds.transpose(-1, -2), q[:, :, s:e])
+        return dq, dk, dv, dtable, None, None
+
+
+def hstu_attention_coded(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -260,12 +300,14 @@ def hstu_attention_inference(
     max_len: int | None = None,
     plan: dict | None = None,
 ) -> torch.Tensor:
-    """:func:`hstu_attention_reference` without autograd, in fewer passes (what serving runs
-    on CPU): the mask and both relative biases become one int32 code per (query, key)
-    pair, computed once per batch and shared by every layer through ``plan`` (a dict the
-    caller keeps for the batch); a layer then does one table gather, a fused
+    """:func:`hstu_attention_reference` in fewer passes (what training and serving run on
+    CPU outside torch.compile): the mask and both relative biases become one int32 code per
+    (query, key) pair, computed once per batch and shared by every layer through ``plan``
+    (a dict the caller keeps for the batch); a layer then does one table gather, a fused
     ``scores = bias + alpha * q k^T`` (baddbmm), SiLU and the value GEMM, and scales by
-    1 / N once on the output, going through the queries in :func:`query_blocks`."""
+    1 / N once on the output, going through the queries in :func:`query_blocks` (block
+    s..e meets keys 0..e-1 only, so most of the causal upper triangle is skipped).
+    Differentiable (:class:`_CodedBlocks`): gradients reach q, k, v and both bias tables."""
     lengths, max_len = _batch_lengths(offsets, max_len)
     if q.shape[0] == 0 or max_len == 0:
         return v.new_zeros(v.shape)
@@ -283,10 +325,16 @@ def hstu_attention_inference(
     qkv = jagged_to_padded(torch.cat([q, k, v], dim=-1), offsets, max_len, index=index)  # [B, L, H, 2Dqk + Dv]
     dqk = q.shape[-1]
     qp, kp, vp = (t.transpose(1, 2) for t in qkv.split([dqk, dqk, v.shape[-1]], dim=-1))  # [B, H, L, D]
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, pos_weights, time_weights)):
+        out = _CodedBlocks.apply(qp, kp, vp, table, blocks, alpha).transpose(1, 2)  # [B, L, H, Dv]
+        return padded_to_jagged(out, offsets, index=index) / max_seq_len
     outs = [silu_attention(qp[:, :, s:e], kp[:, :, :e], vp[:, :, :e], _lookup(table, code), alpha)
             for (s, e), code in blocks]  # [B, H, r, Dv] each
     out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).transpose(1, 2)  # [B, L, H, Dv]
     return padded_to_jagged(out, offsets, index=index).div_(max_seq_len)
+
+
+_hstu_attention_coded_eager = torch.compiler.disable(hstu_attention_coded)
 
 
 def hstu_attention(
@@ -310,10 +358,10 @@ def hstu_attention(
 
     ``reference``: pure PyTorch (any device). ``triton``: the fused kernels of
     ``kernels.triton_hstu`` (CUDA, or CPU under ``TRITON_INTERPRET=1``). ``auto``: Triton on
-    CUDA when its head-dim constraints hold; elsewhere :func:`hstu_attention_inference`
-    when nothing needs gradients (``plan``: a per-batch dict the layers of one tower share),
-    the reference otherwise. ``max_len`` (optional) is the longest sequence in the batch,
-    when the caller knows it without a device sync.
+    CUDA when its head-dim constraints hold; elsewhere :func:`hstu_attention_coded`, for
+    training and inference (``plan``: a per-batch dict the layers of one tower share).
+    ``max_len`` (optional) is the longest sequence in the batch, when the caller knows it
+    without a device sync.
     """
     if backend not in ("auto", "reference", "triton"):
         raise ValueError(f"unknown attention backend '{backend}'; use 'auto', 'reference' or 'triton'")
@@ -323,10 +371,8 @@ def hstu_attention(
         from kernels.triton_hstu import triton_hstu_attention
 
         return triton_hstu_attention(q, k, v, offsets, **kw)
-    # (under torch.compile the reference, whose elementwise work the compiler fuses)
-    if backend == "auto" and not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (q, k, v, pos_weights, time_weights))):
-        return hstu_attention_inference(q, k, v, offsets, plan=plan, **kw)
+    if backend == "auto":  # (a compiled tower calls it eagerly: a graph break per layer)
+        return _hstu_attention_coded_eager(q, k, v, offsets, plan=plan, **kw)
     return hstu_attention_reference(q, k, v, offsets, **kw)
 
 

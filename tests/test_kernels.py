@@ -69,7 +69,7 @@ def test_triton_matches_reference_forward_and_backward(lengths, heads, dqk, dv, 
                                    rtol=rtol * 4, msg=lambda m, n=name: f"grad {n}: {m}")
 
 
-def test_auto_backend_uses_the_reference_on_cpu_and_refuses_bad_head_dims():
+def test_auto_backend_on_cpu_matches_the_reference_and_refuses_bad_head_dims():
     q, k, v, offsets, kw = case([3, 4], 1, 8, 8, torch.float32, False, True, 0)
     out = hstu_attention(q, k, v, offsets, backend="auto", **kw)
     torch.testing.assert_close(out, hstu_attention_reference(q, k, v, offsets, **kw))
