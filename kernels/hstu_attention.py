@@ -262,7 +262,7 @@ class _CodedBlocks(torch.autograd.Function):
             scores.append(sc)  # [B, H, r, e]
             outs.append(torch.matmul(F.silu(sc), v[:, :, :e]))
         ctx.save_for_backward(q, k, v, *scores)
-        ctx.blocks, ctx.alpha, ctx.table_shape = [r for r, _ in blocks], alpha, table.shape
+        ctx.blocks, ctx.alpha, ctx.table_shape, ctx.table_dtype = [r for r, _ in blocks], alpha, table.shape, table.dtype
         ctx.codes = [c for _, c in blocks]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
@@ -271,17 +271,18 @@ class _CodedBlocks(torch.autograd.Function):
         q, k, v, *scores = ctx.saved_tensors
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         need_table = ctx.needs_input_grad[3]
-        dtable = torch.zeros(ctx.table_shape, dtype=dout.dtype, device=dout.device) if need_table else None
+        # the table's gradient sums a value per (query, key) pair: accumulated in fp32 (bf16 would drop most of them)
+        dtable = torch.zeros(ctx.table_shape, dtype=torch.float32, device=dout.device) if need_table else None
         for ((s, e), code, sc) in zip(ctx.blocks, ctx.codes, scores):
             do = dout[:, :, s:e]
             dv[:, :, :e] += torch.matmul(F.silu(sc).transpose(-1, -2), do)
             ds = torch.ops.aten.silu_backward(torch.matmul(do, v[:, :, :e].transpose(-1, -2)), sc)  # [B, H, r, e]
             if need_table:
-                dtable.index_add_(0, code.reshape(-1), ds.sum(1).reshape(-1))
+                dtable.index_add_(0, code.reshape(-1), ds.sum(1).reshape(-1).float())
             ds.mul_(ctx.alpha)
             dq[:, :, s:e] = torch.matmul(ds, k[:, :, :e])
             dk[:, :, :e] += torch.matmul(ds.transpose(-1, -2), q[:, :, s:e])
-        return dq, dk, dv, dtable, None, None
+        return dq, dk, dv, None if dtable is None else dtable.to(ctx.table_dtype), None, None
 
 
 def hstu_attention_coded(

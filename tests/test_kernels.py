@@ -47,11 +47,12 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("backend", ["triton", "auto"])  # auto on CPU: the coded path (training's)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lengths,heads,dqk,dv,targets,bias", CASES)
-def test_triton_matches_reference_forward_and_backward(lengths, heads, dqk, dv, targets, bias, dtype):
+def test_fast_paths_match_reference_forward_and_backward(lengths, heads, dqk, dv, targets, bias, dtype, backend):
     q, k, v, offsets, kw = case(lengths, heads, dqk, dv, dtype, targets, bias, seed=len(lengths) + heads)
-    out = hstu_attention(q, k, v, offsets, backend="triton", **kw)
+    out = hstu_attention(q, k, v, offsets, backend=backend, **kw)
     # the reference in fp32 is the ground truth for every dtype
     q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
     ref = hstu_attention_reference(q32, k32, v32, offsets, **kw)
