@@ -301,8 +301,8 @@ def hstu_attention_coded(
     max_len: int | None = None,
     plan: dict | None = None,
 ) -> torch.Tensor:
-    """:func:`hstu_attention_reference` in fewer passes (what training and serving run on
-    CPU outside torch.compile): the mask and both relative biases become one int32 code per
+    """:func:`hstu_attention_reference` in fewer passes (what training and serving run
+    wherever the Triton kernels do not, a compiled tower included): the mask and both relative biases become one int32 code per
     (query, key) pair, computed once per batch and shared by every layer through ``plan``
     (a dict the caller keeps for the batch); a layer then does one table gather, a fused
     ``scores = bias + alpha * q k^T`` (baddbmm), SiLU and the value GEMM, and scales by

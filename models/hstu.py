@@ -66,7 +66,7 @@ class JaggedMeta:
     timestamps: torch.Tensor | None  # [T]
     query_times: torch.Tensor | None  # [T]
     num_targets: torch.Tensor | None  # [B]
-    plan: dict = field(default_factory=dict)  # what every layer's attention shares (inference)
+    plan: dict = field(default_factory=dict)  # what every layer's attention shares (bias codes, layout)
 
 
 class HSTULayer(nn.Module):
