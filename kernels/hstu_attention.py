@@ -107,6 +107,11 @@ def relative_bias(
     return bias
 
 
+def _records_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records an op on these tensors (grad mode on, one of them requires grad)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _lookup(weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """weights[idx] for a 1-D table: index_select on the flat index is ~2-5x faster on CPU
     than advanced indexing (which widens int32 indices to int64 first)."""
@@ -178,8 +183,7 @@ def hstu_attention_reference(
     qp = jagged_to_padded(q, offsets, max_len, index=index).transpose(1, 2)  # [B, H, L, D]
     kp = jagged_to_padded(k, offsets, max_len, index=index).transpose(1, 2)
     vp = jagged_to_padded(v, offsets, max_len, index=index).transpose(1, 2)
-    grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, pos_weights, time_weights))
+    grad = _records_grad(q, k, v, pos_weights, time_weights)
     times = None
     if time_weights is not None and timestamps is not None and query_times is not None:
         times = padded_relative_times(query_times, timestamps, offsets, max_len, index)
@@ -237,11 +241,14 @@ def silu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
     """SiLU(alpha q k^T + bias) v, not yet divided by N, without autograd: q [B, H, r, D],
     k, v [B, H, L, D], bias [B, r or 1, L] (masked pairs at :func:`bias_table`'s masked
     slot) -> [B, H, r, Dv]. One head: a fused ``baddbmm``."""
+    return torch.matmul(F.silu(_scores(q, k, bias, alpha), inplace=True), v)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, alpha: float) -> torch.Tensor:
+    """alpha q k^T + bias [B, H, r, L] (bias [B, r or 1, L], shared by the heads); one head: a fused ``baddbmm``."""
     if q.shape[1] == 1:
-        scores = torch.baddbmm(bias, q[:, 0], k[:, 0].transpose(-1, -2), alpha=alpha)[:, None]
-    else:
-        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(alpha).add_(bias[:, None])
-    return torch.matmul(F.silu(scores, inplace=True), v)
+        return torch.baddbmm(bias, q[:, 0], k[:, 0].transpose(-1, -2), alpha=alpha)[:, None]
+    return torch.matmul(q, k.transpose(-1, -2)).mul_(alpha).add_(bias[:, None])
 
 
 class _CodedBlocks(torch.autograd.Function):
@@ -256,14 +263,10 @@ class _CodedBlocks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,  # noqa: ANN001
                 blocks: list, alpha: float) -> torch.Tensor:
-        scores, outs = [], []
-        for (s, e), code in blocks:
-            sc = torch.matmul(q[:, :, s:e], k[:, :, :e].transpose(-1, -2)).mul_(alpha).add_(_lookup(table, code)[:, None])
-            scores.append(sc)  # [B, H, r, e]
-            outs.append(torch.matmul(F.silu(sc), v[:, :, :e]))
+        scores = [_scores(q[:, :, s:e], k[:, :, :e], _lookup(table, code), alpha) for (s, e), code in blocks]  # [B, H, r, e]
+        outs = [torch.matmul(F.silu(sc), v[:, :, :e]) for ((_, e), _), sc in zip(blocks, scores)]
         ctx.save_for_backward(q, k, v, *scores)
-        ctx.blocks, ctx.alpha, ctx.table_shape, ctx.table_dtype = [r for r, _ in blocks], alpha, table.shape, table.dtype
-        ctx.codes = [c for _, c in blocks]
+        ctx.blocks, ctx.alpha, ctx.table_shape, ctx.table_dtype = blocks, alpha, table.shape, table.dtype
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
     @staticmethod
@@ -273,7 +276,7 @@ class _CodedBlocks(torch.autograd.Function):
         need_table = ctx.needs_input_grad[3]
         # the table's gradient sums a value per (query, key) pair: accumulated in fp32 (bf16 would drop most of them)
         dtable = torch.zeros(ctx.table_shape, dtype=torch.float32, device=dout.device) if need_table else None
-        for ((s, e), code, sc) in zip(ctx.blocks, ctx.codes, scores):
+        for ((s, e), code), sc in zip(ctx.blocks, scores):
             do = dout[:, :, s:e]
             dv[:, :, :e] += torch.matmul(F.silu(sc).transpose(-1, -2), do)
             ds = torch.ops.aten.silu_backward(torch.matmul(do, v[:, :, :e].transpose(-1, -2)), sc)  # [B, H, r, e]
@@ -326,7 +329,7 @@ def hstu_attention_coded(
     qkv = jagged_to_padded(torch.cat([q, k, v], dim=-1), offsets, max_len, index=index)  # [B, L, H, 2Dqk + Dv]
     dqk = q.shape[-1]
     qp, kp, vp = (t.transpose(1, 2) for t in qkv.split([dqk, dqk, v.shape[-1]], dim=-1))  # [B, H, L, D]
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, pos_weights, time_weights)):
+    if _records_grad(q, k, v, pos_weights, time_weights):
         out = _CodedBlocks.apply(qp, kp, vp, table, blocks, alpha).transpose(1, 2)  # [B, L, H, Dv]
         return padded_to_jagged(out, offsets, index=index) / max_seq_len
     outs = [silu_attention(qp[:, :, s:e], kp[:, :, :e], vp[:, :, :e], _lookup(table, code), alpha)
