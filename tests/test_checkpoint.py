@@ -7,6 +7,7 @@ import pytest
 from tests.conftest import tiny_job_overrides
 from train.job import load_job
 from train.run import run_training
+from train.trainer import Trainer
 
 
 def losses(run_dir):
@@ -42,3 +43,33 @@ def test_without_a_validation_split_the_last_model_is_tested(tiny_synth, tiny_co
     (test,) = [r for r in recs if r.get("split") == "test"]
     assert res["valid"] is None and res["best_step"] == res["steps"] == test["step"] > 0
     assert res["epochs"] == 2 and 0 <= res["test"]["hr@10"] <= 1
+
+
+@pytest.mark.parametrize("window, best_epoch, epochs", [(1, 2, 4), (3, 6, 8)])
+def test_the_checkpoint_is_chosen_on_a_trailing_window_of_evaluations(
+        tiny_synth, tiny_config, tmp_path, monkeypatch, window, best_epoch, epochs):
+    # validation NDCG@10 per epoch: a spike at epoch 2, then a higher stretch around epoch 6
+    curve = [0.10, 0.30, 0.12, 0.20, 0.21, 0.22, 0.15, 0.14, 0.13, 0.12]
+    real = Trainer.evaluate
+
+    def scripted(self, readers):
+        if "valid" not in readers:
+            return real(self, readers)
+        v = curve[self.state.epoch - 1]
+        return {"hr@10": 2 * v, "ndcg@10": v}
+
+    monkeypatch.setattr(Trainer, "evaluate", scripted)
+    job = load_job(tiny_config, tiny_job_overrides(tiny_synth, tmp_path) + [
+        "--train.max_epochs=10", "--train.patience=2", f"--train.select_window={window}", "--run.name=window"])
+    run_dir, res = run_training(job)
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    valid = {r["epoch"]: r["step"] for r in recs if r.get("split") == "valid"}
+    (test,) = [r for r in recs if r.get("split") == "test"]
+    # window 1: the spike is chosen and patience stops two evaluations later; window 3: the
+    # best trailing mean (0.20, 0.21, 0.22) ends at epoch 6, two evaluations without a better
+    # mean follow, and epoch 6's checkpoint is the one tested
+    assert res["epochs"] == epochs == max(valid)
+    assert res["best_epoch"] == best_epoch and res["best_step"] == valid[best_epoch] == test["step"]
+    assert res["valid"]["ndcg@10"] == curve[best_epoch - 1]
+    if window > 1:
+        assert res["valid_window_mean"]["ndcg@10"] == pytest.approx(0.21)

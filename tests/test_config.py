@@ -62,6 +62,8 @@ def test_all_shipped_configs_load():
         assert isinstance(load_job(p), JobConfig), p
 
 
-def test_validation_interval_below_one_is_refused_naming_the_switch_that_turns_it_off():
+def test_validation_interval_or_window_below_one_is_refused():
     with pytest.raises(ConfigError, match=r"train.eval_every_epochs = 0: must be 1 or more .*train.evaluate = false"):
         load_job(None, ["--train.eval_every_epochs=0"])
+    with pytest.raises(ConfigError, match=r"train.select_window = 0: must be 1 or more"):
+        load_job(None, ["--train.select_window=0"])

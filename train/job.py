@@ -48,6 +48,11 @@ class TrainConfig:
     eval_every_epochs: int = 1
     patience: int = 10  # evaluations without improvement before stopping
     early_stop_metric: str = "ndcg@10"
+    # how many consecutive evaluations the model is chosen on: the best mean of
+    # early_stop_metric over a trailing window picks the tested checkpoint (the window's
+    # newest) and patience counts from it; 1 = the single best evaluation. A small
+    # validation set reads each epoch noisily; a window keeps one spike from choosing.
+    select_window: int = 1
     precision: Literal["fp32", "bf16"] = "fp32"
     # torch.set_float32_matmul_precision for fp32 GEMMs. "medium" lets torch route them to
     # oneDNN, which may use bf16 inside where the CPU has fast bf16; on this project's EPYC
@@ -71,6 +76,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.ema_decay < 1.0:
             raise ConfigError(f"train.ema_decay = {self.ema_decay}: must be in [0, 1) (0 turns the average off)")
+        if self.select_window < 1:
+            raise ConfigError(f"train.select_window = {self.select_window}: must be 1 or more "
+                              "(1 chooses on single evaluations)")
         if self.eval_every_epochs < 1:
             raise ConfigError(f"train.eval_every_epochs = {self.eval_every_epochs}: must be 1 or more "
                               "(train.evaluate = false trains without validation)")

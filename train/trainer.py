@@ -8,7 +8,8 @@ Order of a run: resume from the newest checkpoint if there is one -> epochs of s
 (bf16 autocast optional, clipped AdamW, warmup + constant/cosine LR, optionally a moving
 average of the weights, which validation and checkpoints then read) -> validation every
 ``eval_every_epochs`` with a checkpoint each time -> stop at ``max_epochs``, the time
-budget or ``patience`` evaluations without improvement -> reload the best checkpoint ->
+budget or ``patience`` evaluations without improvement -> reload the best checkpoint (best
+on one evaluation, or on the mean of a trailing ``select_window`` of them) ->
 test -> ``results.json`` and ``curves.png``.
 """
 
@@ -274,7 +275,7 @@ class Trainer:
         if self.cfg.early_stop_metric not in metrics:
             raise ValueError(f"train.early_stop_metric '{self.cfg.early_stop_metric}' is not among the "
                              f"validation metrics: {sorted(metrics)}")
-        value = metrics[self.cfg.early_stop_metric]
+        value = self.windowed_metric()
         if value > self.state.best_metric:
             self.state.best_metric, self.state.best_step = value, self.state.step
             self.state.best_epoch, self.state.evals_since_best = self.state.epoch, 0
@@ -282,12 +283,20 @@ class Trainer:
             self.state.evals_since_best += 1
         shown = " ".join(f"{k} {metrics[k]:.4f}" for k in ("hr@10", "ndcg@10", *(f"{t}/auc" for t in self.tasks))
                          if k in metrics)
+        chosen = self.cfg.early_stop_metric + (f" (mean of {self.cfg.select_window})" if self.cfg.select_window > 1 else "")
         self._print(
             f"epoch {self.state.epoch:3d} step {self.state.step:6d} | valid {shown} | best "
-            f"{self.cfg.early_stop_metric} {self.state.best_metric:.4f} @ epoch {self.state.best_epoch} "
+            f"{chosen} {self.state.best_metric:.4f} @ epoch {self.state.best_epoch} "
             f"| {self.state.train_seconds:.0f}s"
         )
         return metrics
+
+    def windowed_metric(self) -> float:
+        """The mean of ``early_stop_metric`` over the newest ``select_window`` evaluations
+        (fewer at the start of a run): what chooses the checkpoint and resets patience."""
+        name = self.cfg.early_stop_metric
+        window = self.state.history[-self.cfg.select_window:]
+        return sum(h[name] for h in window) / len(window)
 
     def fit(self) -> dict[str, Any]:
         """Trains to a stop condition, then tests the best checkpoint; returns results."""
@@ -343,6 +352,9 @@ class Trainer:
             "best_checkpoint": best.name,
             "valid": next((h for h in self.state.history[::-1] if h["step"] == self.state.best_step), None),
         }
+        if self.cfg.select_window > 1 and self.valid_readers:
+            results["select_window"] = self.cfg.select_window
+            results["valid_window_mean"] = {self.cfg.early_stop_metric: self.state.best_metric}
         if self.test_readers:
             test = self.evaluate(self.test_readers)
             self.log.write({"kind": "eval", "split": "test", "step": self.state.best_step,
