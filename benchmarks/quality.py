@@ -37,7 +37,8 @@ PUBLISHED = {
 VALID_NOTE = ("Validation users: the share of users whose second-to-last event is held out to pick the "
               "checkpoint (`data.valid_users`); the others also train on it, as every user does in the HSTU "
               "code (which has no validation split). The test event is never trained on. The headline figures are "
-              "the test at the best validation epoch; the last epoch's column tests the run's newest checkpoint "
+              "the test at the best validation epoch, or, where the validation column names a window, at the newest "
+              "epoch of the best mean of that many consecutive validations (`train.select_window`); the last epoch's column tests the run's newest checkpoint "
               "(filled from the two-process run of 2026-12-01 on; for that run by `benchmarks.quality.test_last` on its run directory after it ended).")
 NAMES = {"ml1m": "MovieLens-1M", "beauty": "Amazon Beauty"}
 
@@ -80,7 +81,8 @@ def run_model(name: str, data: Path, model: str, budget: float | None, out_dir: 
             "epochs": res["epochs"],
             "best_epoch": res["best_epoch"], "train_seconds": res["train_seconds"], "stopped": res["stopped"],
             "config": CONFIGS[model], "run_dir": repo_path(run_dir), "threads": threads or (1 if nproc > 1 else None), "processes": nproc,
-            "budget_min": job.train.time_budget_min, "valid_users": job.data.valid_users}
+            "budget_min": job.train.time_budget_min, "valid_users": job.data.valid_users,
+            "select_window": job.train.select_window}
 
 
 def repo_path(path: Path) -> str:
@@ -142,6 +144,8 @@ def render(records: list[dict]) -> str:
             on = f"{procs} processes x {thr} thread(s)" if procs > 1 else f"{thr} thread(s)"
             t = f"{r['train_seconds'] / 60:.1f} min on {on}, {isa_of(r)}" if r["epochs"] else "-"
             vu = f"{r.get('valid_users', 1.0):.0%}"
+            if r.get("select_window", 1) > 1:
+                vu += f", mean of {r['select_window']}"
             label = r["model"] + (f" ({procs} processes, DDP)" if procs > 1 else "")
             lines.append(f"| {label} | {r['hr@10']:.4f} | {r['ndcg@10']:.4f} | {r['hr@50']:.4f} | "
                          f"{r['hr@200']:.4f} | {r['ndcg@200']:.4f} | {r['mrr']:.4f} | {r['epochs'] or '-'} | {t} | {vu} | "
