@@ -263,8 +263,11 @@ class _CodedBlocks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,  # noqa: ANN001
                 blocks: list, alpha: float) -> torch.Tensor:
-        scores = [_scores(q[:, :, s:e], k[:, :, :e], _lookup(table, code), alpha) for (s, e), code in blocks]  # [B, H, r, e]
-        outs = [torch.matmul(F.silu(sc), v[:, :, :e]) for ((_, e), _), sc in zip(blocks, scores)]
+        scores, outs = [], []
+        for (s, e), code in blocks:
+            sc = _scores(q[:, :, s:e], k[:, :, :e], _lookup(table, code), alpha)  # [B, H, r, e], kept for backward
+            scores.append(sc)
+            outs.append(torch.matmul(F.silu(sc), v[:, :, :e]))
         ctx.save_for_backward(q, k, v, *scores)
         ctx.blocks, ctx.alpha, ctx.table_shape, ctx.table_dtype = blocks, alpha, table.shape, table.dtype
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
