@@ -7,8 +7,9 @@ requests (ML-1M HSTU; history up to 200, retrieve 100, rank 100, return 10):
 
 1. S(B): the engine's time for a batch of B requests (``TorchEngine.run``, the median of
    several batches of distinct random requests), for B from 1 to 16, and its linear fit
-   S(B) = fixed + per_request * B; for the engine's default (padded) path and, side by side on
-   the same batches in alternation, the model's jagged path (``TorchEngine(padded=False)``);
+   S(B) = fixed + per_request * B; for the engine's default path (the tower in native code,
+   ``serve.native``) and, side by side on the same batches in alternation, the padded PyTorch
+   path (``TorchEngine(native=False)``) and the model's jagged path (``TorchEngine(padded=False)``);
 2. the open-loop latency the engine alone (the default path) would give: Poisson arrivals at each offered QPS,
    continuous batching (whatever queued while a batch ran forms the next, up to 32, as the
    server's ``--max-wait-ms 0``), each batch taking the measured S(B) (interpolated), p50 and
@@ -98,14 +99,15 @@ def main() -> None:
     cpu = sorted(os.sched_getaffinity(0))[-1]
     os.sched_setaffinity(0, {cpu})  # one core, as the served engine process
     peak = peak_gflops(1)
-    engines = {"padded": TorchEngine(artifact), "jagged": TorchEngine(artifact, padded=False)}
-    if engines["padded"].padded is None:
+    engines = {"default": TorchEngine(artifact), "padded": TorchEngine(artifact, native=False),
+               "jagged": TorchEngine(artifact, padded=False)}
+    if engines["default"].padded is None:
         raise SystemExit("this artifact's model does not take the padded path (serve.padded.supports)")
-    works = [decode("recommend", p, engines["padded"].schema, Limits()) for p in payloads[:500]]
+    works = [decode("recommend", p, engines["default"].schema, Limits()) for p in payloads[:500]]
     gc.collect()
     gc.freeze()  # as the server does once loaded
     both = batch_times(engines, works, args.reps)
-    times = both["padded"]
+    times = both["default"]
     bs, ms = np.array(list(times)), np.array(list(times.values()))
     fixed, per_request = linear_fit(times)
 
@@ -125,10 +127,10 @@ def main() -> None:
     # the largest engine cost (a factor on every S(B)) that meets the goal, in steps of 0.05
     scale = next((f for f in np.arange(1.0, 0.0, -0.05) if simulate(service(f), args.goal_qps)[1] <= args.slo_p99_ms), None)
     payload = {"date": today(), "machine": machine(), "command": " ".join(["python -m benchmarks.engine_capacity", *sys.argv[1:]]),
-               "artifact": str(artifact), "cpu": cpu, "peak_gflops": peak,
+               "artifact": str(artifact), "cpu": cpu, "peak_gflops": peak, "default_path": engines["default"].path,
                "batch_ms": {str(k): v for k, v in times.items()}, "fit": {"fixed_ms": fixed, "per_request_ms": per_request},
-               "jagged_batch_ms": {str(k): v for k, v in both["jagged"].items()},
-               "jagged_fit": dict(zip(("fixed_ms", "per_request_ms"), linear_fit(both["jagged"]))),
+               **{f"{alt}_batch_ms": {str(k): v for k, v in both[alt].items()} for alt in ("padded", "jagged")},
+               **{f"{alt}_fit": dict(zip(("fixed_ms", "per_request_ms"), linear_fit(both[alt]))) for alt in ("padded", "jagged")},
                "slo_p99_ms": args.slo_p99_ms, "steps": steps, "max_qps_within_slo": max(ok) if ok else 0,
                "goal_qps": args.goal_qps, "cost_factor_for_goal": None if scale is None else round(float(scale), 2)}
     write_json("engine_capacity", payload)
@@ -144,15 +146,17 @@ def render(p: dict) -> str:
              "serving benchmark's requests (history up to 200, retrieve 100, rank 100, return 10).", "",
              "| batch of B requests | " + " | ".join(p["batch_ms"]) + " |",
              "|---|" + "---|" * len(p["batch_ms"]),
-             "| engine ms (median), padded path (the default) | "
+             f"| engine ms (median), {p.get('default_path', 'padded')} path (the default) | "
              + " | ".join(f"{v:.2f}" for v in p["batch_ms"].values()) + " |"]
-    jag = p.get("jagged_batch_ms")
-    if jag:
-        lines += ["| the model's jagged path, same batches alternately | " + " | ".join(f"{v:.2f}" for v in jag.values()) + " |",
-                  "| jagged / padded | " + " | ".join(f"{jag[k] / v:.2f}x" for k, v in p["batch_ms"].items()) + " |"]
+    names = {"padded": "the padded PyTorch path", "jagged": "the model's jagged path"}
+    alts = [a for a in names if p.get(f"{a}_batch_ms") and a != p.get("default_path", "padded")]
+    for a in alts:
+        ms = p[f"{a}_batch_ms"]
+        lines += [f"| {names[a]}, same batches alternately | " + " | ".join(f"{v:.2f}" for v in ms.values()) + " |",
+                  f"| {a} / default | " + " | ".join(f"{ms[k] / v:.2f}x" for k, v in p["batch_ms"].items()) + " |"]
+    fits = "; ".join(f"{a} path: {p[f'{a}_fit']['fixed_ms']:.2f} + {p[f'{a}_fit']['per_request_ms']:.2f} B" for a in alts)
     lines += ["", f"Fit: S(B) = {p['fit']['fixed_ms']:.2f} + {p['fit']['per_request_ms']:.2f} B ms"
-              + (f" (jagged path: {p['jagged_fit']['fixed_ms']:.2f} + {p['jagged_fit']['per_request_ms']:.2f} B)" if jag else "")
-              + ".", "",
+              + (f" ({fits})" if fits else "") + ".", "",
              "| offered QPS | p50 ms | p99 ms |", "|---|---|---|"]
     lines += [f"| {s['offered_qps']:g} | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} |" for s in p["steps"]]
     f = p["cost_factor_for_goal"]

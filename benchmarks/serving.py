@@ -7,6 +7,8 @@ harness from this process:
 
 * (a) naive: one request at a time, eager, history encoded twice (``--engine naive``);
 * (b) torch: cross-request batching, history encoded once (``--engine torch``);
+* (b') torch-padded: (b) with the tower on the padded PyTorch path instead of native code
+  (``GENREC_NATIVE=0``), the side-by-side for ``serve.native``;
 * (c) sglang: the tower inside SGLang (``--engine sglang``), when SGLang is installed.
 
 The naive and torch engines run in their own process behind the gRPC front-end (the
@@ -21,7 +23,7 @@ request (``torch.utils.flop_counter``), the machine's peak from a matmul micro-b
 hence how close each server gets to the physical limit, and where the server's time goes
 at load (its per-stage profile).
 
-    python -m benchmarks.serving [--artifact DIR] [--engines naive,torch,torch-inproc,torch-replicas2,sglang]
+    python -m benchmarks.serving [--artifact DIR] [--engines naive,torch,torch-padded,torch-inproc,torch-replicas2,sglang]
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ SWEEPS = {
     # for the naive server (a run of 2026-12-01), which left "x naive" undefined
     "naive": [10, 25, 50, 75, 100, 150, 200, 300],
     "torch": [10, 50, 100, 150, 200, 300, 400, 500, 600],
+    "torch-padded": [10, 50, 100, 150, 200, 300, 400, 500, 600],
     "torch-inproc": [10, 50, 100, 150, 200, 300, 400, 500],
     "torch-replicas2": [10, 50, 100, 150, 200, 300, 400, 500],
     "sglang": [25, 50, 100, 200, 300, 400],
@@ -62,7 +65,9 @@ SERVER_ARGS = {"naive": ["--max-batch", "1"], "torch": ["--max-batch", "32", "--
                "sglang": ["--max-batch", "32", "--max-wait-ms", "0"]}
 SERVER_ARGS["torch-inproc"] = [*SERVER_ARGS["torch"], "--no-engine-process"]
 SERVER_ARGS["torch-replicas2"] = [*SERVER_ARGS["torch"], "--engine-replicas", "2"]
-ENGINE = {"torch-inproc": "torch", "torch-replicas2": "torch"}  # server variant -> --engine
+SERVER_ARGS["torch-padded"] = SERVER_ARGS["torch"]
+ENGINE = {"torch-inproc": "torch", "torch-replicas2": "torch", "torch-padded": "torch"}  # server variant -> --engine
+ENV = {"torch-padded": {"GENREC_NATIVE": "0"}}  # server variant -> extra environment
 
 
 def default_artifact(out: Path) -> Path:
@@ -109,23 +114,26 @@ def peak_gflops(threads: int, n: int = 2048, reps: int = 10) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
 
 
-def flops_per_request(artifact: Path, payload: bytes) -> float:
+def flops_per_request(artifact: Path, payloads: list[bytes]) -> float:
+    """The model's FLOPs per request, the mean over ``payloads`` (one request at a time), counted
+    on the padded PyTorch path (the native path's work is invisible to the counter; both compute
+    the same layers)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from serve.engine import TorchEngine
     from serve.requests import Limits, decode
 
-    engine = TorchEngine(artifact)
-    work = decode("recommend", payload, engine.schema, Limits())
+    engine = TorchEngine(artifact, native=False)
     with FlopCounterMode(display=False) as fc:
-        engine.run([work])
-    return float(fc.get_total_flops())
+        for p in payloads:
+            engine.run([decode("recommend", p, engine.schema, Limits())])
+    return float(fc.get_total_flops()) / len(payloads)
 
 
 def start_server(engine: str, artifact: Path, threads: int, profile_out: Path) -> tuple[subprocess.Popen, str, dict]:
     """The server process, its address, and the CPU layout it reports (``--engine-cpus auto``:
     engine processes and front-end CPUs; empty lists when nothing is pinned)."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "GENREC_PROFILE_OUT": str(profile_out)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "GENREC_PROFILE_OUT": str(profile_out), **ENV.get(engine, {})}
     cmd = [sys.executable, "-m", "genrec.cli", "serve", "--artifact", str(artifact), "--engine", ENGINE.get(engine, engine),
            "--host", "127.0.0.1", "--port", "0", "--threads", str(threads), "--max-queue", "512",
            *SERVER_ARGS[engine]]
@@ -165,14 +173,14 @@ def single_request_latency(target: str, payloads: list[bytes], n: int = 300) -> 
 
 def main() -> None:
     ap = serving_arguments(__doc__)
-    ap.add_argument("--engines", default="naive,torch,torch-inproc,torch-replicas2,sglang")
+    ap.add_argument("--engines", default="naive,torch,torch-padded,torch-inproc,torch-replicas2,sglang")
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--server-threads", type=int, default=1)
     args = ap.parse_args()
     out = Path(args.out)
     artifact, payloads = artifact_and_requests(out, args.artifact)
     peak = peak_gflops(args.server_threads)
-    flops = flops_per_request(artifact, payloads[0])
+    flops = flops_per_request(artifact, payloads[:50])
     torch.set_num_threads(1)  # the load generator keeps to itself
     results, sweeps = {}, {}
     all_cpus = tuple(sorted(os.sched_getaffinity(0)))
@@ -219,6 +227,8 @@ def render(p: dict) -> str:
              f"`python -m benchmarks.serving` — {p['date']}, {p['machine']['cpu']}, {p['machine']['cores']} cores "
              f"shared by the server (a gRPC front-end process and an engine process with {p['server_threads']} compute "
              "thread, pinned to the last CPU; the front-end and the load generator on the other) and the load generator; "
+             "torch: the tower in native code (serve.native); torch-padded: the same server with the tower on the padded "
+             "PyTorch path (GENREC_NATIVE=0); "
              "torch-inproc: the engine in the front-end's process, nothing pinned; torch-replicas2: two engine processes, "
              "one per CPU. Requests: history up to 200, retrieve 100 from the catalogue, rank 100, return 10.", "",
              f"| server | max QPS with p99 <= {p['slo_p99_ms']:g} ms | x naive | single request p50 / p99 ms | "
@@ -231,14 +241,17 @@ def render(p: dict) -> str:
         s = r["single_request"]
         lines.append(f"| {name} | {r['max_qps_within_slo']:g} | {vs} | {s['p50_ms']:.2f} / {s['p99_ms']:.2f} | "
                      f"{100 * r['utilization_at_max']:.1f}% |")
-    lines += ["", f"Model FLOPs per request: {p['flops_per_request'] / 1e6:.1f} MFLOP; machine peak (fp32 matmul, "
+    lines += ["", f"Model FLOPs per request: {p['flops_per_request'] / 1e6:.1f} MFLOP (the mean over 50 requests, counted "
+              f"on the padded PyTorch path); machine peak (fp32 matmul, "
               f"{p['server_threads']} thread): {p['peak_gflops']:.1f} GFLOP/s.", "",
               "Where the batched server's time goes at load (share of server time, front-end and engine process):", ""]
     prof = p["engines"].get("torch", {}).get("profile", {})
     stages = prof.get("stages_s", {})
     total = sum(stages.values()) or 1.0
-    lines += ["| stage | share |", "|---|---|"] + [f"| {k} | {100 * v / total:.1f}% |" for k, v in
-                                                  sorted(stages.items(), key=lambda kv: -kv[1])]
+    served = prof.get("served") or 0
+    lines += ["| stage | share | ms per request served |", "|---|---|---|"] + [
+        f"| {k} | {100 * v / total:.1f}% | {1e3 * v / served:.2f} |" if served else f"| {k} | {100 * v / total:.1f}% | - |"
+        for k, v in sorted(stages.items(), key=lambda kv: -kv[1])]
     lines += ["", "![latency vs load](results/serving_latency.png)"]
     return "\n".join(lines)
 

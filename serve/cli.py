@@ -44,7 +44,9 @@ def engine_cpus(args: argparse.Namespace) -> tuple[list[tuple[int, ...]], tuple[
 async def _serve(cfg: ServeConfig, artifact: str) -> None:
     server = RecommenderServer(cfg, artifact)
     port = await server.start()
-    print(f"genrec serving {server.engine.version} ({cfg.engine}) on {cfg.host}:{port}", flush=True)
+    path = getattr(server.engine, "path", None)  # the torch engine's tower: native, padded or jagged
+    print(f"genrec serving {server.engine.version} ({cfg.engine}{f', {path} path' if path else ''}) on {cfg.host}:{port}",
+          flush=True)
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stopping.set)

@@ -9,9 +9,11 @@ Flow of one batch (what ``TorchEngine.run`` does):
                (model.score_candidates) -> task probabilities
     order:     by the objective: retrieval score, a task, or eCPM = bid x prod(tasks)
 
-On CPU, an HSTU model with summed action tokens takes ``serve.padded.PaddedHSTU`` for the
-two model steps instead (same numbers, the batch padded to [B, L] once instead of the
-jagged bookkeeping); ``TorchEngine(padded=False)`` keeps the model's own path.
+On CPU, an HSTU model with summed action tokens takes ``serve.native.NativeHSTU`` for the
+two model steps instead (same numbers: the tower's layers for the whole batch in one native
+call), or ``serve.padded.PaddedHSTU`` where the native library does not build or
+``GENREC_NATIVE=0`` (the batch padded to [B, L] once instead of the jagged bookkeeping);
+``TorchEngine(padded=False)`` keeps the model's own path.
 
 Engines share this interface so the server and the parity test treat them alike; the
 SGLang engine (``serve.sglang_engine``) runs the same tower inside SGLang.
@@ -32,7 +34,8 @@ from models.inputs import SequenceBatch
 from models.recommender import GenerativeRecommender
 from quant.artifact import Manifest
 from quant.convert import load_model
-from serve.padded import PaddedHistory, PaddedHSTU, context_kjt, supports
+from serve import native as native_path
+from serve.padded import PaddedHSTU, context_kjt, supports
 from serve.requests import ModelSchema, UserInput, Work
 
 
@@ -96,10 +99,13 @@ class TorchEngine:
     name = "torch"
 
     def __init__(self, artifact: str | Path, device: str = "cpu", micro_batch: int = 4096,
-                 objective_tasks: tuple[str, ...] | None = None, padded: bool | None = None) -> None:
+                 objective_tasks: tuple[str, ...] | None = None, padded: bool | None = None,
+                 native: bool | None = None) -> None:
         """``padded``: run an HSTU model through :class:`serve.padded.PaddedHSTU` (same
         numbers, about 30% fewer operator calls); default: on CPU, when the model is one it covers.
-        False keeps the model's jagged path (``encode_history`` / ``score_candidates``)."""
+        False keeps the model's jagged path (``encode_history`` / ``score_candidates``).
+        ``native``: on that path, the tower in native code (:class:`serve.native.NativeHSTU`);
+        default: where the model is one it covers and the library builds (``GENREC_NATIVE=0``: off)."""
         self.device = torch.device(device)
         self.model, self.manifest = load_model(artifact, self.device)
         self.artifact = str(artifact)
@@ -115,8 +121,11 @@ class TorchEngine:
         self.version = version_of(self.manifest)
         if padded is None:
             padded = self.device.type == "cpu" and supports(self.model)
-        self.padded = PaddedHSTU(self.model) if padded else None
-        self.stages: dict[str, float] = {}  # seconds spent per stage, summed over batches
+        if native is None:
+            native = bool(padded) and native_ok(self.model)
+        self.padded = (native_path.NativeHSTU(self.model) if native else PaddedHSTU(self.model)) if padded else None
+        self.path = ("native" if native else "padded") if padded else "jagged"  # how the tower runs
+        self._stages: dict[str, float] = {}  # seconds spent per stage, summed over batches
 
     @property
     def tower(self) -> str:
@@ -124,26 +133,36 @@ class TorchEngine:
 
     def _mark(self, stage: str, t0: float) -> float:
         now = time.perf_counter()
-        self.stages[stage] = self.stages.get(stage, 0.0) + now - t0
+        self._stages[stage] = self._stages.get(stage, 0.0) + now - t0
         return now
 
     @torch.inference_mode()
     def run(self, works: list[Work]) -> list[Result]:
         t0 = t = time.perf_counter()
+        # the native path profiles its own steps finer (lookups, tower, ranking head): see stages
+        fine = self.path == "native"
         if self.padded is not None:  # lays the batch out itself
             users, state = self.padded.encode([w.user for w in works])
         else:
             batch = collate_users([w.user for w in works], self.model, self.device)
             t = self._mark("collate", t)
             users, state = self.model.encode_history(batch)  # embedding lookups + tower
-        t = self._mark("encode_history", t)
+        t = time.perf_counter() if fine else self._mark("encode_history", t)
         need = [(i, w) for i, w in enumerate(works) if w.kind == "retrieve" or w.candidates is None]
         retrieved = self.retrieve(users, need) if need else {}
         t = self._mark("retrieve_topk", t)
         to_rank = self.plan_ranking(works, retrieved)
         probs = self.score(state, to_rank)
-        t = self._mark("rank_candidates", t)
+        t = time.perf_counter() if fine else self._mark("rank_candidates", t)
         return self.finish(works, retrieved, to_rank, probs, t0)
+
+    @property
+    def stages(self) -> dict[str, float]:
+        """Seconds spent per stage, summed over batches (the native path adds its own)."""
+        own = self._stages
+        if self.path == "native":
+            own = {**own, **self.padded.stages}
+        return own
 
     def plan_ranking(self, works: list[Work], retrieved: dict) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """What each work ranks: (table rows, ids to return, bids) -- its given candidates or
@@ -200,7 +219,7 @@ class TorchEngine:
         if not to_rank:
             return {}
         keys = list(to_rank)
-        if isinstance(state, PaddedHistory):
+        if self.padded is not None:  # the state is its encode()'s
             return dict(zip(keys, self.padded.score(state, keys, [to_rank[i][0] for i in keys])))
         items = torch.from_numpy(np.concatenate([to_rank[i][0] for i in keys])).to(self.device)
         owner = torch.from_numpy(np.concatenate([np.full(to_rank[i][0].size, i) for i in keys])).to(self.device)
@@ -221,6 +240,11 @@ class TorchEngine:
         for t in self.objective_tasks:
             value *= tasks[t]
         return value
+
+
+def native_ok(model: GenerativeRecommender) -> bool:
+    """Whether the native path computes this model here (it covers it and the library builds)."""
+    return native_path.supports(model) and native_path.library() is not None
 
 
 def version_of(manifest: Manifest) -> str:

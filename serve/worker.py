@@ -104,7 +104,7 @@ def _child(conn: Connection, kind: str, artifact: str, device: str, settings: Pr
         return
     quiet_gc()
     conn.send(("ready", {"name": engine.name, "version": engine.version, "schema": engine.schema,
-                         "manifest": engine.manifest, "tower": engine.tower}))
+                         "manifest": engine.manifest, "tower": engine.tower, "path": getattr(engine, "path", None)}))
     while True:
         try:
             op, payload = conn.recv()
@@ -160,6 +160,7 @@ class EngineProcess:
         self.schema: ModelSchema = meta["schema"]
         self.manifest: Manifest = meta["manifest"]
         self.tower: str = meta["tower"]
+        self.path: str | None = meta.get("path")  # how the engine runs the tower (TorchEngine.path)
 
     def _call(self, op: str, payload: Any = None) -> Any:  # noqa: ANN401 - the op's reply
         with self.lock:
@@ -241,7 +242,7 @@ class EnginePool:
         self.replicas = replicas
         first = replicas[0]
         self.name, self.version, self.schema = first.name, first.version, first.schema
-        self.manifest, self.tower, self.artifact = first.manifest, first.tower, first.artifact
+        self.manifest, self.tower, self.artifact, self.path = first.manifest, first.tower, first.artifact, first.path
         self.idle: queue.SimpleQueue[EngineProcess] = queue.SimpleQueue()
         for r in replicas:
             self.idle.put(r)

@@ -330,7 +330,7 @@ def test_engine_process_answers_like_the_in_process_engine_and_replaces_a_killed
                 np.testing.assert_allclose(a.scores, b.scores, rtol=1e-6)
 
         same(remote.run(works))
-        assert remote.stages["encode_history"] > 0
+        assert remote.stages["retrieve_topk"] > 0
         bad = Work("rank", u, candidates=np.array([10**9]), candidate_ids=np.array([10**9]), bids=np.ones(1))
         with pytest.raises(Exception) as e:  # the engine's own error, raised again in this process
             remote.run([bad])
@@ -341,7 +341,7 @@ def test_engine_process_answers_like_the_in_process_engine_and_replaces_a_killed
         assert remote.restarts == 1
     finally:
         remote.close()
-    assert not remote.proc.is_alive() and remote.stages["encode_history"] > 0  # stages kept after close
+    assert not remote.proc.is_alive() and remote.stages["retrieve_topk"] > 0  # stages kept after close
 
 
 def test_closing_a_stuck_engine_process_is_bounded(artifacts):
@@ -413,9 +413,9 @@ def test_engine_pool_runs_batches_on_free_replicas_with_the_same_answers(artifac
                 np.testing.assert_array_equal(a.item_ids, b.item_ids)
                 np.testing.assert_allclose(a.scores, b.scores, rtol=1e-6)
         # both replicas took batches: 16 runs of 2 works each, summed over the replicas
-        per_replica = [r.stages["encode_history"] for r in pool.replicas]
+        per_replica = [r.stages["retrieve_topk"] for r in pool.replicas]
         assert all(t > 0 for t in per_replica)
-        assert pool.stages["encode_history"] == pytest.approx(sum(per_replica))
+        assert pool.stages["retrieve_topk"] == pytest.approx(sum(per_replica))
     finally:
         pool.close()
     assert not any(r.proc.is_alive() for r in pool.replicas)
@@ -434,7 +434,7 @@ def test_server_with_engine_replicas_serves_batches_concurrently(artifacts):
             got = list(ex.map(lambda u: c.recommend(u, retrieve_k=20, top_k=5), us * 4))
         assert all(len(r.items) == 5 for r in got)
         # at least 4 batches (max_batch 4) and free replicas queue first in, first out: both computed
-        assert all(r.stages.get("encode_history", 0) > 0 for r in srv.server.engine.replicas)
+        assert all(r.stages.get("retrieve_topk", 0) > 0 for r in srv.server.engine.replicas)
     finally:
         srv.stop()
     assert not any(r.proc.is_alive() for r in srv.server.engine.replicas)
@@ -492,6 +492,27 @@ def test_naive_engine_returns_the_same_answers_as_the_batched_engine(artifacts):
     for a, b in zip(fast.run(works), naive.run(works)):
         np.testing.assert_array_equal(a.item_ids, b.item_ids)
         np.testing.assert_allclose(a.scores, b.scores, rtol=1e-5, atol=1e-7)
+
+
+def test_the_engine_paths_native_padded_and_jagged_answer_alike(artifacts, monkeypatch):
+    from serve.native import library
+    from serve.requests import decode
+
+    default = TorchEngine(artifacts["hstu"])
+    assert default.path == ("native" if library() is not None else "padded")
+    padded, jagged = TorchEngine(artifacts["hstu"], native=False), TorchEngine(artifacts["hstu"], padded=False)
+    assert (padded.path, jagged.path) == ("padded", "jagged")
+    monkeypatch.setenv("GENREC_NATIVE", "0")
+    assert TorchEngine(artifacts["hstu"]).path == "padded"
+    works = []
+    for seed in range(5):
+        req = pb.RecommendRequest(user=user(history(3 + 7 * seed, seed), CTX), retrieve_k=30, top_k=8)
+        works.append(decode("recommend", req.SerializeToString(), default.schema, Limits()))
+    for a, b, c in zip(default.run(works), padded.run(works), jagged.run(works)):
+        np.testing.assert_array_equal(a.item_ids, c.item_ids)
+        np.testing.assert_array_equal(b.item_ids, c.item_ids)
+        np.testing.assert_allclose(a.scores, c.scores, rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose(b.scores, c.scores, rtol=1e-4, atol=1e-7)
 
 
 def test_unknown_fields_are_named_at_any_depth_and_odd_but_valid_encodings_pass():

@@ -1,0 +1,342 @@
+// The HSTU tower's serving steps (history encoding and candidate scoring) on CPU, one call
+// per step for the whole batch: every layer's LayerNorm, fused uvqk GEMM, SiLU, relative-bias
+// attention over the causal pairs only, U gate and output GEMM in tight loops over packed rows,
+// with no framework operator between them (kernels/native.py builds and loads it; serve/native.py
+// calls it). fp32 throughout; GCC/Clang vector extensions (8 floats), so it builds on any
+// target and vectorises to AVX2/AVX-512 with -march=native.
+//
+// Layout (row-major, packed: user b's history rows are offsets[b]..offsets[b+1]-1):
+//   x     [T, D]        token inputs (item row (+ action row)) * scale + position embedding
+//   z     [T, G]        SiLU(LN(x) W_uvqk + b), G = H*(2 Dv + 2 Dqk), columns u | v | q | k, head-major
+//   cache k [T, H*Dqk], v [T, H*Dv] per layer, for the candidates
+// A layer's parameters come as 11 pointers (see Param); the bias table is kernels.hstu_attention's
+// bias_table: table[distance * nb + time bucket]. Pairs the mask forbids are skipped, not biased.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+inline v8f ld(const float* p) { v8f v; std::memcpy(&v, p, sizeof v); return v; }
+inline void st(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
+inline v8f splat(float a) { return v8f{a, a, a, a, a, a, a, a}; }
+
+// exp(x) for x in float range: Cephes' expf reduction and polynomial (~1 ulp), lane-wise.
+inline v8f vexp(v8f x) {
+  x = x > splat(88.3762626647949f) ? splat(88.3762626647949f) : x;
+  x = x < splat(-87.3365478515625f) ? splat(-87.3365478515625f) : x;
+  v8f fx = x * splat(1.44269504088896341f) + splat(0.5f);
+  v8f t = __builtin_convertvector(__builtin_convertvector(fx, v8i), v8f);  // trunc
+  fx = t > fx ? t - splat(1.0f) : t;                                        // floor
+  x = x - fx * splat(0.693359375f) - fx * splat(-2.12194440e-4f);
+  v8f y = splat(1.9875691500e-4f);
+  y = y * x + splat(1.3981999507e-3f);
+  y = y * x + splat(8.3334519073e-3f);
+  y = y * x + splat(4.1665795894e-2f);
+  y = y * x + splat(1.6666665459e-1f);
+  y = y * x + splat(5.0000001201e-1f);
+  y = y * x * x + x + splat(1.0f);
+  v8i e = (__builtin_convertvector(fx, v8i) + 127) << 23;
+  v8f scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  return y * scale;
+}
+
+inline v8f vsilu(v8f x) { return x / (splat(1.0f) + vexp(-x)); }
+
+void silu_inplace(float* p, int n) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) st(p + i, vsilu(ld(p + i)));
+  if (i < n) {
+    float tmp[8] = {0};
+    std::memcpy(tmp, p + i, sizeof(float) * (n - i));
+    st(tmp, vsilu(ld(tmp)));
+    std::memcpy(p + i, tmp, sizeof(float) * (n - i));
+  }
+}
+
+// C[MR, 8 NV] (+)= A[MR, K] B[K, 8 NV], the accumulators in registers.
+template <int MR, int NV>
+inline void tile(int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc, bool acc) {
+  v8f c[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) c[r][v] = acc ? ld(C + r * ldc + 8 * v) : splat(0.0f);
+  for (int k = 0; k < K; ++k) {
+    v8f b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = ld(B + (size_t)k * ldb + 8 * v);
+    for (int r = 0; r < MR; ++r) {
+      v8f a = splat(A[(size_t)r * lda + k]);
+      for (int v = 0; v < NV; ++v) c[r][v] += a * b[v];
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) st(C + (size_t)r * ldc + 8 * v, c[r][v]);
+}
+
+template <int NV>
+inline void rows_tile(int mr, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc, bool acc) {
+  switch (mr) {
+    case 1: tile<1, NV>(K, A, lda, B, ldb, C, ldc, acc); break;
+    case 2: tile<2, NV>(K, A, lda, B, ldb, C, ldc, acc); break;
+    case 3: tile<3, NV>(K, A, lda, B, ldb, C, ldc, acc); break;
+    case 4: tile<4, NV>(K, A, lda, B, ldb, C, ldc, acc); break;
+    case 5: tile<5, NV>(K, A, lda, B, ldb, C, ldc, acc); break;
+    default: tile<6, NV>(K, A, lda, B, ldb, C, ldc, acc); break;
+  }
+}
+
+// C[M, N] (+)= A[M, K] B[K, N]; N a multiple of 8.
+void gemm(int M, int N, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc, bool acc) {
+  for (int i = 0; i < M; i += 6) {
+    int mr = M - i < 6 ? M - i : 6;
+    const float* a = A + (size_t)i * lda;
+    float* c = C + (size_t)i * ldc;
+    int j = 0;
+    for (; j + 16 <= N; j += 16) rows_tile<2>(mr, K, a, lda, B + j, ldb, c + j, ldc, acc);
+    if (j < N) rows_tile<1>(mr, K, a, lda, B + j, ldb, c + j, ldc, acc);
+  }
+}
+
+// y[r] = LayerNorm(x[r]) (eps 1e-5, biased variance, affine), rows of n values.
+void layer_norm(int rows, int n, const float* x, int ldx, const float* w, const float* b, float* y, int ldy) {
+  for (int r = 0; r < rows; ++r) {
+    const float* xr = x + (size_t)r * ldx;
+    float* yr = y + (size_t)r * ldy;
+    float mean = 0.f, var = 0.f;
+    for (int i = 0; i < n; ++i) mean += xr[i];
+    mean /= n;
+    for (int i = 0; i < n; ++i) var += (xr[i] - mean) * (xr[i] - mean);
+    float inv = 1.0f / std::sqrt(var / n + 1e-5f);
+    for (int i = 0; i < n; ++i) yr[i] = (xr[i] - mean) * inv * w[i] + b[i];
+  }
+}
+
+// The 11 parameter pointers of one layer, in this order.
+enum Param { LN_W, LN_B, UVQK_WT, UVQK_B, ON_W, ON_B, OUT_WT, OUT_B, TABLE, P_COUNT };
+
+struct Dims {
+  int D, H, dqk, dv, n, nb;  // model dim, heads, head dims, max_seq_len, time buckets
+  float alpha;
+  int G() const { return H * (2 * dv + 2 * dqk); }
+  int U() const { return H * dv; }
+};
+
+// Time bucket of a gap: thresholds[b] is the smallest gap in bucket >= b (kernels/native.py
+// derives them from kernels.hstu_attention.time_bucket itself, so the two agree exactly).
+inline int bucket(int64_t dt, const int64_t* thr, int nb) {
+  if (dt <= 0 || nb <= 1) return 0;
+  int lo = 0, hi = nb - 1;  // largest b with thr[b] <= dt
+  while (lo < hi) {
+    int mid = (lo + hi + 1) >> 1;
+    if (thr[mid] <= dt) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// SiLU(LN(x) W + b) for `rows` rows -> z [rows, G].
+void uvqk(const Dims& d, const float* const* p, int rows, const float* x, int ldx, float* y, float* z) {
+  layer_norm(rows, d.D, x, ldx, p[LN_W], p[LN_B], y, d.D);
+  int G = d.G();
+  for (int r = 0; r < rows; ++r) std::memcpy(z + (size_t)r * G, p[UVQK_B], sizeof(float) * G);
+  gemm(rows, G, d.D, y, d.D, p[UVQK_WT], G, z, G, true);
+  silu_inplace(z, rows * G);
+}
+
+// x[r] += out(u[r] * LN_out(attn[r] / n)) + out_b for `rows` rows (attn [rows, H Dv] is overwritten).
+void gate(const Dims& d, const float* const* p, int rows, float* attn, const float* z, float* x, int ldx) {
+  int U = d.U(), G = d.G();
+  float inv_n = 1.0f / d.n;
+  for (int r = 0; r < rows; ++r) {
+    float* a = attn + (size_t)r * U;
+    for (int i = 0; i < U; ++i) a[i] *= inv_n;
+    layer_norm(1, U, a, U, p[ON_W], p[ON_B], a, U);
+    const float* u = z + (size_t)r * G;
+    for (int i = 0; i < U; ++i) a[i] *= u[i];
+    float* xr = x + (size_t)r * ldx;
+    for (int i = 0; i < d.D; ++i) xr[i] += p[OUT_B][i];
+  }
+  gemm(rows, d.D, U, attn, U, p[OUT_WT], d.D, x, ldx, true);
+}
+
+// kT [dqk, hp] (zero past h) <- the k columns of head `hd` of rows k[h, ldk].
+void transpose_keys(int h, int hp, int dqk, const float* k, int ldk, float* kT) {
+  for (int c = 0; c < dqk; ++c) {
+    float* row = kT + (size_t)c * hp;
+    for (int j = 0; j < h; ++j) row[j] = k[(size_t)j * ldk + c];
+    for (int j = h; j < hp; ++j) row[j] = 0.f;
+  }
+}
+
+inline int pad8(int x) { return (x + 7) & ~7; }
+
+}  // namespace
+
+extern "C" {
+
+// Encode B histories: x [T, D] (modified), offsets [B + 1], tq / tk [T] query / event times
+// (int64, any origin; ignored when nb == 1), time thresholds [nb]. Writes every layer's k / v
+// rows to kc [L, T, H Dqk] / vc [L, T, H Dv] and each history's last row after the last
+// layer to out [B, D] (before the tower's final norm). params: L * P_COUNT pointers.
+int genrec_hstu_encode(int L, const float* const* params, int D, int H, int dqk, int dv, int n, int nb, float alpha,
+                       const int64_t* thr, int B, const int64_t* offsets, const int64_t* tq, const int64_t* tk,
+                       float* x, float* kc, float* vc, float* out) {
+  Dims d{D, H, dqk, dv, n, nb, alpha};
+  const int T = (int)offsets[B], G = d.G(), U = d.U();
+  const int BLOCK = 64;
+  std::vector<float> y((size_t)T * D), z((size_t)T * G), attn((size_t)T * U);
+  int hmax = 0;
+  for (int b = 0; b < B; ++b) hmax = std::max(hmax, (int)(offsets[b + 1] - offsets[b]));
+  const int hp_max = pad8(hmax);
+  std::vector<float> kT((size_t)dqk * hp_max), S((size_t)BLOCK * hp_max);
+  // bias codes of the causal pairs, per user [h, h] (row i: keys 0..i), shared by the layers
+  std::vector<size_t> code_at(B + 1, 0);
+  for (int b = 0; b < B; ++b) {
+    size_t h = offsets[b + 1] - offsets[b];
+    code_at[b + 1] = code_at[b] + h * h;
+  }
+  std::vector<int32_t> codes(code_at[B]);
+  for (int b = 0; b < B; ++b) {
+    const int h = (int)(offsets[b + 1] - offsets[b]);
+    const int64_t o = offsets[b];
+    int32_t* cb = codes.data() + code_at[b];
+    for (int i = 0; i < h; ++i)
+      for (int j = 0; j <= i; ++j) {
+        int dist = std::min(i - j, n - 1);
+        cb[(size_t)i * h + j] = dist * nb + (nb > 1 ? bucket(tq[o + i] - tk[o + j], thr, nb) : 0);
+      }
+  }
+  std::vector<float> xl((size_t)B * D), zl((size_t)B * G), al((size_t)B * U);
+  for (int l = 0; l < L; ++l) {
+    const float* const* p = params + (size_t)l * P_COUNT;
+    const float* table = p[TABLE];
+    const bool last = l == L - 1;
+    uvqk(d, p, T, x, D, y.data(), z.data());
+    float* kcl = kc + (size_t)l * T * H * dqk;
+    float* vcl = vc + (size_t)l * T * U;
+    for (int t = 0; t < T; ++t) {
+      const float* zr = z.data() + (size_t)t * G;
+      std::memcpy(vcl + (size_t)t * U, zr + U, sizeof(float) * U);
+      std::memcpy(kcl + (size_t)t * H * dqk, zr + 2 * U + H * dqk, sizeof(float) * H * dqk);
+    }
+    for (int b = 0; b < B; ++b) {
+      const int h = (int)(offsets[b + 1] - offsets[b]), hp = pad8(h);
+      const int64_t o = offsets[b];
+      const int32_t* cb = codes.data() + code_at[b];
+      const float* zb = z.data() + (size_t)o * G;
+      for (int hd = 0; hd < H; ++hd) {
+        const int vcol = U + hd * dv, qcol = 2 * U + hd * dqk, kcol = 2 * U + H * dqk + hd * dqk;
+        transpose_keys(h, hp, dqk, zb + kcol, G, kT.data());
+        const int s0 = last ? h - 1 : 0;  // the last layer: only each history's last row is read
+        for (int s = s0; s < h; s += BLOCK) {
+          const int e = std::min(s + BLOCK, h), r = e - s, ep = pad8(e);
+          // scores of rows s..e-1 against keys 0..e-1, in a [r, ep] block with row stride hp
+          gemm(r, ep, dqk, zb + (size_t)s * G + qcol, G, kT.data(), hp, S.data(), hp, false);
+          for (int i = 0; i < r; ++i) {
+            float* si = S.data() + (size_t)i * hp;
+            const int32_t* ci = cb + (size_t)(s + i) * h;
+            const int nk = s + i + 1;  // keys 0..s+i
+            for (int j = 0; j < nk; ++j) si[j] = alpha * si[j] + table[ci[j]];
+            silu_inplace(si, nk);
+            for (int j = nk; j < ep; ++j) si[j] = 0.f;
+          }
+          float* dst = last ? al.data() + (size_t)b * U + hd * dv : attn.data() + (size_t)(o + s) * U + hd * dv;
+          gemm(r, dv, e, S.data(), hp, zb + vcol, G, dst, U, false);
+        }
+      }
+    }
+    if (!last) {
+      gate(d, p, T, attn.data(), z.data(), x, D);
+    } else {
+      for (int b = 0; b < B; ++b) {
+        const int64_t row = offsets[b + 1] - 1;
+        std::memcpy(xl.data() + (size_t)b * D, x + (size_t)row * D, sizeof(float) * D);
+        std::memcpy(zl.data() + (size_t)b * G, z.data() + (size_t)row * G, sizeof(float) * G);
+      }
+      gate(d, p, B, al.data(), zl.data(), xl.data(), D);
+      std::memcpy(out, xl.data(), sizeof(float) * B * D);
+    }
+  }
+  return 0;
+}
+
+// Score candidates against encoded histories: x [N, D] candidate inputs (modified: the tower's
+// output before its final norm), grouped by user: cand_offsets [U + 1], user [U] (the batch
+// history each group reads). A candidate sits at position h (its history's length) at the
+// request time (the query time of the history's last row), sees every history row and itself.
+int genrec_hstu_score(int L, const float* const* params, int D, int H, int dqk, int dv, int n, int nb, float alpha,
+                      const int64_t* thr, const int64_t* offsets, const int64_t* tq, const int64_t* tk,
+                      const float* kc, const float* vc, int T, int Uc, const int64_t* cand_offsets, const int64_t* user,
+                      float* x) {
+  Dims d{D, H, dqk, dv, n, nb, alpha};
+  const int N = (int)cand_offsets[Uc], G = d.G(), U = d.U();
+  std::vector<float> y((size_t)N * D), z((size_t)N * G), attn((size_t)N * U);
+  int hmax = 0, cmax = 0;
+  std::vector<size_t> code_at(Uc + 1, 0);
+  for (int g = 0; g < Uc; ++g) {
+    int b = (int)user[g];
+    int h = (int)(offsets[b + 1] - offsets[b]);
+    hmax = std::max(hmax, h);
+    cmax = std::max(cmax, (int)(cand_offsets[g + 1] - cand_offsets[g]));
+    code_at[g + 1] = code_at[g] + h;
+  }
+  const int hp_max = pad8(hmax);
+  std::vector<float> kT((size_t)dqk * hp_max), S((size_t)cmax * hp_max);
+  std::vector<int32_t> codes(code_at[Uc]);  // a candidate's code against each history row
+  for (int g = 0; g < Uc; ++g) {
+    int b = (int)user[g];
+    const int64_t o = offsets[b];
+    const int h = (int)(offsets[b + 1] - o);
+    const int64_t req = tq[o + h - 1];
+    for (int j = 0; j < h; ++j)
+      codes[code_at[g] + j] = std::min(h - j, n - 1) * nb + (nb > 1 ? bucket(req - tk[o + j], thr, nb) : 0);
+  }
+  for (int l = 0; l < L; ++l) {
+    const float* const* p = params + (size_t)l * P_COUNT;
+    const float* table = p[TABLE];
+    const float* kcl = kc + (size_t)l * T * H * dqk;
+    const float* vcl = vc + (size_t)l * T * U;
+    uvqk(d, p, N, x, D, y.data(), z.data());
+    for (int g = 0; g < Uc; ++g) {
+      const int b = (int)user[g];
+      const int64_t o = offsets[b];
+      const int h = (int)(offsets[b + 1] - o), hp = pad8(h);
+      const int c0 = (int)cand_offsets[g], c = (int)(cand_offsets[g + 1] - c0);
+      if (c == 0) continue;
+      const int32_t* cg = codes.data() + code_at[g];
+      const float* zg = z.data() + (size_t)c0 * G;
+      for (int hd = 0; hd < H; ++hd) {
+        const int vcol = U + hd * dv, qcol = 2 * U + hd * dqk, kcol = 2 * U + H * dqk + hd * dqk;
+        transpose_keys(h, hp, dqk, kcl + (size_t)o * H * dqk + hd * dqk, H * dqk, kT.data());
+        gemm(c, hp, dqk, zg + qcol, G, kT.data(), hp, S.data(), hp, false);
+        for (int i = 0; i < c; ++i) {
+          float* si = S.data() + (size_t)i * hp;
+          for (int j = 0; j < h; ++j) si[j] = alpha * si[j] + table[cg[j]];
+          silu_inplace(si, h);
+          for (int j = h; j < hp; ++j) si[j] = 0.f;
+        }
+        float* dst = attn.data() + (size_t)c0 * U + hd * dv;
+        gemm(c, dv, h, S.data(), hp, vcl + (size_t)o * U + hd * dv, U, dst, U, false);
+        for (int i = 0; i < c; ++i) {  // ... and itself: distance 0 at the request time (table[0])
+          const float* zi = zg + (size_t)i * G;
+          float s = 0.f;
+          for (int t = 0; t < dqk; ++t) s += zi[qcol + t] * zi[kcol + t];
+          s = alpha * s + table[0];
+          float w = s / (1.0f + std::exp(-s));
+          float* di = dst + (size_t)i * U;
+          for (int t = 0; t < dv; ++t) di[t] += w * zi[vcol + t];
+        }
+      }
+    }
+    gate(d, p, N, attn.data(), z.data(), x, D);
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,185 @@
+"""The HSTU serving path in native code: the tower's layers for a whole batch in one call.
+
+:class:`serve.padded.PaddedHSTU` cut the jagged bookkeeping, but each layer is still a dozen
+PyTorch operators and every batch a thousand of them; on a 2-core CPU their dispatch and the
+passes over [B, L, L] score tensors are most of the time (one ML-1M request: 30.8 MFLOP,
+~0.5 ms at the matmul peak, ~6-7 ms through the padded path). Here the embedding lookups,
+the final norm, the ranking MLP and retrieval stay in PyTorch, and everything between the
+token inputs and the tower's output runs in ``kernels/cpu/hstu_serve.cpp``: packed rows
+through the GEMMs (no padding at all), attention over the causal pairs only, in query blocks
+of 64 against a transposed key block, bias codes computed once per batch and shared by the
+layers, SiLU fused where the scores are made.
+
+Same numbers as the model, to float rounding (``tests/test_native_serving.py`` checks user
+vectors and candidate probabilities against ``encode_history`` / ``score_candidates``).
+Covers what :func:`supports` says: the padded path's models, with fp32 dense weights and
+model and value widths that are multiples of 8. The engine takes it by default where the
+library builds (``kernels.native``); ``GENREC_NATIVE=0`` keeps the padded path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kernels import native
+from kernels.hstu_attention import time_bucket
+from models.recommender import GenerativeRecommender
+from serve.padded import PaddedHSTU, context_kjt
+from serve.padded import supports as padded_supports
+from serve.requests import UserInput
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+_F = ctypes.c_float
+
+
+def supports(model: GenerativeRecommender) -> bool:
+    """Whether :class:`NativeHSTU` computes this model."""
+    if not padded_supports(model) or model.dense_dtype != torch.float32:
+        return False
+    c, dim = model.cfg.hstu, model.pos_emb.weight.shape[1]
+    layers = list(model.tower.layers)
+    return (dim % 8 == 0 and c.v_dim % 8 == 0
+            and all(la.norm.eps == 1e-5 and la.out_norm.eps == 1e-5 and la.uvqk.bias is not None
+                    and la.out.bias is not None for la in layers))
+
+
+def library() -> ctypes.CDLL | None:
+    lib = native.library("hstu_serve")
+    if lib is not None and not hasattr(lib, "_genrec_typed"):
+        common = [_I, _P, _I, _I, _I, _I, _I, _I, _F, _P]
+        lib.genrec_hstu_encode.argtypes = [*common, _I, _P, _P, _P, _P, _P, _P, _P]
+        lib.genrec_hstu_score.argtypes = [*common, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P]
+        lib.genrec_hstu_encode.restype = lib.genrec_hstu_score.restype = _I
+        lib._genrec_typed = True
+    return lib
+
+
+def time_thresholds(num_buckets: int) -> np.ndarray:
+    """[nb] int64: the smallest time gap (>= 0) that :func:`time_bucket` puts in bucket b or
+    above (int64 max where none does). A binary search over the function itself, so the
+    native code's buckets are PyTorch's exactly (time_bucket is monotone in the gap)."""
+    target = torch.arange(num_buckets)
+    lo, hi = torch.zeros(num_buckets, dtype=torch.int64), torch.full((num_buckets,), 2**31 - 1, dtype=torch.int64)
+    while bool((lo < hi).any()):
+        mid = (lo + hi) // 2
+        ok = time_bucket(mid, num_buckets) >= target
+        hi, lo = torch.where(ok, mid, hi), torch.where(ok, lo, mid + 1)
+    never = time_bucket(hi, num_buckets) < target
+    return torch.where(never, torch.iinfo(torch.int64).max, hi).numpy().astype(np.int64)
+
+
+def _ptr(a: np.ndarray | torch.Tensor) -> int:
+    return a.ctypes.data if isinstance(a, np.ndarray) else a.data_ptr()
+
+
+@dataclass
+class NativeHistory:
+    """Encoded histories of a batch: what candidates are scored against."""
+
+    k: torch.Tensor  # [layers, T, H * Dqk] every history row's keys, packed
+    v: torch.Tensor  # [layers, T, H * Dv]
+    offsets: np.ndarray  # [B + 1] int64: user b's rows are offsets[b]..offsets[b + 1] - 1
+    tq: np.ndarray  # [T] int64 query times (a history's last: the request time)
+    tk: np.ndarray  # [T] int64 event times
+    context: torch.Tensor | None  # [B, E] pooled context, when the ranking head reads it
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+class NativeHSTU(PaddedHSTU):
+    """``encode(users)`` -> (user vectors [B, D], :class:`NativeHistory`);
+    ``score(history, users, candidates)`` -> task probabilities, as :class:`PaddedHSTU`."""
+
+    def __init__(self, model: GenerativeRecommender) -> None:
+        if not supports(model):
+            raise ValueError("NativeHSTU needs what PaddedHSTU needs, fp32 dense weights and widths that are multiples of 8")
+        lib = library()
+        if lib is None:
+            raise RuntimeError("the native kernels did not build (kernels.native); use PaddedHSTU")
+        super().__init__(model)
+        self.lib = lib
+        c = model.cfg.hstu
+        self.dims = (model.pos_emb.weight.shape[1], c.num_heads, c.qk_dim, c.v_dim, self.n, self.nb)
+        self.alpha = float(self.layers[0].alpha)
+        with torch.no_grad():
+            keep = []  # per layer: LN w, b, uvqk W^T, b, out LN w, b, out W^T, b, bias table
+            for layer, table in zip(self.layers, self.tables):
+                keep += [t.detach().float().contiguous() for t in (
+                    layer.norm.weight, layer.norm.bias, layer.uvqk.weight.t(), layer.uvqk.bias,
+                    layer.out_norm.weight, layer.out_norm.bias, layer.out.weight.t(), layer.out.bias, table)]
+        self._keep = keep  # the pointers below point into these
+        self.params = (_P * len(keep))(*[t.data_ptr() for t in keep])
+        self.thr = time_thresholds(self.nb)
+        # seconds per stage, summed over calls: the engine's profile, finer than its own
+        # (embedding lookups, the native tower, the ranking MLP)
+        self.stages: dict[str, float] = {}
+
+    def _mark(self, stage: str, t0: float) -> float:
+        now = time.perf_counter()
+        self.stages[stage] = self.stages.get(stage, 0.0) + now - t0
+        return now
+
+    def _head(self) -> tuple:
+        return (len(self.layers), self.params, *self.dims, self.alpha, _ptr(self.thr))
+
+    @torch.inference_mode()
+    def encode(self, users: list[UserInput]) -> tuple[torch.Tensor, NativeHistory]:
+        m = self.model
+        t0 = time.perf_counter()
+        items, actions, times, qtimes, lens = self._layout(users)
+        b, n = items.shape
+        valid = np.arange(n)[None, :] < lens[:, None]
+        pos = torch.from_numpy(np.nonzero(valid)[1])
+        x = self._rows(torch.from_numpy(items[valid]), torch.from_numpy(actions[valid]) if self.has_action else None)
+        x = ((x * m.scale).float() + m.pos_emb(pos)).contiguous()  # [T, D], overwritten by the call
+        offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        tq, tk = qtimes[valid].astype(np.int64), times[valid].astype(np.int64)
+        t = x.shape[0]
+        layers, d, h, dqk, dv = len(self.layers), *self.dims[:4]
+        kc, vc, out = torch.empty(layers, t, h * dqk), torch.empty(layers, t, h * dv), torch.empty(b, d)
+        ctx = None
+        if m.ranking is not None and m.ranking_context:
+            ctx = m.sparse.pooled(context_kjt(users, list(m.embedding_cfg.pooled_features))).values()
+        t0 = self._mark("history_lookup", t0)
+        self.lib.genrec_hstu_encode(*self._head(), b, _ptr(offsets), _ptr(tq), _ptr(tk), _ptr(x), _ptr(kc), _ptr(vc),
+                                    _ptr(out))
+        vec = m.head.normalize(m.tower.final_norm(out))
+        self._mark("history_tower", t0)
+        return vec, NativeHistory(kc, vc, offsets, tq, tk, ctx)
+
+    @torch.inference_mode()
+    def score(self, hist: NativeHistory, users: list[int], candidates: list[np.ndarray]) -> list[np.ndarray]:
+        """Task probabilities [c, tasks] of each ``candidates[i]`` (table rows) for batch user ``users[i]``."""
+        m = self.model
+        if m.ranking is None:
+            raise ValueError("this model has no ranking tasks (model.ranking.tasks)")
+        t0 = time.perf_counter()
+        counts = np.array([c.size for c in candidates], np.int64)
+        if counts.sum() == 0:
+            return [np.zeros((0, len(m.cfg.ranking.tasks)), np.float32) for _ in candidates]
+        owner = np.repeat(np.asarray(users, np.int64), counts)  # each candidate's batch user
+        cands = torch.from_numpy(np.concatenate(candidates).astype(np.int64))
+        item_rows = self._rows(cands, None)  # [N, D]
+        x = item_rows
+        if self.has_action:  # a candidate's action is unknown (id 0)
+            x = x + m.sparse.lookup(cands.new_zeros(1), "action")
+        x = ((x * m.scale).float() + m.pos_emb(torch.from_numpy(hist.lengths[owner]))).contiguous()
+        cand_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        user = np.asarray(users, np.int64)
+        t0 = self._mark("candidate_lookup", t0)
+        self.lib.genrec_hstu_score(*self._head(), _ptr(hist.offsets), _ptr(hist.tq), _ptr(hist.tk), _ptr(hist.k),
+                                   _ptr(hist.v), hist.k.shape[1], len(users), _ptr(cand_offsets), _ptr(user), _ptr(x))
+        h = m.tower.final_norm(x)
+        t0 = self._mark("candidate_tower", t0)
+        ctx = hist.context[torch.from_numpy(owner)] if hist.context is not None else None
+        probs = torch.sigmoid(m.ranking(h, item_rows, ctx).float()).numpy()
+        self._mark("ranking_head", t0)
+        return np.split(probs, cand_offsets[1:-1])

@@ -1,0 +1,97 @@
+"""The native serving path (serve.native, kernels/cpu/hstu_serve.cpp) computes what the model's jagged path computes."""
+
+import numpy as np
+import pytest
+import torch
+
+from embedding.spec import EmbeddingConfig, TableConfig
+from kernels.hstu_attention import time_bucket
+from models.hstu import HSTUConfig
+from models.ranking import RankingConfig
+from models.recommender import GenerativeRecommender, ModelConfig
+from serve.engine import collate_users
+from serve.native import NativeHSTU, library, supports, time_thresholds
+from serve.requests import UserInput
+from tests.test_padded_serving import CANDS, T0, TASKS, model, reference, users
+
+pytestmark = pytest.mark.skipif(library() is None, reason="no C++ compiler: the native kernels did not build")
+
+
+def native_scores(path, hist, cands):
+    return torch.from_numpy(np.concatenate(path.score(hist, [i for i, _ in cands], [c for _, c in cands])))
+
+
+@pytest.mark.parametrize("heads,time_bias,position_bias,layers", [
+    (1, True, True, 2), (2, True, True, 3), (1, False, True, 2), (1, True, False, 1)])
+def test_native_path_equals_the_jagged_model_path(heads, time_bias, position_bias, layers):
+    m = model(heads, time_bias, position_bias, layers)
+    us = users()
+    vec, probs = reference(m, us, CANDS)
+    path = NativeHSTU(m)
+    nvec, hist = path.encode(us)
+    torch.testing.assert_close(nvec, vec, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(native_scores(path, hist, CANDS), probs, atol=1e-5, rtol=1e-5)
+
+
+def test_long_histories_odd_widths_and_several_query_blocks():
+    """Histories past one block of 64 query rows (up to 149 events), a model width of 24 and
+    a G of 40 (a 16-wide and an 8-wide column tile), a qk width of 12: same numbers."""
+    torch.manual_seed(1)
+    tables = (TableConfig("item", ("item",), dim=24, num_embeddings=300),
+              TableConfig("action", ("action",), dim=24, num_embeddings=4))
+    hstu = HSTUConfig(num_layers=2, num_heads=1, qk_dim=12, v_dim=8, dropout=0.0, num_time_buckets=64)
+    cfg = ModelConfig(tower="hstu", max_seq_len=150, input_dropout=0.0, hstu=hstu,
+                      ranking=RankingConfig(tasks=TASKS, dropout=0.0, use_context=False))
+    m = GenerativeRecommender(cfg, EmbeddingConfig(tables=tables), torch.arange(1, 300)).eval()
+    rng = np.random.default_rng(3)
+    us = []
+    for n in (70, 1, 149, 200, 64, 65):
+        times = T0 + np.cumsum(rng.choice([0, 5, 3_600, 10**6], n))
+        us.append(UserInput(items=rng.integers(1, 300, n), times=times, actions=rng.integers(0, 4, n),
+                            has_time=True, request_time=int(times[-1]) + 7))
+    cands = [(i, rng.integers(1, 300, k)) for i, k in ((2, 9), (0, 1), (3, 20), (5, 3), (4, 0), (1, 2))]
+    vec, probs = reference(m, us, cands)
+    assert supports(m)
+    path = NativeHSTU(m)
+    nvec, hist = path.encode(us)
+    torch.testing.assert_close(nvec, vec, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(native_scores(path, hist, cands), probs, atol=2e-5, rtol=2e-5)
+
+
+def test_time_buckets_from_the_thresholds_are_time_bucket_exactly():
+    thr = time_thresholds(64)
+    assert thr[0] == 0 and np.all(np.diff(thr) >= 0)
+    rng = np.random.default_rng(0)
+    gaps = np.concatenate([rng.integers(-5, 2**31 - 1, 20_000), rng.integers(0, 1000, 2_000),
+                           thr[thr < 2**31 - 1], thr[thr < 2**31 - 1] - 1, [0, 1, 2, 3, 2**31 - 1]])
+    # what the native code does: the largest b with thr[b] <= gap, 0 for gaps <= 0
+    native = np.where(gaps <= 0, 0, np.searchsorted(thr, gaps, side="right") - 1)
+    assert np.array_equal(native, time_bucket(torch.from_numpy(gaps), 64).numpy())
+
+
+def test_only_models_it_computes_take_the_native_path():
+    m = model()
+    assert supports(m)
+    assert not supports(model(tower="transformer"))
+    assert not supports(model(encoding="interleaved"))
+    m.tower.to(torch.bfloat16)
+    m.pos_emb.to(torch.bfloat16)
+    assert not supports(m)
+    with pytest.raises(ValueError, match="fp32 dense"):
+        NativeHSTU(m)
+
+
+def test_a_retrieval_only_model_encodes_alike():
+    torch.manual_seed(0)
+    cfg = ModelConfig(tower="hstu", max_seq_len=24, input_dropout=0.0,
+                      hstu=HSTUConfig(num_layers=2, qk_dim=16, v_dim=16, dropout=0.0, num_time_buckets=16))
+    m = GenerativeRecommender(cfg, EmbeddingConfig(tables=(TableConfig("item", ("item",), dim=16, num_embeddings=60),)),
+                              torch.arange(1, 60)).eval()
+    us = users(2)
+    with torch.inference_mode():
+        vec, _ = m.encode_history(collate_users(us, m, torch.device("cpu")))
+    nvec, hist = NativeHSTU(m).encode(us)
+    torch.testing.assert_close(nvec, vec, atol=1e-5, rtol=1e-5)
+    assert hist.context is None
+    with pytest.raises(ValueError, match="no ranking tasks"):
+        NativeHSTU(m).score(hist, [0], [np.array([1, 2])])
