@@ -203,11 +203,13 @@ class TorchEngine:
         """Exact top-k over the whole catalogue, one matmul for all (row, work) pairs."""
         rows = torch.tensor([i for i, _ in works], device=users.device)
         scores = self.model.head.scores(users[rows], self.items).float()  # [b, N]
-        for j, (_, w) in enumerate(works):
-            if w.exclude_history:
-                seen = torch.from_numpy(w.user.items).to(self.corpus.device)
-                idx = torch.searchsorted(self.corpus, seen).clamp(max=self.corpus.numel() - 1)
-                scores[j, idx[self.corpus[idx] == seen]] = -math.inf
+        ex = [(j, w.user.items) for j, (_, w) in enumerate(works) if w.exclude_history]
+        if ex:  # every work's history items at once: (row, catalogue position) pairs -> -inf
+            seen = torch.from_numpy(np.concatenate([items for _, items in ex])).to(self.corpus.device)
+            row = torch.from_numpy(np.repeat([j for j, _ in ex], [items.size for _, items in ex])).to(self.corpus.device)
+            idx = torch.searchsorted(self.corpus, seen).clamp(max=self.corpus.numel() - 1)
+            hit = self.corpus[idx] == seen
+            scores[row[hit], idx[hit]] = -math.inf
         k = max(w.retrieve_k for _, w in works)
         top = torch.topk(scores, k, dim=1)
         ids, vals = self.corpus[top.indices].cpu().numpy(), top.values.cpu().numpy()
@@ -262,6 +264,9 @@ class NaiveTorchEngine(TorchEngine):
     """
 
     name = "naive"
+
+    def __init__(self, artifact: str | Path, device: str = "cpu", **kwargs) -> None:  # noqa: ANN003
+        super().__init__(artifact, device, padded=False, **kwargs)  # eager, the model's own path
 
     @torch.inference_mode()
     def run(self, works: list[Work]) -> list[Result]:

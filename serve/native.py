@@ -2,10 +2,10 @@
 
 :class:`serve.padded.PaddedHSTU` cut the jagged bookkeeping, but each layer is still a dozen
 PyTorch operators and every batch a thousand of them; on a 2-core CPU their dispatch and the
-passes over [B, L, L] score tensors are most of the time (one ML-1M request: 30.8 MFLOP,
-~0.5 ms at the matmul peak, ~6-7 ms through the padded path). Here the embedding lookups,
-the final norm, the ranking MLP and retrieval stay in PyTorch, and everything between the
-token inputs and the tower's output runs in ``kernels/cpu/hstu_serve.cpp``: packed rows
+passes over [B, L, L] score tensors are most of the time (one ML-1M request: 44.8 MFLOP,
+~0.8 ms at the matmul peak, ~6-7 ms through the padded path). Here the embedding lookups,
+the final norm and retrieval stay in PyTorch; everything between the token inputs and the
+tower's output, and the ranking MLP, run in ``kernels/cpu/hstu_serve.cpp``: packed rows
 through the GEMMs (no padding at all), attention over the causal pairs only, in query blocks
 of 64 against a transposed key block, bias codes computed once per batch and shared by the
 layers, SiLU fused where the scores are made.
@@ -44,7 +44,8 @@ def supports(model: GenerativeRecommender) -> bool:
         return False
     c, dim = model.cfg.hstu, model.pos_emb.weight.shape[1]
     layers = list(model.tower.layers)
-    return (dim % 8 == 0 and c.v_dim % 8 == 0
+    # the GEMMs' column counts (D, Dv, the uvqk width) in whole 8-float vectors
+    return (dim % 8 == 0 and c.v_dim % 8 == 0 and (2 * c.num_heads * (c.v_dim + c.qk_dim)) % 8 == 0
             and all(la.norm.eps == 1e-5 and la.out_norm.eps == 1e-5 and la.uvqk.bias is not None
                     and la.out.bias is not None for la in layers))
 
@@ -55,7 +56,8 @@ def library() -> ctypes.CDLL | None:
         common = [_I, _P, _I, _I, _I, _I, _I, _I, _F, _P]
         lib.genrec_hstu_encode.argtypes = [*common, _I, _P, _P, _P, _P, _P, _P, _P]
         lib.genrec_hstu_score.argtypes = [*common, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P]
-        lib.genrec_hstu_encode.restype = lib.genrec_hstu_score.restype = _I
+        lib.genrec_rank_mlp.argtypes = [_I, _I, _P, _P, _I, _P, _P, _P, _I, _I, _P, _P, _P]
+        lib.genrec_hstu_encode.restype = lib.genrec_hstu_score.restype = lib.genrec_rank_mlp.restype = _I
         lib._genrec_typed = True
     return lib
 
@@ -118,6 +120,7 @@ class NativeHSTU(PaddedHSTU):
         self._keep = keep  # the pointers below point into these
         self.params = (_P * len(keep))(*[t.data_ptr() for t in keep])
         self.thr = time_thresholds(self.nb)
+        self.mlp = self._mlp_params() if model.ranking is not None else None
         # seconds per stage, summed over calls: the engine's profile, finer than its own
         # (embedding lookups, the native tower, the ranking MLP)
         self.stages: dict[str, float] = {}
@@ -126,6 +129,27 @@ class NativeHSTU(PaddedHSTU):
         now = time.perf_counter()
         self.stages[stage] = self.stages.get(stage, 0.0) + now - t0
         return now
+
+    def _mlp_params(self) -> tuple | None:
+        """The ranking MLP for the native call: (widths [nl + 1] int32, pointers, tensors kept
+        alive), the last layer padded to 8 zero columns; None where it is not Linear / SiLU
+        (/ Dropout) layers with hidden widths in whole 8-float vectors (PyTorch runs it then)."""
+        mods = list(self.model.ranking.mlp)
+        linears = [mod for mod in mods if isinstance(mod, torch.nn.Linear)]
+        if not all(isinstance(mod, torch.nn.Linear | torch.nn.SiLU | torch.nn.Dropout) for mod in mods) or not linears:
+            return None
+        if any(la.out_features % 8 for la in linears[:-1]) or any(la.bias is None for la in linears):
+            return None
+        keep = []
+        with torch.no_grad():
+            for i, la in enumerate(linears):
+                wt, b = la.weight.detach().float().t(), la.bias.detach().float()
+                if i == len(linears) - 1:  # pad the output columns to a whole vector
+                    pad = -wt.shape[1] % 8
+                    wt, b = torch.nn.functional.pad(wt, (0, pad)), torch.nn.functional.pad(b, (0, pad))
+                keep += [wt.contiguous(), b.contiguous()]
+        widths = np.array([linears[0].in_features] + [t.shape[0] for t in keep[1::2]], np.int32)
+        return widths, (_P * len(keep))(*[t.data_ptr() for t in keep]), keep
 
     def _head(self) -> tuple:
         return (len(self.layers), self.params, *self.dims, self.alpha, _ptr(self.thr))
@@ -179,7 +203,22 @@ class NativeHSTU(PaddedHSTU):
                                    _ptr(hist.v), hist.k.shape[1], len(users), _ptr(cand_offsets), _ptr(user), _ptr(x))
         h = m.tower.final_norm(x)
         t0 = self._mark("candidate_tower", t0)
-        ctx = hist.context[torch.from_numpy(owner)] if hist.context is not None else None
-        probs = torch.sigmoid(m.ranking(h, item_rows, ctx).float()).numpy()
+        tasks = len(m.cfg.ranking.tasks)
+        if self.mlp is not None:  # native: the context's share of the first layer once per user
+            widths, ptrs, _ = self.mlp
+            ctx = hist.context.float().contiguous() if hist.context is not None else None
+            e = ctx.shape[1] if ctx is not None else 0
+            if widths[0] != 3 * self.dims[0] + e:
+                raise ValueError(f"the ranking head takes {widths[0]} inputs, the candidates give {3 * self.dims[0] + e}")
+            logits = torch.empty(len(owner), int(widths[-1]))
+            h, rows = h.contiguous(), item_rows.float().contiguous()  # bound: the call reads them
+            self.lib.genrec_rank_mlp(len(owner), self.dims[0], _ptr(h), _ptr(rows), len(users), _ptr(cand_offsets),
+                                     _ptr(user), _ptr(ctx) if e else None, e, len(widths) - 1, _ptr(widths), ptrs,
+                                     _ptr(logits))
+            logits = logits[:, :tasks]
+        else:
+            ctx = hist.context[torch.from_numpy(owner)] if hist.context is not None else None
+            logits = m.ranking(h, item_rows, ctx)
+        probs = torch.sigmoid(logits.float()).numpy()
         self._mark("ranking_head", t0)
         return np.split(probs, cand_offsets[1:-1])

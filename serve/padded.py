@@ -4,7 +4,7 @@ with about 30% fewer operator calls.
 ``GenerativeRecommender.encode_history`` / ``score_candidates`` work on jagged rows, as
 training does: every batch builds KJTs, jagged indices, per-layer layouts and bias codes
 through many small tensor operations, and on a 2-core CPU those calls, not the FLOPs, are
-much of a serving batch (one ML-1M request: 30.8 MFLOP, ~0.5 ms at the matmul peak, against
+much of a serving batch (one ML-1M request: 44.8 MFLOP on average, ~0.8 ms at the matmul peak, against
 ~7-9 ms spent). Here the batch is laid out once in numpy as [B, L]; the history rows stay
 packed through the GEMMs and only q, k, v are padded for the attention; each layer is about
 a dozen dense ops (LayerNorm, the fused uvqk GEMM, SiLU, one bias gather, ``baddbmm``, SiLU,

@@ -95,3 +95,23 @@ def test_a_retrieval_only_model_encodes_alike():
     assert hist.context is None
     with pytest.raises(ValueError, match="no ranking tasks"):
         NativeHSTU(m).score(hist, [0], [np.array([1, 2])])
+
+
+def test_the_library_builds_into_an_empty_cache_and_a_missing_compiler_falls_back(tmp_path, monkeypatch):
+    from kernels import native
+
+    monkeypatch.setenv("GENREC_NATIVE_CACHE", str(tmp_path))
+    native._build.cache_clear()
+    try:
+        lib = native.library("hstu_serve")
+        built = list(tmp_path.glob("hstu_serve-*.so"))
+        assert lib is not None and len(built) == 1 and hasattr(lib, "genrec_hstu_encode")
+        native._build.cache_clear()
+        assert native.library("hstu_serve") is not None and list(tmp_path.glob("*.so")) == built  # reused
+        monkeypatch.setattr(native, "_compiler", lambda: None)
+        native._build.cache_clear()
+        assert native.library("hstu_serve") is None
+        monkeypatch.setenv("GENREC_NATIVE", "0")
+        assert native.library("hstu_serve") is None
+    finally:
+        native._build.cache_clear()

@@ -339,4 +339,50 @@ int genrec_hstu_score(int L, const float* const* params, int D, int H, int dqk, 
   return 0;
 }
 
+// The ranking head's MLP: logits [N, out] (out: the last layer's width, padded to 8 with zero
+// columns) for candidate rows whose input is [h | item | h * item | context of their user].
+// The first layer's context rows are applied once per user, not per candidate. widths [nl + 1]:
+// the input width (3 D + E), the hidden widths (multiples of 8), the padded output width;
+// w: per layer W^T [in, out] and bias [out]. SiLU between layers.
+int genrec_rank_mlp(int N, int D, const float* h, const float* item, int Uc, const int64_t* cand_offsets,
+                    const int64_t* user, const float* ctx, int E, int nl, const int32_t* widths, const float* const* w,
+                    float* out) {
+  const int K0 = 3 * D;
+  std::vector<float> x((size_t)N * K0);
+  for (int i = 0; i < N; ++i) {
+    float* xi = x.data() + (size_t)i * K0;
+    const float* hi = h + (size_t)i * D;
+    const float* ii = item + (size_t)i * D;
+    for (int t = 0; t < D; ++t) {
+      xi[t] = hi[t];
+      xi[D + t] = ii[t];
+      xi[2 * D + t] = hi[t] * ii[t];
+    }
+  }
+  std::vector<float> a, b;
+  for (int l = 0; l < nl; ++l) {
+    const int in = widths[l], o = widths[l + 1];
+    const float* W = w[2 * l];
+    const float* bias = w[2 * l + 1];
+    b.assign((size_t)N * o, 0.f);
+    if (l == 0) {
+      std::vector<float> cu(o);
+      for (int g = 0; g < Uc; ++g) {  // this user's bias + context term, then its candidates' rows
+        std::memcpy(cu.data(), bias, sizeof(float) * o);
+        if (E > 0) gemm(1, o, E, ctx + (size_t)user[g] * E, E, W + (size_t)K0 * o, o, cu.data(), o, true);
+        for (int64_t i = cand_offsets[g]; i < cand_offsets[g + 1]; ++i)
+          std::memcpy(b.data() + (size_t)i * o, cu.data(), sizeof(float) * o);
+      }
+      gemm(N, o, K0, x.data(), K0, W, o, b.data(), o, true);
+    } else {
+      for (int i = 0; i < N; ++i) std::memcpy(b.data() + (size_t)i * o, bias, sizeof(float) * o);
+      gemm(N, o, in, a.data(), in, W, o, b.data(), o, true);
+    }
+    if (l < nl - 1) silu_inplace(b.data(), N * o);
+    a.swap(b);
+  }
+  std::memcpy(out, a.data(), sizeof(float) * (size_t)N * widths[nl]);
+  return 0;
+}
+
 }  // extern "C"
