@@ -9,28 +9,11 @@ from kernels.hstu_attention import time_bucket
 from models.hstu import HSTUConfig
 from models.ranking import RankingConfig
 from models.recommender import GenerativeRecommender, ModelConfig
-from serve.engine import collate_users
 from serve.native import NativeHSTU, library, supports, time_thresholds
 from serve.requests import UserInput
-from tests.test_padded_serving import CANDS, T0, TASKS, model, reference, users
+from tests.test_padded_serving import T0, TASKS, model, padded_scores, reference
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C++ compiler: the native kernels did not build")
-
-
-def native_scores(path, hist, cands):
-    return torch.from_numpy(np.concatenate(path.score(hist, [i for i, _ in cands], [c for _, c in cands])))
-
-
-@pytest.mark.parametrize("heads,time_bias,position_bias,layers", [
-    (1, True, True, 2), (2, True, True, 3), (1, False, True, 2), (1, True, False, 1)])
-def test_native_path_equals_the_jagged_model_path(heads, time_bias, position_bias, layers):
-    m = model(heads, time_bias, position_bias, layers)
-    us = users()
-    vec, probs = reference(m, us, CANDS)
-    path = NativeHSTU(m)
-    nvec, hist = path.encode(us)
-    torch.testing.assert_close(nvec, vec, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(native_scores(path, hist, CANDS), probs, atol=1e-5, rtol=1e-5)
 
 
 def test_long_histories_odd_widths_and_several_query_blocks():
@@ -55,7 +38,7 @@ def test_long_histories_odd_widths_and_several_query_blocks():
     path = NativeHSTU(m)
     nvec, hist = path.encode(us)
     torch.testing.assert_close(nvec, vec, atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(native_scores(path, hist, cands), probs, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(padded_scores(path, hist, cands), probs, atol=2e-5, rtol=2e-5)
 
 
 def test_time_buckets_from_the_thresholds_are_time_bucket_exactly():
@@ -79,22 +62,6 @@ def test_only_models_it_computes_take_the_native_path():
     assert not supports(m)
     with pytest.raises(ValueError, match="fp32 dense"):
         NativeHSTU(m)
-
-
-def test_a_retrieval_only_model_encodes_alike():
-    torch.manual_seed(0)
-    cfg = ModelConfig(tower="hstu", max_seq_len=24, input_dropout=0.0,
-                      hstu=HSTUConfig(num_layers=2, qk_dim=16, v_dim=16, dropout=0.0, num_time_buckets=16))
-    m = GenerativeRecommender(cfg, EmbeddingConfig(tables=(TableConfig("item", ("item",), dim=16, num_embeddings=60),)),
-                              torch.arange(1, 60)).eval()
-    us = users(2)
-    with torch.inference_mode():
-        vec, _ = m.encode_history(collate_users(us, m, torch.device("cpu")))
-    nvec, hist = NativeHSTU(m).encode(us)
-    torch.testing.assert_close(nvec, vec, atol=1e-5, rtol=1e-5)
-    assert hist.context is None
-    with pytest.raises(ValueError, match="no ranking tasks"):
-        NativeHSTU(m).score(hist, [0], [np.array([1, 2])])
 
 
 def test_the_library_builds_into_an_empty_cache_and_a_missing_compiler_falls_back(tmp_path, monkeypatch):

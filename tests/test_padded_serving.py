@@ -9,6 +9,8 @@ from models.hstu import HSTUConfig
 from models.ranking import RankingConfig, TaskConfig
 from models.recommender import GenerativeRecommender, ModelConfig
 from serve.engine import collate_users
+from serve.native import NativeHSTU
+from serve.native import library as native_library
 from serve.padded import PaddedHSTU, supports
 from serve.requests import UserInput
 
@@ -64,16 +66,22 @@ CANDS = [(3, np.array([4, 9, 17])), (0, np.array([2])), (5, np.array([30, 31, 32
          (2, np.array([50, 51, 52, 53]))]
 
 
+@pytest.mark.parametrize("kind", ["padded", "native"])
 @pytest.mark.parametrize("heads,time_bias,position_bias,layers", [
     (1, True, True, 2), (2, True, True, 3), (1, False, True, 2), (1, True, False, 1)])
-def test_padded_path_equals_the_jagged_model_path(heads, time_bias, position_bias, layers):
+def test_serving_paths_equal_the_jagged_model_path(kind, heads, time_bias, position_bias, layers):
+    """The padded PyTorch path and the native one (serve.native) give the model's numbers."""
+    if kind == "native" and native_library() is None:
+        pytest.skip("no C++ compiler: the native kernels did not build")
     m = model(heads, time_bias, position_bias, layers)
     us = users()
     vec, probs = reference(m, us, CANDS)
-    path = PaddedHSTU(m)
+    path = PaddedHSTU(m) if kind == "padded" else NativeHSTU(m)
     pvec, hist = path.encode(us)
     torch.testing.assert_close(pvec, vec, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(padded_scores(path, hist, CANDS), probs, atol=1e-5, rtol=1e-5)
+    if kind == "native":
+        return
     # queries in blocks of 4 rows, candidates scored a user at a time: the same numbers
     small = PaddedHSTU(m, query_block=4, max_scores=1)
     pvec, hist = small.encode(us)
@@ -105,8 +113,11 @@ def test_only_models_it_computes_take_the_padded_path():
                                               True, T0)])
 
 
-def test_a_retrieval_only_model_without_actions_encodes_alike():
+@pytest.mark.parametrize("kind", ["padded", "native"])
+def test_a_retrieval_only_model_without_actions_encodes_alike(kind):
     """The README's ML-1M serving artifact: item table only, no ranking tasks."""
+    if kind == "native" and native_library() is None:
+        pytest.skip("no C++ compiler: the native kernels did not build")
     torch.manual_seed(0)
     cfg = ModelConfig(tower="hstu", max_seq_len=24, input_dropout=0.0,
                       hstu=HSTUConfig(num_layers=2, qk_dim=16, v_dim=16, dropout=0.0, num_time_buckets=16))
@@ -116,8 +127,9 @@ def test_a_retrieval_only_model_without_actions_encodes_alike():
     us = users(2)
     with torch.inference_mode():
         vec, _ = m.encode_history(collate_users(us, m, torch.device("cpu")))
-    pvec, hist = PaddedHSTU(m).encode(us)
+    path = PaddedHSTU(m) if kind == "padded" else NativeHSTU(m)
+    pvec, hist = path.encode(us)
     torch.testing.assert_close(pvec, vec, atol=1e-5, rtol=1e-5)
     assert hist.context is None
     with pytest.raises(ValueError, match="no ranking tasks"):
-        PaddedHSTU(m).score(hist, [0], [np.array([1, 2])])
+        path.score(hist, [0], [np.array([1, 2])])
