@@ -123,9 +123,11 @@ class TorchEngine:
             padded = self.device.type == "cpu" and supports(self.model)
         if native is None:
             native = bool(padded) and native_ok(self.model)
-        self.padded = (native_path.NativeHSTU(self.model) if native else PaddedHSTU(self.model)) if padded else None
+        self.stages: dict[str, float] = {}  # seconds spent per stage, summed over batches
+        # the native path adds its own, finer stages (lookups, tower, ranking head) to the same dict
+        self.padded = ((native_path.NativeHSTU(self.model, self.stages) if native else PaddedHSTU(self.model))
+                       if padded else None)
         self.path = ("native" if native else "padded") if padded else "jagged"  # how the tower runs
-        self._stages: dict[str, float] = {}  # seconds spent per stage, summed over batches
 
     @property
     def tower(self) -> str:
@@ -133,14 +135,13 @@ class TorchEngine:
 
     def _mark(self, stage: str, t0: float) -> float:
         now = time.perf_counter()
-        self._stages[stage] = self._stages.get(stage, 0.0) + now - t0
+        self.stages[stage] = self.stages.get(stage, 0.0) + now - t0
         return now
 
     @torch.inference_mode()
     def run(self, works: list[Work]) -> list[Result]:
         t0 = t = time.perf_counter()
-        # the native path profiles its own steps finer (lookups, tower, ranking head): see stages
-        fine = self.path == "native"
+        fine = self.path == "native"  # it marks its own steps
         if self.padded is not None:  # lays the batch out itself
             users, state = self.padded.encode([w.user for w in works])
         else:
@@ -155,14 +156,6 @@ class TorchEngine:
         probs = self.score(state, to_rank)
         t = time.perf_counter() if fine else self._mark("rank_candidates", t)
         return self.finish(works, retrieved, to_rank, probs, t0)
-
-    @property
-    def stages(self) -> dict[str, float]:
-        """Seconds spent per stage, summed over batches (the native path adds its own)."""
-        own = self._stages
-        if self.path == "native":
-            own = {**own, **self.padded.stages}
-        return own
 
     def plan_ranking(self, works: list[Work], retrieved: dict) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """What each work ranks: (table rows, ids to return, bids) -- its given candidates or

@@ -29,7 +29,7 @@ import torch
 from kernels import native
 from kernels.hstu_attention import time_bucket
 from models.recommender import GenerativeRecommender
-from serve.padded import PaddedHSTU, context_kjt
+from serve.padded import PaddedHSTU
 from serve.padded import supports as padded_supports
 from serve.requests import UserInput
 
@@ -100,7 +100,7 @@ class NativeHSTU(PaddedHSTU):
     """``encode(users)`` -> (user vectors [B, D], :class:`NativeHistory`);
     ``score(history, users, candidates)`` -> task probabilities, as :class:`PaddedHSTU`."""
 
-    def __init__(self, model: GenerativeRecommender) -> None:
+    def __init__(self, model: GenerativeRecommender, stages: dict[str, float] | None = None) -> None:
         if not supports(model):
             raise ValueError("NativeHSTU needs what PaddedHSTU needs, fp32 dense weights and widths that are multiples of 8")
         lib = library()
@@ -121,9 +121,9 @@ class NativeHSTU(PaddedHSTU):
         self.params = (_P * len(keep))(*[t.data_ptr() for t in keep])
         self.thr = time_thresholds(self.nb)
         self.mlp = self._mlp_params() if model.ranking is not None else None
-        # seconds per stage, summed over calls: the engine's profile, finer than its own
-        # (embedding lookups, the native tower, the ranking MLP)
-        self.stages: dict[str, float] = {}
+        # seconds per stage, summed over calls (the engine passes its own profile's dict):
+        # embedding lookups, the native tower, the ranking MLP
+        self.stages = stages if stages is not None else {}
 
     def _mark(self, stage: str, t0: float) -> float:
         now = time.perf_counter()
@@ -161,17 +161,13 @@ class NativeHSTU(PaddedHSTU):
         items, actions, times, qtimes, lens = self._layout(users)
         b, n = items.shape
         valid = np.arange(n)[None, :] < lens[:, None]
-        pos = torch.from_numpy(np.nonzero(valid)[1])
-        x = self._rows(torch.from_numpy(items[valid]), torch.from_numpy(actions[valid]) if self.has_action else None)
-        x = ((x * m.scale).float() + m.pos_emb(pos)).contiguous()  # [T, D], overwritten by the call
+        x = self._history_tokens(items, actions, valid).contiguous()  # [T, D], overwritten by the call
         offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
         tq, tk = qtimes[valid].astype(np.int64), times[valid].astype(np.int64)
         t = x.shape[0]
         layers, d, h, dqk, dv = len(self.layers), *self.dims[:4]
         kc, vc, out = torch.empty(layers, t, h * dqk), torch.empty(layers, t, h * dv), torch.empty(b, d)
-        ctx = None
-        if m.ranking is not None and m.ranking_context:
-            ctx = m.sparse.pooled(context_kjt(users, list(m.embedding_cfg.pooled_features))).values()
+        ctx = self._context(users)
         t0 = self._mark("history_lookup", t0)
         self.lib.genrec_hstu_encode(*self._head(), b, _ptr(offsets), _ptr(tq), _ptr(tk), _ptr(x), _ptr(kc), _ptr(vc),
                                     _ptr(out))
@@ -191,11 +187,8 @@ class NativeHSTU(PaddedHSTU):
             return [np.zeros((0, len(m.cfg.ranking.tasks)), np.float32) for _ in candidates]
         owner = np.repeat(np.asarray(users, np.int64), counts)  # each candidate's batch user
         cands = torch.from_numpy(np.concatenate(candidates).astype(np.int64))
-        item_rows = self._rows(cands, None)  # [N, D]
-        x = item_rows
-        if self.has_action:  # a candidate's action is unknown (id 0)
-            x = x + m.sparse.lookup(cands.new_zeros(1), "action")
-        x = ((x * m.scale).float() + m.pos_emb(torch.from_numpy(hist.lengths[owner]))).contiguous()
+        item_rows, x = self._candidate_tokens(cands, torch.from_numpy(hist.lengths[owner]))  # [N, D]
+        x = x.contiguous()  # overwritten by the call
         cand_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         user = np.asarray(users, np.int64)
         t0 = self._mark("candidate_lookup", t0)

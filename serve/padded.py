@@ -129,6 +129,30 @@ class PaddedHSTU:
             x = x + sparse.lookup(actions.reshape(-1), "action")
         return x.view(*ids.shape, -1)
 
+    # ---- token inputs (shared with serve.native) ------------------------------------------
+    def _history_tokens(self, items: np.ndarray, actions: np.ndarray, valid: np.ndarray) -> torch.Tensor:
+        """[T, D] the packed history rows' inputs: item row (+ action row) * scale + position."""
+        m = self.model
+        x = self._rows(torch.from_numpy(items[valid]), torch.from_numpy(actions[valid]) if self.has_action else None)
+        return (x * m.scale).to(m.dense_dtype) + m.pos_emb(torch.from_numpy(np.nonzero(valid)[1]))
+
+    def _candidate_tokens(self, cands: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(item rows, inputs) [..., D] of candidates (table rows) at ``positions`` (their
+        history's length, broadcast over the last candidate axis); their action is unknown (id 0)."""
+        m = self.model
+        item_rows = self._rows(cands, None)
+        x = item_rows
+        if self.has_action:
+            x = x + m.sparse.lookup(cands.new_zeros(1), "action")
+        return item_rows, (x * m.scale).to(m.dense_dtype) + m.pos_emb(positions)
+
+    def _context(self, users: list[UserInput]) -> torch.Tensor | None:
+        """[B, E] the users' pooled context, when the ranking head reads it."""
+        m = self.model
+        if m.ranking is None or not m.ranking_context:
+            return None
+        return m.sparse.pooled(context_kjt(users, list(m.embedding_cfg.pooled_features))).values()
+
     # ---- history ------------------------------------------------------------------------
     @torch.inference_mode()
     def encode(self, users: list[UserInput]) -> tuple[torch.Tensor, PaddedHistory]:
@@ -140,11 +164,9 @@ class PaddedHSTU:
         b, n = items.shape
         valid_np = np.arange(n)[None, :] < lens[:, None]
         flat = torch.from_numpy(np.flatnonzero(valid_np))  # packed row -> its slot in [B * L]
-        pos = torch.from_numpy(np.nonzero(valid_np)[1])
         lengths = torch.from_numpy(lens)
         tq, tk = torch.from_numpy(qtimes), torch.from_numpy(times)
-        x = self._rows(torch.from_numpy(items[valid_np]), torch.from_numpy(actions[valid_np]) if self.has_action else None)
-        x = (x * m.scale).to(m.dense_dtype) + m.pos_emb(pos)  # [T, D]
+        x = self._history_tokens(items, actions, valid_np)  # [T, D]
         blocks = query_blocks(n, self.query_block)
         times = (tq, tk) if self.use_time else None
         codes = [bias_codes(lengths, n, self.n, self.nb, times, None, r) for r in blocks] if len(self.layers) > 1 else []
@@ -183,9 +205,7 @@ class PaddedHSTU:
                 attn = silu_attention(ql, k, v, bias, layer.alpha)[:, :, 0]  # [B, H, Dv]
                 x = layer._gate(x.index_select(0, last_rows), u.index_select(0, last_rows), attn.div_(self.n))  # [B, D]
         h = m.tower.final_norm(x)
-        ctx = None
-        if m.ranking is not None and m.ranking_context:
-            ctx = m.sparse.pooled(context_kjt(users, list(m.embedding_cfg.pooled_features))).values()
+        ctx = self._context(users)
         return m.head.normalize(h.float()), PaddedHistory(kv, lengths, cand_code, ctx)
 
     @staticmethod
@@ -227,11 +247,7 @@ class PaddedHSTU:
 
     def _score(self, hist: PaddedHistory, idx: torch.Tensor, cands: torch.Tensor) -> torch.Tensor:
         m = self.model
-        item_rows = self._rows(cands, None)  # [U, C, D]
-        x = item_rows
-        if self.has_action:  # a candidate's action is unknown (id 0)
-            x = x + m.sparse.lookup(cands.new_zeros(1), "action")
-        x = (x * m.scale).to(m.dense_dtype) + m.pos_emb(hist.lengths[idx])[:, None]  # [U, C, D]
+        item_rows, x = self._candidate_tokens(cands, hist.lengths[idx][:, None])  # [U, C, D]
         every = idx.numel() == hist.lengths.numel() and bool((idx == torch.arange(idx.numel())).all())
         code = hist.code if every else hist.code[idx]  # [U, L]
         for li, layer in enumerate(self.layers):

@@ -9,7 +9,7 @@
 //   x     [T, D]        token inputs (item row (+ action row)) * scale + position embedding
 //   z     [T, G]        SiLU(LN(x) W_uvqk + b), G = H*(2 Dv + 2 Dqk), columns u | v | q | k, head-major
 //   cache k [T, H*Dqk], v [T, H*Dv] per layer, for the candidates
-// A layer's parameters come as 11 pointers (see Param); the bias table is kernels.hstu_attention's
+// A layer's parameters come as 9 pointers (see Param); the bias table is kernels.hstu_attention's
 // bias_table: table[distance * nb + time bucket]. Pairs the mask forbids are skipped, not biased.
 
 #include <algorithm>
@@ -118,7 +118,7 @@ void layer_norm(int rows, int n, const float* x, int ldx, const float* w, const 
   }
 }
 
-// The 11 parameter pointers of one layer, in this order.
+// The 9 parameter pointers of one layer, in this order.
 enum Param { LN_W, LN_B, UVQK_WT, UVQK_B, ON_W, ON_B, OUT_WT, OUT_B, TABLE, P_COUNT };
 
 struct Dims {
