@@ -277,3 +277,24 @@ def test_replicated_run_with_a_killed_worker_ends_like_an_uninterrupted_one(tiny
     straight, killed = results(ddp_run, "straight"), results(ddp_run, "killed")
     for k in ("hr@10", "ndcg@10", "mrr"):
         assert killed["test"][k] == pytest.approx(straight["test"][k], abs=1e-6), k
+
+
+def _any_rank_worker(rank: int, init: str, flags: list[bool], out: str) -> None:
+    import torch.distributed as dist
+
+    from train.trainer import any_rank
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=len(flags))
+    try:
+        Path(out, str(rank)).write_text(json.dumps(any_rank(flags[rank])))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("flags", [[False, True], [True, False], [False, False]])
+def test_time_budget_stop_is_one_decision_for_every_rank(tmp_path, flags):
+    """The time budget is read from each rank's clock; a rank whose clock says stop must stop
+    every rank after the same step (a 2-rank ML-1M run once died in gloo's timeout when one rank
+    stopped and the other started another step)."""
+    import torch.multiprocessing as mp
+    mp.spawn(_any_rank_worker, args=(f"file://{tmp_path / 'store'}", flags, str(tmp_path)), nprocs=2)
+    assert [json.loads((tmp_path / str(r)).read_text()) for r in range(2)] == [any(flags)] * 2

@@ -63,6 +63,18 @@ def maybe_inject_fault(rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def all_reduce_max(t: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """The element-wise maximum over the ranks, on ``device`` (NCCL reduces device tensors only)."""
+    t = t.to(device) if device is not None else t.clone()
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t
+
+
+def any_rank(flag: bool, device: torch.device | None = None) -> bool:
+    """True on every rank when ``flag`` is true on any rank (one all-reduce of one number)."""
+    return bool(all_reduce_max(torch.tensor([int(flag)]), device).item())
+
+
 def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
@@ -196,8 +208,15 @@ class Trainer:
         return {k: float(v.detach()) for k, v in losses.items()}
 
     def _out_of_time(self, started: float) -> bool:
+        """Whether the time budget is spent: by any rank's clock when distributed, so that every
+        rank leaves the epoch after the same step (ranks read their clocks at different moments;
+        one rank stopping while another starts a step leaves that one waiting in a collective
+        until gloo's timeout, and the job fails instead of testing its best checkpoint)."""
         budget = self.cfg.time_budget_min * 60
-        return budget > 0 and self.state.train_seconds + (time.perf_counter() - started) >= budget
+        if budget <= 0:
+            return False
+        spent = self.state.train_seconds + (time.perf_counter() - started) >= budget
+        return any_rank(spent, self.device) if self.world_size > 1 else spent
 
     def run_epoch(self) -> None:
         """The rest of the current epoch, from the reader's position."""
@@ -253,11 +272,7 @@ class Trainer:
         return out
 
     def reduce_max(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world_size == 1:
-            return t
-        t = t.clone()
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return t
+        return t if self.world_size == 1 else all_reduce_max(t, self.device)
 
     def validate(self) -> dict[str, float]:
         if not self.valid_readers:  # no validation split (data.valid_users = 0): the latest model is the one tested
