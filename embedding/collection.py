@@ -131,6 +131,7 @@ class SparseArch(nn.Module):
         # feature -> direct row lookup, used at inference when every sequence feature has one
         # (a served artifact's quantized tables: quant.embeddings.ServedRows)
         self.rows = nn.ModuleDict()
+        self.pooled_rows = nn.ModuleDict()  # the same for pooled features (serve.native pools them)
         # feature -> bits of fake quantization in training (TableConfig.qat)
         self.qat_bits = {f: {"int8": 8, "int4": 4}[t.qat] for t in cfg.sequence_tables if t.qat != "none"
                          for f in t.features}

@@ -86,7 +86,9 @@ def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[Ge
     q = manifest.quantization
     model = GenerativeRecommender(model_cfg, emb_cfg, dense["corpus_ids"], sparse_device=torch.device("meta"))
     ec, ebc = quantized_modules(emb_cfg, tensors["embeddings.safetensors"], q["embeddings"], q.get("row_alignment", 16))
-    install(model.sparse, ec, ebc, served_rows(emb_cfg, tensors["embeddings.safetensors"], q["embeddings"]))
+    emb = tensors["embeddings.safetensors"]
+    install(model.sparse, ec, ebc, served_rows(emb_cfg, emb, q["embeddings"]),
+            served_rows(emb_cfg, emb, q["embeddings"], pooled=True))
     load_dense(model, dense, q["dense"], device)
     return model.to(device).eval(), manifest
 

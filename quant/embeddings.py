@@ -152,19 +152,23 @@ class ServedRows(nn.Module):
         return rows.float()
 
 
-def served_rows(cfg: EmbeddingConfig, tensors: dict[str, torch.Tensor], scheme: Scheme) -> dict[str, ServedRows]:
-    """feature -> its table's :class:`ServedRows`, for every sequence feature."""
+def served_rows(cfg: EmbeddingConfig, tensors: dict[str, torch.Tensor], scheme: Scheme,
+                pooled: bool = False) -> dict[str, ServedRows]:
+    """feature -> its table's :class:`ServedRows`, for every sequence feature (``pooled``: every
+    pooled feature, whose rows a serving path may pool itself instead of through the EBC)."""
     out = {}
-    for t in cfg.sequence_tables:
+    for t in cfg.pooled_tables if pooled else cfg.sequence_tables:
         parts = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.split(".", 1)[0] == t.name}
         rows = ServedRows(parts, scheme, t.dim)
         out.update({f: rows for f in t.features})
     return out
 
 
-def install(arch: SparseArch, ec: QuantEC, ebc: QuantEBC | None, rows: dict[str, ServedRows] | None = None) -> None:
+def install(arch: SparseArch, ec: QuantEC, ebc: QuantEBC | None, rows: dict[str, ServedRows] | None = None,
+            pooled_rows: dict[str, ServedRows] | None = None) -> None:
     """Swaps the float TorchRec modules of ``arch`` for their quantized counterparts (and
-    gives it ``rows``, the direct lookups inference uses for sequence features). A
+    gives it ``rows``, the direct lookups inference uses for sequence features, and
+    ``pooled_rows``, the pooled tables' rows for serving paths that pool them natively). A
     managed-collision collection goes: its tables are in ``ec`` and its raw-id maps in
     ``rows``."""
     arch.ec = ec
@@ -173,6 +177,8 @@ def install(arch: SparseArch, ec: QuantEC, ebc: QuantEBC | None, rows: dict[str,
         arch.ebc = ebc
     if rows:
         arch.rows = nn.ModuleDict(rows)
+    if pooled_rows:
+        arch.pooled_rows = nn.ModuleDict(pooled_rows)
 
 
 def table_bytes(tensors: dict[str, torch.Tensor]) -> int:

@@ -118,6 +118,9 @@ class TorchEngine:
             self.items = torch.cat([self.model.item_embeddings(corpus[i : i + 65536])
                                     for i in range(0, corpus.numel(), 65536)])  # [N, D]
         self.corpus = corpus
+        self.corpus_np = corpus.cpu().numpy()
+        # [D, N] the catalogue's vectors as the right-hand side of one GEMM (rows contiguous)
+        self.items_t = self.items.t().contiguous()
         self.version = version_of(self.manifest)
         if padded is None:
             padded = self.device.type == "cpu" and supports(self.model)
@@ -194,18 +197,22 @@ class TorchEngine:
 
     def retrieve(self, users: torch.Tensor, works: list[tuple[int, Work]]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Exact top-k over the whole catalogue, one matmul for all (row, work) pairs."""
-        rows = torch.tensor([i for i, _ in works], device=users.device)
-        scores = self.model.head.scores(users[rows], self.items).float()  # [b, N]
+        rows = [i for i, _ in works]
+        if rows != list(range(users.shape[0])):
+            users = users[torch.tensor(rows, device=users.device)]
+        # = model.head.scores(users, items): the same product and temperature, the items pre-transposed
+        scores = torch.mm(users, self.items_t).div_(self.model.head.cfg.temperature).float()  # [b, N]
         ex = [(j, w.user.items) for j, (_, w) in enumerate(works) if w.exclude_history]
         if ex:  # every work's history items at once: (row, catalogue position) pairs -> -inf
-            seen = torch.from_numpy(np.concatenate([items for _, items in ex])).to(self.corpus.device)
-            row = torch.from_numpy(np.repeat([j for j, _ in ex], [items.size for _, items in ex])).to(self.corpus.device)
-            idx = torch.searchsorted(self.corpus, seen).clamp(max=self.corpus.numel() - 1)
-            hit = self.corpus[idx] == seen
-            scores[row[hit], idx[hit]] = -math.inf
+            seen = np.concatenate([items for _, items in ex])
+            row = np.repeat([j for j, _ in ex], [items.size for _, items in ex])
+            idx = np.minimum(np.searchsorted(self.corpus_np, seen), self.corpus_np.size - 1)
+            hit = self.corpus_np[idx] == seen
+            row, idx = torch.from_numpy(row[hit]).to(scores.device), torch.from_numpy(idx[hit]).to(scores.device)
+            scores[row, idx] = -math.inf
         k = max(w.retrieve_k for _, w in works)
         top = torch.topk(scores, k, dim=1)
-        ids, vals = self.corpus[top.indices].cpu().numpy(), top.values.cpu().numpy()
+        ids, vals = self.corpus_np[top.indices.cpu().numpy()], top.values.cpu().numpy()
         return {i: (ids[j, : w.retrieve_k], vals[j, : w.retrieve_k]) for j, (i, w) in enumerate(works)}
 
     def score(self, state, to_rank: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> dict[int, np.ndarray]:  # noqa: ANN001

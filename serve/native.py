@@ -29,6 +29,7 @@ import torch
 from kernels import native
 from kernels.hstu_attention import time_bucket
 from models.recommender import GenerativeRecommender
+from quant.embeddings import ServedRows
 from serve.padded import PaddedHSTU
 from serve.padded import supports as padded_supports
 from serve.requests import UserInput
@@ -36,6 +37,7 @@ from serve.requests import UserInput
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _F = ctypes.c_float
+_L = ctypes.c_int64
 
 
 def supports(model: GenerativeRecommender) -> bool:
@@ -57,7 +59,9 @@ def library() -> ctypes.CDLL | None:
         lib.genrec_hstu_encode.argtypes = [*common, _I, _P, _P, _P, _P, _P, _P, _P]
         lib.genrec_hstu_score.argtypes = [*common, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P]
         lib.genrec_rank_mlp.argtypes = [_I, _I, _P, _P, _I, _P, _P, _P, _I, _I, _P, _P, _P]
+        lib.genrec_gather_rows.argtypes = [_P, _L, _L, _I, _I, _P, _P, _L, _F, _I, _P, _L]
         lib.genrec_hstu_encode.restype = lib.genrec_hstu_score.restype = lib.genrec_rank_mlp.restype = _I
+        lib.genrec_gather_rows.restype = _I
         lib._genrec_typed = True
     return lib
 
@@ -76,8 +80,38 @@ def time_thresholds(num_buckets: int) -> np.ndarray:
     return torch.where(never, torch.iinfo(torch.int64).max, hi).numpy().astype(np.int64)
 
 
+_NONE = np.zeros(0, np.int64)
+
+
 def _ptr(a: np.ndarray | torch.Tensor) -> int:
     return a.ctypes.data if isinstance(a, np.ndarray) else a.data_ptr()
+
+
+class NativeRows:
+    """One served table (:class:`quant.embeddings.ServedRows`) for ``genrec_gather_rows``:
+    rows gathered, dequantized and summed into a float buffer in one call, where the
+    PyTorch path makes an index_select, a dequantize, a multiply and an add per table."""
+
+    def __init__(self, lib: ctypes.CDLL, served: ServedRows) -> None:
+        packed = served.packed
+        self.lib, self.served, self.packed, self.dim = lib, served, packed, served.dim
+        self.bits = served.bits or {torch.float32: 32, torch.float16: 16}[packed.dtype]
+        self.nrows, self.row_bytes = packed.shape[0], packed.stride(0) * packed.element_size()
+
+    def gather(self, ids: np.ndarray, out: torch.Tensor, mul: float = 1.0, accumulate: bool = False,
+               dst: np.ndarray | None = None, column: int = 0) -> None:
+        """out[dst[i], column:column + dim] (+)= mul * row(ids[i]) (dst None: row i); ``ids`` are
+        the feature's ids (a managed-collision table maps them to rows first)."""
+        rows = np.ascontiguousarray(self.served.row_ids(torch.from_numpy(ids)).numpy() if self.served.remap else ids,
+                                    dtype=np.int64)
+        dst = None if dst is None else np.ascontiguousarray(dst, dtype=np.int64)
+        if out.dtype != torch.float32 or not out.is_contiguous() or column + self.dim > out.shape[-1]:
+            raise ValueError("gather writes into a contiguous float32 buffer wide enough for the rows")
+        rc = self.lib.genrec_gather_rows(self.packed.data_ptr(), self.nrows, self.row_bytes, self.bits, self.dim,
+                                         _ptr(rows), None if dst is None else _ptr(dst), rows.size, mul,
+                                         int(accumulate), out.data_ptr() + 4 * column, out.shape[-1])
+        if rc:
+            raise ValueError(f"an id outside the table's {self.nrows} rows")
 
 
 @dataclass
@@ -121,6 +155,15 @@ class NativeHSTU(PaddedHSTU):
         self.params = (_P * len(keep))(*[t.data_ptr() for t in keep])
         self.thr = time_thresholds(self.nb)
         self.mlp = self._mlp_params() if model.ranking is not None else None
+        # a served artifact's tables (quantized rows): token inputs and context gathered natively
+        sp = model.sparse
+        self.rows = ({f: NativeRows(lib, sp.rows[f]) for f in sp.sequence_features}
+                     if all(f in sp.rows for f in sp.sequence_features) else None)
+        pooled = list(model.embedding_cfg.pooled_features)
+        self.pooled = ({f: NativeRows(lib, sp.pooled_rows[f]) for f in pooled}
+                       if pooled and all(f in sp.pooled_rows for f in pooled) else None)
+        self.pos = NativeRows(lib, ServedRows({"weight": model.pos_emb.weight.detach().float()}, "fp32",
+                                              model.pos_emb.weight.shape[1]))
         # seconds per stage, summed over calls (the engine passes its own profile's dict):
         # embedding lookups, the native tower, the ranking MLP
         self.stages = stages if stages is not None else {}
@@ -150,6 +193,51 @@ class NativeHSTU(PaddedHSTU):
                 keep += [wt.contiguous(), b.contiguous()]
         widths = np.array([linears[0].in_features] + [t.shape[0] for t in keep[1::2]], np.int32)
         return widths, (_P * len(keep))(*[t.data_ptr() for t in keep]), keep
+
+    # ---- token inputs and context, natively where the tables are a served artifact's ----------
+    def _tokens(self, items: np.ndarray, actions: np.ndarray | None, positions: np.ndarray) -> torch.Tensor:
+        """[N, D] (item row (+ action row)) * scale + position row, as the model makes them."""
+        x = torch.empty(items.size, self.dims[0])
+        scale = float(self.model.scale)
+        self.rows[self.model.item_feature].gather(items, x, scale)
+        if actions is not None:
+            self.rows["action"].gather(actions, x, scale, accumulate=True)
+        self.pos.gather(positions, x, accumulate=True)
+        return x
+
+    def _history_tokens(self, items: np.ndarray, actions: np.ndarray, valid: np.ndarray) -> torch.Tensor:
+        if self.rows is None:
+            return super()._history_tokens(items, actions, valid)
+        return self._tokens(items[valid], actions[valid] if self.has_action else None, np.nonzero(valid)[1])
+
+    def _candidate_tokens(self, cands: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rows is None:
+            return super()._candidate_tokens(cands, positions)
+        ids = cands.numpy()
+        item_rows = torch.empty(ids.size, self.dims[0])
+        self.rows[self.model.item_feature].gather(ids, item_rows)
+        return item_rows, self._tokens(ids, np.zeros_like(ids) if self.has_action else None, positions.numpy())
+
+    def _context(self, users: list[UserInput]) -> torch.Tensor | None:
+        m = self.model
+        if m.ranking is None or not m.ranking_context:
+            return None
+        if self.pooled is None:
+            return super()._context(users)
+        tables = m.embedding_cfg.pooled_tables
+        out = torch.zeros(len(users), sum(t.dim * len(t.features) for t in tables))
+        column = 0
+        for t in tables:  # the EmbeddingBagCollection's output order: tables, then their features
+            for f in t.features:
+                ids = [u.context.get(f, _NONE) for u in users]
+                counts = np.array([a.size for a in ids], np.int64)
+                if counts.sum():
+                    self.pooled[f].gather(np.concatenate(ids), out, accumulate=True,
+                                          dst=np.repeat(np.arange(len(users)), counts), column=column)
+                    if t.pooling == "mean":
+                        out[:, column : column + t.dim] /= torch.from_numpy(np.maximum(counts, 1)).float()[:, None]
+                column += t.dim
+        return out
 
     def _head(self) -> tuple:
         return (len(self.layers), self.params, *self.dims, self.alpha, _ptr(self.thr))

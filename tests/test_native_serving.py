@@ -82,3 +82,39 @@ def test_the_library_builds_into_an_empty_cache_and_a_missing_compiler_falls_bac
         assert native.library("hstu_serve") is None
     finally:
         native._build.cache_clear()
+
+
+@pytest.mark.parametrize("scheme", ["fp32", "fp16", "int8", "int4"])
+def test_served_tables_gathered_natively_equal_the_pytorch_lookups(scheme):
+    """A served artifact's tables (ServedRows: quantized rows): the native path gathers the
+    token inputs and pools the context itself; user vectors, probabilities and the context
+    equal the padded path's (fbgemm's dequantize, TorchRec's quantized EmbeddingBagCollection),
+    for sum and mean pooling, several ids, a feature a user lacks, and candidates."""
+    from dataclasses import replace
+
+    from quant.embeddings import install, quantized_modules, served_rows, table_tensors
+    from serve.padded import PaddedHSTU
+    from tests.test_padded_serving import CANDS, users
+
+    m = model()
+    cfg = replace(m.embedding_cfg, tables=(*m.embedding_cfg.tables,
+                                           TableConfig("topic", ("topic",), dim=8, num_embeddings=9, pooling="mean")))
+    m = GenerativeRecommender(replace(m.cfg), cfg, torch.arange(1, 60)).eval()
+    tensors = table_tensors(m.sparse, scheme)
+    ec, ebc = quantized_modules(cfg, tensors, scheme)
+    install(m.sparse, ec, ebc, served_rows(cfg, tensors, scheme), served_rows(cfg, tensors, scheme, pooled=True))
+    us = users()
+    for i, u in enumerate(us):  # several ids, one, none
+        u.context["topic"] = np.array([i % 9, (3 * i) % 9, 8])[: 3 - i % 3]
+    del us[2].context["region"]
+    us[5].context["topic"] = np.zeros(0, np.int64)
+    native, padded = NativeHSTU(m), PaddedHSTU(m)
+    assert native.rows is not None and native.pooled is not None
+    torch.testing.assert_close(native._context(us), padded._context(us), rtol=1e-6, atol=1e-6)
+    nvec, nhist = native.encode(us)
+    pvec, phist = padded.encode(us)
+    torch.testing.assert_close(nvec, pvec, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(padded_scores(native, nhist, CANDS), padded_scores(padded, phist, CANDS),
+                               atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="outside the table"):
+        native.rows["item"].gather(np.array([3, 60]), torch.empty(2, 16))

@@ -176,6 +176,26 @@ void transpose_keys(int h, int hp, int dqk, const float* k, int ldk, float* kT) 
 
 inline int pad8(int x) { return (x + 7) & ~7; }
 
+
+// IEEE half -> float (the fp16 scale and bias of fbgemm's row-wise quantized rows, fp16 tables).
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+  if (exp == 0x1fu) {
+    bits = sign | 0x7f800000u | (man << 13);  // inf / nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;  // +-0
+  } else {  // subnormal: normalise
+    int e = -1;
+    do { ++e; man <<= 1; } while (!(man & 0x400u));
+    bits = sign | uint32_t(112 - e) << 23 | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 }  // namespace
 
 extern "C" {
@@ -382,6 +402,47 @@ int genrec_rank_mlp(int N, int D, const float* h, const float* item, int Uc, con
     a.swap(b);
   }
   std::memcpy(out, a.data(), sizeof(float) * (size_t)N * widths[nl]);
+  return 0;
+}
+
+// Embedding rows for the token inputs and the pooled context, without a framework call per
+// table: out[dst[i] * ld + c] (+)= mul * row(rows[i])[c] for c < dim, i < n (dst null: i).
+// A row is `bits` 8 / 4: fbgemm's row-wise quantized layout (dim codes of that many bits, low
+// nibble first, then an fp16 scale and an fp16 bias: value = scale * code + bias), 16: fp16,
+// 32: fp32; row_bytes apart in `table`. Any row outside [0, nrows): returns -1, nothing written.
+int genrec_gather_rows(const uint8_t* table, int64_t nrows, int64_t row_bytes, int bits, int dim,
+                       const int64_t* rows, const int64_t* dst, int64_t n, float mul, int accumulate, float* out,
+                       int64_t ld) {
+  for (int64_t i = 0; i < n; ++i)
+    if (rows[i] < 0 || rows[i] >= nrows) return -1;
+  const int64_t code_bytes = (int64_t(dim) * (bits == 4 ? 4 : 8) + 7) / 8;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* r = table + rows[i] * row_bytes;
+    float* o = out + (dst ? dst[i] : i) * ld;
+    if (!accumulate) std::fill(o, o + dim, 0.0f);
+    if (bits == 8 || bits == 4) {
+      uint16_t sb[2];
+      std::memcpy(sb, r + code_bytes, sizeof sb);
+      const float scale = half_to_float(sb[0]) * mul, bias = half_to_float(sb[1]) * mul;
+      if (bits == 8) {
+        for (int c = 0; c < dim; ++c) o[c] += scale * float(r[c]) + bias;
+      } else {
+        for (int c = 0; c < dim; ++c) o[c] += scale * float((r[c >> 1] >> ((c & 1) * 4)) & 0xf) + bias;
+      }
+    } else if (bits == 16) {
+      for (int c = 0; c < dim; ++c) {
+        uint16_t h;
+        std::memcpy(&h, r + 2 * c, sizeof h);
+        o[c] += mul * half_to_float(h);
+      }
+    } else {
+      for (int c = 0; c < dim; ++c) {
+        float f;
+        std::memcpy(&f, r + 4 * c, sizeof f);
+        o[c] += mul * f;
+      }
+    }
+  }
   return 0;
 }
 
