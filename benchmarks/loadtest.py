@@ -92,15 +92,24 @@ def make_workload(data: str | Path, out: str | Path, n: int = 2000, history: int
     return Path(out)
 
 
-def load_workload(path: str | Path) -> list[bytes]:
-    """JSONL requests -> serialized RecommendRequests (serialized once, before sending)."""
+def load_workload(path: str | Path, columns: bool = True) -> list[bytes]:
+    """JSONL requests -> serialized RecommendRequests (serialized once, before sending); the
+    history as ``User.history_columns`` (packed arrays), or with ``columns=False`` as one
+    ``Event`` message per event."""
     out = []
     for line in Path(path).read_text().splitlines():
         if not line.strip():
             continue
         r = json.loads(line)
-        user = pb.User(history=[pb.Event(item_id=i, timestamp=t, actions=a) for i, t, a in r["history"]],
-                       context=[pb.ContextFeature(name=k, ids=v) for k, v in r.get("context", {}).items()])
+        ctx = [pb.ContextFeature(name=k, ids=v) for k, v in r.get("context", {}).items()]
+        if columns:
+            items, times, actions = zip(*r["history"]) if r["history"] else ((), (), ())
+            cols = pb.EventColumns(item_ids=items, timestamps=times if any(times) else (),  # all unknown: none sent
+                                   actions=actions if any(actions) else ())
+            user = pb.User(history_columns=cols, context=ctx)
+        else:
+            user = pb.User(history=[pb.Event(item_id=i, timestamp=t, actions=a) for i, t, a in r["history"]],
+                           context=ctx)
         req = pb.RecommendRequest(user=user, retrieve_k=r.get("retrieve_k", 0), top_k=r.get("top_k", 0),
                                   candidates=[pb.Candidate(item_id=i, bid=b) for i, b in r.get("candidates", [])])
         out.append(req.SerializeToString())
@@ -250,7 +259,7 @@ def cmd_loadtest(args, overrides: list[str]) -> int:  # noqa: ANN001
         raise SystemExit("genrec loadtest needs --workload FILE (make one with --make-workload DATA --out FILE)")
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
-    payloads = load_workload(args.workload)
+    payloads = load_workload(args.workload, columns=not args.event_messages)
     qps = [float(x) for x in args.qps.split(",")]
     t0 = time.perf_counter()
     result = asyncio.run(sweep(args.target, qps, args.duration, payloads, args.slo_p99_ms, args.timeout_ms / 1e3,

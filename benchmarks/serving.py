@@ -130,6 +130,24 @@ def flops_per_request(artifact: Path, payloads: list[bytes]) -> float:
     return float(fc.get_total_flops()) / len(payloads)
 
 
+def decode_cost(artifact: Path, workload: Path, n: int = 300, reps: int = 5) -> dict[str, float]:
+    """ms per request for the server's decoding (parse, validate, ids) of the workload's first
+    ``n`` requests, the history as Event messages and as history_columns, alternately (median)."""
+    from serve.engine import TorchEngine
+    from serve.requests import Limits, decode
+
+    schema = TorchEngine(artifact).schema
+    forms = {"events": load_workload(workload, columns=False)[:n], "columns": load_workload(workload)[:n]}
+    times: dict[str, list[float]] = {k: [] for k in forms}
+    for _ in range(reps):
+        for k, payloads in forms.items():
+            t0 = time.perf_counter()
+            for p in payloads:
+                decode("recommend", p, schema, Limits())
+            times[k].append((time.perf_counter() - t0) / len(payloads) * 1e3)
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
 def start_server(engine: str, artifact: Path, threads: int, profile_out: Path) -> tuple[subprocess.Popen, str, dict]:
     """The server process, its address, and the CPU layout it reports (``--engine-cpus auto``:
     engine processes and front-end CPUs; empty lists when nothing is pinned)."""
@@ -181,6 +199,7 @@ def main() -> None:
     artifact, payloads = artifact_and_requests(out, args.artifact)
     peak = peak_gflops(args.server_threads)
     flops = flops_per_request(artifact, payloads[:50])
+    decode_ms = decode_cost(artifact, out / "workload.jsonl")
     torch.set_num_threads(1)  # the load generator keeps to itself
     results, sweeps = {}, {}
     all_cpus = tuple(sorted(os.sched_getaffinity(0)))
@@ -216,6 +235,7 @@ def main() -> None:
     plot(sweeps, RESULTS / "serving_latency.png", args.slo_p99_ms)
     payload = {"date": today(), "machine": machine(), "artifact": str(artifact), "slo_p99_ms": args.slo_p99_ms,
                "workload": {"requests": len(payloads), "history": 200, "retrieve_k": 100, "rank": 100, "top_k": 10},
+               "history_encoding": "history_columns", "decode_ms": decode_ms,
                "peak_gflops": peak, "flops_per_request": flops, "server_threads": args.server_threads,
                "engines": results}
     write_json("serving", payload)
@@ -243,8 +263,13 @@ def render(p: dict) -> str:
                      f"{100 * r['utilization_at_max']:.1f}% |")
     lines += ["", f"Model FLOPs per request: {p['flops_per_request'] / 1e6:.1f} MFLOP (the mean over 50 requests, counted "
               f"on the padded PyTorch path); machine peak (fp32 matmul, "
-              f"{p['server_threads']} thread): {p['peak_gflops']:.1f} GFLOP/s.", "",
-              "Where the batched server's time goes at load (share of server time, front-end and engine process):", ""]
+              f"{p['server_threads']} thread): {p['peak_gflops']:.1f} GFLOP/s.", ""]
+    if "decode_ms" in p:
+        d = p["decode_ms"]
+        lines += [f"The load generator sends each history as `User.history_columns` (packed arrays); decoding a request "
+                  f"costs the server {d['columns']:.3f} ms that way against {d['events']:.3f} ms as `Event` messages "
+                  f"({d['events'] / d['columns']:.2f}x; one thread, the workload's first 300 requests).", ""]
+    lines += ["Where the batched server's time goes at load (share of server time, front-end and engine process):", ""]
     prof = p["engines"].get("torch", {}).get("profile", {})
     stages = prof.get("stages_s", {})
     total = sum(stages.values()) or 1.0

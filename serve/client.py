@@ -25,11 +25,17 @@ def channel_for(targets: str | Sequence[str]) -> grpc.Channel:
 
 
 def user(history: Sequence[int | tuple[int, int, int]], context: dict[str, Sequence[int]] | None = None,
-         request_time: int = 0) -> pb.User:
-    """history: item ids, or (item id, unix seconds, action bitmask) triples."""
-    events = [pb.Event(item_id=h) if isinstance(h, int) else pb.Event(item_id=h[0], timestamp=h[1], actions=h[2])
-              for h in history]
+         request_time: int = 0, columns: bool = False) -> pb.User:
+    """history: item ids, or (item id, unix seconds, action bitmask) triples; ``columns``: sent
+    as ``history_columns`` (packed arrays: smaller, and cheaper for the server to decode)."""
     ctx = [pb.ContextFeature(name=k, ids=list(v)) for k, v in (context or {}).items()]
+    triples = [(h, 0, 0) if isinstance(h, int) else tuple(h) for h in history]
+    if columns:
+        items, times, actions = (list(c) for c in zip(*triples)) if triples else ([], [], [])
+        cols = pb.EventColumns(item_ids=items, timestamps=times if any(times) else [],
+                               actions=actions if any(actions) else [])
+        return pb.User(history_columns=cols, context=ctx, request_time=request_time)
+    events = [pb.Event(item_id=i, timestamp=t, actions=a) for i, t, a in triples]
     return pb.User(history=events, context=ctx, request_time=request_time)
 
 

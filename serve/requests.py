@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -121,22 +122,48 @@ def _ids(schema: ModelSchema, feature: str, ids: np.ndarray, field_path: str) ->
         raise InvalidRequest(f"{field_path.format(idx)}: {e}") from None
 
 
-def decode_user(user: pb.User, schema: ModelSchema, limits: Limits) -> UserInput:
-    n = len(user.history)
+_COLUMN = {"item_id": "item_ids", "timestamp": "timestamps", "actions": "actions"}
+
+
+def _history(user: pb.User, limit: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, Callable[[object, str], str]]:
+    """(item ids, timestamps, actions) [n] int64 of ``user.history`` or ``user.history_columns``,
+    and how an error names event i's field (``where(i, "item_id" | "timestamp" | "actions")``)."""
+    columns = user.HasField("history_columns")
+    if columns and len(user.history):
+        raise InvalidRequest("user: sets both history and history_columns; send the history once")
+    if columns:
+        cols = user.history_columns
+        n, name = len(cols.item_ids), "user.history_columns.item_ids"
+        where = lambda i, field: f"user.history_columns.{_COLUMN[field]}[{i}]"  # noqa: E731
+    else:
+        n, name = len(user.history), "user.history"
+        where = lambda i, field: f"user.history[{i}].{field}"  # noqa: E731
     if n == 0:
-        raise InvalidRequest("user.history: is empty; send at least one past event")
-    limit = min(limits.max_history, 10 * schema.max_history)
+        raise InvalidRequest(f"{name}: is empty; send at least one past event")
     if n > limit:
-        raise InvalidRequest(f"user.history: has {n} events; the limit is {limit}")
-    raw = np.fromiter((e.item_id for e in user.history), np.int64, n)
-    items = _ids(schema, schema.embedding.item_feature, raw, "user.history[{}].item_id")
-    times = np.fromiter((e.timestamp for e in user.history), np.int64, n)
+        raise InvalidRequest(f"{name}: has {n} events; the limit is {limit}")
+    if not columns:
+        h = user.history
+        return (np.fromiter((e.item_id for e in h), np.int64, n), np.fromiter((e.timestamp for e in h), np.int64, n),
+                np.fromiter((e.actions for e in h), np.int64, n), where)
+    out = [np.fromiter(cols.item_ids, np.int64, n)]
+    for col in ("timestamps", "actions"):
+        values = getattr(cols, col)
+        if len(values) not in (0, n):
+            raise InvalidRequest(f"user.history_columns.{col}: has {len(values)} values for {n} item_ids; "
+                                 "send one per item or none")
+        out.append(np.fromiter(values, np.int64, n) if len(values) else np.zeros(n, np.int64))
+    return (*out, where)
+
+
+def decode_user(user: pb.User, schema: ModelSchema, limits: Limits) -> UserInput:
+    raw, times, actions, where = _history(user, min(limits.max_history, 10 * schema.max_history))
+    items = _ids(schema, schema.embedding.item_feature, raw, where("{}", "item_id"))
     if (times < 0).any():
-        raise InvalidRequest(f"user.history[{int(np.flatnonzero(times < 0)[0])}].timestamp: is negative")
-    actions = np.fromiter((e.actions for e in user.history), np.int64, n)
+        raise InvalidRequest(f"{where(int(np.flatnonzero(times < 0)[0]), 'timestamp')}: is negative")
     if (actions >= (1 << schema.num_actions)).any():
         i = int(np.flatnonzero(actions >= (1 << schema.num_actions))[0])
-        raise InvalidRequest(f"user.history[{i}].actions: bitmask {actions[i]} has bits beyond the model's "
+        raise InvalidRequest(f"{where(i, 'actions')}: bitmask {actions[i]} has bits beyond the model's "
                              f"{schema.num_actions} actions")
     if user.request_time < 0:
         raise InvalidRequest("user.request_time: is negative")

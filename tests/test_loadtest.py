@@ -80,5 +80,8 @@ def test_sweep_counts_percentiles_and_errors_match_the_known_server(tmp_path):
 
 def test_workload_round_trip(tiny_synth, tmp_path):
     path = make_workload(tiny_synth, tmp_path / "w.jsonl", n=20, history=8, retrieve_k=30, top_k=5)
-    reqs = [pb.RecommendRequest.FromString(b) for b in load_workload(path)]
-    assert len(reqs) == 20 and all(0 < len(r.user.history) <= 8 and r.retrieve_k == 30 for r in reqs)
+    reqs = [pb.RecommendRequest.FromString(b) for b in load_workload(path)]  # histories as packed columns
+    assert len(reqs) == 20 and all(0 < len(r.user.history_columns.item_ids) <= 8 and r.retrieve_k == 30 for r in reqs)
+    assert all(len(r.user.history_columns.timestamps) == len(r.user.history_columns.item_ids) for r in reqs)
+    events = [pb.RecommendRequest.FromString(b) for b in load_workload(path, columns=False)]
+    assert [[e.item_id for e in r.user.history] for r in events] == [list(r.user.history_columns.item_ids) for r in reqs]

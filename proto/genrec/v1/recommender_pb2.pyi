@@ -32,15 +32,27 @@ class Candidate(_message.Message):
     bid: float
     def __init__(self, item_id: _Optional[int] = ..., bid: _Optional[float] = ...) -> None: ...
 
+class EventColumns(_message.Message):
+    __slots__ = ("item_ids", "timestamps", "actions")
+    ITEM_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMPS_FIELD_NUMBER: _ClassVar[int]
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    item_ids: _containers.RepeatedScalarFieldContainer[int]
+    timestamps: _containers.RepeatedScalarFieldContainer[int]
+    actions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, item_ids: _Optional[_Iterable[int]] = ..., timestamps: _Optional[_Iterable[int]] = ..., actions: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class User(_message.Message):
-    __slots__ = ("history", "context", "request_time")
+    __slots__ = ("history", "context", "request_time", "history_columns")
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_TIME_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     history: _containers.RepeatedCompositeFieldContainer[Event]
     context: _containers.RepeatedCompositeFieldContainer[ContextFeature]
     request_time: int
-    def __init__(self, history: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., context: _Optional[_Iterable[_Union[ContextFeature, _Mapping]]] = ..., request_time: _Optional[int] = ...) -> None: ...
+    history_columns: EventColumns
+    def __init__(self, history: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., context: _Optional[_Iterable[_Union[ContextFeature, _Mapping]]] = ..., request_time: _Optional[int] = ..., history_columns: _Optional[_Union[EventColumns, _Mapping]] = ...) -> None: ...
 
 class RecommendRequest(_message.Message):
     __slots__ = ("user", "retrieve_k", "top_k", "candidates", "exclude_history", "objective")
