@@ -113,8 +113,11 @@ class Batcher:
     async def _run(self, batch: list[tuple[Work, asyncio.Future]]) -> None:
         try:
             engine = self.engine_fn()
-            results = await asyncio.get_running_loop().run_in_executor(
-                self.pool, engine.run, [w for w, _ in batch])  # type: ignore[attr-defined]
+            works = [w for w, _ in batch]
+            if hasattr(engine, "run_async"):  # an engine process: the pipe is awaited on the loop
+                results = await engine.run_async(works)
+            else:  # an in-process engine computes in the executor thread (it drops the GIL in its kernels)
+                results = await asyncio.get_running_loop().run_in_executor(self.pool, engine.run, works)
             for (_, fut), res in zip(batch, results):
                 if not fut.done():
                     fut.set_result(res)

@@ -18,6 +18,7 @@ dies, the batch in flight fails (INTERNAL) and the next batch starts a new child
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import os
 import queue
@@ -190,6 +191,45 @@ class EngineProcess:
     def run(self, works: list[Work]) -> list:
         return self._call("run", works)
 
+    async def run_async(self, works: list[Work]) -> list:
+        """``run`` from the event loop without a thread: the batch is sent from the loop and the
+        reply read when the pipe turns readable, which saves the executor thread's two wake-ups
+        per batch (~0.5 ms, more in the tail, on the 2-core benchmark machine). A busy pipe (a
+        control call), a dead child (restarted in ``run``) or a loop without ``add_reader`` go
+        through ``run`` in a thread as before."""
+        loop = asyncio.get_running_loop()
+        if self.closed or not self.proc.is_alive() or not self.lock.acquire(blocking=False):
+            return await loop.run_in_executor(None, self.run, works)
+        try:
+            try:
+                self.conn.send(("run", works))
+                ready = loop.create_future()
+                fd = self.conn.fileno()
+                try:
+                    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+                except NotImplementedError:  # e.g. the Windows proactor loop
+                    tag, body = await loop.run_in_executor(None, self.conn.recv)
+                else:
+                    try:
+                        await ready
+                    except asyncio.CancelledError:
+                        # the reply is still coming: read it here, or the next batch would get it
+                        if self.conn.poll(60):
+                            self.conn.recv()
+                        raise
+                    finally:
+                        loop.remove_reader(fd)
+                    tag, body = self.conn.recv()
+            except (EOFError, BrokenPipeError, ConnectionResetError):
+                self.proc.join(1)
+                raise EngineProcessError(f"engine process died (exit code {self.proc.exitcode}); "
+                                         "the next batch starts a new one") from None
+        finally:
+            self.lock.release()
+        if tag == "raise":
+            raise body
+        return body
+
     @property
     def stages(self) -> dict[str, float]:
         """Seconds per stage inside the engine (its process), summed over batches."""
@@ -251,6 +291,16 @@ class EnginePool:
         engine = self.idle.get()
         try:
             return engine.run(works)
+        finally:
+            self.idle.put(engine)
+
+    async def run_async(self, works: list[Work]) -> list:
+        try:
+            engine = self.idle.get_nowait()
+        except queue.Empty:  # every replica busy: wait for one in a thread
+            return await asyncio.get_running_loop().run_in_executor(None, self.run, works)
+        try:
+            return await engine.run_async(works)
         finally:
             self.idle.put(engine)
 

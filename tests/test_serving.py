@@ -3,6 +3,7 @@ replicas, graceful shutdown. Tiny models; every call goes through grpcio."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import re
@@ -335,10 +336,24 @@ def test_engine_process_answers_like_the_in_process_engine_and_replaces_a_killed
         with pytest.raises(Exception) as e:  # the engine's own error, raised again in this process
             remote.run([bad])
         assert not isinstance(e.value, EOFError) and remote.proc.is_alive()
+        # awaited on an event loop (what the batcher does): the pipe read when readable, same answers, same errors
+        same(asyncio.run(remote.run_async(works)))
+        with pytest.raises(Exception) as e:
+            asyncio.run(remote.run_async([bad]))
+        assert not isinstance(e.value, EOFError) and remote.proc.is_alive()
+        holder = threading.Thread(target=lambda: (remote.lock.acquire(), time.sleep(0.3), remote.lock.release()))
+        holder.start()
+        time.sleep(0.05)
+        same(asyncio.run(remote.run_async(works)))  # the pipe busy: waits for it in a thread
+        holder.join()
         os.kill(remote.proc.pid, signal.SIGKILL)
         remote.proc.join(10)
         same(remote.run(works))  # a new child took over
         assert remote.restarts == 1
+        os.kill(remote.proc.pid, signal.SIGKILL)
+        remote.proc.join(10)
+        same(asyncio.run(remote.run_async(works)))  # from the loop too
+        assert remote.restarts == 2
     finally:
         remote.close()
     assert not remote.proc.is_alive() and remote.stages["retrieve_topk"] > 0  # stages kept after close
@@ -533,3 +548,51 @@ def test_unknown_fields_are_named_at_any_depth_and_odd_but_valid_encodings_pass(
     bad = pb.RecommendRequest(retrieve_k=10).SerializeToString() + bytes([0x0A, len(nested)]) + nested
     with pytest.raises(InvalidRequest, match=r"^user\.history\[1\]: has fields"):
         parse(pb.RecommendRequest, bad)
+
+
+def test_history_as_columns_is_the_same_request_and_its_errors_name_the_column(artifacts):
+    """User.history_columns (packed arrays) decodes to the user the Event messages give, is
+    answered alike by a live server, and each bad column is INVALID_ARGUMENT naming it."""
+    from serve.requests import InvalidRequest, decode
+
+    engine = TorchEngine(artifacts["hstu"])
+    h = history(9)
+    for ctx in (CTX, {}):
+        a = decode("recommend", pb.RecommendRequest(user=user(h, ctx), retrieve_k=10).SerializeToString(),
+                   engine.schema, Limits()).user
+        b = decode("recommend", pb.RecommendRequest(user=user(h, ctx, columns=True), retrieve_k=10).SerializeToString(),
+                   engine.schema, Limits()).user
+        assert all((x == y).all() for x, y in zip((a.items, a.times, a.actions), (b.items, b.times, b.actions)))
+        assert (a.has_time, a.request_time, a.context.keys()) == (b.has_time, b.request_time, b.context.keys())
+    # no timestamps or actions at all: columns left empty, as Event fields left 0
+    bare = user([i for i, _, _ in h], CTX, columns=True)
+    assert len(bare.history_columns.timestamps) == 0 and len(bare.history_columns.actions) == 0
+    assert not decode("retrieve", pb.RetrieveRequest(user=bare).SerializeToString(), engine.schema, Limits()).user.has_time
+
+    def cols(**kw):
+        base = dict(item_ids=[5, 9, 12], timestamps=[T0, T0 + 1, T0 + 2], actions=[1, 3, 1])
+        base.update(kw)
+        return pb.User(history_columns=pb.EventColumns(**base), context=[pb.ContextFeature(name="region", ids=[3])])
+
+    both = cols()
+    both.history.add(item_id=5)
+    bad = {"user: sets both": both, "user.history_columns.item_ids: is empty": cols(item_ids=[], timestamps=[], actions=[]),
+           "user.history_columns.timestamps: has 2 values": cols(timestamps=[T0, T0]),
+           "user.history_columns.actions: has 4 values": cols(actions=[1, 1, 1, 1]),
+           "user.history_columns.item_ids[1]": cols(item_ids=[5, 10**9, 7]),
+           "user.history_columns.timestamps[2]": cols(timestamps=[T0, T0, -1]),
+           "user.history_columns.actions[0]": cols(actions=[1 << 20, 1, 1])}
+    for message, u in bad.items():
+        with pytest.raises(InvalidRequest, match=re.escape(message)):
+            decode("retrieve", pb.RetrieveRequest(user=u).SerializeToString(), engine.schema, Limits())
+    srv = ThreadedServer(artifacts["hstu"], ServeConfig(host="127.0.0.1", port=0))
+    try:
+        c = RecommenderClient(srv.target)
+        x, y = c.recommend(user(h, CTX), retrieve_k=20, top_k=5), c.recommend(user(h, CTX, columns=True), retrieve_k=20, top_k=5)
+        assert [(i.item_id, i.score) for i in x.items] == [(i.item_id, i.score) for i in y.items]
+        with pytest.raises(grpc.RpcError) as e:
+            c.retrieve(cols(timestamps=[T0]), k=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith("user.history_columns.timestamps")
+    finally:
+        srv.stop()
