@@ -47,8 +47,10 @@ class PooledDLRM(nn.Module):
             nn.init.normal_(self.ebc.embedding_bags[t.name].weight, std=0.02)
         use_ctx = bool(embedding.pooled_tables) and ranking.use_context
         self.context = EmbeddingBagCollection(tables=pooled_table_configs(embedding)) if use_ctx else None
-        self.ctx_proj = nn.ModuleList(nn.Linear(t.dim, d) for t in embedding.pooled_tables) if use_ctx else None
-        n = 3 + (len(embedding.pooled_tables) if self.context else 0)
+        # one projection per pooled feature (a table may pool several features, each its own vector)
+        self.ctx_features = [(f, t.dim) for t in embedding.pooled_tables for f in t.features] if use_ctx else []
+        self.ctx_proj = nn.ModuleList(nn.Linear(dim, d) for _, dim in self.ctx_features) if use_ctx else None
+        n = 3 + len(self.ctx_features)
         pairs = n * (n - 1) // 2
         # the ranking head's MLP takes [h, e, h * e, ctx]; here h = interactions padded to D
         self.inter = nn.Linear(pairs, d)
@@ -79,7 +81,7 @@ class PooledDLRM(nn.Module):
         per_user = [pooled[HIST], pooled[HIST_ACTION]]
         if self.context is not None:
             ctx = self.context(batch.context)
-            per_user += [proj(ctx[t.features[0]]) for proj, t in zip(self.ctx_proj, self.embedding_cfg.pooled_tables)]
+            per_user += [proj(ctx[f]) for proj, (f, _) in zip(self.ctx_proj, self.ctx_features, strict=True)]
         rep = [torch.repeat_interleave(v, batch.num_targets, dim=0, output_size=c) for v in per_user]
         return torch.stack([self.ebc(cand)[CAND], *rep], dim=1)
 

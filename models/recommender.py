@@ -88,7 +88,8 @@ class GenerativeRecommender(nn.Module):
         self.ranking: RankingHead | None = None
         self.ranking_context = False
         if cfg.ranking.enabled:
-            ctx_dim = sum(t.dim for t in embedding.pooled_tables) if cfg.ranking.use_context else 0
+            # the EmbeddingBagCollection pools each feature on its own: a table's dim per feature it reads
+            ctx_dim = sum(t.dim * len(t.features) for t in embedding.pooled_tables) if cfg.ranking.use_context else 0
             self.ranking_context = ctx_dim > 0
             self.ranking = RankingHead(cfg.ranking, dim, ctx_dim)
 

@@ -107,6 +107,34 @@ def test_dlrm_baseline_ranks_the_same_batches():
     d(b)["loss"].backward()
 
 
+def test_a_pooled_table_of_several_features_gives_each_feature_its_own_context_vector():
+    """A pooled table read by two features (device and app language, say) pools each on its
+    own: the ranking heads take both vectors, and the second one changes the scores."""
+    tables = (*emb_cfg(context=False).tables, TableConfig("lang", ("device_lang", "app_lang"), dim=4, num_embeddings=6,
+                                                          pooling="sum"))
+    ecfg = EmbeddingConfig(tables=tables)
+    b = make_batch([(HIST, HACT, [11, 12]), ([5, 6], [1, 1], [13])])
+    b.labels = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
+
+    def ctx(app):
+        return KeyedJaggedTensor(keys=["device_lang", "app_lang"], values=torch.tensor([1, 2, *app]),
+                                 lengths=torch.ones(4, dtype=torch.long))
+
+    torch.manual_seed(0)
+    gen = GenerativeRecommender(ModelConfig(tower="hstu", max_seq_len=24, input_dropout=0.0,
+                                            ranking=RankingConfig(tasks=TASKS, dropout=0.0)), ecfg, torch.arange(1, 40))
+    torch.manual_seed(0)
+    dlrm = PooledDLRM(RankingConfig(tasks=TASKS, dropout=0.0), ecfg)
+    for m in (gen.eval(), dlrm.eval()):
+        with torch.no_grad():
+            b.context = ctx([3, 4])
+            a = m.rank(b)
+            b.context = ctx([5, 4])
+            assert a.shape == (3, 2) and not torch.allclose(a[:2], m.rank(b)[:2])
+        m.train()
+        m.rank(b).sum().backward()
+
+
 def test_ranking_reader_labels_and_time_split(tiny_synth):
     info = read_info(tiny_synth)
     masks = RankingConfig(tasks=TASKS).task_masks(info.action_names)
