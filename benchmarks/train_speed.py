@@ -195,7 +195,9 @@ def main() -> None:
         f"`python -m benchmarks.train_speed` — {today()}, {m['cpu']}, {m['threads']} threads, torch {m['torch']}.",
         "Same model, loss and optimizer in both paths; batches of 128 real ML-1M sequences; median of "
         f"{args.rounds} interleaved rounds of {args.steps} steps. Naive: padded to 200, dense masked attention, "
-        "eager. Default: length-sorted windows, jagged rows, compiled tower, chunked loss.",
+        "eager. Default: the shipped config's path (length-sorted windows, jagged rows, the HSTU attention's "
+        + ("compiled tower" if shipped.train.compile else "coded path with its hand-written backward, eager")
+        + ", chunked loss).",
         "",
         "| head | naive s/step | default s/step | naive seq/s | default seq/s | speed-up | loss share of default step "
         "| naive at the default's matmul precision | speed-up vs that |",

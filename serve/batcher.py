@@ -64,7 +64,10 @@ class Batcher:
     def depth(self) -> int:
         return len(self.queue)
 
-    async def submit(self, work: Work) -> Result:
+    async def submit(self, work: Work, timeout: float | None = None) -> Result:
+        """The work's result; ``timeout`` (s): TimeoutError after it, and the work is dropped
+        unrun if it is still queued (its future cancelled). The future is awaited directly, so
+        a call costs no task of its own."""
         if self.closing:
             raise ShuttingDown("the server is shutting down")
         if len(self.queue) >= self.cfg.max_queue:
@@ -72,7 +75,7 @@ class Batcher:
         fut = asyncio.get_running_loop().create_future()
         self.queue.append((work, fut))
         self.wakeup.set()
-        return await fut
+        return await (fut if timeout is None else asyncio.wait_for(fut, timeout))
 
     async def _collect(self) -> list[tuple[Work, asyncio.Future]]:
         while not self.queue:

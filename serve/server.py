@@ -224,7 +224,7 @@ class RecommenderServer:
         budget = self.cfg.default_timeout_ms / 1e3 if remaining is None or math.isinf(remaining) else remaining
         work.deadline = t0 + budget
         self.metrics.queue_depth.set(self.batcher.depth)
-        result = await asyncio.wait_for(self.batcher.submit(work), timeout=max(work.deadline - time.monotonic(), 0))
+        result = await self.batcher.submit(work, timeout=max(work.deadline - time.monotonic(), 0))
         timing = pb.Timing(queue_ms=(time.monotonic() - t0) * 1e3 - result.compute_ms,
                            compute_ms=result.compute_ms, batch_size=result.batch_size)
         self.metrics.compute.observe(result.compute_ms / 1e3)
