@@ -105,8 +105,10 @@ class NativeRows:
         rows = np.ascontiguousarray(self.served.row_ids(torch.from_numpy(ids)).numpy() if self.served.remap else ids,
                                     dtype=np.int64)
         dst = None if dst is None else np.ascontiguousarray(dst, dtype=np.int64)
-        if out.dtype != torch.float32 or not out.is_contiguous() or column + self.dim > out.shape[-1]:
-            raise ValueError("gather writes into a contiguous float32 buffer wide enough for the rows")
+        need = rows.size if dst is None else (int(dst.max()) + 1 if dst.size else 0)  # rows of out written
+        if (out.dtype != torch.float32 or out.dim() != 2 or not out.is_contiguous() or column + self.dim > out.shape[1]
+                or need > out.shape[0] or (dst is not None and (dst.size != rows.size or (dst.size and dst.min() < 0)))):
+            raise ValueError("gather writes into a contiguous [rows, width] float32 buffer that holds every row")
         rc = self.lib.genrec_gather_rows(self.packed.data_ptr(), self.nrows, self.row_bytes, self.bits, self.dim,
                                          _ptr(rows), None if dst is None else _ptr(dst), rows.size, mul,
                                          int(accumulate), out.data_ptr() + 4 * column, out.shape[-1])

@@ -118,3 +118,7 @@ def test_served_tables_gathered_natively_equal_the_pytorch_lookups(scheme):
                                atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError, match="outside the table"):
         native.rows["item"].gather(np.array([3, 60]), torch.empty(2, 16))
+    with pytest.raises(ValueError, match="holds every row"):  # one output row short
+        native.rows["item"].gather(np.array([3, 4, 5]), torch.empty(2, 16))
+    with pytest.raises(ValueError, match="holds every row"):
+        native.pooled["region"].gather(np.array([1, 2]), torch.empty(2, 8), dst=np.array([0, 2]))
