@@ -213,9 +213,12 @@ class EngineProcess:
                     try:
                         await ready
                     except asyncio.CancelledError:
-                        # the reply is still coming: read it here, or the next batch would get it
-                        if self.conn.poll(60):
+                        # the reply is still coming: read it here, or the next batch would get it (a
+                        # child that does not answer in 10 s is killed: the next batch starts a new one)
+                        if self.conn.poll(10):
                             self.conn.recv()
+                        else:
+                            self.proc.kill()
                         raise
                     finally:
                         loop.remove_reader(fd)

@@ -346,6 +346,16 @@ def test_engine_process_answers_like_the_in_process_engine_and_replaces_a_killed
         time.sleep(0.05)
         same(asyncio.run(remote.run_async(works)))  # the pipe busy: waits for it in a thread
         holder.join()
+
+        async def cancelled_then_again():  # a wait cancelled mid-batch drains that batch's reply
+            first = asyncio.ensure_future(remote.run_async(works * 500))  # ~1000 works: well over 5 ms
+            await asyncio.sleep(0.005)
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            return await remote.run_async(works)
+
+        same(asyncio.run(cancelled_then_again()))
         os.kill(remote.proc.pid, signal.SIGKILL)
         remote.proc.join(10)
         same(remote.run(works))  # a new child took over
