@@ -3,9 +3,10 @@
 :class:`serve.padded.PaddedHSTU` cut the jagged bookkeeping, but each layer is still a dozen
 PyTorch operators and every batch a thousand of them; on a 2-core CPU their dispatch and the
 passes over [B, L, L] score tensors are most of the time (one ML-1M request: 44.8 MFLOP,
-~0.8 ms at the matmul peak, ~6-7 ms through the padded path). Here the embedding lookups,
-the final norm and retrieval stay in PyTorch; everything between the token inputs and the
-tower's output, and the ranking MLP, run in ``kernels/cpu/hstu_serve.cpp``: packed rows
+~0.8 ms at the matmul peak, ~6-7 ms through the padded path). Here the final norm and
+retrieval stay in PyTorch; the token inputs and pooled context of an artifact's quantized
+tables (row gathers, dequantized in the same pass), everything between the token inputs
+and the tower's output, and the ranking MLP run in ``kernels/cpu/hstu_serve.cpp``: packed rows
 through the GEMMs (no padding at all), attention over the causal pairs only, in query blocks
 of 64 against a transposed key block, bias codes computed once per batch and shared by the
 layers, SiLU fused where the scores are made.
