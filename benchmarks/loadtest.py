@@ -164,9 +164,15 @@ async def run_step(call, payloads: list[bytes], qps: float, duration: float, tim
                       hist.max * 1e3 if ok else math.nan, late)
 
 
+def step_seconds(qps: float, duration: float, min_requests: int = 0) -> float:
+    """How long a step runs: ``duration``, or long enough to send ``min_requests`` at its QPS
+    (a p99 from ~100 calls is about their maximum; from 600, six calls lie above it)."""
+    return max(duration, min_requests / qps if qps > 0 else 0.0)
+
+
 async def sweep(target: str, qps_steps: list[float], duration: float, payloads: list[bytes], slo_ms: float,
                 timeout_s: float = 1.0, max_requests: int = 1_000_000, progress: bool = True,
-                cooldown_s: float = 1.0, method: str = "Recommend") -> LoadTestResult:
+                cooldown_s: float = 1.0, method: str = "Recommend", min_requests: int = 0) -> LoadTestResult:
     result = LoadTestResult(target, method, slo_ms)
     # what is loaded now stays; a full collection over it would stall the sender ~0.1 s
     # (serve.server.quiet_gc has the same reason on the server side)
@@ -182,9 +188,9 @@ async def sweep(target: str, qps_steps: list[float], duration: float, payloads: 
                 pass
         budget = max_requests
         for i, qps in enumerate(qps_steps):
-            n_expected = int(qps * duration)
-            bar = tqdm(total=n_expected, desc=f"{qps:g} qps", unit="req", leave=False, disable=not progress)
-            step = await run_step(call, payloads, qps, duration, timeout_s, seed=i, max_requests=budget, bar=bar)
+            seconds = step_seconds(qps, duration, min_requests)
+            bar = tqdm(total=int(qps * seconds), desc=f"{qps:g} qps", unit="req", leave=False, disable=not progress)
+            step = await run_step(call, payloads, qps, seconds, timeout_s, seed=i, max_requests=budget, bar=bar)
             bar.close()
             budget -= step.sent
             result.steps.append(step)
@@ -263,7 +269,7 @@ def cmd_loadtest(args, overrides: list[str]) -> int:  # noqa: ANN001
     qps = [float(x) for x in args.qps.split(",")]
     t0 = time.perf_counter()
     result = asyncio.run(sweep(args.target, qps, args.duration, payloads, args.slo_p99_ms, args.timeout_ms / 1e3,
-                               args.max_requests, progress=not args.no_progress))
+                               args.max_requests, progress=not args.no_progress, min_requests=args.min_requests))
     result.workload = str(args.workload)
     out = write_outputs(result, args.out or "loadtest-out")
     print(markdown(result))

@@ -138,6 +138,8 @@ def _loadtest_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", help="HOST:PORT of the server under test")
     p.add_argument("--qps", default="50,100,200", help="offered load steps, comma separated")
     p.add_argument("--duration", type=float, default=10.0, help="seconds per step")
+    p.add_argument("--min-requests", type=int, default=0, help="lengthen a step until it sends this many (a p99 "
+                   "needs several hundred calls to be more than their maximum; 600 at 10 QPS: 60 s)")
     p.add_argument("--workload", help="JSONL requests (see --make-workload)")
     p.add_argument("--slo-p99-ms", type=float, default=15.0, help="p99 budget; failures count as over budget")
     p.add_argument("--timeout-ms", type=float, default=1000.0, help="per-call deadline")

@@ -85,3 +85,9 @@ def test_workload_round_trip(tiny_synth, tmp_path):
     assert all(len(r.user.history_columns.timestamps) == len(r.user.history_columns.item_ids) for r in reqs)
     events = [pb.RecommendRequest.FromString(b) for b in load_workload(path, columns=False)]
     assert [[e.item_id for e in r.user.history] for r in events] == [list(r.user.history_columns.item_ids) for r in reqs]
+
+
+def test_a_step_lasts_long_enough_for_its_minimum_of_calls():
+    from benchmarks.loadtest import step_seconds
+
+    assert step_seconds(10, 10, 600) == 60 and step_seconds(100, 10, 600) == 10 and step_seconds(50, 3) == 3
