@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from benchmarks.hdr import Histogram
 from proto.genrec.v1 import recommender_pb2 as pb
+from serve.client import user as client_user
 
 
 @dataclass
@@ -101,15 +102,7 @@ def load_workload(path: str | Path, columns: bool = True) -> list[bytes]:
         if not line.strip():
             continue
         r = json.loads(line)
-        ctx = [pb.ContextFeature(name=k, ids=v) for k, v in r.get("context", {}).items()]
-        if columns:
-            items, times, actions = zip(*r["history"]) if r["history"] else ((), (), ())
-            cols = pb.EventColumns(item_ids=items, timestamps=times if any(times) else (),  # all unknown: none sent
-                                   actions=actions if any(actions) else ())
-            user = pb.User(history_columns=cols, context=ctx)
-        else:
-            user = pb.User(history=[pb.Event(item_id=i, timestamp=t, actions=a) for i, t, a in r["history"]],
-                           context=ctx)
+        user = client_user([tuple(e) for e in r["history"]], r.get("context", {}), columns=columns)
         req = pb.RecommendRequest(user=user, retrieve_k=r.get("retrieve_k", 0), top_k=r.get("top_k", 0),
                                   candidates=[pb.Candidate(item_id=i, bid=b) for i, b in r.get("candidates", [])])
         out.append(req.SerializeToString())
