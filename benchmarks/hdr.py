@@ -1,8 +1,9 @@
 """A small HDR-style latency histogram: log-linear buckets, bounded relative error.
 
 Values (seconds) are recorded in microseconds into buckets of width 2^(e - sub_bits) for
-the power of two 2^e the value falls in, so every percentile is exact to within
-2^-sub_bits (0.8% with the default 7 bits) whatever the range, in constant memory, and
+the power of two 2^e the value falls in: each power of two splits into 2^(sub_bits - 1)
+buckets, so every percentile is exact to within 2^-(sub_bits - 1) of its value (1.6% with
+the default 7 bits; reported as its bucket's upper edge) whatever the range, in constant memory, and
 histograms merge by adding counts (as in Gil Tene's HdrHistogram).
 
 Example: ``h = Histogram(); h.record(0.0123); h.percentile(99)`` -> ~0.0123.

@@ -50,6 +50,17 @@ class StepResult:
     p99_all_ms: float  # failures counted as infinitely slow
     max_ms: float
     late_sends: int  # sends the generator itself made > 1 ms late
+    # where a call's time went, from the response's Timing (the server's own clock, from the
+    # handler's start to the result: decode, queue, batch); "outside" = the client's latency
+    # minus that: the load generator's lateness, both gRPC stacks, the transport, wake-ups
+    server_p50_ms: float = math.nan
+    server_p99_ms: float = math.nan
+    compute_p50_ms: float = math.nan  # the engine batch alone (Timing.compute_ms)
+    compute_p99_ms: float = math.nan
+    outside_p50_ms: float = math.nan
+    outside_p99_ms: float = math.nan
+    send_late_p99_ms: float = math.nan  # how late the generator sent (scheduled -> handed to gRPC)
+    mean_batch: float = math.nan  # the engine batch each answered call rode in, averaged over calls
 
 
 @dataclass
@@ -112,22 +123,38 @@ def load_workload(path: str | Path, columns: bool = True) -> list[bytes]:
 
 
 # ----- the open-loop sender ---------------------------------------------------------------------
+RESPONSES = {"Recommend": pb.RecommendResponse, "Retrieve": pb.RetrieveResponse, "Rank": pb.RankResponse}
+
+
 async def run_step(call, payloads: list[bytes], qps: float, duration: float, timeout: float,
-                   seed: int, max_requests: int, bar: tqdm | None = None) -> StepResult:
+                   seed: int, max_requests: int, bar: tqdm | None = None, response=None) -> StepResult:  # noqa: ANN001
+    """One open-loop step. ``response``: the reply's message class; when given, each answer's
+    ``timing`` splits its latency into the server's part and the rest."""
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1.0 / qps, size=int(qps * duration * 1.5) + 10)
     offsets = np.cumsum(gaps)
     offsets = offsets[offsets < duration][:max_requests]
     loop = asyncio.get_running_loop()
     hist, codes = Histogram(), Counter()
-    late = 0
+    server, compute, outside, lateness = Histogram(), Histogram(), Histogram(), Histogram()
+    late, batch_sum = 0, 0
     start = loop.time() + 0.05
 
     async def one(payload: bytes, scheduled: float) -> None:
+        nonlocal batch_sum
+        lateness.record(loop.time() - scheduled)
         try:
-            await call(payload, timeout=timeout)
+            reply = await call(payload, timeout=timeout)
+            took = loop.time() - scheduled
             codes["OK"] += 1
-            hist.record(loop.time() - scheduled)
+            hist.record(took)
+            if response is not None:
+                timing = response.FromString(reply).timing
+                in_server = (timing.queue_ms + timing.compute_ms) / 1e3
+                server.record(in_server)
+                compute.record(timing.compute_ms / 1e3)
+                outside.record(took - in_server)
+                batch_sum += timing.batch_size
         except grpc.aio.AioRpcError as e:
             codes[e.code().name] += 1
         if bar is not None:
@@ -152,9 +179,14 @@ async def run_step(call, payloads: list[bytes], qps: float, duration: float, tim
     # p99 with failures as +inf: the (p99 * sent)-th latency must come from a success
     rank_needed = math.ceil(0.99 * sent)
     p99_all = math.inf if rank_needed > ok else hist.percentile(100.0 * rank_needed / ok) * 1e3
+    def ms(h: Histogram, p: float) -> float:
+        return h.percentile(p) * 1e3 if h.total else math.nan
+
     return StepResult(qps, duration, sent, ok, {k: v for k, v in codes.items() if k != "OK"},
                       ok / duration, pct(50), pct(90), pct(99), pct(99.9), p99_all,
-                      hist.max * 1e3 if ok else math.nan, late)
+                      hist.max * 1e3 if ok else math.nan, late,
+                      ms(server, 50), ms(server, 99), ms(compute, 50), ms(compute, 99), ms(outside, 50), ms(outside, 99), ms(lateness, 99),
+                      batch_sum / server.total if server.total else math.nan)
 
 
 def step_seconds(qps: float, duration: float, min_requests: int = 0) -> float:
@@ -183,13 +215,16 @@ async def sweep(target: str, qps_steps: list[float], duration: float, payloads: 
         for i, qps in enumerate(qps_steps):
             seconds = step_seconds(qps, duration, min_requests)
             bar = tqdm(total=int(qps * seconds), desc=f"{qps:g} qps", unit="req", leave=False, disable=not progress)
-            step = await run_step(call, payloads, qps, seconds, timeout_s, seed=i, max_requests=budget, bar=bar)
+            step = await run_step(call, payloads, qps, seconds, timeout_s, seed=i, max_requests=budget, bar=bar,
+                                  response=RESPONSES.get(method))
             bar.close()
             budget -= step.sent
             result.steps.append(step)
             if progress:
                 tqdm.write(f"{qps:8g} qps offered | {step.achieved_qps:8.1f} ok/s | p50 {step.p50_ms:6.2f} "
-                           f"p99 {step.p99_ms:7.2f} p99(all) {step.p99_all_ms:7.2f} ms | errors {step.errors}")
+                           f"p99 {step.p99_ms:7.2f} p99(all) {step.p99_all_ms:7.2f} ms | server p50 "
+                           f"{step.server_p50_ms:5.2f} p99 {step.server_p99_ms:6.2f}, outside p50 {step.outside_p50_ms:5.2f} "
+                           f"p99 {step.outside_p99_ms:6.2f}, batch {step.mean_batch:4.1f} | errors {step.errors}")
             if budget <= 0:
                 break
             await asyncio.sleep(cooldown_s)
@@ -202,12 +237,19 @@ async def sweep(target: str, qps_steps: list[float], duration: float, payloads: 
 def markdown(result: LoadTestResult) -> str:
     lines = [f"Target {result.target}, {result.method}, p99 budget {result.slo_p99_ms:g} ms: "
              f"**max QPS within budget: {result.max_qps_within_slo:g}**", "",
-             "| offered QPS | achieved ok/s | sent | p50 ms | p90 ms | p99 ms | p99.9 ms | p99 incl. errors | errors |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| offered QPS | achieved ok/s | sent | p50 ms | p90 ms | p99 ms | p99.9 ms | p99 incl. errors | errors "
+             "| in server p50 / p99 ms | engine batch p50 / p99 ms | outside p50 / p99 ms | send late p99 ms "
+             "| mean batch |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in result.steps:
         err = ", ".join(f"{k}: {v}" for k, v in s.errors.items()) or "-"
         lines.append(f"| {s.offered_qps:g} | {s.achieved_qps:.1f} | {s.sent} | {s.p50_ms:.2f} | {s.p90_ms:.2f} | "
-                     f"{s.p99_ms:.2f} | {s.p999_ms:.2f} | {s.p99_all_ms:.2f} | {err} |")
+                     f"{s.p99_ms:.2f} | {s.p999_ms:.2f} | {s.p99_all_ms:.2f} | {err} | {s.server_p50_ms:.2f} / "
+                     f"{s.server_p99_ms:.2f} | {s.compute_p50_ms:.2f} / {s.compute_p99_ms:.2f} | {s.outside_p50_ms:.2f} / {s.outside_p99_ms:.2f} | "
+                     f"{s.send_late_p99_ms:.2f} | {s.mean_batch:.1f} |")
+    lines += ["", "In server: the response's own timing (decode, queue, batch); engine batch: the batch the call rode "
+              "in, as the engine timed it; outside: the rest of each call's latency (the generator's lateness, both "
+              "gRPC stacks, the transport, process wake-ups)."]
     return "\n".join(lines)
 
 

@@ -246,6 +246,15 @@ def main() -> None:
     update_results_md("serving", render(payload))
 
 
+def _cell(step: dict | None) -> str:
+    if step is None:
+        return ""
+    if step["ok"] < 0.95 * step["sent"]:
+        return f"failing ({step['achieved_qps']:.0f}/s)"
+    p99 = f"{step['p99_ms']:.1f}"
+    return p99 if step["ok"] == step["sent"] else f"{p99} ({step['sent'] - step['ok']} failed)"
+
+
 def render(p: dict) -> str:
     lines = ["## Serving (ML-1M HSTU artifact, open-loop load test)", "",
              f"`python -m benchmarks.serving` — {p['date']}, {p['machine']['cpu']}, {p['machine']['cores']} cores "
@@ -275,7 +284,26 @@ def render(p: dict) -> str:
         lines += [f"The load generator sends each history as `User.history_columns` (packed arrays); decoding a request "
                   f"costs the server {d['columns']:.3f} ms that way against {d['events']:.3f} ms as `Event` messages "
                   f"({d['events'] / d['columns']:.2f}x; one thread, the workload's first 300 requests).", ""]
-    lines += ["Where the batched server's time goes at load (share of server time, front-end and engine process):", ""]
+    lines += ["Sweeps: p99 of the answered calls, ms, at each offered QPS (failing: under 95% of the calls answered; "
+              "answers/s there):", ""]
+    qps = sorted({st["offered_qps"] for r in p["engines"].values() for st in r.get("sweep", {}).get("steps", [])})
+    lines += ["| server | " + " | ".join(f"{q:g}" for q in qps) + " |", "|---|" + "---|" * len(qps)]
+    for name, r in p["engines"].items():
+        by = {st["offered_qps"]: st for st in r.get("sweep", {}).get("steps", [])}
+        if by:
+            lines.append(f"| {name} | " + " | ".join(_cell(by.get(q)) for q in qps) + " |")
+    steps = p["engines"].get("torch", {}).get("sweep", {}).get("steps", [])
+    if steps and "server_p99_ms" in steps[0]:
+        lines += ["", "Where a call's latency goes (the batched server, torch): in server = the response's own timing "
+                  "(decode, queue, engine batch, from the handler's start); outside = the rest (the load generator's "
+                  "lateness, both gRPC stacks, the transport, wake-ups); percentiles of each part separately, so they "
+                  "do not add up.", "",
+                  "| offered QPS | p50 / p99 ms | in server p50 / p99 | outside p50 / p99 | send late p99 | mean batch |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {st['offered_qps']:g} | {st['p50_ms']:.2f} / {st['p99_ms']:.2f} | {st['server_p50_ms']:.2f} / "
+                  f"{st['server_p99_ms']:.2f} | {st['outside_p50_ms']:.2f} / {st['outside_p99_ms']:.2f} | "
+                  f"{st['send_late_p99_ms']:.2f} | {st['mean_batch']:.1f} |" for st in steps]
+    lines += ["", "Where the batched server's time goes at load (share of server time, front-end and engine process):", ""]
     prof = p["engines"].get("torch", {}).get("profile", {})
     stages = prof.get("stages_s", {})
     total = sum(stages.values()) or 1.0

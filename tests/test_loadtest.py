@@ -11,7 +11,7 @@ from benchmarks.hdr import Histogram
 from benchmarks.loadtest import load_workload, make_workload, markdown, sweep, write_outputs
 from proto.genrec.v1 import recommender_pb2 as pb
 
-DELAY_S, FAIL_EVERY = 0.02, 10
+DELAY_S, COMPUTE_S, FAIL_EVERY = 0.02, 0.005, 10
 
 
 class KnownServer:
@@ -30,7 +30,9 @@ class KnownServer:
             await asyncio.sleep(DELAY_S)
             if n % FAIL_EVERY == 0:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "known failure")
-            return pb.RecommendResponse().SerializeToString()
+            # the server's own account of the call: 15 ms queued + a 5 ms batch of two
+            timing = pb.Timing(queue_ms=(DELAY_S - COMPUTE_S) * 1e3, compute_ms=COMPUTE_S * 1e3, batch_size=2)
+            return pb.RecommendResponse(timing=timing).SerializeToString()
 
         self.server = grpc.aio.server()
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
@@ -69,6 +71,13 @@ def test_sweep_counts_percentiles_and_errors_match_the_known_server(tmp_path):
             assert 0.05 < s.errors.get("UNAVAILABLE", 0) / s.sent < 0.15  # every 10th call fails
             assert DELAY_S * 1e3 <= s.p50_ms < DELAY_S * 1e3 + 15
             assert s.p99_all_ms == float("inf")  # 10% failures can never meet a p99 budget
+            # the answers' Timing: in server = queue + compute as the server reported them
+            assert s.server_p50_ms == pytest.approx(DELAY_S * 1e3, rel=0.02)
+            assert s.server_p99_ms == pytest.approx(DELAY_S * 1e3, rel=0.02)
+            assert s.compute_p50_ms == pytest.approx(COMPUTE_S * 1e3, rel=0.02) and s.mean_batch == 2
+            # the rest of each call's latency: what the client saw beyond the server's 20 ms
+            assert 0 <= s.outside_p50_ms < 15 and s.outside_p50_ms <= s.p50_ms - DELAY_S * 1e3 + 1
+            assert 0 <= s.send_late_p99_ms < 50
         assert res.max_qps_within_slo == 0.0
         out = write_outputs(res, tmp_path / "out")
         assert json.loads((out / "loadtest.json").read_text())["steps"][0]["sent"] == res.steps[0].sent
