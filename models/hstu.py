@@ -32,6 +32,7 @@ from kernels.hstu_attention import (
     time_bucket,
     token_positions,
 )
+from models.dropout import Dropout
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class HSTULayer(nn.Module):
         self.uvqk = nn.Linear(dim, h * (2 * cfg.v_dim + 2 * cfg.qk_dim))
         self.out_norm = nn.LayerNorm(h * cfg.v_dim)
         self.out = nn.Linear(h * cfg.v_dim, dim)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.pos_weights = nn.Parameter(torch.empty(max_seq_len)) if cfg.position_bias else None
         self.time_weights = (
             nn.Parameter(torch.empty(cfg.num_time_buckets)) if cfg.time_bias else None

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.dropout import Dropout
+
 
 @dataclass(frozen=True)
 class TaskConfig:
@@ -66,7 +68,7 @@ class RankingHead(nn.Module):
         layers: list[nn.Module] = []
         width = 3 * dim + context_dim
         for h in cfg.hidden:
-            layers += [nn.Linear(width, h), nn.SiLU(), nn.Dropout(cfg.dropout)]
+            layers += [nn.Linear(width, h), nn.SiLU(), Dropout(cfg.dropout)]
             width = h
         layers.append(nn.Linear(width, len(cfg.tasks)))
         self.mlp = nn.Sequential(*layers)

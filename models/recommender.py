@@ -24,6 +24,7 @@ from torch import nn
 from embedding.collection import SparseArch
 from embedding.spec import EmbeddingConfig
 from kernels.jagged import jagged_index
+from models.dropout import Dropout
 from models.hstu import CachedHistory, HSTUConfig, HSTUTower, JaggedMeta
 from models.inputs import SequenceBatch
 from models.ranking import RankingConfig, RankingHead
@@ -79,7 +80,7 @@ class GenerativeRecommender(nn.Module):
         self.sparse = SparseArch(embedding, device=sparse_device)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, dim)
         nn.init.normal_(self.pos_emb.weight, std=dim**-0.5)
-        self.input_dropout = nn.Dropout(cfg.input_dropout)
+        self.input_dropout = Dropout(cfg.input_dropout)
         self.scale = math.sqrt(dim)
         self.tower = build_tower(cfg, dim)
         self.head = RetrievalHead(cfg.retrieval)

@@ -16,6 +16,7 @@ from torch import nn
 
 from kernels.hstu_attention import attention_mask
 from kernels.jagged import jagged_index, jagged_to_padded, padded_to_jagged
+from models.dropout import Dropout
 from models.hstu import CachedHistory, JaggedMeta
 
 
@@ -38,7 +39,7 @@ class FeedForward(nn.Module):
             self.w_gate = nn.Linear(dim, hidden, bias=False)
         self.w_in = nn.Linear(dim, hidden, bias=not self.swiglu)
         self.w_out = nn.Linear(hidden, dim, bias=not self.swiglu)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.silu(self.w_gate(x)) * self.w_in(x) if self.swiglu else F.gelu(self.w_in(x))
@@ -56,7 +57,7 @@ class TransformerLayer(nn.Module):
         self.o = nn.Linear(dim, dim)
         self.ffn_norm = nn.RMSNorm(dim)
         self.ffn = FeedForward(dim, cfg)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.attn_dropout = cfg.dropout
 
     def attend(self, x: torch.Tensor, meta: JaggedMeta, mask: torch.Tensor, index, cache: list | None = None) -> torch.Tensor:

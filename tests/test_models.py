@@ -95,3 +95,20 @@ def test_missing_timestamps_fall_back_to_positions():
     b_pos = batch([1, 2, 3], [3], [2, 3, 4])
     b_pos.timestamps, b_pos.query_times = torch.arange(3), torch.arange(3) + 1
     torch.testing.assert_close(model.user_embeddings(b), model.user_embeddings(b_pos))
+
+
+def test_dropout_keeps_one_minus_p_scaled_and_passes_gradients_through_the_kept_elements():
+    from models.dropout import Dropout
+
+    torch.manual_seed(0)
+    x = torch.randn(400, 250, requires_grad=True)
+    drop = Dropout(0.2)
+    y = drop(x)
+    kept = y != 0
+    assert abs(kept.float().mean().item() - 0.8) < 0.005  # 100k draws: sd 0.0013
+    torch.testing.assert_close(y[kept], x[kept] / 0.8)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, kept.float() / 0.8)
+    drop.eval()
+    assert drop(x) is x
+    assert torch.equal(Dropout(1.0).train()(x), torch.zeros_like(x)) and Dropout(0.0).train()(x) is x
