@@ -100,3 +100,15 @@ def test_a_step_lasts_long_enough_for_its_minimum_of_calls():
     from benchmarks.loadtest import step_seconds
 
     assert step_seconds(10, 10, 600) == 60 and step_seconds(100, 10, 600) == 10 and step_seconds(50, 3) == 3
+
+
+def test_a_missed_step_caps_the_max_qps_even_when_a_higher_step_met_the_budget():
+    from benchmarks.loadtest import StepResult, qps_within
+
+    def step(qps: float, p99: float) -> StepResult:
+        return StepResult(qps, 1.0, 10, 10, {}, qps, p99, p99, p99, p99, p99, p99, 0)
+
+    steps = [step(200, 13.0), step(10, 11.0), step(100, 15.1), step(50, 12.0), step(300, 17.0)]
+    assert qps_within(steps, 15.0) == (50, 200)
+    assert qps_within([step(10, 16.0), step(50, 14.0)], 15.0) == (0.0, 50)
+    assert qps_within([], 15.0) == (0.0, 0.0)
