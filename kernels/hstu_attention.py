@@ -277,14 +277,16 @@ class _CodedBlocks(torch.autograd.Function):
         q, k, v, *scores = ctx.saved_tensors
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         need_table = ctx.needs_input_grad[3]
-        # the table's gradient sums a value per (query, key) pair: accumulated in fp32 (bf16 would drop most of them)
-        dtable = torch.zeros(ctx.table_shape, dtype=torch.float32, device=dout.device) if need_table else None
+        # the table's gradient sums a value per (query, key) pair: accumulated in fp32 at least (bf16 would drop most
+        # of them), in the table's own precision when wider (fp64 tables: fp32 sums read ~2e-7 off)
+        acc = torch.promote_types(torch.float32, ctx.table_dtype)
+        dtable = torch.zeros(ctx.table_shape, dtype=acc, device=dout.device) if need_table else None
         for ((s, e), code), sc in zip(ctx.blocks, scores):
             do = dout[:, :, s:e]
             dv[:, :, :e] += torch.matmul(F.silu(sc).transpose(-1, -2), do)
             ds = torch.ops.aten.silu_backward(torch.matmul(do, v[:, :, :e].transpose(-1, -2)), sc)  # [B, H, r, e]
             if need_table:
-                dtable.index_add_(0, code.reshape(-1), ds.sum(1).reshape(-1).float())
+                dtable.index_add_(0, code.reshape(-1), ds.sum(1).reshape(-1).to(acc))
             ds.mul_(ctx.alpha)
             dq[:, :, s:e] = torch.matmul(ds, k[:, :, :e])
             dk[:, :, :e] += torch.matmul(ds.transpose(-1, -2), q[:, :, s:e])
