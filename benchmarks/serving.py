@@ -79,6 +79,9 @@ def default_artifact(out: Path) -> Path:
         return art
     recs = json.loads((RESULTS / "ranking.json").read_text())["records"]
     run = next(r["run_dir"] for r in recs if r["dataset"] == "ml1m" and r["variant"] == "joint")
+    if not Path(run).is_dir():  # run directories stay on the machine that trained them
+        raise SystemExit(f"the ranking benchmark's ML-1M run {run} is not here: train it "
+                         "(python -m benchmarks.ranking --datasets ml1m --variants joint) or pass --artifact DIR")
     export(run, art, QuantizeConfig(embeddings="int8"), progress=False)
     return art
 
