@@ -28,6 +28,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 from tqdm import tqdm
 
 from benchmarks.hdr import Histogram
@@ -129,6 +130,15 @@ def load_workload(path: str | Path, columns: bool = True) -> list[bytes]:
 RESPONSES = {"Recommend": pb.RecommendResponse, "Retrieve": pb.RetrieveResponse, "Rank": pb.RankResponse}
 
 
+def _timing(response, reply: bytes) -> pb.Timing | None:  # noqa: ANN001
+    """The reply's Timing, or None when the reply does not parse as ``response`` or carries none."""
+    try:
+        msg = response.FromString(reply)
+    except DecodeError:
+        return None
+    return msg.timing if msg.HasField("timing") else None
+
+
 async def run_step(call, payloads: list[bytes], qps: float, duration: float, timeout: float,
                    seed: int, max_requests: int, bar: tqdm | None = None, response=None) -> StepResult:  # noqa: ANN001
     """One open-loop step. ``response``: the reply's message class; when given, each answer's
@@ -151,8 +161,7 @@ async def run_step(call, payloads: list[bytes], qps: float, duration: float, tim
             took = loop.time() - scheduled
             codes["OK"] += 1
             hist.record(took)
-            if response is not None:
-                timing = response.FromString(reply).timing
+            if response is not None and (timing := _timing(response, reply)) is not None:
                 in_server = (timing.queue_ms + timing.compute_ms) / 1e3
                 server.record(in_server)
                 compute.record(timing.compute_ms / 1e3)
