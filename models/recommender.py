@@ -141,7 +141,13 @@ class GenerativeRecommender(nn.Module):
         (``batch.targets``); candidates (``num_targets``) predict their labels."""
         h, tok = self.encode(batch)
         out: dict[str, torch.Tensor] = {}
-        ret = self.head.loss(h[tok.retrieval_rows], batch.targets, self.corpus_ids, self.sparse.lookup)
+        history = None
+        if self.cfg.retrieval.exclude_history:
+            item = batch.seq[self.item_feature]
+            lengths = item.lengths() - (batch.num_targets if batch.num_targets is not None else 0)
+            _, pos = jagged_index(item.offsets(), item.values().numel())
+            history = (item.values()[pos < torch.repeat_interleave(lengths, item.lengths())], lengths)
+        ret = self.head.loss(h[tok.retrieval_rows], batch.targets, self.corpus_ids, self.sparse.lookup, history)
         out["retrieval"] = ret
         total = ret
         if self.ranking is not None and batch.num_targets is not None and tok.candidate_rows.numel():

@@ -12,6 +12,11 @@ Losses:
   items more often); ``mixed`` half of each. With ``logq_correction`` each negative logit
   is corrected by ``-log(R * q_j)``, q_j its sampling probability, so the loss estimates
   the full softmax instead of a popularity-skewed one.
+
+``exclude_history`` (full softmax): each position's softmax leaves out the items of the
+history up to it (its own target excepted). Evaluation and serving never recommend an item
+the user already has (full-corpus ranking with the history removed), so the loss need not
+spend the model's capacity pushing those items below the target at every position.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.jagged import jagged_index, lengths_to_offsets
 from kernels.softmax_ce import softmax_cross_entropy
 
 
@@ -36,6 +42,28 @@ class RetrievalConfig:
     temperature: float = 0.05
     l2_norm: bool = True
     logq_correction: bool = False
+    exclude_history: bool = False
+
+    def __post_init__(self) -> None:
+        if self.exclude_history and self.loss != "full_softmax":
+            raise ValueError("retrieval.exclude_history needs loss = \"full_softmax\"")
+
+
+def prefix_pairs(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every (event, earlier-or-same event) pair of jagged sequences of ``lengths`` [B]:
+    rows and columns index the concatenated events; rows ascending. Lengths [2, 1] ->
+    rows [0, 1, 1, 2], cols [0, 0, 1, 2]."""
+    offsets = lengths_to_offsets(lengths)
+    total = int(offsets[-1])
+    _, pos = jagged_index(offsets, total)
+    counts = pos + 1
+    n_pairs = int(counts.sum())
+    rows = torch.repeat_interleave(torch.arange(total, device=lengths.device), counts, output_size=n_pairs)
+    # pair k of row r is event (r - pos[r]) + (k - first pair of r), and the first pair of
+    # r is cumsum(counts)[r] - counts[r]: so event = k + shift[r], shift = r + 1 - cumsum
+    shift = torch.arange(1, total + 1, device=lengths.device).sub_(torch.cumsum(counts, 0))
+    cols = torch.arange(n_pairs, device=lengths.device).add_(shift[rows])
+    return rows, cols
 
 
 class RetrievalHead(nn.Module):
@@ -60,15 +88,25 @@ class RetrievalHead(nn.Module):
         targets: torch.Tensor,
         corpus_ids: torch.Tensor,
         lookup: Callable[[torch.Tensor], torch.Tensor],
+        history: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Mean next-item loss. users [T, D] raw tower outputs, targets [T] item ids,
-        corpus_ids [N] sorted ids of the catalogue, lookup: ids -> raw item rows."""
+        corpus_ids [N] sorted ids of the catalogue, lookup: ids -> raw item rows.
+        ``history = (item ids [T], lengths [B])``: the event each row follows, in the rows'
+        order, per sequence; needed with ``exclude_history``."""
         users = self.normalize(users)
         if self.cfg.loss == "full_softmax":
             items = self.normalize(lookup(corpus_ids))
             index = torch.searchsorted(corpus_ids, targets)
+            exclude = None
+            if self.cfg.exclude_history:
+                if history is None:
+                    raise ValueError("retrieval.exclude_history needs the batch's history items")
+                if history[0].numel() != users.shape[0]:
+                    raise ValueError(f"history of {history[0].numel()} events for {users.shape[0]} rows")
+                exclude = self._seen(history, corpus_ids)
             # = F.cross_entropy(self.scores(users, items), index), without the [T, N] logits
-            return softmax_cross_entropy(users, items, index, 1.0 / self.cfg.temperature)
+            return softmax_cross_entropy(users, items, index, 1.0 / self.cfg.temperature, exclude=exclude)
         neg_ids, log_q = self._sample(targets, corpus_ids)
         rows = self.normalize(lookup(torch.cat([targets, neg_ids])))
         pos_rows, neg_rows = rows[: targets.numel()], rows[targets.numel() :]
@@ -79,6 +117,24 @@ class RetrievalHead(nn.Module):
         neg = neg.masked_fill(neg_ids[None, :] == targets[:, None], float("-inf"))
         logits = torch.cat([pos, neg], dim=1)
         return F.cross_entropy(logits, torch.zeros_like(targets))
+
+    @staticmethod
+    def _seen(history: tuple[torch.Tensor, torch.Tensor], corpus_ids: torch.Tensor) -> torch.Tensor:
+        """Flat indices ``row * N + item row`` of each row's history so far (ids outside
+        the catalogue left out), for :func:`softmax_cross_entropy`'s ``exclude``."""
+        ids, lengths = history
+        n = corpus_ids.numel()
+        if int(lengths.sum()) != ids.numel():
+            raise ValueError(f"history of {ids.numel()} events, lengths sum to {int(lengths.sum())}")
+        if n and int(corpus_ids[-1]) - int(corpus_ids[0]) == n - 1:  # ids first..last: no search
+            col = ids - corpus_ids[0]
+            known = (col >= 0) & (col < n)
+        else:
+            col = torch.searchsorted(corpus_ids, ids).clamp_(max=max(n - 1, 0))
+            known = corpus_ids[col] == ids
+        rows, events = prefix_pairs(lengths)
+        flat = rows.mul_(n).add_(col[events])
+        return flat if bool(known.all()) else flat[known[events]]
 
     def _sample(
         self, targets: torch.Tensor, corpus_ids: torch.Tensor

@@ -99,6 +99,35 @@ def test_chunked_softmax_cross_entropy_matches_the_unfused_loss(t, n, d, chunk):
     torch.testing.assert_close(git.double(), ref_git, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [3, None])
+def test_chunked_softmax_cross_entropy_leaves_excluded_pairs_out(chunk):
+    """Excluded (token, item) pairs: the loss and gradients of the logits with those
+    entries at -inf, whichever chunks the pairs fall in."""
+    from kernels.softmax_ce import softmax_cross_entropy
+
+    g = torch.Generator().manual_seed(3)
+    t, n, d = 11, 9, 4
+    u = torch.randn(t, d, generator=g, dtype=torch.float64, requires_grad=True)
+    it = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    idx = torch.randint(n, (t,), generator=g)
+    pairs = [(r, c) for r in range(t) for c in range(n) if c != idx[r] and (r * 7 + c * 3) % 4 == 0]
+    pairs.append((5, int(idx[5])))  # the token's own target: ignored
+    rows, cols = (torch.tensor(x) for x in zip(*pairs))
+    logits = (u @ it.t() * 2.0).index_put((rows[:-1], cols[:-1]), torch.tensor(float("-inf"), dtype=torch.float64))
+    ref = torch.nn.functional.cross_entropy(logits, idx)
+    ref_gu, ref_git = torch.autograd.grad(ref, (u, it))
+    u32, it32 = u.detach().float().requires_grad_(), it.detach().float().requires_grad_()
+    flat = (rows * n + cols).sort().values
+    out = softmax_cross_entropy(u32, it32, idx, 2.0, chunk_rows=chunk, exclude=flat)
+    gu, git = torch.autograd.grad(out, (u32, it32))
+    assert out.item() == pytest.approx(ref.item(), rel=1e-5)
+    assert out.item() < softmax_cross_entropy(u32, it32, idx, 2.0).item()
+    torch.testing.assert_close(gu.double(), ref_gu, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(git.double(), ref_git, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="must lie in"):
+        softmax_cross_entropy(u32, it32, idx, 2.0, exclude=torch.tensor([t * n]))
+
+
 @pytest.mark.parametrize("precision", ["highest", "medium"])
 def test_chunked_softmax_cross_entropy_under_the_training_matmul_precisions(precision):
     """train.matmul_precision may route the loss GEMMs to oneDNN (bf16 inside on CPUs with

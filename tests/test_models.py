@@ -39,6 +39,60 @@ def test_full_softmax_is_cross_entropy_over_the_corpus():
     torch.testing.assert_close(loss, F.cross_entropy(logits, torch.tensor([1, 3, 0, 0, 2])))
 
 
+def test_prefix_pairs_list_each_event_with_its_history_so_far():
+    from models.retrieval import prefix_pairs
+
+    rows, cols = prefix_pairs(torch.tensor([2, 1, 0, 3]))
+    assert rows.tolist() == [0, 1, 1, 2, 3, 4, 4, 5, 5, 5]
+    assert cols.tolist() == [0, 0, 1, 2, 3, 3, 4, 3, 4, 5]
+    rows, cols = prefix_pairs(torch.tensor([0, 0]))
+    assert rows.numel() == cols.numel() == 0
+
+
+def test_exclude_history_leaves_the_history_so_far_out_of_each_softmax():
+    """Sequences [1, 3, 4] and [8, 3]: row (sequence, position) leaves out the items up to
+    and including its own event, except its target (row 3's 8 targets 8 again, an item the
+    user already had: it stays in that row's softmax)."""
+    head = RetrievalHead(RetrievalConfig(loss="full_softmax", temperature=0.5, exclude_history=True))
+    table = torch.randn(10, 4)
+    corpus = torch.tensor([1, 3, 4, 8, 9])
+    users = torch.randn(5, 4)
+    ids, lengths = torch.tensor([1, 3, 4, 8, 3]), torch.tensor([3, 2])
+    targets = torch.tensor([3, 4, 9, 8, 1])
+    loss = head.loss(users, targets, corpus, lambda x: table[x], (ids, lengths))
+    logits = F.normalize(users, dim=-1) @ F.normalize(table[corpus], dim=-1).t() / 0.5
+    seen = [[0], [0, 1], [0, 1, 2], [], [3, 1]]  # columns: 1 -> 0, 3 -> 1, 4 -> 2, 8 -> 3
+    for r, cols in enumerate(seen):
+        logits[r, cols] = float("-inf")
+    torch.testing.assert_close(loss, F.cross_entropy(logits, torch.tensor([1, 2, 4, 3, 0])))
+    # a catalogue that is not one run of ids goes through the search; unknown ids are skipped
+    wide = torch.cat([corpus, torch.tensor([12])])
+    table = torch.cat([table, torch.randn(3, 4)])
+    loss = head.loss(users, targets, wide, lambda x: table[x], (torch.tensor([1, 3, 4, 8, 11]), lengths))
+    logits = F.normalize(users, dim=-1) @ F.normalize(table[wide], dim=-1).t() / 0.5
+    for r, cols in enumerate([[0], [0, 1], [0, 1, 2], [], [3]]):
+        logits[r, cols] = float("-inf")
+    torch.testing.assert_close(loss, F.cross_entropy(logits, torch.tensor([1, 2, 4, 3, 0])))
+    with pytest.raises(ValueError, match="history items"):
+        head.loss(users, targets, corpus, lambda x: table[x])
+    with pytest.raises(ValueError, match="full_softmax"):
+        RetrievalConfig(exclude_history=True)
+
+
+def test_recommender_excludes_the_history_when_configured():
+    torch.manual_seed(0)
+    emb = EmbeddingConfig(tables=(TableConfig("item", ("item",), dim=16, num_embeddings=50),))
+    b = batch([1, 2, 3, 4, 5, 6], [4, 2], [2, 3, 4, 5, 6, 7])
+    losses = []
+    for exclude in (False, True):
+        torch.manual_seed(0)
+        cfg = ModelConfig(max_seq_len=8, input_dropout=0.0,
+                          retrieval=RetrievalConfig(loss="full_softmax", exclude_history=exclude))
+        model = GenerativeRecommender(cfg, emb, torch.arange(1, 50)).eval()
+        losses.append(model(b)["retrieval"])
+    assert losses[1] < losses[0]
+
+
 @pytest.mark.parametrize("negatives", ["uniform", "in_batch", "mixed"])
 def test_sampled_softmax_never_counts_the_positive_as_a_negative(negatives):
     head = RetrievalHead(RetrievalConfig(negatives=negatives, num_negatives=64, logq_correction=True))
