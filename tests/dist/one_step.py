@@ -38,7 +38,7 @@ def config(ec: str, ebc: str) -> tuple[ModelConfig, EmbeddingConfig]:
     ))
     cfg = ModelConfig(tower="hstu", max_seq_len=16, input_dropout=0.0,
                       hstu=HSTUConfig(num_layers=1, qk_dim=16, v_dim=16, dropout=0.0),
-                      retrieval=RetrievalConfig(loss="full_softmax"),
+                      retrieval=RetrievalConfig(loss="full_softmax", exclude_history=True),
                       ranking=RankingConfig(tasks=(TaskConfig("click", ("click",)),), hidden=(16,), dropout=0.0))
     return cfg, emb
 
