@@ -126,13 +126,16 @@ class GenerativeRecommender(nn.Module):
         ctx = self.sparse.pooled(batch.context).values()  # [B, E]
         return torch.repeat_interleave(ctx, tok.num_targets, dim=0, output_size=tok.candidate_rows.numel())
 
+    def _is_history(self, batch: SequenceBatch) -> torch.Tensor:
+        """[events] whether each event of the item feature is history (not a trailing candidate)."""
+        item = batch.seq[self.item_feature]
+        seg, pos = jagged_index(item.offsets(), item.values().numel())
+        return pos < (item.lengths() - batch.num_targets)[seg]
+
     def rank_logits(self, h: torch.Tensor, tok: Tokens, batch: SequenceBatch) -> torch.Tensor:
         """Task logits of the candidates: [C, tasks]."""
-        cand_items = batch.seq[self.item_feature].values()
-        offsets = batch.seq[self.item_feature].offsets()
-        seg, pos = jagged_index(offsets, cand_items.numel())
-        is_cand = pos >= (offsets[1:] - offsets[:-1] - tok.num_targets)[seg]
-        rows = self.sparse.lookup(cand_items[is_cand])
+        items = batch.seq[self.item_feature].values()
+        rows = self.sparse.lookup(items[~self._is_history(batch)])
         return self.ranking(h[tok.candidate_rows], rows, self._context(batch, tok))
 
     def forward(self, batch: SequenceBatch) -> dict[str, torch.Tensor]:
@@ -142,11 +145,12 @@ class GenerativeRecommender(nn.Module):
         h, tok = self.encode(batch)
         out: dict[str, torch.Tensor] = {}
         history = None
-        if self.cfg.retrieval.exclude_history:
+        if self.cfg.retrieval.exclude_history:  # the history's item ids and lengths, candidates left out
             item = batch.seq[self.item_feature]
-            lengths = item.lengths() - (batch.num_targets if batch.num_targets is not None else 0)
-            _, pos = jagged_index(item.offsets(), item.values().numel())
-            history = (item.values()[pos < torch.repeat_interleave(lengths, item.lengths())], lengths)
+            if batch.num_targets is None:
+                history = (item.values(), item.lengths())
+            else:
+                history = (item.values()[self._is_history(batch)], item.lengths() - batch.num_targets)
         ret = self.head.loss(h[tok.retrieval_rows], batch.targets, self.corpus_ids, self.sparse.lookup, history)
         out["retrieval"] = ret
         total = ret

@@ -126,12 +126,8 @@ class RetrievalHead(nn.Module):
         n = corpus_ids.numel()
         if int(lengths.sum()) != ids.numel():
             raise ValueError(f"history of {ids.numel()} events, lengths sum to {int(lengths.sum())}")
-        if n and int(corpus_ids[-1]) - int(corpus_ids[0]) == n - 1:  # ids first..last: no search
-            col = ids - corpus_ids[0]
-            known = (col >= 0) & (col < n)
-        else:
-            col = torch.searchsorted(corpus_ids, ids).clamp_(max=max(n - 1, 0))
-            known = corpus_ids[col] == ids
+        col = torch.searchsorted(corpus_ids, ids).clamp_(max=max(n - 1, 0))
+        known = corpus_ids[col] == ids
         rows, events = prefix_pairs(lengths)
         flat = rows.mul_(n).add_(col[events])
         return flat if bool(known.all()) else flat[known[events]]
