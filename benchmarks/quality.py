@@ -38,7 +38,8 @@ VALID_NOTE = ("Validation users: the share of users whose second-to-last event i
               "checkpoint (`data.valid_users`); the others also train on it, as every user does in the HSTU "
               "code (which has no validation split). The test event is never trained on. The headline figures are "
               "the test at the best validation epoch, or, where the validation column names a window, at the newest "
-              "epoch of the best mean of that many consecutive validations (`train.select_window`); the last epoch's column tests the run's newest checkpoint "
+              "epoch of the best mean of that many consecutive validations (`train.select_window`), or, where it also says 'within 1 se', "
+              "at the newest epoch whose mean is within one standard error of that best (`train.select_within_se`); the last epoch's column tests the run's newest checkpoint "
               "(filled from the two-process run of 2026-12-01 on; for that run by `benchmarks.quality.test_last` on its run directory after it ended).")
 NAMES = {"ml1m": "MovieLens-1M", "beauty": "Amazon Beauty"}
 
@@ -82,7 +83,8 @@ def run_model(name: str, data: Path, model: str, budget: float | None, out_dir: 
             "best_epoch": res["best_epoch"], "train_seconds": res["train_seconds"], "stopped": res["stopped"],
             "config": CONFIGS[model], "run_dir": repo_path(run_dir), "threads": threads or (1 if nproc > 1 else None), "processes": nproc,
             "budget_min": job.train.time_budget_min, "valid_users": job.data.valid_users,
-            "select_window": job.train.select_window}
+            "select_window": job.train.select_window, "select_within_se": job.train.select_within_se,
+            "valid_peak": res.get("valid_peak")}
 
 
 def repo_path(path: Path) -> str:
@@ -146,6 +148,8 @@ def render(records: list[dict]) -> str:
             vu = f"{r.get('valid_users', 1.0):.0%}"
             if r.get("select_window", 1) > 1:
                 vu += f", mean of {r['select_window']}"
+            if r.get("select_within_se"):
+                vu += f", within {r['select_within_se']:g} se"
             label = r["model"] + (f" ({procs} processes, DDP)" if procs > 1 else "")
             lines.append(f"| {label} | {r['hr@10']:.4f} | {r['ndcg@10']:.4f} | {r['hr@50']:.4f} | "
                          f"{r['hr@200']:.4f} | {r['ndcg@200']:.4f} | {r['mrr']:.4f} | {r['epochs'] or '-'} | {t} | {vu} | "

@@ -72,4 +72,33 @@ def test_the_checkpoint_is_chosen_on_a_trailing_window_of_evaluations(
     assert res["best_epoch"] == best_epoch and res["best_step"] == valid[best_epoch] == test["step"]
     assert res["valid"]["ndcg@10"] == curve[best_epoch - 1]
     if window > 1:
-        assert res["valid_window_mean"]["ndcg@10"] == pytest.approx(0.21)
+        assert res["valid_peak"]["ndcg@10"] == pytest.approx(0.21) and res["valid_peak"]["epoch"] == 6
+
+
+@pytest.mark.parametrize("within_se, chosen, epochs", [(0.0, 7, 11), (1.0, 8, 12)])
+def test_the_newest_checkpoint_within_one_standard_error_of_the_best_is_chosen(
+        tiny_synth, tiny_config, tmp_path, monkeypatch, within_se, chosen, epochs):
+    # validation NDCG@10 per epoch, each read +-0.02: the peak is epoch 7 (0.26); within one
+    # standard error of the best so far are epochs 4-5 (of 3's 0.25) and 8 (of 7's 0.26)
+    curve = [0.10, 0.20, 0.25, 0.24, 0.235, 0.21, 0.26, 0.25, 0.20, 0.19, 0.18, 0.17, 0.16, 0.15]
+    real = Trainer.evaluate
+
+    def scripted(self, readers):
+        if "valid" not in readers:
+            return real(self, readers)
+        v = curve[self.state.epoch - 1]
+        return {"hr@10": 2 * v, "ndcg@10": v, "ndcg@10_se": 0.02}
+
+    monkeypatch.setattr(Trainer, "evaluate", scripted)
+    job = load_job(tiny_config, tiny_job_overrides(tiny_synth, tmp_path) + [
+        "--train.max_epochs=14", "--train.patience=4", f"--train.select_within_se={within_se}", "--run.name=se"])
+    run_dir, res = run_training(job)
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    valid = {r["epoch"]: r["step"] for r in recs if r.get("split") == "valid"}
+    (test,) = [r for r in recs if r.get("split") == "test"]
+    # strict: epoch 7, and patience stops four evaluations later (11); within one se: epoch 8
+    # is chosen, and patience counts the evaluations below 0.24 after it (9-12)
+    assert res["epochs"] == epochs == max(valid)
+    assert res["best_epoch"] == chosen and res["best_step"] == valid[chosen] == test["step"]
+    if within_se:
+        assert res["valid_peak"] == {"epoch": 7, "ndcg@10": 0.26, "ndcg@10_se": 0.02}

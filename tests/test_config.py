@@ -67,3 +67,5 @@ def test_validation_interval_or_window_below_one_is_refused():
         load_job(None, ["--train.eval_every_epochs=0"])
     with pytest.raises(ConfigError, match=r"train.select_window = 0: must be 1 or more"):
         load_job(None, ["--train.select_window=0"])
+    with pytest.raises(ConfigError, match=r"train.select_within_se = -1.0: must be 0 or more"):
+        load_job(None, ["--train.select_within_se=-1.0"])

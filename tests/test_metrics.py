@@ -15,6 +15,12 @@ def test_metrics_on_hand_computed_ranks():
     assert out["ndcg@10"] == pytest.approx((1 + 1 / math.log2(5)) / 3)
     assert out["mrr"] == pytest.approx((1 + 1 / 4 + 1 / 21) / 3)
     assert out["users"] == 3
+    # standard errors: sample std of the per-user values over sqrt(users); HR@10 reads
+    # [1, 1, 0]: variance ((1/3)^2 * 2 + (2/3)^2) / 2 = 1/3, so se = sqrt(1/3 / 3) = 1/3
+    assert out["hr@10_se"] == pytest.approx(1 / 3)
+    mrr = torch.tensor([1, 1 / 4, 1 / 21], dtype=torch.float64)
+    assert out["mrr_se"] == pytest.approx(float(mrr.std() / math.sqrt(3)))
+    assert out["hr@1_se"] == pytest.approx(1 / 3)
 
 
 def test_metric_state_merges_like_one_pass():
@@ -24,7 +30,7 @@ def test_metric_state_merges_like_one_pass():
     whole.update(torch.tensor([0, 5, 300, 1]))
     merged = RankingMetrics()
     merged.load_state(a.state() + b.state())
-    assert merged.compute() == whole.compute()
+    assert merged.compute() == pytest.approx(whole.compute())
 
 
 def test_target_rank_excludes_history_but_never_the_target():

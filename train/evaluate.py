@@ -2,7 +2,9 @@
 
 For every user: score the whole catalogue with the user vector, drop the items already in
 the user's (untruncated) history, and find the rank of the held-out target among the
-rest. Ranks are 0-based: rank 0 is a hit at 1. Metrics are means over users:
+rest. Ranks are 0-based: rank 0 is a hit at 1. Metrics are means over users (each with
+its standard error, ``<metric>_se``: the spread of the per-user values over sqrt(users),
+what a checkpoint choice on a few hundred validation users has to allow for):
 
     HR@K   = [rank < K]
     NDCG@K = [rank < K] / log2(rank + 2)      (one relevant item, so IDCG = 1)
@@ -31,12 +33,14 @@ class EvalConfig:
 
 
 class RankingMetrics:
-    """Accumulates per-user ranks into sums; ``compute()`` gives the means."""
+    """Accumulates per-user values into sums and sums of squares; ``compute()`` gives the
+    means and their standard errors."""
 
     def __init__(self, hr_ks: Iterable[int] = (1, 10, 50, 200), ndcg_ks: Iterable[int] = (10, 50, 200)) -> None:
         self.hr_ks, self.ndcg_ks = tuple(hr_ks), tuple(ndcg_ks)
         self.names = [f"hr@{k}" for k in self.hr_ks] + [f"ndcg@{k}" for k in self.ndcg_ks] + ["mrr"]
         self.sums = torch.zeros(len(self.names), dtype=torch.float64)
+        self.squares = torch.zeros(len(self.names), dtype=torch.float64)
         self.count = 0
 
     def update(self, ranks: torch.Tensor, weights: torch.Tensor | None = None) -> None:
@@ -46,19 +50,27 @@ class RankingMetrics:
         cols = [(r < k).double() for k in self.hr_ks]
         cols += [gain * (r < k) for k in self.ndcg_ks]
         cols.append(1.0 / (r + 1.0))
-        self.sums += (torch.stack(cols, 1) * w[:, None]).sum(0)
+        values = torch.stack(cols, 1)
+        self.sums += (values * w[:, None]).sum(0)
+        self.squares += (values.square() * w[:, None]).sum(0)
         self.count += float(w.sum())
 
     def state(self) -> torch.Tensor:
-        """[metrics + 1] sums and count, for an all-reduce across ranks."""
-        return torch.cat([self.sums, torch.tensor([self.count], dtype=torch.float64)])
+        """Sums, sums of squares and the count in one vector, for an all-reduce across ranks."""
+        return torch.cat([self.sums, self.squares, torch.tensor([self.count], dtype=torch.float64)])
 
     def load_state(self, state: torch.Tensor) -> None:
-        self.sums, self.count = state[:-1].clone(), float(state[-1])
+        k = len(self.names)
+        self.sums, self.squares, self.count = state[:k].clone(), state[k : 2 * k].clone(), float(state[-1])
 
     def compute(self) -> dict[str, float]:
         n = max(self.count, 1.0)
-        out = {name: float(s / n) for name, s in zip(self.names, self.sums)}
+        mean = self.sums / n
+        # sample variance of the per-user values (n - 1), over n: the variance of the mean
+        var = ((self.squares - n * mean.square()) / max(n - 1.0, 1.0)).clamp(min=0.0)
+        se = (var / n).sqrt()
+        out = {name: float(m) for name, m in zip(self.names, mean)}
+        out.update({f"{name}_se": float(e) for name, e in zip(self.names, se)})
         out["users"] = int(round(self.count))
         return out
 

@@ -53,6 +53,13 @@ class TrainConfig:
     # newest) and patience counts from it; 1 = the single best evaluation. A small
     # validation set reads each epoch noisily; a window keeps one spike from choosing.
     select_window: int = 1
+    # the one-standard-error rule: the tested checkpoint is the newest whose windowed
+    # early_stop_metric is within this many standard errors (of the best window's
+    # validation reading, over its users) of the best, and patience counts evaluations
+    # below that line. A few hundred validation users cannot tell checkpoints closer than
+    # that apart; among those, the newest has trained longest at the annealed LR.
+    # 0 = the best window itself.
+    select_within_se: float = 0.0
     precision: Literal["fp32", "bf16"] = "fp32"
     # torch.set_float32_matmul_precision for fp32 GEMMs. "medium" lets torch route them to
     # oneDNN, which may use bf16 inside where the CPU has fast bf16; on this project's EPYC
@@ -79,6 +86,9 @@ class TrainConfig:
         if self.select_window < 1:
             raise ConfigError(f"train.select_window = {self.select_window}: must be 1 or more "
                               "(1 chooses on single evaluations)")
+        if self.select_within_se < 0:
+            raise ConfigError(f"train.select_within_se = {self.select_within_se}: must be 0 or more "
+                              "(0 chooses the best window itself)")
         if self.eval_every_epochs < 1:
             raise ConfigError(f"train.eval_every_epochs = {self.eval_every_epochs}: must be 1 or more "
                               "(train.evaluate = false trains without validation)")

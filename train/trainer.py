@@ -8,8 +8,9 @@ Order of a run: resume from the newest checkpoint if there is one -> epochs of s
 (bf16 autocast optional, clipped AdamW, warmup + constant/cosine LR, optionally a moving
 average of the weights, which validation and checkpoints then read) -> validation every
 ``eval_every_epochs`` with a checkpoint each time -> stop at ``max_epochs``, the time
-budget or ``patience`` evaluations without improvement -> reload the best checkpoint (best
-on one evaluation, or on the mean of a trailing ``select_window`` of them) ->
+budget or ``patience`` evaluations without improvement -> reload the chosen checkpoint (the
+best on one evaluation, or on the mean of a trailing ``select_window`` of them; with
+``select_within_se``, the newest within that many standard errors of the best) ->
 test -> ``results.json`` and ``curves.png``.
 """
 
@@ -109,10 +110,12 @@ class TrainState:
     step: int = 0
     epoch: int = 0
     train_seconds: float = 0.0
-    best_metric: float = -math.inf
-    best_step: int = -1
+    best_metric: float = -math.inf  # the best windowed validation reading so far
+    best_se: float = 0.0  # its standard error (train.select_within_se)
+    peak_epoch: int = -1  # the epoch where it was read
+    best_step: int = -1  # the chosen checkpoint: the newest within the tolerance of the best
     best_epoch: int = -1
-    evals_since_best: int = 0
+    evals_since_best: int = 0  # evaluations since the chosen one
     last_eval_step: int = -1
     stopped: str = ""
     history: list[dict[str, Any]] = field(default_factory=list)
@@ -285,33 +288,42 @@ class Trainer:
                "train_seconds": self.state.train_seconds, **metrics}
         self.log.write(rec)
         self.state.last_eval_step = self.state.step
-        keys = ("epoch", "step", "hr@10", "ndcg@10", self.cfg.early_stop_metric)
+        metric = self.cfg.early_stop_metric
+        keys = ("epoch", "step", "hr@10", "ndcg@10", metric, f"{metric}_se")
         self.state.history.append({k: rec[k] for k in keys if k in rec})
         if self.cfg.early_stop_metric not in metrics:
             raise ValueError(f"train.early_stop_metric '{self.cfg.early_stop_metric}' is not among the "
                              f"validation metrics: {sorted(metrics)}")
-        value = self.windowed_metric()
-        if value > self.state.best_metric:
-            self.state.best_metric, self.state.best_step = value, self.state.step
-            self.state.best_epoch, self.state.evals_since_best = self.state.epoch, 0
+        value, se = self.windowed_metric()
+        st = self.state
+        if value > st.best_metric:
+            st.best_metric, st.best_se, st.peak_epoch = value, se, st.epoch
+        # the newest evaluation within the tolerance is chosen; the best one always is. Once
+        # chosen, a checkpoint is only replaced by a newer one, so one step index suffices.
+        if value >= st.best_metric - self.cfg.select_within_se * st.best_se:
+            st.best_step, st.best_epoch, st.evals_since_best = st.step, st.epoch, 0
         else:
-            self.state.evals_since_best += 1
+            st.evals_since_best += 1
         shown = " ".join(f"{k} {metrics[k]:.4f}" for k in ("hr@10", "ndcg@10", *(f"{t}/auc" for t in self.tasks))
                          if k in metrics)
-        chosen = self.cfg.early_stop_metric + (f" (mean of {self.cfg.select_window})" if self.cfg.select_window > 1 else "")
+        name = metric + (f" (mean of {self.cfg.select_window})" if self.cfg.select_window > 1 else "")
+        chosen = (f", chosen epoch {st.best_epoch} (within {self.cfg.select_within_se:g} se)"
+                  if self.cfg.select_within_se > 0 else "")
         self._print(
-            f"epoch {self.state.epoch:3d} step {self.state.step:6d} | valid {shown} | best "
-            f"{chosen} {self.state.best_metric:.4f} @ epoch {self.state.best_epoch} "
-            f"| {self.state.train_seconds:.0f}s"
+            f"epoch {st.epoch:3d} step {st.step:6d} | valid {shown} | best {name} {st.best_metric:.4f} "
+            f"+- {st.best_se:.4f} @ epoch {st.peak_epoch}{chosen} | {st.train_seconds:.0f}s"
         )
         return metrics
 
-    def windowed_metric(self) -> float:
+    def windowed_metric(self) -> tuple[float, float]:
         """The mean of ``early_stop_metric`` over the newest ``select_window`` evaluations
-        (fewer at the start of a run): what chooses the checkpoint and resets patience."""
+        (fewer at the start of a run), what chooses the checkpoint and resets patience, and
+        its standard error: the window's mean per-evaluation one (the evaluations read the
+        same users, so averaging them barely narrows it)."""
         name = self.cfg.early_stop_metric
         window = self.state.history[-self.cfg.select_window:]
-        return sum(h[name] for h in window) / len(window)
+        se = sum(h.get(f"{name}_se", 0.0) for h in window) / len(window)
+        return sum(h[name] for h in window) / len(window), se
 
     def fit(self) -> dict[str, Any]:
         """Trains to a stop condition, then tests the best checkpoint; returns results."""
@@ -367,9 +379,11 @@ class Trainer:
             "best_checkpoint": best.name,
             "valid": next((h for h in self.state.history[::-1] if h["step"] == self.state.best_step), None),
         }
-        if self.cfg.select_window > 1 and self.valid_readers:
+        if (self.cfg.select_window > 1 or self.cfg.select_within_se > 0) and self.valid_readers:
             results["select_window"] = self.cfg.select_window
-            results["valid_window_mean"] = {self.cfg.early_stop_metric: self.state.best_metric}
+            results["select_within_se"] = self.cfg.select_within_se
+            results["valid_peak"] = {"epoch": self.state.peak_epoch, self.cfg.early_stop_metric: self.state.best_metric,
+                                     f"{self.cfg.early_stop_metric}_se": self.state.best_se}
         if self.test_readers:
             test = self.evaluate(self.test_readers)
             self.log.write({"kind": "eval", "split": "test", "step": self.state.best_step,
