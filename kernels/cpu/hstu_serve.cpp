@@ -2,8 +2,8 @@
 // per step for the whole batch: every layer's LayerNorm, fused uvqk GEMM, SiLU, relative-bias
 // attention over the causal pairs only, U gate and output GEMM in tight loops over packed rows,
 // with no framework operator between them (kernels/native.py builds and loads it; serve/native.py
-// calls it). fp32 throughout; GCC/Clang vector extensions (8 floats), so it builds on any
-// target and vectorises to AVX2/AVX-512 with -march=native.
+// calls it). fp32 throughout; GCC/Clang vector extensions (8 floats; the GEMM tiles 16 where
+// the target has AVX-512), so it builds on any target and vectorises with -march=native.
 //
 // Layout (row-major, packed: user b's history rows are offsets[b]..offsets[b+1]-1):
 //   x     [T, D]        token inputs (item row (+ action row)) * scale + position embedding
@@ -23,9 +23,14 @@ namespace {
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
+#if defined(__AVX512F__)
+typedef float v16f __attribute__((vector_size(64)));  // the GEMM's tiles only (see gemm)
+#endif
 
-inline v8f ld(const float* p) { v8f v; std::memcpy(&v, p, sizeof v); return v; }
-inline void st(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
+template <class V = v8f>
+inline V ld(const float* p) { V v; std::memcpy(&v, p, sizeof v); return v; }
+template <class V>
+inline void st(float* p, V v) { std::memcpy(p, &v, sizeof v); }
 inline v8f splat(float a) { return v8f{a, a, a, a, a, a, a, a}; }
 
 // exp(x) for x in float range: Cephes' expf reduction and polynomial (~1 ulp), lane-wise.
@@ -62,45 +67,56 @@ void silu_inplace(float* p, int n) {
   }
 }
 
-// C[MR, 8 NV] (+)= A[MR, K] B[K, 8 NV], the accumulators in registers.
-template <int MR, int NV>
+// C[MR, W NV] (+)= A[MR, K] B[K, W NV], W floats a vector V, the accumulators in registers.
+template <class V, int MR, int NV>
 inline void tile(int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc, bool acc) {
-  v8f c[MR][NV];
+  constexpr int W = sizeof(V) / sizeof(float);
+  V c[MR][NV];
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) c[r][v] = acc ? ld(C + r * ldc + 8 * v) : splat(0.0f);
+    for (int v = 0; v < NV; ++v) c[r][v] = acc ? ld<V>(C + r * ldc + W * v) : V{};
   for (int k = 0; k < K; ++k) {
-    v8f b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = ld(B + (size_t)k * ldb + 8 * v);
+    V b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = ld<V>(B + (size_t)k * ldb + W * v);
     for (int r = 0; r < MR; ++r) {
-      v8f a = splat(A[(size_t)r * lda + k]);
+      V a = V{} + A[(size_t)r * lda + k];  // broadcast
       for (int v = 0; v < NV; ++v) c[r][v] += a * b[v];
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) st(C + (size_t)r * ldc + 8 * v, c[r][v]);
+    for (int v = 0; v < NV; ++v) st(C + (size_t)r * ldc + W * v, c[r][v]);
 }
 
-template <int NV>
+template <class V, int NV>
 inline void rows_tile(int mr, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc, bool acc) {
   switch (mr) {
-    case 1: tile<1, NV>(K, A, lda, B, ldb, C, ldc, acc); break;
-    case 2: tile<2, NV>(K, A, lda, B, ldb, C, ldc, acc); break;
-    case 3: tile<3, NV>(K, A, lda, B, ldb, C, ldc, acc); break;
-    case 4: tile<4, NV>(K, A, lda, B, ldb, C, ldc, acc); break;
-    case 5: tile<5, NV>(K, A, lda, B, ldb, C, ldc, acc); break;
-    default: tile<6, NV>(K, A, lda, B, ldb, C, ldc, acc); break;
+    case 1: tile<V, 1, NV>(K, A, lda, B, ldb, C, ldc, acc); break;
+    case 2: tile<V, 2, NV>(K, A, lda, B, ldb, C, ldc, acc); break;
+    case 3: tile<V, 3, NV>(K, A, lda, B, ldb, C, ldc, acc); break;
+    case 4: tile<V, 4, NV>(K, A, lda, B, ldb, C, ldc, acc); break;
+    case 5: tile<V, 5, NV>(K, A, lda, B, ldb, C, ldc, acc); break;
+    default: tile<V, 6, NV>(K, A, lda, B, ldb, C, ldc, acc); break;
   }
 }
 
-// C[M, N] (+)= A[M, K] B[K, N]; N a multiple of 8.
+// C[M, N] (+)= A[M, K] B[K, N]; N a multiple of 8. Each output is one FMA chain over k in
+// order, whatever the tile width. With AVX-512 (full-width FMA units on e.g. Zen 5), 16-float
+// vectors do twice the work per instruction: 32- and 16-column tiles, 8 for the rest.
 void gemm(int M, int N, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc, bool acc) {
   for (int i = 0; i < M; i += 6) {
     int mr = M - i < 6 ? M - i : 6;
     const float* a = A + (size_t)i * lda;
     float* c = C + (size_t)i * ldc;
     int j = 0;
-    for (; j + 16 <= N; j += 16) rows_tile<2>(mr, K, a, lda, B + j, ldb, c + j, ldc, acc);
-    if (j < N) rows_tile<1>(mr, K, a, lda, B + j, ldb, c + j, ldc, acc);
+#if defined(__AVX512F__)
+    for (; j + 32 <= N; j += 32) rows_tile<v16f, 2>(mr, K, a, lda, B + j, ldb, c + j, ldc, acc);
+    if (j + 16 <= N) {
+      rows_tile<v16f, 1>(mr, K, a, lda, B + j, ldb, c + j, ldc, acc);
+      j += 16;
+    }
+#else
+    for (; j + 16 <= N; j += 16) rows_tile<v8f, 2>(mr, K, a, lda, B + j, ldb, c + j, ldc, acc);
+#endif
+    if (j < N) rows_tile<v8f, 1>(mr, K, a, lda, B + j, ldb, c + j, ldc, acc);
   }
 }
 
