@@ -45,26 +45,33 @@ def test_without_a_validation_split_the_last_model_is_tested(tiny_synth, tiny_co
     assert res["epochs"] == 2 and 0 <= res["test"]["hr@10"] <= 1
 
 
-@pytest.mark.parametrize("window, best_epoch, epochs", [(1, 2, 4), (3, 6, 8)])
-def test_the_checkpoint_is_chosen_on_a_trailing_window_of_evaluations(
-        tiny_synth, tiny_config, tmp_path, monkeypatch, window, best_epoch, epochs):
-    # validation NDCG@10 per epoch: a spike at epoch 2, then a higher stretch around epoch 6
-    curve = [0.10, 0.30, 0.12, 0.20, 0.21, 0.22, 0.15, 0.14, 0.13, 0.12]
+def scripted_selection(tiny_synth, tiny_config, tmp_path, monkeypatch, curve, overrides, extra=None):
+    """Trains with validation replaced by ``curve`` (NDCG@10 per epoch, plus ``extra`` keys);
+    returns the results, each validation epoch's step and the test record."""
     real = Trainer.evaluate
 
     def scripted(self, readers):
         if "valid" not in readers:
             return real(self, readers)
         v = curve[self.state.epoch - 1]
-        return {"hr@10": 2 * v, "ndcg@10": v}
+        return {"hr@10": 2 * v, "ndcg@10": v, **(extra or {})}
 
     monkeypatch.setattr(Trainer, "evaluate", scripted)
     job = load_job(tiny_config, tiny_job_overrides(tiny_synth, tmp_path) + [
-        "--train.max_epochs=10", "--train.patience=2", f"--train.select_window={window}", "--run.name=window"])
+        f"--train.max_epochs={len(curve)}", *overrides, "--run.name=scripted"])
     run_dir, res = run_training(job)
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    valid = {r["epoch"]: r["step"] for r in recs if r.get("split") == "valid"}
     (test,) = [r for r in recs if r.get("split") == "test"]
+    return res, {r["epoch"]: r["step"] for r in recs if r.get("split") == "valid"}, test
+
+
+@pytest.mark.parametrize("window, best_epoch, epochs", [(1, 2, 4), (3, 6, 8)])
+def test_the_checkpoint_is_chosen_on_a_trailing_window_of_evaluations(
+        tiny_synth, tiny_config, tmp_path, monkeypatch, window, best_epoch, epochs):
+    # validation NDCG@10 per epoch: a spike at epoch 2, then a higher stretch around epoch 6
+    curve = [0.10, 0.30, 0.12, 0.20, 0.21, 0.22, 0.15, 0.14, 0.13, 0.12]
+    res, valid, test = scripted_selection(tiny_synth, tiny_config, tmp_path, monkeypatch, curve,
+                                          ["--train.patience=2", f"--train.select_window={window}"])
     # window 1: the spike is chosen and patience stops two evaluations later; window 3: the
     # best trailing mean (0.20, 0.21, 0.22) ends at epoch 6, two evaluations without a better
     # mean follow, and epoch 6's checkpoint is the one tested
@@ -81,21 +88,9 @@ def test_the_newest_checkpoint_within_one_standard_error_of_the_best_is_chosen(
     # validation NDCG@10 per epoch, each read +-0.02: the peak is epoch 7 (0.26); within one
     # standard error of the best so far are epochs 4-5 (of 3's 0.25) and 8 (of 7's 0.26)
     curve = [0.10, 0.20, 0.25, 0.24, 0.235, 0.21, 0.26, 0.25, 0.20, 0.19, 0.18, 0.17, 0.16, 0.15]
-    real = Trainer.evaluate
-
-    def scripted(self, readers):
-        if "valid" not in readers:
-            return real(self, readers)
-        v = curve[self.state.epoch - 1]
-        return {"hr@10": 2 * v, "ndcg@10": v, "ndcg@10_se": 0.02}
-
-    monkeypatch.setattr(Trainer, "evaluate", scripted)
-    job = load_job(tiny_config, tiny_job_overrides(tiny_synth, tmp_path) + [
-        "--train.max_epochs=14", "--train.patience=4", f"--train.select_within_se={within_se}", "--run.name=se"])
-    run_dir, res = run_training(job)
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    valid = {r["epoch"]: r["step"] for r in recs if r.get("split") == "valid"}
-    (test,) = [r for r in recs if r.get("split") == "test"]
+    res, valid, test = scripted_selection(tiny_synth, tiny_config, tmp_path, monkeypatch, curve,
+                                          ["--train.patience=4", f"--train.select_within_se={within_se}"],
+                                          {"ndcg@10_se": 0.02})
     # strict: epoch 7, and patience stops four evaluations later (11); within one se: epoch 8
     # is chosen, and patience counts the evaluations below 0.24 after it (9-12)
     assert res["epochs"] == epochs == max(valid)
