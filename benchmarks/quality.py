@@ -151,6 +151,8 @@ def render(records: list[dict]) -> str:
             if r.get("select_within_se"):
                 vu += f", within {r['select_within_se']:g} se"
             label = r["model"] + (f" ({procs} processes, DDP)" if procs > 1 else "")
+            if r["epochs"] and any(o is not r and o["model"] == r["model"] and o["date"] > r["date"] for o in rows):
+                label += ", an earlier config (superseded by the newer row)"
             lines.append(f"| {label} | {r['hr@10']:.4f} | {r['ndcg@10']:.4f} | {r['hr@50']:.4f} | "
                          f"{r['hr@200']:.4f} | {r['ndcg@200']:.4f} | {r['mrr']:.4f} | {r['epochs'] or '-'} | {t} | {vu} | "
                          f"{last_of(r)} | {r['date']} |")
