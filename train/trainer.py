@@ -291,8 +291,8 @@ class Trainer:
         metric = self.cfg.early_stop_metric
         keys = ("epoch", "step", "hr@10", "ndcg@10", metric, f"{metric}_se")
         self.state.history.append({k: rec[k] for k in keys if k in rec})
-        if self.cfg.early_stop_metric not in metrics:
-            raise ValueError(f"train.early_stop_metric '{self.cfg.early_stop_metric}' is not among the "
+        if metric not in metrics:
+            raise ValueError(f"train.early_stop_metric '{metric}' is not among the "
                              f"validation metrics: {sorted(metrics)}")
         value, se = self.windowed_metric()
         st = self.state
@@ -382,8 +382,9 @@ class Trainer:
         if (self.cfg.select_window > 1 or self.cfg.select_within_se > 0) and self.valid_readers:
             results["select_window"] = self.cfg.select_window
             results["select_within_se"] = self.cfg.select_within_se
-            results["valid_peak"] = {"epoch": self.state.peak_epoch, self.cfg.early_stop_metric: self.state.best_metric,
-                                     f"{self.cfg.early_stop_metric}_se": self.state.best_se}
+            metric = self.cfg.early_stop_metric
+            results["valid_peak"] = {"epoch": self.state.peak_epoch, metric: self.state.best_metric,
+                                     f"{metric}_se": self.state.best_se}
         if self.test_readers:
             test = self.evaluate(self.test_readers)
             self.log.write({"kind": "eval", "split": "test", "step": self.state.best_step,
