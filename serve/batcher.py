@@ -117,11 +117,14 @@ class Batcher:
         try:
             engine = self.engine_fn()
             works = [w for w, _ in batch]
+            sent = time.monotonic()
             if hasattr(engine, "run_async"):  # an engine process: the pipe is awaited on the loop
                 results = await engine.run_async(works)
             else:  # an in-process engine computes in the executor thread (it drops the GIL in its kernels)
                 results = await asyncio.get_running_loop().run_in_executor(self.pool, engine.run, works)
+            back = time.monotonic()
             for (_, fut), res in zip(batch, results):
+                res.sent, res.back = sent, back
                 if not fut.done():
                     fut.set_result(res)
         except Exception as e:  # noqa: BLE001 - every caller of the batch gets the error

@@ -47,6 +47,9 @@ class Result:
     tasks: dict[str, np.ndarray] = field(default_factory=dict)  # task -> [k]
     compute_ms: float = 0.0
     batch_size: int = 1
+    # time.monotonic() when the batcher handed the batch to the engine and got the results back
+    sent: float = 0.0
+    back: float = 0.0
 
 
 def schema_of(model: GenerativeRecommender) -> ModelSchema:

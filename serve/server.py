@@ -219,14 +219,17 @@ class RecommenderServer:
     async def _serve(self, kind: Kind, data: bytes, context: grpc.aio.ServicerContext, t0: float) -> bytes:
         engine = self.engine
         work = decode(kind, data, engine.schema, self.cfg.limits)
-        self.stages["decode"] += time.monotonic() - t0
+        decoded = time.monotonic()
+        self.stages["decode"] += decoded - t0
         remaining = context.time_remaining()
         budget = self.cfg.default_timeout_ms / 1e3 if remaining is None or math.isinf(remaining) else remaining
         work.deadline = t0 + budget
         self.metrics.queue_depth.set(self.batcher.depth)
         result = await self.batcher.submit(work, timeout=max(work.deadline - time.monotonic(), 0))
         timing = pb.Timing(queue_ms=(time.monotonic() - t0) * 1e3 - result.compute_ms,
-                           compute_ms=result.compute_ms, batch_size=result.batch_size)
+                           compute_ms=result.compute_ms, batch_size=result.batch_size,
+                           decode_ms=(decoded - t0) * 1e3, wait_ms=max(result.sent - decoded, 0.0) * 1e3,
+                           handoff_ms=max((result.back - result.sent) * 1e3 - result.compute_ms, 0.0))
         self.metrics.compute.observe(result.compute_ms / 1e3)
         t1 = time.monotonic()
         items = _scored(result, engine.schema.tasks)

@@ -31,7 +31,8 @@ class KnownServer:
             if n % FAIL_EVERY == 0:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "known failure")
             # the server's own account of the call: 15 ms queued + a 5 ms batch of two
-            timing = pb.Timing(queue_ms=(DELAY_S - COMPUTE_S) * 1e3, compute_ms=COMPUTE_S * 1e3, batch_size=2)
+            timing = pb.Timing(queue_ms=(DELAY_S - COMPUTE_S) * 1e3, compute_ms=COMPUTE_S * 1e3, batch_size=2,
+                               decode_ms=1.0, wait_ms=8.0, handoff_ms=2.0)
             return pb.RecommendResponse(timing=timing).SerializeToString()
 
         self.server = grpc.aio.server()
@@ -60,8 +61,8 @@ def test_sweep_counts_percentiles_and_errors_match_the_known_server(tmp_path):
     srv = KnownServer()
     try:
         payload = [pb.RecommendRequest(top_k=1).SerializeToString()]
-        res = asyncio.run(sweep(f"127.0.0.1:{srv.port}", [40.0, 80.0], 3.0, payload, slo_ms=30.0,
-                                progress=False, cooldown_s=0.2))
+        res = sweep(f"127.0.0.1:{srv.port}", [40.0, 80.0], 3.0, payload, slo_ms=30.0,
+                    progress=False, cooldown_s=0.2)
         warmup = 1
         assert srv.calls == warmup + sum(s.sent for s in res.steps)
         for s in res.steps:
@@ -75,6 +76,8 @@ def test_sweep_counts_percentiles_and_errors_match_the_known_server(tmp_path):
             assert s.server_p50_ms == pytest.approx(DELAY_S * 1e3, rel=0.02)
             assert s.server_p99_ms == pytest.approx(DELAY_S * 1e3, rel=0.02)
             assert s.compute_p50_ms == pytest.approx(COMPUTE_S * 1e3, rel=0.02) and s.mean_batch == 2
+            # ... and its parts besides the engine batch
+            assert (s.decode_p99_ms, s.wait_p50_ms, s.handoff_p99_ms) == pytest.approx((1.0, 8.0, 2.0), rel=0.02)
             # the rest of each call's latency: what the client saw beyond the server's 20 ms
             assert 0 <= s.outside_p50_ms < 15 and s.outside_p50_ms <= s.p50_ms - DELAY_S * 1e3 + 1
             assert 0 <= s.send_late_p99_ms < 50

@@ -385,7 +385,12 @@ def test_reload_in_engine_process_mode_swaps_and_stops_the_old_child(artifacts):
         assert isinstance(old, EngineProcess)
         c = RecommenderClient(srv.target, timeout_s=60)
         u = user(history(6), CTX)
-        assert len(c.recommend(u, retrieve_k=20, top_k=5).items) == 5
+        first = c.recommend(u, retrieve_k=20, top_k=5)
+        assert len(first.items) == 5
+        # the call's timing splits the server's share: decode, wait, hand-off over the pipe, the batch
+        t = first.timing
+        assert t.batch_size == 1 and t.compute_ms > 0 and t.decode_ms > 0 and t.handoff_ms > 0 and t.wait_ms >= 0
+        assert t.decode_ms + t.wait_ms + t.handoff_ms <= t.queue_ms + 0.01
         c.load_artifact(str(artifacts["transformer"]))
         assert c.info().tower == "transformer" and len(c.retrieve(u, k=5).items) == 5
         # close() (on an executor thread) joins the child and waits at most ~40 s: lock, reply, exit, kill

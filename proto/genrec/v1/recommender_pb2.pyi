@@ -90,14 +90,20 @@ class ScoredItem(_message.Message):
     def __init__(self, item_id: _Optional[int] = ..., score: _Optional[float] = ..., retrieval_score: _Optional[float] = ..., tasks: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue_ms", "compute_ms", "batch_size")
+    __slots__ = ("queue_ms", "compute_ms", "batch_size", "decode_ms", "wait_ms", "handoff_ms")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_MS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_MS_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     compute_ms: float
     batch_size: int
-    def __init__(self, queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    decode_ms: float
+    wait_ms: float
+    handoff_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., decode_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., handoff_ms: _Optional[float] = ...) -> None: ...
 
 class RecommendResponse(_message.Message):
     __slots__ = ("items", "model_version", "timing")
