@@ -5,7 +5,8 @@ PyTorch operators and every batch a thousand of them; on a 2-core CPU their disp
 passes over [B, L, L] score tensors are most of the time (one ML-1M request: 44.8 MFLOP,
 ~0.8 ms at the matmul peak, ~6-7 ms through the padded path). Here the final norm and
 retrieval stay in PyTorch; the token inputs and pooled context of an artifact's quantized
-tables (row gathers, dequantized in the same pass), everything between the token inputs
+tables (row gathers, dequantized in the same pass; one call per batch for the tokens and one
+for the context, from the histories packed without padding), everything between the token inputs
 and the tower's output, and the ranking MLP run in ``kernels/cpu/hstu_serve.cpp``: packed rows
 through the GEMMs (no padding at all), attention over the causal pairs only, in query blocks
 of 64 against a transposed key block, bias codes computed once per batch and shared by the
@@ -61,8 +62,11 @@ def library() -> ctypes.CDLL | None:
         lib.genrec_hstu_score.argtypes = [*common, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P]
         lib.genrec_rank_mlp.argtypes = [_I, _I, _P, _P, _I, _P, _P, _P, _I, _I, _P, _P, _P]
         lib.genrec_gather_rows.argtypes = [_P, _L, _L, _I, _I, _P, _P, _L, _F, _I, _P, _L]
+        table = [_P, _L, _L, _I]
+        lib.genrec_tokens.argtypes = [*table, *table, *table, _I, _L, _P, _P, _P, _F, _P, _P]
+        lib.genrec_pooled.argtypes = [_I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I]
         lib.genrec_hstu_encode.restype = lib.genrec_hstu_score.restype = lib.genrec_rank_mlp.restype = _I
-        lib.genrec_gather_rows.restype = _I
+        lib.genrec_gather_rows.restype = lib.genrec_tokens.restype = lib.genrec_pooled.restype = _I
         lib._genrec_typed = True
     return lib
 
@@ -98,6 +102,9 @@ class NativeRows:
         self.lib, self.served, self.packed, self.dim = lib, served, packed, served.dim
         self.bits = served.bits or {torch.float32: 32, torch.float16: 16}[packed.dtype]
         self.nrows, self.row_bytes = packed.shape[0], packed.stride(0) * packed.element_size()
+        # (rows, nrows, row_bytes, bits) for the batched calls, which take table rows directly:
+        # only where ids are rows (a managed-collision table maps them first, in Python)
+        self.table = None if served.remap else (packed.data_ptr(), self.nrows, self.row_bytes, self.bits)
 
     def gather(self, ids: np.ndarray, out: torch.Tensor, mul: float = 1.0, accumulate: bool = False,
                dst: np.ndarray | None = None, column: int = 0) -> None:
@@ -131,6 +138,13 @@ class NativeHistory:
     @property
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
+
+
+def _pad(packed: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Packed rows [T] back to [B, L] (0 where ``valid`` is False)."""
+    out = np.zeros(valid.shape, packed.dtype)
+    out[valid] = packed
+    return out
 
 
 class NativeHSTU(PaddedHSTU):
@@ -167,6 +181,9 @@ class NativeHSTU(PaddedHSTU):
                        if pooled and all(f in sp.pooled_rows for f in pooled) else None)
         self.pos = NativeRows(lib, ServedRows({"weight": model.pos_emb.weight.detach().float()}, "fp32",
                                               model.pos_emb.weight.shape[1]))
+        # token inputs in one native call per batch (genrec_tokens) where every table takes rows
+        self.fused_tokens = self.rows is not None and all(r.table is not None for r in self.rows.values())
+        self._pooled_args = self._pooled_plan()
         # seconds per stage, summed over calls (the engine passes its own profile's dict):
         # embedding lookups, the native tower, the ranking MLP
         self.stages = stages if stages is not None else {}
@@ -197,29 +214,62 @@ class NativeHSTU(PaddedHSTU):
         widths = np.array([linears[0].in_features] + [t.shape[0] for t in keep[1::2]], np.int32)
         return widths, (_P * len(keep))(*[t.data_ptr() for t in keep]), keep
 
+    def _pooled_plan(self) -> tuple | None:
+        """The pooled features' tables for one genrec_pooled call per batch: (features, argument
+        arrays, tables kept alive), in the EmbeddingBagCollection's output order; None where the
+        model reads no context or a table maps its ids first."""
+        m = self.model
+        if m.ranking is None or not m.ranking_context or self.pooled is None:
+            return None
+        feats, cols, dims, mean, column = [], [], [], [], 0
+        for t in m.embedding_cfg.pooled_tables:
+            for f in t.features:
+                feats.append(f)
+                cols.append(column)
+                dims.append(t.dim)
+                mean.append(int(t.pooling == "mean"))
+                column += t.dim
+        rows = [self.pooled[f] for f in feats]
+        if any(r.table is None for r in rows):
+            return None
+        arrays = (np.array([r.table[0] for r in rows], np.uint64), np.array([r.nrows for r in rows], np.int64),
+                  np.array([r.row_bytes for r in rows], np.int64), np.array([r.bits for r in rows], np.int32),
+                  np.array(dims, np.int32), np.array(mean, np.int32), np.array(cols, np.int32))
+        return feats, column, arrays
+
     # ---- token inputs and context, natively where the tables are a served artifact's ----------
-    def _tokens(self, items: np.ndarray, actions: np.ndarray | None, positions: np.ndarray) -> torch.Tensor:
-        """[N, D] (item row (+ action row)) * scale + position row, as the model makes them."""
+    def _tokens(self, items: np.ndarray, actions: np.ndarray | None, positions: np.ndarray,
+                item_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, D] (item row (+ action row)) * scale + position row, as the model makes them;
+        ``item_rows`` [N, D] (when given) also gets the raw item rows."""
         x = torch.empty(items.size, self.dims[0])
         scale = float(self.model.scale)
+        if self.fused_tokens:  # one call: the same three passes as below
+            items = np.ascontiguousarray(items, dtype=np.int64)
+            acts = None if actions is None else np.ascontiguousarray(actions, dtype=np.int64)
+            pos = np.ascontiguousarray(positions, dtype=np.int64)
+            act_table = self.rows["action"].table if acts is not None else (None, 0, 0, 0)
+            rc = self.lib.genrec_tokens(*self.rows[self.model.item_feature].table, *act_table, *self.pos.table,
+                                        self.dims[0], items.size, _ptr(items), None if acts is None else _ptr(acts),
+                                        _ptr(pos), scale, _ptr(x), None if item_rows is None else _ptr(item_rows))
+            if rc:
+                raise ValueError("an id outside its table's rows")
+            return x
         self.rows[self.model.item_feature].gather(items, x, scale)
         if actions is not None:
             self.rows["action"].gather(actions, x, scale, accumulate=True)
         self.pos.gather(positions, x, accumulate=True)
+        if item_rows is not None:
+            self.rows[self.model.item_feature].gather(items, item_rows)
         return x
-
-    def _history_tokens(self, items: np.ndarray, actions: np.ndarray, valid: np.ndarray) -> torch.Tensor:
-        if self.rows is None:
-            return super()._history_tokens(items, actions, valid)
-        return self._tokens(items[valid], actions[valid] if self.has_action else None, np.nonzero(valid)[1])
 
     def _candidate_tokens(self, cands: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.rows is None:
             return super()._candidate_tokens(cands, positions)
         ids = cands.numpy()
         item_rows = torch.empty(ids.size, self.dims[0])
-        self.rows[self.model.item_feature].gather(ids, item_rows)
-        return item_rows, self._tokens(ids, np.zeros_like(ids) if self.has_action else None, positions.numpy())
+        x = self._tokens(ids, np.zeros_like(ids) if self.has_action else None, positions.numpy(), item_rows)
+        return item_rows, x
 
     def _context(self, users: list[UserInput]) -> torch.Tensor | None:
         m = self.model
@@ -227,6 +277,18 @@ class NativeHSTU(PaddedHSTU):
             return None
         if self.pooled is None:
             return super()._context(users)
+        if self._pooled_args is not None:  # one native call for every feature and user
+            feats, width, (tabs, nrows, row_bytes, bits, dims, mean, cols) = self._pooled_args
+            ids = [u.context.get(f, _NONE) for f in feats for u in users]
+            offsets = np.zeros(len(ids) + 1, np.int64)
+            np.cumsum([a.size for a in ids], out=offsets[1:])
+            flat = np.ascontiguousarray(np.concatenate(ids), dtype=np.int64)
+            out = torch.zeros(len(users), width)
+            rc = self.lib.genrec_pooled(len(users), len(feats), _ptr(tabs), _ptr(nrows), _ptr(row_bytes), _ptr(bits),
+                                        _ptr(dims), _ptr(mean), _ptr(cols), _ptr(flat), _ptr(offsets), _ptr(out), width)
+            if rc:
+                raise ValueError(f"context feature {feats[-1 - rc]}: an id outside its table's {nrows[-1 - rc]} rows")
+            return out
         tables = m.embedding_cfg.pooled_tables
         out = torch.zeros(len(users), sum(t.dim * len(t.features) for t in tables))
         column = 0
@@ -242,6 +304,32 @@ class NativeHSTU(PaddedHSTU):
                 column += t.dim
         return out
 
+    def _packed_layout(self, users: list[UserInput]) -> tuple[np.ndarray, ...]:
+        """The batch's history rows packed, as :meth:`PaddedHSTU._layout` lays them out but
+        without the padding: items, actions, event and query times (relative to the batch's
+        earliest event, as int32 values in int64) and positions [T], and lengths [B]."""
+        cuts = [max(0, u.items.size - self.cap) for u in users]
+        lens = np.array([u.items.size - c for u, c in zip(users, cuts)], np.int64)
+        if lens.size == 0 or lens.min() < 1:
+            raise ValueError("every user needs at least one history event")
+        items = np.concatenate([u.items[c:] for u, c in zip(users, cuts)]).astype(np.int64, copy=False)
+        actions = (np.concatenate([u.actions[c:] for u, c in zip(users, cuts)]).astype(np.int64, copy=False)
+                   if self.has_action else np.zeros_like(items))
+        positions = np.concatenate([np.arange(h) for h in lens])
+        times, qtimes = [], []
+        for u, c, h in zip(users, cuts, lens):
+            if u.has_time:
+                t = u.times[c:]
+                times.append(t)
+                qtimes += [t[1:], [u.request_time]]
+            else:
+                times.append(np.arange(h))
+                qtimes.append(np.arange(1, h + 1))
+        tk, tq = np.concatenate(times).astype(np.int64), np.concatenate(qtimes).astype(np.int64)
+        base = tk.min()
+        rel = lambda t: np.clip(t - base, -(2**31) + 1, 2**31 - 1).astype(np.int32).astype(np.int64)  # noqa: E731
+        return items, actions, rel(tk), rel(tq), positions, lens
+
     def _head(self) -> tuple:
         return (len(self.layers), self.params, *self.dims, self.alpha, _ptr(self.thr))
 
@@ -249,12 +337,16 @@ class NativeHSTU(PaddedHSTU):
     def encode(self, users: list[UserInput]) -> tuple[torch.Tensor, NativeHistory]:
         m = self.model
         t0 = time.perf_counter()
-        items, actions, times, qtimes, lens = self._layout(users)
-        b, n = items.shape
-        valid = np.arange(n)[None, :] < lens[:, None]
-        x = self._history_tokens(items, actions, valid).contiguous()  # [T, D], overwritten by the call
+        items, actions, tk, tq, positions, lens = self._packed_layout(users)
+        b = lens.size
+        if self.rows is None:
+            valid = np.zeros((b, int(lens.max())), bool)
+            valid[np.repeat(np.arange(b), lens), positions] = True
+            x = super()._history_tokens(_pad(items, valid), _pad(actions, valid), valid)
+        else:
+            x = self._tokens(items, actions if self.has_action else None, positions)
+        x = x.contiguous()  # [T, D], overwritten by the call
         offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-        tq, tk = qtimes[valid].astype(np.int64), times[valid].astype(np.int64)
         t = x.shape[0]
         layers, d, h, dqk, dv = len(self.layers), *self.dims[:4]
         kc, vc, out = torch.empty(layers, t, h * dqk), torch.empty(layers, t, h * dv), torch.empty(b, d)

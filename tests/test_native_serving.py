@@ -28,11 +28,13 @@ def test_long_histories_odd_widths_and_several_query_blocks():
     m = GenerativeRecommender(cfg, EmbeddingConfig(tables=tables), torch.arange(1, 300)).eval()
     rng = np.random.default_rng(3)
     us = []
-    for n in (70, 1, 149, 200, 64, 65):
+    for n in (70, 1, 149, 200, 64, 65, 90):
         times = T0 + np.cumsum(rng.choice([0, 5, 3_600, 10**6], n))
+        if n == 90:  # events out of time order: the bias codes' per-pair search, not the per-row walk
+            times = rng.permutation(times)
         us.append(UserInput(items=rng.integers(1, 300, n), times=times, actions=rng.integers(0, 4, n),
-                            has_time=True, request_time=int(times[-1]) + 7))
-    cands = [(i, rng.integers(1, 300, k)) for i, k in ((2, 9), (0, 1), (3, 20), (5, 3), (4, 0), (1, 2))]
+                            has_time=True, request_time=int(times.max()) + 7))
+    cands = [(i, rng.integers(1, 300, k)) for i, k in ((2, 9), (0, 1), (3, 20), (5, 3), (4, 0), (1, 2), (6, 5))]
     vec, probs = reference(m, us, cands)
     assert supports(m)
     path = NativeHSTU(m)
@@ -111,6 +113,22 @@ def test_served_tables_gathered_natively_equal_the_pytorch_lookups(scheme):
     native, padded = NativeHSTU(m), PaddedHSTU(m)
     assert native.rows is not None and native.pooled is not None
     torch.testing.assert_close(native._context(us), padded._context(us), rtol=1e-6, atol=1e-6)
+    # one native call per batch (genrec_tokens, genrec_pooled) = a gather call per table, to the bit
+    assert native.fused_tokens and native._pooled_args is not None
+    ids, acts, pos = np.array([5, 1, 59, 7]), np.array([0, 3, 1, 2]), np.array([0, 1, 2, 9])
+    rows = torch.empty(4, 16)
+    fused, ctx = native._tokens(ids, acts, pos, rows), native._context(us)
+    native.fused_tokens, plan, native._pooled_args = False, native._pooled_args, None
+    rows_each = torch.empty(4, 16)
+    assert torch.equal(native._tokens(ids, acts, pos, rows_each), fused) and torch.equal(rows_each, rows)
+    assert torch.equal(native._context(us), ctx)
+    native.fused_tokens, native._pooled_args = True, plan
+    with pytest.raises(ValueError, match="outside its table"):
+        native._tokens(np.array([3, 60]), np.array([0, 0]), np.array([0, 1]))
+    us[0].context["topic"] = np.array([9])
+    with pytest.raises(ValueError, match="topic: an id outside"):
+        native._context(us)
+    us[0].context["topic"] = np.array([1])
     nvec, nhist = native.encode(us)
     pvec, phist = padded.encode(us)
     torch.testing.assert_close(nvec, pvec, atol=2e-5, rtol=2e-5)

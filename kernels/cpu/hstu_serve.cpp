@@ -27,37 +27,53 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 typedef float v16f __attribute__((vector_size(64)));  // the GEMM's tiles only (see gemm)
 #endif
 
+typedef int32_t v16i __attribute__((vector_size(64)));
+
 template <class V = v8f>
 inline V ld(const float* p) { V v; std::memcpy(&v, p, sizeof v); return v; }
 template <class V>
 inline void st(float* p, V v) { std::memcpy(p, &v, sizeof v); }
-inline v8f splat(float a) { return v8f{a, a, a, a, a, a, a, a}; }
+template <class V = v8f>
+inline V splat(float a) { V v; for (unsigned i = 0; i < sizeof v / sizeof a; ++i) v[i] = a; return v; }
+template <class V> struct IntOf;
+template <> struct IntOf<v8f> { typedef v8i type; };
+#if defined(__AVX512F__)
+template <> struct IntOf<v16f> { typedef v16i type; };
+#endif
 
-// exp(x) for x in float range: Cephes' expf reduction and polynomial (~1 ulp), lane-wise.
-inline v8f vexp(v8f x) {
-  x = x > splat(88.3762626647949f) ? splat(88.3762626647949f) : x;
-  x = x < splat(-87.3365478515625f) ? splat(-87.3365478515625f) : x;
-  v8f fx = x * splat(1.44269504088896341f) + splat(0.5f);
-  v8f t = __builtin_convertvector(__builtin_convertvector(fx, v8i), v8f);  // trunc
-  fx = t > fx ? t - splat(1.0f) : t;                                        // floor
-  x = x - fx * splat(0.693359375f) - fx * splat(-2.12194440e-4f);
-  v8f y = splat(1.9875691500e-4f);
-  y = y * x + splat(1.3981999507e-3f);
-  y = y * x + splat(8.3334519073e-3f);
-  y = y * x + splat(4.1665795894e-2f);
-  y = y * x + splat(1.6666665459e-1f);
-  y = y * x + splat(5.0000001201e-1f);
-  y = y * x * x + x + splat(1.0f);
-  v8i e = (__builtin_convertvector(fx, v8i) + 127) << 23;
-  v8f scale;
+// exp(x) for x in float range: Cephes' expf reduction and polynomial (~1 ulp), lane-wise (the
+// same operations at either vector width, so 8- and 16-float results are bit-identical).
+template <class V>
+inline V vexp(V x) {
+  typedef typename IntOf<V>::type I;
+  x = x > splat<V>(88.3762626647949f) ? splat<V>(88.3762626647949f) : x;
+  x = x < splat<V>(-87.3365478515625f) ? splat<V>(-87.3365478515625f) : x;
+  V fx = x * splat<V>(1.44269504088896341f) + splat<V>(0.5f);
+  V t = __builtin_convertvector(__builtin_convertvector(fx, I), V);  // trunc
+  fx = t > fx ? t - splat<V>(1.0f) : t;                                // floor
+  x = x - fx * splat<V>(0.693359375f) - fx * splat<V>(-2.12194440e-4f);
+  V y = splat<V>(1.9875691500e-4f);
+  y = y * x + splat<V>(1.3981999507e-3f);
+  y = y * x + splat<V>(8.3334519073e-3f);
+  y = y * x + splat<V>(4.1665795894e-2f);
+  y = y * x + splat<V>(1.6666665459e-1f);
+  y = y * x + splat<V>(5.0000001201e-1f);
+  y = y * x * x + x + splat<V>(1.0f);
+  I e = (__builtin_convertvector(fx, I) + 127) << 23;
+  V scale;
   std::memcpy(&scale, &e, sizeof scale);
   return y * scale;
 }
 
-inline v8f vsilu(v8f x) { return x / (splat(1.0f) + vexp(-x)); }
+template <class V>
+inline V vsilu(V x) { return x / (splat<V>(1.0f) + vexp(-x)); }
 
+// SiLU in place: 16 floats at a time where the target has AVX-512, then 8, then the tail.
 void silu_inplace(float* p, int n) {
   int i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) st(p + i, vsilu(ld<v16f>(p + i)));
+#endif
   for (; i + 8 <= n; i += 8) st(p + i, vsilu(ld(p + i)));
   if (i < n) {
     float tmp[8] = {0};
@@ -242,11 +258,24 @@ int genrec_hstu_encode(int L, const float* const* params, int D, int H, int dqk,
     const int h = (int)(offsets[b + 1] - offsets[b]);
     const int64_t o = offsets[b];
     int32_t* cb = codes.data() + code_at[b];
-    for (int i = 0; i < h; ++i)
-      for (int j = 0; j <= i; ++j) {
-        int dist = std::min(i - j, n - 1);
-        cb[(size_t)i * h + j] = dist * nb + (nb > 1 ? bucket(tq[o + i] - tk[o + j], thr, nb) : 0);
+    // event times in order (the usual case): a row's gaps grow as j falls, and so do their
+    // buckets, so one walk up the thresholds per row replaces a binary search per pair
+    bool ordered = nb > 1;
+    for (int j = 1; j < h && ordered; ++j) ordered = tk[o + j] >= tk[o + j - 1];
+    for (int i = 0; i < h; ++i) {
+      int32_t* row = cb + (size_t)i * h;
+      if (ordered) {
+        int bk = 0;
+        for (int j = i; j >= 0; --j) {
+          const int64_t dt = tq[o + i] - tk[o + j];
+          while (dt > 0 && bk + 1 < nb && thr[bk + 1] <= dt) ++bk;
+          row[j] = std::min(i - j, n - 1) * nb + bk;
+        }
+      } else {
+        for (int j = 0; j <= i; ++j)
+          row[j] = std::min(i - j, n - 1) * nb + (nb > 1 ? bucket(tq[o + i] - tk[o + j], thr, nb) : 0);
       }
+    }
   }
   std::vector<float> xl((size_t)B * D), zl((size_t)B * G), al((size_t)B * U);
   for (int l = 0; l < L; ++l) {
@@ -459,6 +488,45 @@ int genrec_gather_rows(const uint8_t* table, int64_t nrows, int64_t row_bytes, i
       }
     }
   }
+  return 0;
+}
+
+// Token inputs in one call, as three genrec_gather_rows passes would make them: out[i] =
+// scale * item(items[i]) (+ scale * action(actions[i])) + pos(positions[i]); item_out (when
+// given) gets the raw item rows. A table is (rows, nrows, row_bytes, bits); act null: none.
+int genrec_tokens(const uint8_t* item, int64_t item_n, int64_t item_rb, int item_bits, const uint8_t* act, int64_t act_n,
+                  int64_t act_rb, int act_bits, const uint8_t* pos, int64_t pos_n, int64_t pos_rb, int pos_bits, int dim,
+                  int64_t n, const int64_t* items, const int64_t* actions, const int64_t* positions, float scale,
+                  float* out, float* item_out) {
+  if (genrec_gather_rows(item, item_n, item_rb, item_bits, dim, items, nullptr, n, scale, 0, out, dim)) return -1;
+  if (act && genrec_gather_rows(act, act_n, act_rb, act_bits, dim, actions, nullptr, n, scale, 1, out, dim)) return -2;
+  if (genrec_gather_rows(pos, pos_n, pos_rb, pos_bits, dim, positions, nullptr, n, 1.0f, 1, out, dim)) return -3;
+  if (item_out && genrec_gather_rows(item, item_n, item_rb, item_bits, dim, items, nullptr, n, 1.0f, 0, item_out, dim))
+    return -1;
+  return 0;
+}
+
+// Pooled context of B users over nf features into out [B, E] (zeroed by the caller): feature f
+// (table tabs[f] as in genrec_tokens, dims[f] wide, at column cols[f]) of user b sums the rows of
+// ids[offsets[f B + b] .. offsets[f B + b + 1]), then divides by their count when mean[f]
+// (by 1 when the user has none). Returns -1 - f for an id outside feature f's table.
+int genrec_pooled(int B, int nf, const uint8_t* const* tabs, const int64_t* nrows, const int64_t* row_bytes,
+                  const int32_t* bits, const int32_t* dims, const int32_t* mean, const int32_t* cols, const int64_t* ids,
+                  const int64_t* offsets, float* out, int E) {
+  for (int f = 0; f < nf; ++f)
+    for (int b = 0; b < B; ++b) {
+      const int64_t s = offsets[f * B + b], e = offsets[f * B + b + 1];
+      if (e == s) continue;
+      std::vector<int64_t> dst(e - s, b);
+      if (genrec_gather_rows(tabs[f], nrows[f], row_bytes[f], bits[f], dims[f], ids + s, dst.data(), e - s, 1.0f, 1,
+                             out + cols[f], E))
+        return -1 - f;
+      if (mean[f]) {
+        const float c = float(e - s);
+        float* o = out + (size_t)b * E + cols[f];
+        for (int t = 0; t < dims[f]; ++t) o[t] /= c;
+      }
+    }
   return 0;
 }
 
