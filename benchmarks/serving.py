@@ -6,7 +6,9 @@ retrieve 100 from the whole catalogue, rank the 100, return 10. Servers, each a 
 harness from this process:
 
 * (a) naive: one request at a time, eager, history encoded twice (``--engine naive``);
-* (b) torch: cross-request batching, history encoded once (``--engine torch``);
+* (b) torch: cross-request batching, history encoded once (``--engine torch``), the engine
+  process busy-polling its pipe between batches (``--engine-poll-ms``);
+* (b'') torch-blocking: (b) with the engine process blocking on its pipe between batches;
 * (b') torch-padded: (b) with the tower on the padded PyTorch path instead of native code
   (``GENREC_NATIVE=0``), the side-by-side for ``serve.native``;
 * (c) sglang: the tower inside SGLang (``--engine sglang``), when SGLang is installed.
@@ -23,7 +25,7 @@ request (``torch.utils.flop_counter``), the machine's peak from a matmul micro-b
 hence how close each server gets to the physical limit, and where the server's time goes
 at load (its per-stage profile).
 
-    python -m benchmarks.serving [--artifact DIR] [--engines naive,torch,torch-padded,torch-inproc,torch-replicas2,sglang]
+    python -m benchmarks.serving [--artifact DIR] [--engines naive,torch,torch-blocking,torch-padded,torch-inproc,torch-replicas2,sglang]
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ SWEEPS = {
     # for the naive server (a run of 2026-12-01), which left "x naive" undefined
     "naive": [10, 25, 50, 75, 100, 150, 200, 300],
     "torch": [10, 50, 100, 150, 200, 300, 400, 500, 600],
+    "torch-blocking": [10, 50, 100, 150, 200, 300, 400, 500, 600],
     "torch-padded": [10, 50, 100, 150, 200, 300, 400, 500, 600],
     "torch-inproc": [10, 50, 100, 150, 200, 300, 400, 500],
     "torch-replicas2": [10, 50, 100, 150, 200, 300, 400, 500],
@@ -60,12 +63,17 @@ SWEEPS = {
 }
 # batched engines: continuous batching (no wait to fill a batch: whatever queued while the
 # previous batch ran forms the next one); the naive server takes one request at a time
-SERVER_ARGS = {"naive": ["--max-batch", "1"], "torch": ["--max-batch", "32", "--max-wait-ms", "0"],
-               "sglang": ["--max-batch", "32", "--max-wait-ms", "0"]}
-SERVER_ARGS["torch-inproc"] = [*SERVER_ARGS["torch"], "--no-engine-process"]
-SERVER_ARGS["torch-replicas2"] = [*SERVER_ARGS["torch"], "--engine-replicas", "2"]
+# the engine process on its own CPU busy-polls for the next batch (--engine-poll-ms) rather than
+# letting that CPU go idle; torch-blocking is the same server blocking on its pipe between batches
+BATCHED = ["--max-batch", "32", "--max-wait-ms", "0"]
+SERVER_ARGS = {"naive": ["--max-batch", "1"], "torch": [*BATCHED, "--engine-poll-ms", "1000"],
+               "sglang": BATCHED}
+SERVER_ARGS["torch-blocking"] = BATCHED
+SERVER_ARGS["torch-inproc"] = [*BATCHED, "--no-engine-process"]
+SERVER_ARGS["torch-replicas2"] = [*BATCHED, "--engine-replicas", "2"]  # (one replica shares the front-end's CPU)
 SERVER_ARGS["torch-padded"] = SERVER_ARGS["torch"]
-ENGINE = {"torch-inproc": "torch", "torch-replicas2": "torch", "torch-padded": "torch"}  # server variant -> --engine
+ENGINE = {"torch-inproc": "torch", "torch-replicas2": "torch", "torch-padded": "torch",  # server variant -> --engine
+          "torch-blocking": "torch"}
 ENV = {"torch-padded": {"GENREC_NATIVE": "0"}}  # server variant -> extra environment
 
 
@@ -193,7 +201,7 @@ def single_request_latency(target: str, payloads: list[bytes], n: int = 300) -> 
 
 def main() -> None:
     ap = serving_arguments(__doc__)
-    ap.add_argument("--engines", default="naive,torch,torch-padded,torch-inproc,torch-replicas2,sglang")
+    ap.add_argument("--engines", default="naive,torch,torch-blocking,torch-padded,torch-inproc,torch-replicas2,sglang")
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--min-requests", type=int, default=600,
                     help="each step sends at least this many calls (10 QPS: 60 s), so its p99 is not its maximum")
@@ -273,8 +281,9 @@ def render(p: dict) -> str:
              f"`python -m benchmarks.serving` — {p['date']}, {p['machine']['cpu']}, {p['machine']['cores']} cores "
              f"shared by the server (a gRPC front-end process and an engine process with {p['server_threads']} compute "
              "thread, pinned to the last CPU; the front-end and the load generator on the other) and the load generator; "
-             "torch: the tower in native code (serve.native); torch-padded: the same server with the tower on the padded "
-             "PyTorch path (GENREC_NATIVE=0); "
+             "torch: the tower in native code (serve.native), the engine process busy-polling its pipe between batches "
+             "(`--engine-poll-ms 1000`); torch-blocking: the same server with the engine blocking on its pipe; "
+             "torch-padded: torch with the tower on the padded PyTorch path (GENREC_NATIVE=0); "
              "torch-inproc: the engine in the front-end's process, nothing pinned; torch-replicas2: two engine processes, "
              "one per CPU. Requests: history up to 200, retrieve 100 from the catalogue, rank 100, return 10. "
              f"Steps of {p.get('step_seconds', 10):g} s, lengthened to send at least "

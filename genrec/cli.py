@@ -117,6 +117,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    "last one down, the front-end keeps any left; no pinning when they do not fit or one engine "
                    "would own them all), none, or a list such as 1 or 2,3 (split between the replicas; the "
                    "front-end takes the other CPUs)")
+    p.add_argument("--engine-poll-ms", type=float, default=0.0,
+                   help="after each batch the engine process polls for the next one this long before it blocks: "
+                   "on a CPU of its own (--engine-cpus) the next batch then finds it running instead of waking an "
+                   "idle CPU, at the price of that CPU's time (0: block at once)")
     p.add_argument("--gil-switch-ms", type=float, default=0.5,
                    help="sys.setswitchinterval: how long a thread may hold the GIL when another waits")
     p.add_argument("--max-batch", type=int, default=32, help="requests per engine batch")

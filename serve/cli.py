@@ -28,7 +28,8 @@ def config_from_args(args: argparse.Namespace, cpus: list[tuple[int, ...]] | Non
                           max_inflight=args.max_inflight or args.engine_replicas),
         limits=Limits(max_history=args.max_history, max_candidates=args.max_candidates, max_retrieve=args.max_retrieve),
         engine_process=args.engine_process, engine_replicas=args.engine_replicas,
-        process=ProcessSettings(threads=args.threads, matmul_precision=args.matmul_precision),
+        process=ProcessSettings(threads=args.threads, matmul_precision=args.matmul_precision,
+                                poll_ms=args.engine_poll_ms),
         replica_cpus=tuple(cpus or ()),
     )
 

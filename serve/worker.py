@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -36,6 +37,9 @@ class ProcessSettings:
     threads: int = 0  # torch intra-op threads in the child (0: torch's default)
     matmul_precision: str = "highest"
     cpus: tuple[int, ...] = ()  # pin the engine process to these CPUs (empty: the server's)
+    # after each request, poll the pipe this long before blocking on it: the next batch finds the
+    # process running (no wake-up of an idle CPU) at the price of that CPU's time (0: block at once)
+    poll_ms: float = 0.0
 
 
 def plan_cpus(spec: str, threads: int, available: tuple[int, ...],
@@ -106,7 +110,12 @@ def _child(conn: Connection, kind: str, artifact: str, device: str, settings: Pr
     quiet_gc()
     conn.send(("ready", {"name": engine.name, "version": engine.version, "schema": engine.schema,
                          "manifest": engine.manifest, "tower": engine.tower, "path": getattr(engine, "path", None)}))
+    poll_s = settings.poll_ms / 1e3
     while True:
+        if poll_s > 0:  # busy-poll: a blocking recv would let this CPU go idle between batches
+            end = time.monotonic() + poll_s
+            while not conn.poll(0) and time.monotonic() < end:
+                pass
         try:
             op, payload = conn.recv()
         except EOFError:  # the parent went away

@@ -369,6 +369,34 @@ def test_engine_process_answers_like_the_in_process_engine_and_replaces_a_killed
     assert not remote.proc.is_alive() and remote.stages["retrieve_topk"] > 0  # stages kept after close
 
 
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads CPU time from /proc")
+def test_a_polling_engine_process_spins_between_batches_then_blocks(artifacts):
+    from serve.requests import Work, decode_user
+
+    local = TorchEngine(artifacts["hstu"])
+    remote = EngineProcess("torch", str(artifacts["hstu"]), settings=ProcessSettings(threads=1, poll_ms=400))
+    try:
+        works = [Work("recommend", decode_user(user(history(9), CTX), local.schema, Limits()), retrieve_k=30, top_k=5)]
+        for _ in range(2):
+            got, want = remote.run(works)[0], local.run(works)[0]
+            np.testing.assert_array_equal(got.item_ids, want.item_ids)
+            c0 = _cpu_seconds(remote.proc.pid)
+            time.sleep(0.2)  # inside the window: polling, on a CPU
+            assert _cpu_seconds(remote.proc.pid) - c0 > 0.05
+            time.sleep(0.35)  # past it: blocked on the pipe
+            c1 = _cpu_seconds(remote.proc.pid)
+            time.sleep(0.2)
+            assert _cpu_seconds(remote.proc.pid) - c1 < 0.05
+    finally:
+        remote.close()
+    assert not remote.proc.is_alive()
+
+
 def test_closing_a_stuck_engine_process_is_bounded(artifacts):
     remote = EngineProcess("torch", str(artifacts["hstu"]), settings=ProcessSettings(threads=1))
     os.kill(remote.proc.pid, signal.SIGSTOP)  # alive, never answers
