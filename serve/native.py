@@ -215,9 +215,9 @@ class NativeHSTU(PaddedHSTU):
         return widths, (_P * len(keep))(*[t.data_ptr() for t in keep]), keep
 
     def _pooled_plan(self) -> tuple | None:
-        """The pooled features' tables for one genrec_pooled call per batch: (features, argument
-        arrays, tables kept alive), in the EmbeddingBagCollection's output order; None where the
-        model reads no context or a table maps its ids first."""
+        """The pooled features' tables for one genrec_pooled call per batch: (features, the
+        context's width, the call's per-feature arrays), in the EmbeddingBagCollection's output
+        order; None where the model reads no context or a table maps its ids first."""
         m = self.model
         if m.ranking is None or not m.ranking_context or self.pooled is None:
             return None
