@@ -2,8 +2,8 @@
 // per step for the whole batch: every layer's LayerNorm, fused uvqk GEMM, SiLU, relative-bias
 // attention over the causal pairs only, U gate and output GEMM in tight loops over packed rows,
 // with no framework operator between them (kernels/native.py builds and loads it; serve/native.py
-// calls it). fp32 throughout; GCC/Clang vector extensions (8 floats; the GEMM tiles 16 where
-// the target has AVX-512), so it builds on any target and vectorises with -march=native.
+// calls it). fp32 throughout; GCC/Clang vector extensions (8 floats; the GEMM tiles and SiLU 16
+// where the target has AVX-512), so it builds on any target and vectorises with -march=native.
 //
 // Layout (row-major, packed: user b's history rows are offsets[b]..offsets[b+1]-1):
 //   x     [T, D]        token inputs (item row (+ action row)) * scale + position embedding
@@ -24,7 +24,7 @@ namespace {
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 #if defined(__AVX512F__)
-typedef float v16f __attribute__((vector_size(64)));  // the GEMM's tiles only (see gemm)
+typedef float v16f __attribute__((vector_size(64)));  // the GEMM's tiles and SiLU (see gemm, silu_inplace)
 #endif
 
 typedef int32_t v16i __attribute__((vector_size(64)));
