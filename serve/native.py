@@ -32,7 +32,7 @@ from kernels import native
 from kernels.hstu_attention import time_bucket
 from models.recommender import GenerativeRecommender
 from quant.embeddings import ServedRows
-from serve.padded import PaddedHSTU
+from serve.padded import PaddedHSTU, relative
 from serve.padded import supports as padded_supports
 from serve.requests import UserInput
 
@@ -140,13 +140,6 @@ class NativeHistory:
         return np.diff(self.offsets)
 
 
-def _pad(packed: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """Packed rows [T] back to [B, L] (0 where ``valid`` is False)."""
-    out = np.zeros(valid.shape, packed.dtype)
-    out[valid] = packed
-    return out
-
-
 class NativeHSTU(PaddedHSTU):
     """``encode(users)`` -> (user vectors [B, D], :class:`NativeHistory`);
     ``score(history, users, candidates)`` -> task probabilities, as :class:`PaddedHSTU`."""
@@ -214,28 +207,32 @@ class NativeHSTU(PaddedHSTU):
         widths = np.array([linears[0].in_features] + [t.shape[0] for t in keep[1::2]], np.int32)
         return widths, (_P * len(keep))(*[t.data_ptr() for t in keep]), keep
 
+    def _pooled_columns(self) -> tuple[list[tuple[str, int, int, bool]], int]:
+        """([(feature, first column, width, mean pooling)], the context's width) in the
+        EmbeddingBagCollection's output order: tables, then their features."""
+        feats, column = [], 0
+        for t in self.model.embedding_cfg.pooled_tables:
+            for f in t.features:
+                feats.append((f, column, t.dim, t.pooling == "mean"))
+                column += t.dim
+        return feats, column
+
     def _pooled_plan(self) -> tuple | None:
         """The pooled features' tables for one genrec_pooled call per batch: (features, the
-        context's width, the call's per-feature arrays), in the EmbeddingBagCollection's output
-        order; None where the model reads no context or a table maps its ids first."""
+        context's width, the call's per-feature arrays); None where the model reads no context
+        or a table maps its ids first."""
         m = self.model
         if m.ranking is None or not m.ranking_context or self.pooled is None:
             return None
-        feats, cols, dims, mean, column = [], [], [], [], 0
-        for t in m.embedding_cfg.pooled_tables:
-            for f in t.features:
-                feats.append(f)
-                cols.append(column)
-                dims.append(t.dim)
-                mean.append(int(t.pooling == "mean"))
-                column += t.dim
-        rows = [self.pooled[f] for f in feats]
+        feats, width = self._pooled_columns()
+        rows = [self.pooled[f] for f, *_ in feats]
         if any(r.table is None for r in rows):
             return None
         arrays = (np.array([r.table[0] for r in rows], np.uint64), np.array([r.nrows for r in rows], np.int64),
                   np.array([r.row_bytes for r in rows], np.int64), np.array([r.bits for r in rows], np.int32),
-                  np.array(dims, np.int32), np.array(mean, np.int32), np.array(cols, np.int32))
-        return feats, column, arrays
+                  np.array([d for _, _, d, _ in feats], np.int32), np.array([mn for *_, mn in feats], np.int32),
+                  np.array([c for _, c, _, _ in feats], np.int32))
+        return [f for f, *_ in feats], width, arrays
 
     # ---- token inputs and context, natively where the tables are a served artifact's ----------
     def _tokens(self, items: np.ndarray, actions: np.ndarray | None, positions: np.ndarray,
@@ -289,46 +286,17 @@ class NativeHSTU(PaddedHSTU):
             if rc:
                 raise ValueError(f"context feature {feats[-1 - rc]}: an id outside its table's {nrows[-1 - rc]} rows")
             return out
-        tables = m.embedding_cfg.pooled_tables
-        out = torch.zeros(len(users), sum(t.dim * len(t.features) for t in tables))
-        column = 0
-        for t in tables:  # the EmbeddingBagCollection's output order: tables, then their features
-            for f in t.features:
-                ids = [u.context.get(f, _NONE) for u in users]
-                counts = np.array([a.size for a in ids], np.int64)
-                if counts.sum():
-                    self.pooled[f].gather(np.concatenate(ids), out, accumulate=True,
-                                          dst=np.repeat(np.arange(len(users)), counts), column=column)
-                    if t.pooling == "mean":
-                        out[:, column : column + t.dim] /= torch.from_numpy(np.maximum(counts, 1)).float()[:, None]
-                column += t.dim
+        feats, width = self._pooled_columns()
+        out = torch.zeros(len(users), width)
+        for f, column, dim, mean in feats:
+            ids = [u.context.get(f, _NONE) for u in users]
+            counts = np.array([a.size for a in ids], np.int64)
+            if counts.sum():
+                self.pooled[f].gather(np.concatenate(ids), out, accumulate=True,
+                                      dst=np.repeat(np.arange(len(users)), counts), column=column)
+                if mean:
+                    out[:, column : column + dim] /= torch.from_numpy(np.maximum(counts, 1)).float()[:, None]
         return out
-
-    def _packed_layout(self, users: list[UserInput]) -> tuple[np.ndarray, ...]:
-        """The batch's history rows packed, as :meth:`PaddedHSTU._layout` lays them out but
-        without the padding: items, actions, event and query times (relative to the batch's
-        earliest event, as int32 values in int64) and positions [T], and lengths [B]."""
-        cuts = [max(0, u.items.size - self.cap) for u in users]
-        lens = np.array([u.items.size - c for u, c in zip(users, cuts)], np.int64)
-        if lens.size == 0 or lens.min() < 1:
-            raise ValueError("every user needs at least one history event")
-        items = np.concatenate([u.items[c:] for u, c in zip(users, cuts)]).astype(np.int64, copy=False)
-        actions = (np.concatenate([u.actions[c:] for u, c in zip(users, cuts)]).astype(np.int64, copy=False)
-                   if self.has_action else np.zeros_like(items))
-        positions = np.concatenate([np.arange(h) for h in lens])
-        times, qtimes = [], []
-        for u, c, h in zip(users, cuts, lens):
-            if u.has_time:
-                t = u.times[c:]
-                times.append(t)
-                qtimes += [t[1:], [u.request_time]]
-            else:
-                times.append(np.arange(h))
-                qtimes.append(np.arange(1, h + 1))
-        tk, tq = np.concatenate(times).astype(np.int64), np.concatenate(qtimes).astype(np.int64)
-        base = tk.min()
-        rel = lambda t: np.clip(t - base, -(2**31) + 1, 2**31 - 1).astype(np.int32).astype(np.int64)  # noqa: E731
-        return items, actions, rel(tk), rel(tq), positions, lens
 
     def _head(self) -> tuple:
         return (len(self.layers), self.params, *self.dims, self.alpha, _ptr(self.thr))
@@ -337,14 +305,12 @@ class NativeHSTU(PaddedHSTU):
     def encode(self, users: list[UserInput]) -> tuple[torch.Tensor, NativeHistory]:
         m = self.model
         t0 = time.perf_counter()
-        items, actions, tk, tq, positions, lens = self._packed_layout(users)
+        items, actions, tk, tq, positions, lens = self._packed(users)
+        base = tk.min()  # the padded path's relative times, so both bucket the same gaps
+        tk, tq = relative(tk, base).astype(np.int64), relative(tq, base).astype(np.int64)
         b = lens.size
-        if self.rows is None:
-            valid = np.zeros((b, int(lens.max())), bool)
-            valid[np.repeat(np.arange(b), lens), positions] = True
-            x = super()._history_tokens(_pad(items, valid), _pad(actions, valid), valid)
-        else:
-            x = self._tokens(items, actions if self.has_action else None, positions)
+        x = (self._history_tokens(items, actions, positions) if self.rows is None
+             else self._tokens(items, actions if self.has_action else None, positions))
         x = x.contiguous()  # [T, D], overwritten by the call
         offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
         t = x.shape[0]

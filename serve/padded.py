@@ -55,6 +55,11 @@ def supports(model: GenerativeRecommender) -> bool:
             and feats <= {model.item_feature, "action"})
 
 
+def relative(times: np.ndarray, base: int) -> np.ndarray:
+    """int32 times relative to ``base`` (clipped to the int32 range)."""
+    return np.clip(times - base, -(2**31) + 1, 2**31 - 1).astype(np.int32)
+
+
 @dataclass
 class PaddedHistory:
     """Encoded histories of a batch, what candidates are scored against."""
@@ -91,35 +96,45 @@ class PaddedHSTU:
         self.tables = [bias_table(layer.pos_weights, layer.time_weights, self.n, dtype) for layer in self.layers]
 
     # ---- layout (numpy, once per batch) -------------------------------------------------
-    def _layout(self, users: list[UserInput]) -> tuple[np.ndarray, ...]:
-        """items, actions [B, L] (0-padded), event and query times [B, L] int32 relative to
-        the batch's earliest event, and lengths [B]. Users without timestamps use positions
-        as times (event j at j, queried at j + 1), as ``models.tokens`` does."""
+    def _packed(self, users: list[UserInput]) -> tuple[np.ndarray, ...]:
+        """The batch's history rows packed (user by user, each cut to the tower's capacity):
+        items, actions (0 without an action table), event and query times (int64, as sent) and
+        positions [T], and lengths [B]. Users without timestamps use positions as times (event
+        j at j, queried at j + 1), as ``models.tokens`` does; a history's last row is queried
+        at the request time."""
         cuts = [max(0, u.items.size - self.cap) for u in users]
         lengths = np.array([u.items.size - c for u, c in zip(users, cuts)], np.int64)
         if lengths.size == 0 or lengths.min() < 1:
             raise ValueError("every user needs at least one history event")
-        b, n = len(users), int(lengths.max())
-        items = np.zeros((b, n), np.int64)
-        actions = np.zeros((b, n), np.int64)
-        times = np.zeros((b, n), np.int64)
-        qtimes = np.zeros((b, n), np.int64)
-        for r, (u, c, h) in enumerate(zip(users, cuts, lengths)):
-            items[r, :h] = u.items[c:]
-            if self.has_action:
-                actions[r, :h] = u.actions[c:]
+        items = np.concatenate([u.items[c:] for u, c in zip(users, cuts)]).astype(np.int64, copy=False)
+        actions = (np.concatenate([u.actions[c:] for u, c in zip(users, cuts)]).astype(np.int64, copy=False)
+                   if self.has_action else np.zeros_like(items))
+        times, qtimes = [], []
+        for u, c, h in zip(users, cuts, lengths):
             if u.has_time:
                 t = u.times[c:]
-                times[r, :h] = t
-                qtimes[r, : h - 1] = t[1:]
-                qtimes[r, h - 1] = u.request_time
+                times.append(t)
+                qtimes += [t[1:], [u.request_time]]
             else:
-                times[r, :h] = np.arange(h)
-                qtimes[r, :h] = np.arange(1, h + 1)
-        valid = np.arange(n)[None, :] < lengths[:, None]
-        base = times[valid].min()
-        rel = lambda t: np.clip(t - base, -(2**31) + 1, 2**31 - 1).astype(np.int32)  # noqa: E731
-        return items, actions, rel(times), rel(qtimes), lengths
+                times.append(np.arange(h))
+                qtimes.append(np.arange(1, h + 1))
+        positions = np.concatenate([np.arange(h) for h in lengths])
+        return (items, actions, np.concatenate(times).astype(np.int64), np.concatenate(qtimes).astype(np.int64),
+                positions, lengths)
+
+    def _layout(self, users: list[UserInput]) -> tuple[np.ndarray, ...]:
+        """items, actions [B, L] (0-padded), event and query times [B, L] int32 relative to
+        the batch's earliest event, and lengths [B]: :meth:`_packed`, padded."""
+        items, actions, times, qtimes, positions, lengths = self._packed(users)
+        rows = np.repeat(np.arange(lengths.size), lengths)
+
+        def pad(packed: np.ndarray) -> np.ndarray:
+            out = np.zeros((lengths.size, int(lengths.max())), np.int64)
+            out[rows, positions] = packed
+            return out
+
+        base = times.min()
+        return pad(items), pad(actions), relative(pad(times), base), relative(pad(qtimes), base), lengths
 
     def _rows(self, ids: torch.Tensor, actions: torch.Tensor | None) -> torch.Tensor:
         """Token inputs before the position embedding: item row (+ action row), [..., D]."""
@@ -130,11 +145,11 @@ class PaddedHSTU:
         return x.view(*ids.shape, -1)
 
     # ---- token inputs (shared with serve.native) ------------------------------------------
-    def _history_tokens(self, items: np.ndarray, actions: np.ndarray, valid: np.ndarray) -> torch.Tensor:
+    def _history_tokens(self, items: np.ndarray, actions: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """[T, D] the packed history rows' inputs: item row (+ action row) * scale + position."""
         m = self.model
-        x = self._rows(torch.from_numpy(items[valid]), torch.from_numpy(actions[valid]) if self.has_action else None)
-        return (x * m.scale).to(m.dense_dtype) + m.pos_emb(torch.from_numpy(np.nonzero(valid)[1]))
+        x = self._rows(torch.from_numpy(items), torch.from_numpy(actions) if self.has_action else None)
+        return (x * m.scale).to(m.dense_dtype) + m.pos_emb(torch.from_numpy(positions))
 
     def _candidate_tokens(self, cands: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(item rows, inputs) [..., D] of candidates (table rows) at ``positions`` (their
@@ -166,7 +181,7 @@ class PaddedHSTU:
         flat = torch.from_numpy(np.flatnonzero(valid_np))  # packed row -> its slot in [B * L]
         lengths = torch.from_numpy(lens)
         tq, tk = torch.from_numpy(qtimes), torch.from_numpy(times)
-        x = self._history_tokens(items, actions, valid_np)  # [T, D]
+        x = self._history_tokens(items[valid_np], actions[valid_np], np.nonzero(valid_np)[1])  # [T, D]
         blocks = query_blocks(n, self.query_block)
         times = (tq, tk) if self.use_time else None
         codes = [bias_codes(lengths, n, self.n, self.nb, times, None, r) for r in blocks] if len(self.layers) > 1 else []
