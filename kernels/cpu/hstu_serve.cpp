@@ -513,13 +513,15 @@ int genrec_tokens(const uint8_t* item, int64_t item_n, int64_t item_rb, int item
 int genrec_pooled(int B, int nf, const uint8_t* const* tabs, const int64_t* nrows, const int64_t* row_bytes,
                   const int32_t* bits, const int32_t* dims, const int32_t* mean, const int32_t* cols, const int64_t* ids,
                   const int64_t* offsets, float* out, int E) {
+  int64_t most = 0;
+  for (int k = 0; k < nf * B; ++k) most = std::max(most, offsets[k + 1] - offsets[k]);
+  const std::vector<int64_t> row0(most, 0);  // every id of a (feature, user) into that user's row
   for (int f = 0; f < nf; ++f)
     for (int b = 0; b < B; ++b) {
       const int64_t s = offsets[f * B + b], e = offsets[f * B + b + 1];
       if (e == s) continue;
-      std::vector<int64_t> dst(e - s, b);
-      if (genrec_gather_rows(tabs[f], nrows[f], row_bytes[f], bits[f], dims[f], ids + s, dst.data(), e - s, 1.0f, 1,
-                             out + cols[f], E))
+      if (genrec_gather_rows(tabs[f], nrows[f], row_bytes[f], bits[f], dims[f], ids + s, row0.data(), e - s, 1.0f, 1,
+                             out + (size_t)b * E + cols[f], E))
         return -1 - f;
       if (mean[f]) {
         const float c = float(e - s);
