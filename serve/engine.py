@@ -38,6 +38,8 @@ from serve import native as native_path
 from serve.padded import PaddedHSTU, context_kjt, supports
 from serve.requests import ModelSchema, UserInput, Work
 
+_NONE = np.zeros(0, np.int64)
+
 
 @dataclass
 class Result:
@@ -134,6 +136,9 @@ class TorchEngine:
         self.padded = ((native_path.NativeHSTU(self.model, self.stages) if native else PaddedHSTU(self.model))
                        if padded else None)
         self.path = ("native" if native else "padded") if padded else "jagged"  # how the tower runs
+        # the native path's retrieval reads the catalogue's columns padded to a whole 8-float vector
+        self.items_native = (torch.nn.functional.pad(self.items_t.float(), (0, -self.items_t.shape[1] % 8)).contiguous()
+                             if native else None)
 
     @property
     def tower(self) -> str:
@@ -203,6 +208,13 @@ class TorchEngine:
         rows = [i for i, _ in works]
         if rows != list(range(users.shape[0])):
             users = users[torch.tensor(rows, device=users.device)]
+        k = max(w.retrieve_k for _, w in works)
+        if self.items_native is not None:  # one native call: GEMM, history masked, top-k
+            exclude = [w.user.items if w.exclude_history else _NONE for _, w in works]
+            pos, vals = self.padded.retrieve(users, self.items_native, self.corpus_np, self.model.head.cfg.temperature,
+                                             exclude if any(w.exclude_history for _, w in works) else None, k)
+            ids = self.corpus_np[pos]
+            return {i: (ids[j, : w.retrieve_k], vals[j, : w.retrieve_k]) for j, (i, w) in enumerate(works)}
         # = model.head.scores(users, items): the same product and temperature, the items pre-transposed
         scores = torch.mm(users, self.items_t).div_(self.model.head.cfg.temperature).float()  # [b, N]
         ex = [(j, w.user.items) for j, (_, w) in enumerate(works) if w.exclude_history]
@@ -213,7 +225,6 @@ class TorchEngine:
             hit = self.corpus_np[idx] == seen
             row, idx = torch.from_numpy(row[hit]).to(scores.device), torch.from_numpy(idx[hit]).to(scores.device)
             scores[row, idx] = -math.inf
-        k = max(w.retrieve_k for _, w in works)
         top = torch.topk(scores, k, dim=1)
         ids, vals = self.corpus_np[top.indices.cpu().numpy()], top.values.cpu().numpy()
         return {i: (ids[j, : w.retrieve_k], vals[j, : w.retrieve_k]) for j, (i, w) in enumerate(works)}

@@ -3,11 +3,13 @@
 :class:`serve.padded.PaddedHSTU` cut the jagged bookkeeping, but each layer is still a dozen
 PyTorch operators and every batch a thousand of them; on a 2-core CPU their dispatch and the
 passes over [B, L, L] score tensors are most of the time (one ML-1M request: 44.8 MFLOP,
-~0.8 ms at the matmul peak, ~6-7 ms through the padded path). Here the final norm and
-retrieval stay in PyTorch; the token inputs and pooled context of an artifact's quantized
-tables (row gathers, dequantized in the same pass; one call per batch for the tokens and one
-for the context, from the histories packed without padding), everything between the token inputs
-and the tower's output, and the ranking MLP run in ``kernels/cpu/hstu_serve.cpp``: packed rows
+~0.8 ms at the matmul peak, ~6-7 ms through the padded path). Here the token inputs and
+pooled context of an artifact's quantized tables (row gathers, dequantized in the same pass;
+one call per batch for the tokens and one for the context, from the histories packed without
+padding), everything between the token inputs and the tower's output, the final norm, the
+exact top-k retrieval over the catalogue (:meth:`NativeHSTU.retrieve`, one GEMM for the batch)
+and the ranking MLP run in ``kernels/cpu/hstu_serve.cpp``, so no PyTorch operator runs between
+a batch's steps (a cold process pays ~20-30 us for each one it dispatches): packed rows
 through the GEMMs (no padding at all), attention over the causal pairs only, in query blocks
 of 64 against a transposed key block, bias codes computed once per batch and shared by the
 layers, SiLU fused where the scores are made.
@@ -49,9 +51,11 @@ def supports(model: GenerativeRecommender) -> bool:
     c, dim = model.cfg.hstu, model.pos_emb.weight.shape[1]
     layers = list(model.tower.layers)
     # the GEMMs' column counts (D, Dv, the uvqk width) in whole 8-float vectors
+    fn = model.tower.final_norm
     return (dim % 8 == 0 and c.v_dim % 8 == 0 and (2 * c.num_heads * (c.v_dim + c.qk_dim)) % 8 == 0
             and all(la.norm.eps == 1e-5 and la.out_norm.eps == 1e-5 and la.uvqk.bias is not None
-                    and la.out.bias is not None for la in layers))
+                    and la.out.bias is not None for la in layers)
+            and isinstance(fn, torch.nn.LayerNorm) and fn.eps == 1e-5 and fn.weight is not None and fn.bias is not None)
 
 
 def library() -> ctypes.CDLL | None:
@@ -65,8 +69,11 @@ def library() -> ctypes.CDLL | None:
         table = [_P, _L, _L, _I]
         lib.genrec_tokens.argtypes = [*table, *table, *table, _I, _L, _P, _P, _P, _F, _P, _P]
         lib.genrec_pooled.argtypes = [_I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I]
+        lib.genrec_final_norm.argtypes = [_I, _I, _P, _P, _P, _I]
+        lib.genrec_retrieve.argtypes = [_I, _I, _P, _I, _I, _P, _F, _P, _P, _P, _I, _P, _P]
         lib.genrec_hstu_encode.restype = lib.genrec_hstu_score.restype = lib.genrec_rank_mlp.restype = _I
         lib.genrec_gather_rows.restype = lib.genrec_tokens.restype = lib.genrec_pooled.restype = _I
+        lib.genrec_final_norm.restype = lib.genrec_retrieve.restype = _I
         lib._genrec_typed = True
     return lib
 
@@ -161,6 +168,9 @@ class NativeHSTU(PaddedHSTU):
                 keep += [t.detach().float().contiguous() for t in (
                     layer.norm.weight, layer.norm.bias, layer.uvqk.weight.t(), layer.uvqk.bias,
                     layer.out_norm.weight, layer.out_norm.bias, layer.out.weight.t(), layer.out.bias, table)]
+        fn = model.tower.final_norm
+        self.final = (fn.weight.detach().float().contiguous(), fn.bias.detach().float().contiguous())
+        self.l2 = int(bool(model.head.cfg.l2_norm))  # the retrieval head normalizes user vectors
         self._keep = keep  # the pointers below point into these
         self.params = (_P * len(keep))(*[t.data_ptr() for t in keep])
         self.thr = time_thresholds(self.nb)
@@ -303,7 +313,6 @@ class NativeHSTU(PaddedHSTU):
 
     @torch.inference_mode()
     def encode(self, users: list[UserInput]) -> tuple[torch.Tensor, NativeHistory]:
-        m = self.model
         t0 = time.perf_counter()
         items, actions, tk, tq, positions, lens = self._packed(users)
         base = tk.min()  # the padded path's relative times, so both bucket the same gaps
@@ -320,9 +329,39 @@ class NativeHSTU(PaddedHSTU):
         t0 = self._mark("history_lookup", t0)
         self.lib.genrec_hstu_encode(*self._head(), b, _ptr(offsets), _ptr(tq), _ptr(tk), _ptr(x), _ptr(kc), _ptr(vc),
                                     _ptr(out))
-        vec = m.head.normalize(m.tower.final_norm(out))
+        self._final_norm(out, self.l2)  # = m.head.normalize(m.tower.final_norm(out))
         self._mark("history_tower", t0)
-        return vec, NativeHistory(kc, vc, offsets, tq, tk, ctx)
+        return out, NativeHistory(kc, vc, offsets, tq, tk, ctx)
+
+    def _final_norm(self, x: torch.Tensor, l2: int = 0) -> None:
+        """The tower's final LayerNorm on x [N, D] in place (then, with ``l2``, F.normalize)."""
+        w, b = self.final
+        self.lib.genrec_final_norm(x.shape[0], x.shape[1], _ptr(x), _ptr(w), _ptr(b), l2)
+
+    def retrieve(self, users: torch.Tensor, items_t: torch.Tensor, corpus: np.ndarray, temperature: float,
+                 exclude: list[np.ndarray] | None, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Exact top ``k`` over the catalogue for user vectors [B, D]: ``items_t`` [D, Np] its
+        vectors as columns (Np: the catalogue's N rounded up to 8), ``corpus`` [N] its sorted
+        ids, ``exclude`` (per user: ids that score -inf, or None). -> (catalogue positions,
+        scores) [B, k], best first; the same product and order as ``torch.mm(users,
+        items.t()) / temperature`` then ``topk`` (to float rounding; equal scores: the lower
+        position first)."""
+        b, n = users.shape[0], corpus.size
+        users = users.float().contiguous()
+        pos, val = np.empty((b, k), np.int64), np.empty((b, k), np.float32)
+        if exclude is None:
+            offsets = ids = None
+        else:
+            offsets = np.zeros(b + 1, np.int64)
+            np.cumsum([e.size for e in exclude], out=offsets[1:])
+            ids = np.ascontiguousarray(np.concatenate(exclude), dtype=np.int64)
+        corpus = np.ascontiguousarray(corpus, dtype=np.int64)
+        rc = self.lib.genrec_retrieve(b, users.shape[1], _ptr(users), n, items_t.shape[1], _ptr(items_t), temperature,
+                                      _ptr(corpus), None if offsets is None else _ptr(offsets),
+                                      None if ids is None else _ptr(ids), k, _ptr(pos), _ptr(val))
+        if rc:
+            raise ValueError(f"retrieve: k={k} outside 0..{n}, or the catalogue's columns are not padded to 8")
+        return pos, val
 
     @torch.inference_mode()
     def score(self, hist: NativeHistory, users: list[int], candidates: list[np.ndarray]) -> list[np.ndarray]:
@@ -343,7 +382,8 @@ class NativeHSTU(PaddedHSTU):
         t0 = self._mark("candidate_lookup", t0)
         self.lib.genrec_hstu_score(*self._head(), _ptr(hist.offsets), _ptr(hist.tq), _ptr(hist.tk), _ptr(hist.k),
                                    _ptr(hist.v), hist.k.shape[1], len(users), _ptr(cand_offsets), _ptr(user), _ptr(x))
-        h = m.tower.final_norm(x)
+        self._final_norm(x)
+        h = x
         t0 = self._mark("candidate_tower", t0)
         tasks = len(m.cfg.ranking.tasks)
         if self.mlp is not None:  # native: the context's share of the first layer once per user

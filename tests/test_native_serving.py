@@ -43,6 +43,42 @@ def test_long_histories_odd_widths_and_several_query_blocks():
     torch.testing.assert_close(padded_scores(path, hist, cands), probs, atol=2e-5, rtol=2e-5)
 
 
+def test_native_retrieval_is_the_mm_and_topk_of_pytorch_with_history_excluded_and_ties_in_order():
+    """Catalogue of 203 items (columns padded to 208), a width of 24: the top k equal torch's
+    mm / temperature + topk with each user's history at -inf; equal scores (duplicated item
+    vectors) come lowest position first; k = N returns the excluded items last, at -inf."""
+    torch.manual_seed(2)
+    path = NativeHSTU(model())  # (retrieval reads only the vectors it is given)
+    d, n = 24, 203
+    items = torch.randn(n, d)
+    items[50] = items[10]  # a tie in every user's scores
+    users = torch.randn(5, d)
+    items_t = torch.nn.functional.pad(items.t().contiguous(), (0, -n % 8)).contiguous()
+    corpus = np.arange(1000, 1000 + 3 * n, 3)  # sorted catalogue ids
+    rng = np.random.default_rng(0)
+    exclude = [rng.choice(corpus, 12), np.zeros(0, np.int64), np.array([5, corpus[7], 10**9]), corpus[:n - 4],
+               rng.choice(corpus, 3)]
+    ref = (users @ items.t()) / 0.07
+    for b, ex in enumerate(exclude):
+        ref[b, torch.from_numpy(np.searchsorted(corpus, ex[np.isin(ex, corpus)]))] = -torch.inf
+    for k in (1, 10, n):
+        pos, val = path.retrieve(users, items_t, corpus, 0.07, exclude, k)
+        top = torch.topk(ref, k, dim=1)
+        np.testing.assert_allclose(val, top.values.numpy(), rtol=1e-5, atol=1e-5)
+        for b in range(5):
+            finite = np.isfinite(val[b])
+            # same set of items where scores are finite; the order of equal scores: lower position first
+            assert set(pos[b][finite]) == set(top.indices[b].numpy()[np.isfinite(top.values[b].numpy())])
+            keys = list(zip(-val[b], pos[b]))
+            assert keys == sorted(keys)
+        if k == n:  # user 3 excluded all but 4 items
+            assert np.all(np.isfinite(val[3, :4])) and np.all(val[3, 4:] == -np.inf)
+    pos, _ = path.retrieve(users, items_t, corpus, 0.07, None, n)
+    assert all(sorted(p) == list(range(n)) for p in pos)
+    with pytest.raises(ValueError):
+        path.retrieve(users, items_t, corpus, 0.07, None, n + 1)
+
+
 def test_time_buckets_from_the_thresholds_are_time_bucket_exactly():
     thr = time_thresholds(64)
     assert thr[0] == 0 and np.all(np.diff(thr) >= 0)

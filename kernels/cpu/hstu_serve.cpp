@@ -2,8 +2,10 @@
 // per step for the whole batch: every layer's LayerNorm, fused uvqk GEMM, SiLU, relative-bias
 // attention over the causal pairs only, U gate and output GEMM in tight loops over packed rows,
 // with no framework operator between them (kernels/native.py builds and loads it; serve/native.py
-// calls it). fp32 throughout; GCC/Clang vector extensions (8 floats; the GEMM tiles and SiLU 16
-// where the target has AVX-512), so it builds on any target and vectorises with -march=native.
+// calls it), and around them the tower's final norm and the exact top-k retrieval over the
+// catalogue, so a batch's model work crosses into Python only between steps. fp32 throughout;
+// GCC/Clang vector extensions (8 floats; the GEMM tiles and SiLU 16 where the target has
+// AVX-512), so it builds on any target and vectorises with -march=native.
 //
 // Layout (row-major, packed: user b's history rows are offsets[b]..offsets[b+1]-1):
 //   x     [T, D]        token inputs (item row (+ action row)) * scale + position embedding
@@ -17,6 +19,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -529,6 +532,54 @@ int genrec_pooled(int B, int nf, const uint8_t* const* tabs, const int64_t* nrow
         for (int t = 0; t < dims[f]; ++t) o[t] /= c;
       }
     }
+  return 0;
+}
+
+// The tower's final LayerNorm (eps 1e-5, affine) on rows of n values in place, then, when l2,
+// each row divided by max(its L2 norm, 1e-6) (F.normalize, the retrieval head's).
+int genrec_final_norm(int rows, int n, float* x, const float* w, const float* b, int l2) {
+  layer_norm(rows, n, x, n, w, b, x, n);  // (each row's statistics are read before it is written)
+  if (!l2) return 0;
+  for (int r = 0; r < rows; ++r) {
+    float* xr = x + (size_t)r * n;
+    float ss = 0.f;
+    for (int i = 0; i < n; ++i) ss += xr[i] * xr[i];
+    const float norm = std::max(std::sqrt(ss), 1e-6f);
+    for (int i = 0; i < n; ++i) xr[i] /= norm;
+  }
+  return 0;
+}
+
+// Exact top-k retrieval over a catalogue of N items for B users, one GEMM for the batch:
+// score(b, j) = (users[b] . item j) / temperature, items_t [D, Np] the catalogue's vectors as
+// columns (Np >= N, a multiple of 8; columns past N unread). The ids ex_ids[ex_offsets[b] ..
+// ex_offsets[b + 1]) (user b's history; ex_offsets null: none) found in the sorted catalogue ids
+// `corpus` [N] score -inf for b. Writes the k <= N best per user, best first (equal scores: the
+// lower catalogue position first): positions pos [B, k] and scores val [B, k].
+int genrec_retrieve(int B, int D, const float* users, int N, int Np, const float* items_t, float temperature,
+                    const int64_t* corpus, const int64_t* ex_offsets, const int64_t* ex_ids, int k, int64_t* pos,
+                    float* val) {
+  if (k < 0 || k > N || Np < N || Np % 8) return -1;
+  std::vector<float> s((size_t)B * Np);
+  gemm(B, Np, D, users, D, items_t, Np, s.data(), Np, false);
+  std::vector<int32_t> idx(N);
+  for (int b = 0; b < B; ++b) {
+    float* sb = s.data() + (size_t)b * Np;
+    for (int j = 0; j < N; ++j) sb[j] /= temperature;
+    if (ex_offsets)
+      for (int64_t e = ex_offsets[b]; e < ex_offsets[b + 1]; ++e) {
+        const int64_t* at = std::lower_bound(corpus, corpus + N, ex_ids[e]);
+        if (at != corpus + N && *at == ex_ids[e]) sb[at - corpus] = -std::numeric_limits<float>::infinity();
+      }
+    for (int j = 0; j < N; ++j) idx[j] = j;
+    auto better = [sb](int32_t a, int32_t c) { return sb[a] > sb[c] || (sb[a] == sb[c] && a < c); };
+    if (k < N) std::nth_element(idx.begin(), idx.begin() + k, idx.end(), better);
+    std::sort(idx.begin(), idx.begin() + k, better);
+    for (int j = 0; j < k; ++j) {
+      pos[(size_t)b * k + j] = idx[j];
+      val[(size_t)b * k + j] = sb[idx[j]];
+    }
+  }
   return 0;
 }
 
