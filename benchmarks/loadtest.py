@@ -70,6 +70,10 @@ class StepResult:
     wait_p99_ms: float = math.nan
     handoff_p50_ms: float = math.nan  # to the engine and back, less its compute (pipe, pickling, wake-ups)
     handoff_p99_ms: float = math.nan
+    # the whole machine during the step (/proc/stat, Linux; the generator shares it with a local server):
+    # CPU time busy, and time the hypervisor ran something else while a virtual CPU had work ("steal")
+    cpu_busy_pct: float = math.nan
+    steal_pct: float = math.nan
 
 
 @dataclass
@@ -147,6 +151,26 @@ def _timing(response, reply: bytes) -> pb.Timing | None:  # noqa: ANN001
     return msg.timing if msg.HasField("timing") else None
 
 
+def cpu_times() -> tuple[float, float, float] | None:
+    """(busy, steal, total) CPU time of the whole machine so far, in clock ticks, from
+    /proc/stat's first line; None where there is none (not Linux)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        user, nice, system, idle, iowait, irq, softirq, steal = (float(x) for x in fields[1:9])
+    except (OSError, ValueError):
+        return None
+    return user + nice + system + irq + softirq, steal, user + nice + system + idle + iowait + irq + softirq + steal
+
+
+def cpu_shares(before: tuple[float, float, float] | None,
+               after: tuple[float, float, float] | None) -> tuple[float, float]:
+    """(busy %, steal %) of the machine's CPU time between two :func:`cpu_times` readings."""
+    if before is None or after is None or after[2] <= before[2]:
+        return math.nan, math.nan
+    total = after[2] - before[2]
+    return 100 * (after[0] - before[0]) / total, 100 * (after[1] - before[1]) / total
+
+
 def run_step(call, payloads: list[bytes], qps: float, duration: float, timeout: float,
              seed: int, max_requests: int, bar: tqdm | None = None, response=None) -> StepResult:  # noqa: ANN001
     """One open-loop step. ``call``: a (sync) unary-unary callable of a channel; this thread
@@ -197,6 +221,7 @@ def run_step(call, payloads: list[bytes], qps: float, duration: float, timeout: 
         if bar is not None:
             bar.update(1)
 
+    machine = cpu_times()
     late, start = 0, time.perf_counter() + 0.05
     for i, off in enumerate(offsets):
         scheduled = start + off
@@ -211,10 +236,11 @@ def run_step(call, payloads: list[bytes], qps: float, duration: float, timeout: 
         fut.add_done_callback(functools.partial(answered, scheduled=scheduled))
     if len(offsets):
         finished.wait()
+    busy, steal = cpu_shares(machine, cpu_times())
     batch_sum = state["batch_sum"]
     sent, ok = len(offsets), codes["OK"]
     if sent == 0:
-        return StepResult(qps, duration, 0, 0, {}, 0.0, *[math.nan] * 6, 0)
+        return StepResult(qps, duration, 0, 0, {}, 0.0, *[math.nan] * 6, 0, cpu_busy_pct=busy, steal_pct=steal)
 
     def pct(p: float) -> float:
         return hist.percentile(p) * 1e3 if ok else math.nan
@@ -230,7 +256,8 @@ def run_step(call, payloads: list[bytes], qps: float, duration: float, timeout: 
                       hist.max * 1e3 if ok else math.nan, late,
                       ms(server, 50), ms(server, 99), ms(compute, 50), ms(compute, 99), ms(outside, 50), ms(outside, 99), ms(lateness, 99),
                       batch_sum / server.total if server.total else math.nan,
-                      ms(decode, 50), ms(decode, 99), ms(wait, 50), ms(wait, 99), ms(handoff, 50), ms(handoff, 99))
+                      ms(decode, 50), ms(decode, 99), ms(wait, 50), ms(wait, 99), ms(handoff, 50), ms(handoff, 99),
+                      cpu_busy_pct=busy, steal_pct=steal)
 
 
 def step_seconds(qps: float, duration: float, min_requests: int = 0) -> float:
@@ -296,20 +323,24 @@ def markdown(result: LoadTestResult) -> str:
                 if result.highest_passing_qps != result.max_qps_within_slo else ""), "",
              "| offered QPS | achieved ok/s | sent | p50 ms | p90 ms | p99 ms | p99.9 ms | p99 incl. errors | errors "
              "| in server p50 / p99 ms | engine batch p50 / p99 ms | outside p50 / p99 ms | send late p99 ms "
-             "| mean batch | decode p50 / p99 ms | wait for the engine p50 / p99 ms | hand-off p50 / p99 ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| mean batch | decode p50 / p99 ms | wait for the engine p50 / p99 ms | hand-off p50 / p99 ms "
+             "| machine busy / steal % |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in result.steps:
         err = ", ".join(f"{k}: {v}" for k, v in s.errors.items()) or "-"
         lines.append(f"| {s.offered_qps:g} | {s.achieved_qps:.1f} | {s.sent} | {s.p50_ms:.2f} | {s.p90_ms:.2f} | "
                      f"{s.p99_ms:.2f} | {s.p999_ms:.2f} | {s.p99_all_ms:.2f} | {err} | {s.server_p50_ms:.2f} / "
                      f"{s.server_p99_ms:.2f} | {s.compute_p50_ms:.2f} / {s.compute_p99_ms:.2f} | {s.outside_p50_ms:.2f} / {s.outside_p99_ms:.2f} | "
                      f"{s.send_late_p99_ms:.2f} | {s.mean_batch:.1f} | {s.decode_p50_ms:.2f} / {s.decode_p99_ms:.2f} | "
-                     f"{s.wait_p50_ms:.2f} / {s.wait_p99_ms:.2f} | {s.handoff_p50_ms:.2f} / {s.handoff_p99_ms:.2f} |")
+                     f"{s.wait_p50_ms:.2f} / {s.wait_p99_ms:.2f} | {s.handoff_p50_ms:.2f} / {s.handoff_p99_ms:.2f} | "
+                     f"{s.cpu_busy_pct:.0f} / {s.steal_pct:.1f} |")
     lines += ["", "In server: the response's own timing (decode, queue, batch); engine batch: the batch the call rode "
               "in, as the engine timed it; outside: the rest of each call's latency (the generator's lateness, both "
               "gRPC stacks, the transport, process wake-ups). Parts of the server's share: decode (parse, validate), "
               "wait for the engine (queued behind the batch before it), hand-off (the batch to the engine and its "
-              "results back, less the engine's compute)."]
+              "results back, less the engine's compute). Machine busy / steal: the share of all CPUs' time busy during the "
+              "step (the generator's own included when it shares the machine), and the share the hypervisor ran "
+              "something else while a virtual CPU had work (Linux /proc/stat)."]
     return "\n".join(lines)
 
 

@@ -2,13 +2,24 @@
 
 import asyncio
 import json
+import math
+import os
 import threading
+import time
 
 import grpc
 import pytest
 
 from benchmarks.hdr import Histogram
-from benchmarks.loadtest import load_workload, make_workload, markdown, sweep, write_outputs
+from benchmarks.loadtest import (
+    cpu_shares,
+    cpu_times,
+    load_workload,
+    make_workload,
+    markdown,
+    sweep,
+    write_outputs,
+)
 from proto.genrec.v1 import recommender_pb2 as pb
 
 DELAY_S, COMPUTE_S, FAIL_EVERY = 0.02, 0.005, 10
@@ -81,6 +92,7 @@ def test_sweep_counts_percentiles_and_errors_match_the_known_server(tmp_path):
             # the rest of each call's latency: what the client saw beyond the server's 20 ms
             assert 0 <= s.outside_p50_ms < 15 and s.outside_p50_ms <= s.p50_ms - DELAY_S * 1e3 + 1
             assert 0 <= s.send_late_p99_ms < 50
+            assert (0 < s.cpu_busy_pct <= 100 and 0 <= s.steal_pct <= 100) if cpu_times() else math.isnan(s.steal_pct)
         assert res.max_qps_within_slo == 0.0
         out = write_outputs(res, tmp_path / "out")
         assert json.loads((out / "loadtest.json").read_text())["steps"][0]["sent"] == res.steps[0].sent
@@ -88,6 +100,19 @@ def test_sweep_counts_percentiles_and_errors_match_the_known_server(tmp_path):
         assert "max QPS within budget: 0" in markdown(res)
     finally:
         srv.stop()
+
+
+def test_machine_busy_and_steal_shares_come_from_proc_stat():
+    assert cpu_shares((10.0, 1.0, 100.0), (40.0, 3.0, 200.0)) == pytest.approx((30.0, 2.0))
+    assert all(math.isnan(x) for x in cpu_shares(None, (1.0, 0.0, 2.0)))
+    before = cpu_times()
+    if before is None:
+        pytest.skip("no /proc/stat here")
+    end = time.perf_counter() + 0.3
+    while time.perf_counter() < end:  # one CPU busy for 0.3 s
+        pass
+    busy, steal = cpu_shares(before, cpu_times())
+    assert 50 / os.cpu_count() <= busy <= 100 and 0 <= steal <= 100
 
 
 def test_workload_round_trip(tiny_synth, tmp_path):
