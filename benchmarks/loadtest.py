@@ -66,9 +66,9 @@ class StepResult:
     # parts of the server's share besides the engine batch (Timing.decode_ms / wait_ms / handoff_ms)
     decode_p50_ms: float = math.nan
     decode_p99_ms: float = math.nan
-    wait_p50_ms: float = math.nan  # queued behind the batch before it
+    wait_p50_ms: float = math.nan  # until the engine began the batch (queued behind others, the trip there)
     wait_p99_ms: float = math.nan
-    handoff_p50_ms: float = math.nan  # to the engine and back, less its compute (pipe, pickling, wake-ups)
+    handoff_p50_ms: float = math.nan  # the results' trip back from the engine (pipe, pickling, wake-ups)
     handoff_p99_ms: float = math.nan
     # the whole machine during the step (/proc/stat, Linux; the generator shares it with a local server):
     # CPU time busy, and time the hypervisor ran something else while a virtual CPU had work ("steal")
@@ -337,8 +337,9 @@ def markdown(result: LoadTestResult) -> str:
     lines += ["", "In server: the response's own timing (decode, queue, batch); engine batch: the batch the call rode "
               "in, as the engine timed it; outside: the rest of each call's latency (the generator's lateness, both "
               "gRPC stacks, the transport, process wake-ups). Parts of the server's share: decode (parse, validate), "
-              "wait for the engine (queued behind the batch before it), hand-off (the batch to the engine and its "
-              "results back, less the engine's compute). Machine busy / steal: the share of all CPUs' time busy during the "
+              "wait for the engine (until the engine began the call's batch: queued behind the batches before it, "
+              "and the batch's trip to the engine), hand-off (the results' trip back from the end of the engine's "
+              "compute). Machine busy / steal: the share of all CPUs' time busy during the "
               "step (the generator's own included when it shares the machine), and the share the hypervisor ran "
               "something else while a virtual CPU had work (Linux /proc/stat)."]
     return "\n".join(lines)

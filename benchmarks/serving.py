@@ -6,9 +6,11 @@ retrieve 100 from the whole catalogue, rank the 100, return 10. Servers, each a 
 harness from this process:
 
 * (a) naive: one request at a time, eager, history encoded twice (``--engine naive``);
-* (b) torch: cross-request batching, history encoded once (``--engine torch``), the engine
-  process busy-polling its pipe between batches (``--engine-poll-ms``);
+* (b) torch: cross-request batching, history encoded once (``--engine torch``), two batches
+  pipelined through the engine process (the default), which busy-polls its pipe between
+  batches (``--engine-poll-ms``);
 * (b'') torch-blocking: (b) with the engine process blocking on its pipe between batches;
+  torch-serial: (b) with one batch in flight at a time (``--max-inflight 1``);
 * (b') torch-padded: (b) with the tower on the padded PyTorch path instead of native code
   (``GENREC_NATIVE=0``), the side-by-side for ``serve.native``;
 * (c) sglang: the tower inside SGLang (``--engine sglang``), when SGLang is installed.
@@ -25,7 +27,7 @@ request (``torch.utils.flop_counter``), the machine's peak from a matmul micro-b
 hence how close each server gets to the physical limit, and where the server's time goes
 at load (its per-stage profile).
 
-    python -m benchmarks.serving [--artifact DIR] [--engines naive,torch,torch-blocking,torch-padded,torch-inproc,torch-replicas2,sglang]
+    python -m benchmarks.serving [--artifact DIR] [--engines naive,torch,torch-serial,torch-blocking,torch-padded,torch-inproc,torch-replicas2,sglang]
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ SWEEPS = {
     # for the naive server (a run of 2026-12-01), which left "x naive" undefined
     "naive": [10, 25, 50, 75, 100, 150, 200, 300],
     "torch": [10, 50, 100, 150, 200, 300, 400, 500, 600],
+    "torch-serial": [10, 50, 100, 150, 200, 300, 400, 500, 600],
     "torch-blocking": [10, 50, 100, 150, 200, 300, 400, 500, 600],
     "torch-padded": [10, 50, 100, 150, 200, 300, 400, 500, 600],
     "torch-inproc": [10, 50, 100, 150, 200, 300, 400, 500],
@@ -72,11 +75,12 @@ BUDGETS = (25.0, 50.0)
 SERVER_ARGS = {"naive": ["--max-batch", "1"], "torch": [*BATCHED, "--engine-poll-ms", "1000"],
                "sglang": BATCHED}
 SERVER_ARGS["torch-blocking"] = BATCHED
+SERVER_ARGS["torch-serial"] = [*SERVER_ARGS["torch"], "--max-inflight", "1"]
 SERVER_ARGS["torch-inproc"] = [*BATCHED, "--no-engine-process"]
 SERVER_ARGS["torch-replicas2"] = [*BATCHED, "--engine-replicas", "2"]  # (one replica shares the front-end's CPU)
 SERVER_ARGS["torch-padded"] = SERVER_ARGS["torch"]
 ENGINE = {"torch-inproc": "torch", "torch-replicas2": "torch", "torch-padded": "torch",  # server variant -> --engine
-          "torch-blocking": "torch"}
+          "torch-blocking": "torch", "torch-serial": "torch"}
 ENV = {"torch-padded": {"GENREC_NATIVE": "0"}}  # server variant -> extra environment
 
 
@@ -204,7 +208,8 @@ def single_request_latency(target: str, payloads: list[bytes], n: int = 300) -> 
 
 def main() -> None:
     ap = serving_arguments(__doc__)
-    ap.add_argument("--engines", default="naive,torch,torch-blocking,torch-padded,torch-inproc,torch-replicas2,sglang")
+    ap.add_argument("--engines",
+                    default="naive,torch,torch-serial,torch-blocking,torch-padded,torch-inproc,torch-replicas2,sglang")
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--min-requests", type=int, default=600,
                     help="each step sends at least this many calls (10 QPS: 60 s), so its p99 is not its maximum")
@@ -294,8 +299,10 @@ def render(p: dict) -> str:
              f"`python -m benchmarks.serving` — {p['date']}, {p['machine']['cpu']}, {p['machine']['cores']} cores "
              f"shared by the server (a gRPC front-end process and an engine process with {p['server_threads']} compute "
              "thread, pinned to the last CPU; the front-end and the load generator on the other) and the load generator; "
-             "torch: the tower in native code (serve.native), the engine process busy-polling its pipe between batches "
-             "(`--engine-poll-ms 1000`); torch-blocking: the same server with the engine blocking on its pipe; "
+             "torch: the tower in native code (serve.native), two batches pipelined through the engine process (the "
+             "default), which busy-polls its pipe between batches (`--engine-poll-ms 1000`); torch-serial: the same "
+             "server with one batch in flight at a time (`--max-inflight 1`); torch-blocking: torch with the engine "
+             "blocking on its pipe; "
              "torch-padded: torch with the tower on the padded PyTorch path (GENREC_NATIVE=0); "
              "torch-inproc: the engine in the front-end's process, nothing pinned; torch-replicas2: two engine processes, "
              "one per CPU. Requests: history up to 200, retrieve 100 from the catalogue, rank 100, return 10. "
@@ -364,8 +371,9 @@ def render(p: dict) -> str:
     if steps and "server_p99_ms" in steps[0]:
         lines += ["", "Where a call's latency goes (the batched server, torch, the sweep in the table): in server = the "
                   "response's own timing (from the handler's start to the result), of which: decode (parse, validate), "
-                  "wait (queued behind the batch before it), hand-off (the batch to the engine process and its results "
-                  "back, less the engine's compute: pickling, the pipe, both processes' wake-ups) and its engine batch "
+                  "wait (until the engine began its batch: queued behind the batches before it, in the front-end and "
+                  "in the engine's pipe, and the trip there), hand-off (the results' trip back from the end of the "
+                  "engine's compute: pickling, the pipe, the front-end's wake-up) and its engine batch "
                   "(the batch the call rode in, as the engine timed it); outside = the rest (the load generator's "
                   "lateness, both gRPC stacks, the transport, wake-ups); percentiles of each part separately, so they "
                   "do not add up.", "",

@@ -3,8 +3,11 @@
 Handlers ``await batcher.submit(work)``. One loop takes work off the queue: it waits for
 the first item, then up to ``max_wait_ms`` (or until ``max_batch`` items) for more, drops
 items whose deadline has passed (they fail with DEADLINE_EXCEEDED without costing model
-time), and runs the batch on the engine in a worker thread so the event loop keeps
-accepting calls. ``max_inflight`` batches may run at once (torch releases the GIL).
+time), and runs the batch on the engine in a worker thread (an engine process: over its
+pipe from the loop) so the event loop keeps accepting calls. ``max_inflight`` batches may be
+in flight at once: for one engine process, two pipeline (the next waits in the pipe while
+one computes, so the engine never idles while the front-end collects results and sends more);
+for replicas, one each; in-process, they share the CPU (torch releases the GIL).
 
 A full queue fails the new item at once with ``Overloaded`` (RESOURCE_EXHAUSTED): past
 capacity the server sheds load instead of queueing it, so latency and memory stay bounded.
@@ -19,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from serve.engine import Result
+from serve.engine import Result, run_stamped
 from serve.requests import Work
 
 
@@ -121,7 +124,7 @@ class Batcher:
             if hasattr(engine, "run_async"):  # an engine process: the pipe is awaited on the loop
                 results = await engine.run_async(works)
             else:  # an in-process engine computes in the executor thread (it drops the GIL in its kernels)
-                results = await asyncio.get_running_loop().run_in_executor(self.pool, engine.run, works)
+                results = await asyncio.get_running_loop().run_in_executor(self.pool, run_stamped, engine, works)
             back = time.monotonic()
             for (_, fut), res in zip(batch, results):
                 res.sent, res.back = sent, back

@@ -19,13 +19,22 @@ from serve.server import RecommenderServer, ServeConfig
 from serve.worker import ProcessSettings, plan_cpus
 
 
+def default_inflight(args: argparse.Namespace) -> int:
+    """Batches in flight when --max-inflight is 0: two for one engine process (the next batch
+    waits in its pipe while one computes: serve.worker.EngineProcess.run_async), else one per
+    engine replica (an in-process engine: one batch at a time)."""
+    if args.engine_process and args.engine != "sglang" and args.engine_replicas == 1:
+        return 2
+    return args.engine_replicas
+
+
 def config_from_args(args: argparse.Namespace, cpus: list[tuple[int, ...]] | None = None) -> ServeConfig:
     """``cpus``: each engine replica's CPUs (:func:`engine_cpus`)."""
     return ServeConfig(
         host=args.host, port=args.port, metrics_port=args.metrics_port, engine=args.engine, device=args.device,
         default_timeout_ms=args.default_timeout_ms, grace_s=args.grace_s,
         batch=BatchConfig(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
-                          max_inflight=args.max_inflight or args.engine_replicas),
+                          max_inflight=args.max_inflight or default_inflight(args)),
         limits=Limits(max_history=args.max_history, max_candidates=args.max_candidates, max_retrieve=args.max_retrieve),
         engine_process=args.engine_process, engine_replicas=args.engine_replicas,
         process=ProcessSettings(threads=args.threads, matmul_precision=args.matmul_precision,

@@ -49,9 +49,20 @@ class Result:
     tasks: dict[str, np.ndarray] = field(default_factory=dict)  # task -> [k]
     compute_ms: float = 0.0
     batch_size: int = 1
-    # time.monotonic() when the batcher handed the batch to the engine and got the results back
+    # time.monotonic() when the batcher handed the batch to the engine, when the engine began it
+    # (the same clock in an engine process: system-wide; 0: not stamped) and when the results came back
     sent: float = 0.0
+    started: float = 0.0
     back: float = 0.0
+
+
+def run_stamped(engine, works: list[Work]) -> list[Result]:  # noqa: ANN001 - any engine
+    """``engine.run(works)``, each result stamped with the time the batch began."""
+    started = time.monotonic()
+    results = engine.run(works)
+    for r in results:
+        r.started = started
+    return results
 
 
 def schema_of(model: GenerativeRecommender) -> ModelSchema:

@@ -226,10 +226,11 @@ class RecommenderServer:
         work.deadline = t0 + budget
         self.metrics.queue_depth.set(self.batcher.depth)
         result = await self.batcher.submit(work, timeout=max(work.deadline - time.monotonic(), 0))
+        started = result.started or result.sent  # when the engine began the batch
         timing = pb.Timing(queue_ms=(time.monotonic() - t0) * 1e3 - result.compute_ms,
                            compute_ms=result.compute_ms, batch_size=result.batch_size,
-                           decode_ms=(decoded - t0) * 1e3, wait_ms=max(result.sent - decoded, 0.0) * 1e3,
-                           handoff_ms=max((result.back - result.sent) * 1e3 - result.compute_ms, 0.0))
+                           decode_ms=(decoded - t0) * 1e3, wait_ms=max(started - decoded, 0.0) * 1e3,
+                           handoff_ms=max((result.back - started) * 1e3 - result.compute_ms, 0.0))
         self.metrics.compute.observe(result.compute_ms / 1e3)
         t1 = time.monotonic()
         items = _scored(result, engine.schema.tasks)

@@ -12,13 +12,16 @@ batching (``serve.batcher``) and hands each batch over a pipe::
 
 It stands in for the engine object the server holds (name, version, schema, manifest,
 tower, stages, ``run``), so batching, deadlines, reload and metrics are unchanged. A batch
-costs two pipe transfers of its validated arrays (tens of microseconds). If the child
-dies, the batch in flight fails (INTERNAL) and the next batch starts a new child.
+costs two pipe transfers of its validated arrays (tens of microseconds). From the event
+loop, batches pipeline (``run_async``): the child takes them in order, the next already in
+its pipe when one finishes. If the child dies, the batches in flight fail (INTERNAL) and the
+next batch starts a new child.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import multiprocessing as mp
 import os
 import queue
@@ -91,6 +94,7 @@ def _child(conn: Connection, kind: str, artifact: str, device: str, settings: Pr
 
     import torch
 
+    from serve.engine import run_stamped
     from serve.server import make_engine, quiet_gc
 
     # Ctrl-C reaches the whole process group: the front-end drains and then stops this
@@ -127,7 +131,7 @@ def _child(conn: Connection, kind: str, artifact: str, device: str, settings: Pr
             conn.send(("ok", dict(engine.stages)))
             continue
         try:
-            conn.send(("ok", engine.run(payload)))
+            conn.send(("ok", run_stamped(engine, payload)))
         except Exception as e:  # noqa: BLE001 - every caller of the batch gets it
             try:
                 conn.send(("raise", e))
@@ -142,7 +146,8 @@ class EngineProcess:
                  settings: ProcessSettings | None = None) -> None:
         self.kind, self.artifact, self.device = kind, str(artifact), device
         self.settings = settings or ProcessSettings()
-        self.lock = threading.Lock()  # one batch (or control call) on the pipe at a time
+        self.lock = threading.Lock()  # held by a control call, a thread's batch, or the loop's pipelined batches
+        self._pending: collections.deque[asyncio.Future] = collections.deque()  # run_async's batches, in send order
         self.restarts = 0
         self.closed = False
         self._last_stages: dict[str, float] = {}
@@ -202,45 +207,64 @@ class EngineProcess:
 
     async def run_async(self, works: list[Work]) -> list:
         """``run`` from the event loop without a thread: the batch is sent from the loop and the
-        reply read when the pipe turns readable, which saves the executor thread's two wake-ups
-        per batch (~0.5 ms, more in the tail, on the 2-core benchmark machine). A busy pipe (a
-        control call), a dead child (restarted in ``run``) or a loop without ``add_reader`` go
-        through ``run`` in a thread as before."""
+        replies read when the pipe turns readable, which saves the executor thread's two wake-ups
+        per batch (~0.5 ms, more in the tail, on the 2-core benchmark machine). Batches pipeline:
+        a second one is sent while the first computes (the child takes them in order), so the
+        engine starts it the moment the first is done instead of waiting for the front-end to
+        collect those results and send the next (the batcher's ``max_inflight``). A control call
+        holding the pipe, a dead child (restarted in ``run``) or a loop without ``add_reader`` go
+        through ``run`` in a thread."""
         loop = asyncio.get_running_loop()
-        if self.closed or not self.proc.is_alive() or not self.lock.acquire(blocking=False):
+        if self.closed or not self.proc.is_alive():
             return await loop.run_in_executor(None, self.run, works)
-        try:
+        if not self._pending:  # the pipeline is idle: it takes the pipe until its last reply is in
+            if not self.lock.acquire(blocking=False):
+                return await loop.run_in_executor(None, self.run, works)
             try:
-                self.conn.send(("run", works))
-                ready = loop.create_future()
-                fd = self.conn.fileno()
-                try:
-                    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
-                except NotImplementedError:  # e.g. the Windows proactor loop
-                    tag, body = await loop.run_in_executor(None, self.conn.recv)
-                else:
-                    try:
-                        await ready
-                    except asyncio.CancelledError:
-                        # the reply is still coming: read it here, or the next batch would get it (a
-                        # child that does not answer in 10 s is killed: the next batch starts a new one)
-                        if self.conn.poll(10):
-                            self.conn.recv()
-                        else:
-                            self.proc.kill()
-                        raise
-                    finally:
-                        loop.remove_reader(fd)
-                    tag, body = self.conn.recv()
-            except (EOFError, BrokenPipeError, ConnectionResetError):
-                self.proc.join(1)
-                raise EngineProcessError(f"engine process died (exit code {self.proc.exitcode}); "
-                                         "the next batch starts a new one") from None
-        finally:
-            self.lock.release()
+                loop.add_reader(self.conn.fileno(), self._replies, loop)
+            except NotImplementedError:  # e.g. the Windows proactor loop
+                self.lock.release()
+                return await loop.run_in_executor(None, self.run, works)
+        reply = loop.create_future()
+        self._pending.append(reply)
+        try:
+            self.conn.send(("run", works))
+        except (BrokenPipeError, ConnectionResetError):
+            self._died(loop)
+        # a caller that gives up (cancelled) leaves its reply to be read and dropped in turn
+        tag, body = await reply
         if tag == "raise":
             raise body
         return body
+
+    def _replies(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The pipe is readable: a reply, for the oldest batch waiting (the loop calls again
+        while more is in)."""
+        try:
+            msg = self.conn.recv()
+        except (EOFError, OSError):
+            self._died(loop)
+            return
+        reply = self._pending.popleft()
+        if not reply.done():
+            reply.set_result(msg)
+        if not self._pending:
+            loop.remove_reader(self.conn.fileno())
+            self.lock.release()
+
+    def _died(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The child went away with batches in flight: they fail, the pipe is free again."""
+        if not self._pending:
+            return
+        self.proc.join(1)
+        err = EngineProcessError(f"engine process died (exit code {self.proc.exitcode}); "
+                                 "the next batch starts a new one")
+        while self._pending:
+            reply = self._pending.popleft()
+            if not reply.done():
+                reply.set_exception(err)
+        loop.remove_reader(self.conn.fileno())
+        self.lock.release()
 
     @property
     def stages(self) -> dict[str, float]:

@@ -3,6 +3,7 @@ replicas, graceful shutdown. Tiny models; every call goes through grpcio."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import random
@@ -367,6 +368,50 @@ def test_engine_process_answers_like_the_in_process_engine_and_replaces_a_killed
     finally:
         remote.close()
     assert not remote.proc.is_alive() and remote.stages["retrieve_topk"] > 0  # stages kept after close
+
+
+def test_batches_sent_from_the_loop_pipeline_through_one_engine_process(artifacts):
+    """Three batches in flight at once: each sent before any reply is read, computed back to back
+    in order, each answered with its own results; a child killed with two in flight fails both,
+    frees the pipe, and the next batch starts a new child. The CLI pipelines two by default."""
+    from serve.cli import default_inflight
+    from serve.requests import Work, decode_user
+    from serve.worker import EngineProcessError
+
+    local = TorchEngine(artifacts["hstu"])
+    remote = EngineProcess("torch", str(artifacts["hstu"]), settings=ProcessSettings(threads=1))
+    try:
+        users = [decode_user(user(history(4 + 3 * i, seed=i), CTX), local.schema, Limits()) for i in range(3)]
+        batches = [[Work("recommend", u, retrieve_k=20, top_k=4)] * 40 for u in users]
+
+        async def in_flight(n: int, kill: bool = False) -> list:
+            tasks = [asyncio.ensure_future(remote.run_async(b)) for b in batches[:n]]
+            await asyncio.sleep(0)  # each task has sent its batch and waits for its reply
+            assert len(remote._pending) == n and remote.lock.locked()
+            if kill:
+                os.kill(remote.proc.pid, signal.SIGKILL)
+            return await asyncio.gather(*tasks, return_exceptions=kill)
+
+        got = asyncio.run(in_flight(3))
+        for batch, res in zip(batches, got, strict=True):
+            want = local.run(batch[:1])[0]
+            assert len(res) == len(batch)
+            np.testing.assert_array_equal(res[-1].item_ids, want.item_ids)
+        for prev, nxt in zip(got, got[1:]):  # in order, each begun after the one before ended
+            assert nxt[0].started >= prev[0].started + prev[0].compute_ms / 1e3
+        assert not remote._pending and not remote.lock.locked()
+        failed = asyncio.run(in_flight(2, kill=True))
+        assert all(isinstance(e, EngineProcessError) for e in failed)
+        assert not remote._pending and not remote.lock.locked()
+        res = asyncio.run(remote.run_async(batches[0][:1]))  # a new child
+        np.testing.assert_array_equal(res[0].item_ids, got[0][0].item_ids)
+        assert remote.restarts == 1
+    finally:
+        remote.close()
+    cli = {"engine_process": True, "engine": "torch", "engine_replicas": 1}
+    assert default_inflight(argparse.Namespace(**cli)) == 2
+    assert default_inflight(argparse.Namespace(**{**cli, "engine_replicas": 3})) == 3
+    assert default_inflight(argparse.Namespace(**{**cli, "engine_process": False})) == 1
 
 
 def _cpu_seconds(pid: int) -> float:
