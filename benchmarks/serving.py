@@ -6,8 +6,8 @@ retrieve 100 from the whole catalogue, rank the 100, return 10. Servers, each a 
 harness from this process:
 
 * (a) naive: one request at a time, eager, history encoded twice (``--engine naive``);
-* (b) torch: cross-request batching, history encoded once (``--engine torch``), two batches
-  pipelined through the engine process (the default), which busy-polls its pipe between
+* (b) torch: cross-request batching, history encoded once (``--engine torch``), up to three
+  batches pipelined through the engine process (the default), which busy-polls its pipe between
   batches (``--engine-poll-ms``);
 * (b'') torch-blocking: (b) with the engine process blocking on its pipe between batches;
   torch-serial: (b) with one batch in flight at a time (``--max-inflight 1``);
@@ -299,7 +299,7 @@ def render(p: dict) -> str:
              f"`python -m benchmarks.serving` — {p['date']}, {p['machine']['cpu']}, {p['machine']['cores']} cores "
              f"shared by the server (a gRPC front-end process and an engine process with {p['server_threads']} compute "
              "thread, pinned to the last CPU; the front-end and the load generator on the other) and the load generator; "
-             "torch: the tower in native code (serve.native), two batches pipelined through the engine process (the "
+             "torch: the tower in native code (serve.native), up to three batches pipelined through the engine process (the "
              "default), which busy-polls its pipe between batches (`--engine-poll-ms 1000`); torch-serial: the same "
              "server with one batch in flight at a time (`--max-inflight 1`); torch-blocking: torch with the engine "
              "blocking on its pipe; "

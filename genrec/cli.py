@@ -127,7 +127,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a batch waits to fill")
     p.add_argument("--max-queue", type=int, default=256, help="queued requests before RESOURCE_EXHAUSTED")
     p.add_argument("--max-inflight", type=int, default=0,
-                   help="batches in flight at once (0: two for one engine process, pipelined through its pipe; "
+                   help="batches in flight at once (0: three for one engine process, pipelined through its pipe; "
                    "else one per engine replica)")
     p.add_argument("--default-timeout-ms", type=float, default=1000.0, help="deadline of calls that set none")
     p.add_argument("--grace-s", type=float, default=10.0, help="shutdown: time for calls in flight")

@@ -5,7 +5,7 @@ the first item, then up to ``max_wait_ms`` (or until ``max_batch`` items) for mo
 items whose deadline has passed (they fail with DEADLINE_EXCEEDED without costing model
 time), and runs the batch on the engine in a worker thread (an engine process: over its
 pipe from the loop) so the event loop keeps accepting calls. ``max_inflight`` batches may be
-in flight at once: for one engine process, two pipeline (the next waits in the pipe while
+in flight at once: for one engine process, they pipeline (the next waits in the pipe while
 one computes, so the engine never idles while the front-end collects results and sends more);
 for replicas, one each; in-process, they share the CPU (torch releases the GIL).
 

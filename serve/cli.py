@@ -20,11 +20,12 @@ from serve.worker import ProcessSettings, plan_cpus
 
 
 def default_inflight(args: argparse.Namespace) -> int:
-    """Batches in flight when --max-inflight is 0: two for one engine process (the next batch
-    waits in its pipe while one computes: serve.worker.EngineProcess.run_async), else one per
-    engine replica (an in-process engine: one batch at a time)."""
+    """Batches in flight when --max-inflight is 0: three for one engine process (the next ones
+    wait in its pipe while one computes, serve.worker.EngineProcess.run_async: a call that
+    arrives while two batches are out is sent at once instead of waiting for the front-end to
+    collect a reply), else one per engine replica (an in-process engine: one at a time)."""
     if args.engine_process and args.engine != "sglang" and args.engine_replicas == 1:
-        return 2
+        return 3
     return args.engine_replicas
 
 

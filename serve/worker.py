@@ -209,9 +209,9 @@ class EngineProcess:
         """``run`` from the event loop without a thread: the batch is sent from the loop and the
         replies read when the pipe turns readable, which saves the executor thread's two wake-ups
         per batch (~0.5 ms, more in the tail, on the 2-core benchmark machine). Batches pipeline:
-        a second one is sent while the first computes (the child takes them in order), so the
-        engine starts it the moment the first is done instead of waiting for the front-end to
-        collect those results and send the next (the batcher's ``max_inflight``). A control call
+        more are sent while one computes (the child takes them in order), so the engine starts
+        the next the moment one is done instead of waiting for the front-end to collect those
+        results and send more (the batcher's ``max_inflight``). A control call
         holding the pipe, a dead child (restarted in ``run``) or a loop without ``add_reader`` go
         through ``run`` in a thread."""
         loop = asyncio.get_running_loop()

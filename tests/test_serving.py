@@ -373,7 +373,7 @@ def test_engine_process_answers_like_the_in_process_engine_and_replaces_a_killed
 def test_batches_sent_from_the_loop_pipeline_through_one_engine_process(artifacts):
     """Three batches in flight at once: each sent before any reply is read, computed back to back
     in order, each answered with its own results; a child killed with two in flight fails both,
-    frees the pipe, and the next batch starts a new child. The CLI pipelines two by default."""
+    frees the pipe, and the next batch starts a new child. The CLI pipelines three by default."""
     from serve.cli import default_inflight
     from serve.requests import Work, decode_user
     from serve.worker import EngineProcessError
@@ -409,7 +409,7 @@ def test_batches_sent_from_the_loop_pipeline_through_one_engine_process(artifact
     finally:
         remote.close()
     cli = {"engine_process": True, "engine": "torch", "engine_replicas": 1}
-    assert default_inflight(argparse.Namespace(**cli)) == 2
+    assert default_inflight(argparse.Namespace(**cli)) == 3
     assert default_inflight(argparse.Namespace(**{**cli, "engine_replicas": 3})) == 3
     assert default_inflight(argparse.Namespace(**{**cli, "engine_process": False})) == 1
 
