@@ -121,6 +121,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="after each batch the engine process polls for the next one this long before it blocks: "
                    "on a CPU of its own (--engine-cpus) the next batch then finds it running instead of waking an "
                    "idle CPU, at the price of that CPU's time (0: block at once)")
+    p.add_argument("--engine-hang-s", type=float, default=30.0,
+                   help="an engine process that has not answered a batch in this long is killed: its batches fail "
+                   "(INTERNAL) and the next one starts a new process")
     p.add_argument("--gil-switch-ms", type=float, default=0.5,
                    help="sys.setswitchinterval: how long a thread may hold the GIL when another waits")
     p.add_argument("--max-batch", type=int, default=32, help="requests per engine batch")

@@ -43,6 +43,10 @@ class ProcessSettings:
     # after each request, poll the pipe this long before blocking on it: the next batch finds the
     # process running (no wake-up of an idle CPU) at the price of that CPU's time (0: block at once)
     poll_ms: float = 0.0
+    # a batch (or control call) the child has not answered in this long: the child is killed, what
+    # it had fails (INTERNAL) and the next batch starts a new one, so a hung engine cannot stall
+    # the server for good
+    hang_s: float = 30.0
 
 
 def plan_cpus(spec: str, threads: int, available: tuple[int, ...],
@@ -150,6 +154,7 @@ class EngineProcess:
         self._pending: collections.deque[asyncio.Future] = collections.deque()  # run_async's batches, in send order
         self.restarts = 0
         self.closed = False
+        self._hung = False  # the watchdog killed the child
         self._last_stages: dict[str, float] = {}
         self._start()
 
@@ -184,18 +189,22 @@ class EngineProcess:
             if not self.proc.is_alive():
                 self.restarts += 1
                 self._start()
-            tag, body = self._exchange(op, payload)
+            tag, body = self._exchange(op, payload, timeout=self.settings.hang_s)
         if tag == "raise":
             raise body
         return body
 
     def _exchange(self, op: str, payload: Any = None, timeout: float | None = None) -> tuple[str, Any]:
         """One request and its reply on the pipe (the caller holds the lock); ``timeout``:
-        how long to wait for the reply (None: as long as the batch takes)."""
+        how long to wait for the reply (None: as long as it takes). A child that does not answer
+        in time is killed (its late reply would otherwise answer the next request)."""
         try:
             self.conn.send((op, payload))
             if timeout is not None and not self.conn.poll(timeout):
-                raise EngineProcessError(f"engine process did not answer '{op}' in {timeout:g}s")
+                self.proc.kill()
+                self.proc.join(1)
+                raise EngineProcessError(f"engine process did not answer '{op}' in {timeout:g}s and was killed; "
+                                         "the next batch starts a new one")
             return self.conn.recv()
         except (EOFError, BrokenPipeError, ConnectionResetError):
             self.proc.join(1)
@@ -231,8 +240,13 @@ class EngineProcess:
             self.conn.send(("run", works))
         except (BrokenPipeError, ConnectionResetError):
             self._died(loop)
-        # a caller that gives up (cancelled) leaves its reply to be read and dropped in turn
-        tag, body = await reply
+        # a caller that gives up (cancelled) leaves its reply to be read and dropped in turn; a
+        # reply still unread after hang_s means a hung child
+        watchdog = loop.call_later(self.settings.hang_s, self._watchdog, reply)
+        try:
+            tag, body = await reply
+        finally:
+            watchdog.cancel()
         if tag == "raise":
             raise body
         return body
@@ -252,13 +266,22 @@ class EngineProcess:
             loop.remove_reader(self.conn.fileno())
             self.lock.release()
 
+    def _watchdog(self, reply: asyncio.Future) -> None:
+        """``hang_s`` after a batch was sent: if its reply is still to come, the child is killed
+        (the pipe then reads as closed: :meth:`_died`)."""
+        if reply in self._pending and self.proc.is_alive():
+            self._hung = True
+            self.proc.kill()
+
     def _died(self, loop: asyncio.AbstractEventLoop) -> None:
         """The child went away with batches in flight: they fail, the pipe is free again."""
         if not self._pending:
             return
         self.proc.join(1)
-        err = EngineProcessError(f"engine process died (exit code {self.proc.exitcode}); "
-                                 "the next batch starts a new one")
+        why = (f"did not answer a batch in {self.settings.hang_s:g}s and was killed" if self._hung
+               else f"died (exit code {self.proc.exitcode})")
+        self._hung = False
+        err = EngineProcessError(f"engine process {why}; the next batch starts a new one")
         while self._pending:
             reply = self._pending.popleft()
             if not reply.done():

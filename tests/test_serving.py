@@ -442,6 +442,53 @@ def test_a_polling_engine_process_spins_between_batches_then_blocks(artifacts):
     assert not remote.proc.is_alive()
 
 
+def test_an_engine_process_that_stops_answering_is_killed_and_replaced(artifacts):
+    """A child that stops answering (SIGSTOP) fails its batch after hang_s, from the event loop's
+    pipeline and from a thread alike, frees the pipe, and the next batch gets a new child."""
+    import threading
+
+    from serve.requests import Work, decode_user
+    from serve.worker import EngineProcessError
+
+    local = TorchEngine(artifacts["hstu"])
+    remote = EngineProcess("torch", str(artifacts["hstu"]), settings=ProcessSettings(threads=1, hang_s=0.5))
+    works = [Work("recommend", decode_user(user(history(9), CTX), local.schema, Limits()), retrieve_k=30, top_k=5)]
+    want = local.run(works)[0]
+
+    def from_loop() -> None:
+        asyncio.run(asyncio.wait_for(remote.run_async(works), 10))
+
+    def from_thread() -> None:
+        out: list = []
+        t = threading.Thread(target=lambda: out.append(_raised(remote.run, works)), daemon=True)
+        t.start()
+        t.join(10)
+        assert out, "the batch never returned"
+        if isinstance(out[0], BaseException):
+            raise out[0]
+
+    try:
+        for restarts, call in enumerate((from_loop, from_thread), start=1):
+            os.kill(remote.proc.pid, signal.SIGSTOP)  # alive, never answers
+            t0 = time.monotonic()
+            with pytest.raises(EngineProcessError, match="did not answer"):
+                call()
+            assert time.monotonic() - t0 < 5 and not remote.proc.is_alive()
+            assert not remote._pending and not remote.lock.locked()
+            got = asyncio.run(remote.run_async(works))[0]  # a new child
+            np.testing.assert_array_equal(got.item_ids, want.item_ids)
+            assert remote.restarts == restarts
+    finally:
+        remote.close()
+
+
+def _raised(fn, *args):  # noqa: ANN001, ANN202 - fn's result, or what it raised
+    try:
+        return fn(*args)
+    except BaseException as e:  # noqa: BLE001
+        return e
+
+
 def test_closing_a_stuck_engine_process_is_bounded(artifacts):
     remote = EngineProcess("torch", str(artifacts["hstu"]), settings=ProcessSettings(threads=1))
     os.kill(remote.proc.pid, signal.SIGSTOP)  # alive, never answers
