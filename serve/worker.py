@@ -154,7 +154,6 @@ class EngineProcess:
         self._pending: collections.deque[asyncio.Future] = collections.deque()  # run_async's batches, in send order
         self.restarts = 0
         self.closed = False
-        self._hung = False  # the watchdog killed the child
         self._last_stages: dict[str, float] = {}
         self._start()
 
@@ -242,7 +241,7 @@ class EngineProcess:
             self._died(loop)
         # a caller that gives up (cancelled) leaves its reply to be read and dropped in turn; a
         # reply still unread after hang_s means a hung child
-        watchdog = loop.call_later(self.settings.hang_s, self._watchdog, reply)
+        watchdog = loop.call_later(self.settings.hang_s, self._watchdog, loop, reply)
         try:
             tag, body = await reply
         finally:
@@ -266,22 +265,20 @@ class EngineProcess:
             loop.remove_reader(self.conn.fileno())
             self.lock.release()
 
-    def _watchdog(self, reply: asyncio.Future) -> None:
+    def _watchdog(self, loop: asyncio.AbstractEventLoop, reply: asyncio.Future) -> None:
         """``hang_s`` after a batch was sent: if its reply is still to come, the child is killed
-        (the pipe then reads as closed: :meth:`_died`)."""
-        if reply in self._pending and self.proc.is_alive():
-            self._hung = True
+        and what it had fails."""
+        if reply in self._pending:
             self.proc.kill()
+            self._died(loop, f"did not answer a batch in {self.settings.hang_s:g}s and was killed")
 
-    def _died(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _died(self, loop: asyncio.AbstractEventLoop, why: str = "") -> None:
         """The child went away with batches in flight: they fail, the pipe is free again."""
         if not self._pending:
             return
         self.proc.join(1)
-        why = (f"did not answer a batch in {self.settings.hang_s:g}s and was killed" if self._hung
-               else f"died (exit code {self.proc.exitcode})")
-        self._hung = False
-        err = EngineProcessError(f"engine process {why}; the next batch starts a new one")
+        err = EngineProcessError(f"engine process {why or f'died (exit code {self.proc.exitcode})'}; "
+                                 "the next batch starts a new one")
         while self._pending:
             reply = self._pending.popleft()
             if not reply.done():
