@@ -134,9 +134,26 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    "else one per engine replica)")
     p.add_argument("--default-timeout-ms", type=float, default=1000.0, help="deadline of calls that set none")
     p.add_argument("--grace-s", type=float, default=10.0, help="shutdown: time for calls in flight")
+    p.add_argument("--max-queue-ms", type=float, default=10.0,
+                   help="admission: refuse at once (RESOURCE_EXHAUSTED) a call predicted to wait longer than this "
+                   "for the engine; also refused: calls that could not finish before their deadline (0: deadline only)")
     p.add_argument("--max-history", type=int, default=4096)
     p.add_argument("--max-candidates", type=int, default=1024)
     p.add_argument("--max-retrieve", type=int, default=1024)
+    s = p.add_argument_group("security", "TLS for the public port; Admin (LoadArtifact, GetModelInfo) on a listener "
+                             "of its own, off unless a token file is given")
+    s.add_argument("--tls-cert", default="", help="PEM certificate chain: the public port speaks TLS")
+    s.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    s.add_argument("--tls-client-ca", default="", help="PEM CA: clients must present a certificate it signed (mTLS)")
+    s.add_argument("--admin-host", default="127.0.0.1", help="Admin listener address (loopback: this host only)")
+    s.add_argument("--admin-port", type=int, default=0, help="Admin listener port (0: any free one, printed)")
+    s.add_argument("--admin-token-file", default="",
+                   help="file holding the Admin bearer token (>= 16 characters); callers send "
+                   "'authorization: Bearer <token>'. Without it Admin is off (SIGHUP still reloads)")
+    s.add_argument("--artifact-root", default="",
+                   help="LoadArtifact loads only below this folder (default: the folder holding --artifact)")
+    p.add_argument("--config", help="TOML file whose [serve] section (ServeConfig in serve/server.py) applies on "
+                   "top of these flags, as do --serve.key=value overrides, e.g. --serve.connections.max_concurrent_rpcs=256")
 
 
 def _loadtest_parser(sub: argparse._SubParsersAction) -> None:

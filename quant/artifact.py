@@ -9,13 +9,18 @@
 
 Loading never unpickles anything (safetensors only) and refuses, naming the problem: an
 unknown or newer format version, a missing file, a file whose checksum differs, a tensor
-missing, extra, or with another dtype, shape or checksum than the manifest says.
+missing, extra, or with another dtype, shape or checksum than the manifest says. A path may
+come from a request (Admin.LoadArtifact), so nothing is opened before it is known to be a
+regular file of bounded size inside the artifact folder (:func:`check_artifact`): a FIFO or a
+device would block the reader, a name with ``/`` or ``..`` would leave the folder.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +32,9 @@ from safetensors.torch import load_file, save_file
 FORMAT = "genrec.artifact"
 FORMAT_VERSION = 1
 FILES = ("embeddings.safetensors", "dense.safetensors")
+MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 16 << 20  # a manifest lists every tensor: a few hundred KB for large models
+REQUIRED = ("format", "format_version", "model", "embedding", "quantization", "tensors", "files")
 
 
 class ArtifactError(ValueError):
@@ -80,35 +88,85 @@ def save_artifact(out: str | Path, manifest: Manifest, tensors: dict[str, dict[s
     return out
 
 
+def _regular_file(path: Path, what: str, max_bytes: int | None = None) -> int:
+    """The size of ``path`` if it is a regular file (stat only: opening a FIFO would block)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ArtifactError(f"{path}: {what} is missing") from None
+    except OSError as e:
+        raise ArtifactError(f"{path}: {what} cannot be read ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ArtifactError(f"{path}: {what} is not a regular file")
+    if max_bytes is not None and st.st_size > max_bytes:
+        raise ArtifactError(f"{path}: {what} is {st.st_size} bytes, more than {max_bytes}")
+    return st.st_size
+
+
 def read_manifest(path: str | Path) -> Manifest:
     path = Path(path)
-    mpath = path / "manifest.json"
-    if not mpath.exists():
-        raise ArtifactError(f"{path}: no manifest.json; is this an artifact written by 'genrec quantize'?")
+    if not path.is_dir():
+        raise ArtifactError(f"{path}: not a directory; an artifact is the folder written by 'genrec quantize'")
+    mpath = path / MANIFEST
+    if not mpath.exists() and not mpath.is_symlink():
+        raise ArtifactError(f"{path}: no {MANIFEST}; is this an artifact written by 'genrec quantize'?")
+    _regular_file(mpath, MANIFEST, MAX_MANIFEST_BYTES)
     try:
-        raw = json.loads(mpath.read_text())
-    except json.JSONDecodeError as e:
-        raise ArtifactError(f"{mpath}: not valid JSON ({e})") from e
+        raw = json.loads(mpath.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{mpath}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ArtifactError(f"{mpath}: not a JSON object")
     if raw.get("format") != FORMAT:
-        raise ArtifactError(f"{mpath}: format is {raw.get('format')!r}, expected {FORMAT!r}")
+        raise ArtifactError(f"{mpath}: format is {str(raw.get('format'))[:64]!r}, expected {FORMAT!r}")
     version = raw.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise ArtifactError(
-            f"{mpath}: format_version {version} is newer than this genrec reads ({FORMAT_VERSION}); upgrade genrec"
+            f"{mpath}: format_version {str(version)[:32]} is newer than this genrec reads ({FORMAT_VERSION}); "
+            "upgrade genrec"
         )
+    missing = [k for k in REQUIRED if k not in raw]
+    if missing:
+        raise ArtifactError(f"{mpath}: lacks the key '{missing[0]}'; was it written by 'genrec quantize'?")
+    for key in ("model", "embedding", "quantization", "tensors", "files"):
+        if not isinstance(raw[key], dict):
+            raise ArtifactError(f"{mpath}: '{key}' is not a JSON object")
     known = set(Manifest.__dataclass_fields__)
     return Manifest(**{k: v for k, v in raw.items() if k in known})
+
+
+def check_artifact(path: str | Path) -> Manifest:
+    """The manifest of ``path`` after the checks that need no tensor read: every listed file
+    is one of the format's own names (no path of the manifest's choosing is ever opened), a
+    regular file in the folder, of the size the manifest says. Cheap (a few stat calls), so a
+    server runs it before it starts an engine for a path it was handed."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    for fname in manifest.files:
+        if fname not in FILES:
+            raise ArtifactError(f"{path / MANIFEST}: lists the file {fname[:64]!r}; an artifact holds only {list(FILES)}")
+    for fname in FILES:
+        meta = manifest.files.get(fname)
+        if not isinstance(meta, dict) or not isinstance(meta.get("bytes"), int) or not isinstance(meta.get("sha256"), str):
+            raise ArtifactError(f"{path / MANIFEST}: no size and checksum for {fname}")
+        if not isinstance(manifest.tensors.get(fname), dict):
+            raise ArtifactError(f"{path / MANIFEST}: no tensor list for {fname}")
+        size = _regular_file(path / fname, fname)
+        if size != meta["bytes"]:
+            raise ArtifactError(f"{path / fname}: {size} bytes, the manifest says {meta['bytes']} (truncated or replaced)")
+    return manifest
 
 
 def load_tensors(path: str | Path, manifest: Manifest | None = None) -> tuple[Manifest, dict[str, dict[str, torch.Tensor]]]:
     """Reads and verifies every file and tensor against the manifest."""
     path = Path(path)
-    manifest = manifest or read_manifest(path)
+    manifest = check_artifact(path) if manifest is None else manifest
     out: dict[str, dict[str, torch.Tensor]] = {}
     for fname, meta in manifest.files.items():
+        if fname not in FILES:  # (a manifest handed in unchecked): never open a name it chose
+            raise ArtifactError(f"{path / MANIFEST}: lists the file {fname[:64]!r}; an artifact holds only {list(FILES)}")
         fpath = path / fname
-        if not fpath.exists():
-            raise ArtifactError(f"{path}: missing file {fname} (listed in manifest.json)")
+        _regular_file(fpath, f"{fname} (listed in {MANIFEST})")
         try:
             group = load_file(str(fpath))
         except Exception as e:  # noqa: BLE001 - safetensors raises several types for a bad header

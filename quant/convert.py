@@ -21,7 +21,7 @@ from tqdm import tqdm
 from embedding.spec import EmbeddingConfig
 from genrec.config import from_dict, to_dict
 from models.recommender import GenerativeRecommender, ModelConfig
-from quant.artifact import ArtifactError, Manifest, load_tensors, read_manifest, save_artifact
+from quant.artifact import ArtifactError, Manifest, check_artifact, load_tensors, save_artifact
 from quant.dense import Scheme as DenseScheme
 from quant.dense import dense_bytes, dense_tensors, load_dense
 from quant.embeddings import Scheme as EmbScheme
@@ -74,7 +74,7 @@ def load_training_model(run_dir: Path, checkpoint: Path) -> tuple[Any, Generativ
 def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[GenerativeRecommender, Manifest]:
     """The servable model of an artifact (verified); quantized tables run fbgemm's kernels."""
     device = torch.device(device)
-    manifest, tensors = load_tensors(path, read_manifest(path))
+    manifest, tensors = load_tensors(path, check_artifact(path))
     try:
         model_cfg = from_dict(ModelConfig, manifest.model)
         emb_cfg = from_dict(EmbeddingConfig, manifest.embedding)

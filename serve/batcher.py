@@ -9,8 +9,15 @@ in flight at once: for one engine process, they pipeline (the next waits in the 
 one computes, so the engine never idles while the front-end collects results and sends more);
 for replicas, one each; in-process, they share the CPU (torch releases the GIL).
 
-A full queue fails the new item at once with ``Overloaded`` (RESOURCE_EXHAUSTED): past
-capacity the server sheds load instead of queueing it, so latency and memory stay bounded.
+Admission (``admit``, before a call is even decoded): a call that could not start within
+``max_queue_ms``, or before its own deadline, is refused at once with ``Overloaded``
+(RESOURCE_EXHAUSTED). The wait is predicted from the work ahead of it (queued calls and
+batches in flight) and a cost model of the engine's batches, ``seconds = a + c x size``,
+fitted online to the batches it ran (:class:`BatchCost`). Past capacity the queue then holds
+about ``max_queue_ms`` of work: admitted calls keep their latency, refused ones learn it in
+microseconds and can go elsewhere, and the engine stays busy with calls that will be served
+in time instead of ones whose callers gave up (goodput stays near capacity). A full queue
+(``max_queue``, a memory bound) refuses as well.
 """
 
 from __future__ import annotations
@@ -44,6 +51,48 @@ class BatchConfig:
     max_wait_ms: float = 2.0
     max_queue: int = 256
     max_inflight: int = 1
+    # refuse a call predicted to wait longer than this for its batch to start (0: no limit but
+    # the caller's deadline and max_queue); a fraction of the latency budget callers hold us to
+    max_queue_ms: float = 10.0
+
+
+class BatchCost:
+    """Engine seconds of a batch of ``b`` calls, ``a + c x b``, by least squares over recent
+    batches (exponentially weighted: the model follows the machine). Until the sizes vary, the
+    per-call mean with no fixed part."""
+
+    def __init__(self, decay: float = 0.02) -> None:
+        self.decay = decay
+        self.n = self.sb = self.st = self.sbb = self.sbt = 0.0
+
+    def observe(self, size: int, seconds: float) -> None:
+        k = 1.0 - self.decay
+        self.n, self.sb, self.st = k * self.n + 1, k * self.sb + size, k * self.st + seconds
+        self.sbb, self.sbt = k * self.sbb + size * size, k * self.sbt + size * seconds
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(a, c), or None before the first batch."""
+        if self.n == 0:
+            return None
+        var = self.n * self.sbb - self.sb * self.sb
+        if var > 1e-6 * self.n * self.sbb:
+            c = (self.n * self.sbt - self.sb * self.st) / var
+            a = (self.st - c * self.sb) / self.n
+            if a >= 0 and c >= 0:
+                return a, c
+        return 0.0, self.st / self.sb  # one size seen (or a fit that makes no sense): per call
+
+    def wait(self, batches: float, calls: float) -> float:
+        ac = self.coefficients()
+        return 0.0 if ac is None else ac[0] * batches + ac[1] * calls
+
+
+def _batch_seconds(results: list[Result]) -> float:
+    """Engine time of a batch: a batching engine stamps every result with the batch's time, a
+    one-at-a-time engine each with its own."""
+    if results[0].batch_size == len(results) > 1:
+        return results[0].compute_ms / 1e3
+    return sum(r.compute_ms for r in results) / 1e3
 
 
 class Batcher:
@@ -59,6 +108,8 @@ class Batcher:
         self.closing = False
         self.running: set[asyncio.Task] = set()
         self.loop_task: asyncio.Task | None = None
+        self.cost = BatchCost()
+        self.inflight_calls = 0  # calls in batches handed to the engine and not yet back
 
     def start(self) -> None:
         self.loop_task = asyncio.get_running_loop().create_task(self._loop())
@@ -66,6 +117,34 @@ class Batcher:
     @property
     def depth(self) -> int:
         return len(self.queue)
+
+    def predicted_wait(self) -> float:
+        """Seconds until a call arriving now would start: the batches in flight, then the
+        queue's calls (in batches of up to ``max_batch``), at the fitted cost, spread over the
+        engines that run batches side by side."""
+        queued = len(self.queue)
+        batches = len(self.running) + -(-queued // self.cfg.max_batch)
+        return self.cost.wait(batches, self.inflight_calls + queued) / self.parallel
+
+    @property
+    def parallel(self) -> int:
+        return max(len(getattr(self.engine_fn(), "replicas", ())), 1)
+
+    def admit(self, deadline: float) -> None:
+        """Raises ``Overloaded`` (or ``ShuttingDown``) at once for a call that would not start in
+        time; cheap enough to run before a request is decoded."""
+        if self.closing:
+            raise ShuttingDown("the server is shutting down")
+        if len(self.queue) >= self.cfg.max_queue:
+            raise Overloaded(f"queue full ({self.cfg.max_queue} requests waiting); retry with backoff")
+        wait = self.predicted_wait()
+        if self.cfg.max_queue_ms > 0 and wait * 1e3 > self.cfg.max_queue_ms:
+            raise Overloaded(f"overloaded: a call would wait ~{wait * 1e3:.0f} ms to start, more than the "
+                             f"server's {self.cfg.max_queue_ms:g} ms; retry with backoff or another replica")
+        own = self.cost.wait(1, 1)
+        if time.monotonic() + wait + own > deadline:
+            raise Overloaded(f"overloaded: a call would wait ~{wait * 1e3:.0f} ms to start and could not finish "
+                             "before its deadline; retry with backoff or another replica")
 
     async def submit(self, work: Work, timeout: float | None = None) -> Result:
         """The work's result; ``timeout`` (s): TimeoutError after it, and the work is dropped
@@ -117,6 +196,7 @@ class Batcher:
             task.add_done_callback(self.running.discard)
 
     async def _run(self, batch: list[tuple[Work, asyncio.Future]]) -> None:
+        self.inflight_calls += len(batch)
         try:
             engine = self.engine_fn()
             works = [w for w, _ in batch]
@@ -126,6 +206,8 @@ class Batcher:
             else:  # an in-process engine computes in the executor thread (it drops the GIL in its kernels)
                 results = await asyncio.get_running_loop().run_in_executor(self.pool, run_stamped, engine, works)
             back = time.monotonic()
+            if results:
+                self.cost.observe(len(results), _batch_seconds(results))
             for (_, fut), res in zip(batch, results):
                 res.sent, res.back = sent, back
                 if not fut.done():
@@ -135,6 +217,7 @@ class Batcher:
                 if not fut.done():
                     fut.set_exception(e)
         finally:
+            self.inflight_calls -= len(batch)
             self.slots.release()
 
     async def drain(self, timeout: float) -> None:

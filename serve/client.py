@@ -15,13 +15,19 @@ from proto.genrec.v1 import recommender_pb2 as pb
 from proto.genrec.v1 import recommender_pb2_grpc as pb_grpc
 
 
-def channel_for(targets: str | Sequence[str]) -> grpc.Channel:
+def channel_for(targets: str | Sequence[str], credentials: grpc.ChannelCredentials | None = None,
+                options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
+    """A channel to one target or, round-robin, several; TLS when ``credentials`` are given
+    (``grpc.ssl_channel_credentials(root_certificates=...)``)."""
     if isinstance(targets, str):
         targets = [targets]
+    opts = list(options)
     if len(targets) == 1:
-        return grpc.insecure_channel(targets[0])
-    addr = "ipv4:" + ",".join(targets)
-    return grpc.insecure_channel(addr, options=[("grpc.lb_policy_name", "round_robin")])
+        addr = targets[0]
+    else:
+        addr = "ipv4:" + ",".join(targets)
+        opts.append(("grpc.lb_policy_name", "round_robin"))
+    return grpc.secure_channel(addr, credentials, opts) if credentials else grpc.insecure_channel(addr, opts)
 
 
 def user(history: Sequence[int | tuple[int, int, int]], context: dict[str, Sequence[int]] | None = None,
@@ -40,10 +46,16 @@ def user(history: Sequence[int | tuple[int, int, int]], context: dict[str, Seque
 
 
 class RecommenderClient:
-    def __init__(self, targets: str | Sequence[str], timeout_s: float = 2.0) -> None:
-        self.channel = channel_for(targets)
+    """Recommender calls on ``targets``; Admin calls on ``admin_target`` (the server's own Admin
+    listener) with ``admin_token`` as its bearer token."""
+
+    def __init__(self, targets: str | Sequence[str], timeout_s: float = 2.0, admin_target: str | None = None,
+                 admin_token: str | None = None, credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.channel = channel_for(targets, credentials)
         self.stub = pb_grpc.RecommenderStub(self.channel)
-        self.admin = pb_grpc.AdminStub(self.channel)
+        self.admin_channel = channel_for(admin_target, credentials) if admin_target else None
+        self.admin = pb_grpc.AdminStub(self.admin_channel) if self.admin_channel else None
+        self.admin_metadata = (("authorization", f"Bearer {admin_token}"),) if admin_token else ()
         self.timeout = timeout_s
 
     def recommend(self, u: pb.User, retrieve_k: int = 0, top_k: int = 0,
@@ -59,11 +71,20 @@ class RecommenderClient:
         req = pb.RankRequest(user=u, objective=objective, candidates=[pb.Candidate(item_id=i, bid=b) for i, b in candidates])
         return self.stub.Rank(req, timeout=self.timeout)
 
+    def _admin_stub(self) -> pb_grpc.AdminStub:
+        if self.admin is None:
+            raise ValueError("no admin_target: Admin is served on its own listener (genrec serve --admin-port)")
+        return self.admin
+
     def load_artifact(self, path: str) -> pb.LoadArtifactResponse:
-        return self.admin.LoadArtifact(pb.LoadArtifactRequest(path=path), timeout=600)
+        return self._admin_stub().LoadArtifact(pb.LoadArtifactRequest(path=path), timeout=600,
+                                               metadata=self.admin_metadata)
 
     def info(self) -> pb.ModelInfo:
-        return self.admin.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
+        return self._admin_stub().GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout,
+                                               metadata=self.admin_metadata)
 
     def close(self) -> None:
         self.channel.close()
+        if self.admin_channel:
+            self.admin_channel.close()

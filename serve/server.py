@@ -2,28 +2,37 @@
 
 Seams (each has one job):
 
-    gRPC call (bytes) --serve.requests.decode--> Work (validated)  [INVALID_ARGUMENT here]
+    gRPC call (bytes)  [RESOURCE_EXHAUSTED past max_concurrent_rpcs, by gRPC itself]
+        --Batcher.admit--> [RESOURCE_EXHAUSTED at once if it could not start within its budget]
+        --serve.requests.decode--> Work (validated)  [INVALID_ARGUMENT here]
         --Batcher.submit--> queue (bounded)  [RESOURCE_EXHAUSTED when full]
         --batch loop--> engine.run(works) in a worker thread  [DEADLINE_EXCEEDED if expired]
         --> Result --> response proto
 
 Handlers take raw bytes (no generated deserializer), so a truncated or malformed message
-is answered INVALID_ARGUMENT by our decoder instead of INTERNAL by gRPC's. The server
-holds no state but its artifact: replicas scale behind any gRPC load balancer.
+is answered INVALID_ARGUMENT by our decoder instead of UNKNOWN by gRPC's; error details are
+bounded. The server holds no state but its artifact: replicas scale behind any gRPC load
+balancer. The public listener (optionally TLS, ``tls``) serves Recommender, health and
+reflection only; Admin has a listener of its own (``admin``: loopback, a bearer token,
+optionally TLS / mTLS) and loads artifacts from below one allowed folder only.
 
 Shutdown: health goes NOT_SERVING, new calls are refused, calls in flight finish (up to
-``grace_s``). Reload (Admin.LoadArtifact, or SIGHUP in ``genrec serve``): the new
-artifact loads in the background and is swapped in between batches; no call is dropped.
+``grace_s``), every wait after that is bounded. Reload (Admin.LoadArtifact, or SIGHUP in
+``genrec serve``): the new artifact is checked, loads in the background and is swapped in
+between batches; no call is dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import hmac
 import logging
 import math
+import multiprocessing as mp
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Literal
 
 import grpc
@@ -31,15 +40,63 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto.genrec.v1 import recommender_pb2 as pb
+from quant.artifact import ArtifactError, check_artifact
 from serve.batcher import BatchConfig, Batcher, DeadlineExceeded, Overloaded, ShuttingDown
 from serve.engine import Result
 from serve.metrics import ServerMetrics
-from serve.requests import InvalidRequest, Kind, Limits, decode
-from serve.worker import EnginePool, EngineProcess, ProcessSettings
+from serve.requests import InvalidRequest, Kind, Limits, decode, parse
+from serve.worker import EnginePool, EngineProcess, EngineProcessError, ProcessSettings
 
 log = logging.getLogger("genrec.serve")
 RECOMMENDER = "genrec.v1.Recommender"
 ADMIN = "genrec.v1.Admin"
+MAX_DETAIL = 512  # characters of an error detail (gRPC carries it in metadata)
+MAX_PATH = 4096
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """A listener's TLS. ``cert`` and ``key`` (PEM files) turn it on; ``client_ca`` (PEM) also
+    requires every client to present a certificate it signed (mutual TLS)."""
+
+    cert: str = ""
+    key: str = ""
+    client_ca: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert or self.key or self.client_ca)
+
+
+@dataclass(frozen=True)
+class AdminConfig:
+    """The Admin service (LoadArtifact, GetModelInfo): its own listener, never the public one.
+    Off unless ``token_file`` names a file holding a bearer token; every call must then send
+    ``authorization: Bearer <token>`` (and, with ``tls.client_ca``, a client certificate)."""
+
+    host: str = "127.0.0.1"  # loopback: reachable from this host only unless set otherwise
+    port: int = 0  # 0: any free port (printed at start)
+    token_file: str = ""
+    # LoadArtifact takes paths below this folder only ("": the folder holding the served artifact)
+    artifact_root: str = ""
+    load_timeout_s: float = 300.0  # an artifact check and engine start that take longer fail
+    tls: TLSConfig = field(default_factory=TLSConfig)
+
+
+@dataclass(frozen=True)
+class ConnectionConfig:
+    """Limits of the public listener, enforced by gRPC before a handler runs."""
+
+    # calls being handled at once; gRPC refuses more at once with RESOURCE_EXHAUSTED, before any
+    # Python runs for them (the cheapest refusal there is: the front-end's CPU stays for the calls
+    # it serves). Sized to the batcher's queue plus what the engines hold, with room for health checks.
+    max_concurrent_rpcs: int = 512
+    max_message_bytes: int = 4 << 20  # a request larger than this is refused unread
+    keepalive_time_s: float = 60.0  # ping an idle connection this often ...
+    keepalive_timeout_s: float = 20.0  # ... and close it if the ping goes unanswered this long
+    max_connection_idle_s: float = 600.0
+    max_connection_age_s: float = 3600.0  # clients reconnect now and then: load rebalances
+    max_connection_age_grace_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +110,9 @@ class ServeConfig:
     grace_s: float = 10.0
     batch: BatchConfig = field(default_factory=BatchConfig)
     limits: Limits = field(default_factory=Limits)
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    admin: AdminConfig = field(default_factory=AdminConfig)
+    connections: ConnectionConfig = field(default_factory=ConnectionConfig)
     # run the torch / naive engine in its own process (serve.worker): no GIL shared with
     # the front-end; the SGLang engine always runs in the server process
     engine_process: bool = False
@@ -94,6 +154,14 @@ def quiet_gc() -> None:
     gc.freeze()
 
 
+def kill_engine_processes() -> None:
+    """Kills every engine child process this process still has (spawned by serve.worker)."""
+    for child in mp.active_children():
+        if child.name.startswith("genrec-engine"):
+            child.kill()
+            child.join(5)
+
+
 def _log_failure(fut: asyncio.Future) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.error("closing the previous engine failed: %r", fut.exception())
@@ -112,6 +180,60 @@ def _scored(result: Result, tasks: tuple[str, ...]) -> list[pb.ScoredItem]:
     return out
 
 
+class AdminError(Exception):
+    """An Admin call refused: ``code`` is its gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def bounded(message: str, limit: int = MAX_DETAIL) -> str:
+    """An error detail of at most ``limit`` characters: details travel in gRPC metadata, whose
+    size is capped (8 KB by default); a detail quoting a long request string would turn the
+    intended status into RESOURCE_EXHAUSTED."""
+    return message if len(message) <= limit else message[: limit - 3] + "..."
+
+
+def _read_token(path: str) -> bytes:
+    token = Path(path).read_bytes().strip()
+    if len(token) < 16:
+        raise ValueError(f"admin token file {path}: the token must be at least 16 characters")
+    return token
+
+
+def _credentials(tls: TLSConfig) -> grpc.ServerCredentials | None:
+    if not tls.enabled:
+        return None
+    if not (tls.cert and tls.key):
+        raise ValueError("TLS needs both a certificate and a key (tls.cert, tls.key)")
+    ca = Path(tls.client_ca).read_bytes() if tls.client_ca else None
+    return grpc.ssl_server_credentials([(Path(tls.key).read_bytes(), Path(tls.cert).read_bytes())],
+                                       root_certificates=ca, require_client_auth=ca is not None)
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int, tls: TLSConfig) -> int:
+    creds = _credentials(tls)
+    addr = f"{host}:{port}"
+    bound = server.add_secure_port(addr, creds) if creds else server.add_insecure_port(addr)
+    if bound == 0:
+        raise OSError(f"cannot bind {addr}")
+    return bound
+
+
+def _server_options(c: ConnectionConfig) -> list[tuple[str, int]]:
+    ms = lambda s: int(s * 1000)  # noqa: E731
+    return [("grpc.max_receive_message_length", c.max_message_bytes),
+            ("grpc.keepalive_time_ms", ms(c.keepalive_time_s)),
+            ("grpc.keepalive_timeout_ms", ms(c.keepalive_timeout_s)),
+            ("grpc.max_connection_idle_ms", ms(c.max_connection_idle_s)),
+            ("grpc.max_connection_age_ms", ms(c.max_connection_age_s)),
+            ("grpc.max_connection_age_grace_ms", ms(c.max_connection_age_grace_s)),
+            # clients may ping every 10 s without data; more often is abuse and closes the connection
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ("grpc.http2.max_ping_strikes", 2)]
+
+
 class RecommenderServer:
     def __init__(self, cfg: ServeConfig, artifact: str, engine=None) -> None:  # noqa: ANN001
         self.cfg, self.artifact = cfg, artifact
@@ -120,10 +242,14 @@ class RecommenderServer:
         self.metrics = ServerMetrics()
         self.metrics.model.labels(self.engine.version, self.engine.name).set(1)
         self.server: grpc.aio.Server | None = None
+        self.admin_server: grpc.aio.Server | None = None
         self.batcher: Batcher | None = None
         self.health = health.aio.HealthServicer()
-        self.port = 0
+        self.port = self.admin_port = 0
+        self.admin_token = _read_token(cfg.admin.token_file) if cfg.admin.token_file else None
+        self.artifact_root = Path(cfg.admin.artifact_root or Path(artifact).resolve().parent).resolve()
         self._reloading = asyncio.Lock()
+        self._stopping = False
         self.stages: dict[str, float] = {"decode": 0.0, "encode_response": 0.0}
         self.served = 0
 
@@ -131,23 +257,17 @@ class RecommenderServer:
     async def start(self) -> int:
         self.batcher = Batcher(lambda: self.engine, self.cfg.batch, self.metrics.on_batch)
         self.batcher.start()
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)])
+        conn = self.cfg.connections
+        self.server = grpc.aio.server(options=_server_options(conn), maximum_concurrent_rpcs=conn.max_concurrent_rpcs)
         handlers = {m: grpc.unary_unary_rpc_method_handler(self._handler(k))
                     for m, k in (("Recommend", "recommend"), ("Retrieve", "retrieve"), ("Rank", "rank"))}
-        admin = {
-            "LoadArtifact": grpc.unary_unary_rpc_method_handler(
-                self._load_artifact, pb.LoadArtifactRequest.FromString, pb.LoadArtifactResponse.SerializeToString),
-            "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-                self._model_info, pb.GetModelInfoRequest.FromString, pb.ModelInfo.SerializeToString),
-        }
-        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(RECOMMENDER, handlers),
-                                              grpc.method_handlers_generic_handler(ADMIN, admin)))
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(RECOMMENDER, handlers),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        names = (RECOMMENDER, ADMIN, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+        names = (RECOMMENDER, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self.server)
-        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
-        if self.port == 0:
-            raise OSError(f"cannot bind {self.cfg.host}:{self.cfg.port}")
+        self.port = _bind(self.server, self.cfg.host, self.cfg.port, self.cfg.tls)
+        if self.admin_token is not None:
+            await self._start_admin()
         await self.server.start()
         for svc in ("", RECOMMENDER):
             await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)
@@ -157,27 +277,56 @@ class RecommenderServer:
         log.info("serving %s (%s engine) on %s:%d", self.engine.version, self.engine.name, self.cfg.host, self.port)
         return self.port
 
+    async def _start_admin(self) -> None:
+        a = self.cfg.admin
+        self.admin_server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 10)],
+                                            maximum_concurrent_rpcs=8)
+        admin = {"LoadArtifact": grpc.unary_unary_rpc_method_handler(self._admin(self._load_artifact)),
+                 "GetModelInfo": grpc.unary_unary_rpc_method_handler(self._admin(self._model_info))}
+        self.admin_server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(ADMIN, admin),))
+        self.admin_port = _bind(self.admin_server, a.host, a.port, a.tls if a.tls.enabled else self.cfg.tls)
+        await self.admin_server.start()
+        log.info("admin on %s:%d (token required; loads under %s)", a.host, self.admin_port, self.artifact_root)
+
     async def stop(self, grace: float | None = None) -> None:
-        """Graceful: NOT_SERVING, refuse new calls, let calls in flight finish."""
+        """Graceful and bounded: NOT_SERVING, refuse new calls, let calls in flight finish (up to
+        ``grace``), then stop the engines. A load in progress is abandoned (its engine stopped);
+        nothing here waits without a limit, so a shutdown always completes."""
         grace = self.cfg.grace_s if grace is None else grace
+        self._stopping = True
         await self.health.enter_graceful_shutdown()
+        if self.admin_server:
+            await self.admin_server.stop(0)
         if self.batcher:
             await self.batcher.drain(grace)
         if self.server:
             await self.server.stop(grace)
         if self.owns_engine and hasattr(self.engine, "close"):
-            await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
+            try:
+                await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, self.engine.close), grace + 5)
+            except TimeoutError:
+                log.error("the engine did not close in %.0fs", grace + 5)
+        if self.owns_engine:
+            kill_engine_processes()  # whatever is left: a load's engine still starting, a stuck child
 
     async def wait(self) -> None:
         if self.server:
             await self.server.wait_for_termination()
 
     async def reload(self, path: str) -> str:
-        """Loads ``path`` off the event loop, then swaps it in between batches."""
+        """Loads ``path`` off the event loop, then swaps it in between batches. One load at a
+        time (another is refused, not queued); a load runs to its end even if its caller goes
+        away, and a server that stops meanwhile closes the new engine instead of serving it."""
+        if self._reloading.locked():
+            raise AdminError(grpc.StatusCode.FAILED_PRECONDITION, "another LoadArtifact is in progress; retry after it")
         async with self._reloading:
             t0 = time.monotonic()
             loop = asyncio.get_running_loop()
-            engine = await loop.run_in_executor(None, open_engine, replace(self.cfg, engine=self.engine.name), path)
+            cfg = replace(self.cfg, engine=self.engine.name)
+            engine = await loop.run_in_executor(None, open_engine, cfg, path)
+            if self._stopping:
+                loop.run_in_executor(None, engine.close).add_done_callback(_log_failure)
+                raise ShuttingDown("the server is shutting down; the new artifact was not swapped in")
             old, self.engine, self.artifact = self.engine, engine, path
             self.metrics.model.labels(old.version, old.name).set(0)
             self.metrics.model.labels(engine.version, engine.name).set(1)
@@ -201,7 +350,7 @@ class RecommenderServer:
                 code, msg = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
             except (DeadlineExceeded, TimeoutError):
                 code, msg = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the request was served"
-            except ShuttingDown as e:
+            except (ShuttingDown, EngineProcessError) as e:  # (an engine that died: retry)
                 code, msg = grpc.StatusCode.UNAVAILABLE, str(e)
             except asyncio.CancelledError:
                 code = grpc.StatusCode.CANCELLED
@@ -212,18 +361,20 @@ class RecommenderServer:
             finally:
                 self.metrics.requests.labels(kind, code.name).inc()
                 self.metrics.latency.labels(kind).observe(time.monotonic() - t0)
-            await context.abort(code, msg)
+            await context.abort(code, bounded(msg))
 
         return handle
 
     async def _serve(self, kind: Kind, data: bytes, context: grpc.aio.ServicerContext, t0: float) -> bytes:
+        remaining = context.time_remaining()
+        budget = self.cfg.default_timeout_ms / 1e3 if remaining is None or math.isinf(remaining) else remaining
+        deadline = t0 + budget
+        self.batcher.admit(deadline)  # before decoding: a refusal costs next to nothing
         engine = self.engine
         work = decode(kind, data, engine.schema, self.cfg.limits)
         decoded = time.monotonic()
         self.stages["decode"] += decoded - t0
-        remaining = context.time_remaining()
-        budget = self.cfg.default_timeout_ms / 1e3 if remaining is None or math.isinf(remaining) else remaining
-        work.deadline = t0 + budget
+        work.deadline = deadline
         self.metrics.queue_depth.set(self.batcher.depth)
         result = await self.batcher.submit(work, timeout=max(work.deadline - time.monotonic(), 0))
         started = result.started or result.sent  # when the engine began the batch
@@ -244,15 +395,80 @@ class RecommenderServer:
         """Seconds per stage since start (server side + the engine's), and calls served."""
         return {"served": self.served, "stages_s": {**self.stages, **getattr(self.engine, "stages", {})}}
 
-    async def _load_artifact(self, req: pb.LoadArtifactRequest, context: grpc.aio.ServicerContext) -> pb.LoadArtifactResponse:
-        t0 = time.monotonic()
+    # ----- Admin ----------------------------------------------------------------------------
+    def _admin(self, method):  # noqa: ANN001, ANN202 - an async gRPC handler
+        """An Admin method behind the token check, taking raw bytes (so a malformed message is
+        INVALID_ARGUMENT, not gRPC's UNKNOWN) and mapping every failure to a status."""
+
+        async def handle(data: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            name = method.__name__.lstrip("_")
+            code, msg = grpc.StatusCode.OK, ""
+            try:
+                self._authenticate(context)
+                return (await method(data, context)).SerializeToString()
+            except AdminError as e:
+                code, msg = e.code, str(e)
+            except InvalidRequest as e:
+                code, msg = grpc.StatusCode.INVALID_ARGUMENT, str(e)
+            except ArtifactError as e:
+                code, msg = grpc.StatusCode.FAILED_PRECONDITION, f"artifact: {e}"
+            except ShuttingDown as e:
+                code, msg = grpc.StatusCode.UNAVAILABLE, str(e)
+            except (EngineProcessError, OSError) as e:
+                code, msg = grpc.StatusCode.FAILED_PRECONDITION, f"the artifact could not be loaded: {e}"
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as e:  # noqa: BLE001 - a bad artifact must not take the server down
+                log.exception("Admin.%s failed", name)
+                code, msg = grpc.StatusCode.FAILED_PRECONDITION, f"the artifact could not be loaded: {type(e).__name__}: {e}"
+            finally:
+                self.metrics.requests.labels(f"admin_{name}", code.name).inc()
+            await context.abort(code, bounded(msg))
+
+        return handle
+
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        sent = [v for k, v in (context.invocation_metadata() or ()) if k == "authorization"]
+        if not sent:
+            raise AdminError(grpc.StatusCode.UNAUTHENTICATED, "Admin needs 'authorization: Bearer <token>' metadata")
+        value = sent[0].encode() if isinstance(sent[0], str) else sent[0]
+        if not (value.startswith(b"Bearer ") and hmac.compare_digest(value[7:], self.admin_token)):
+            raise AdminError(grpc.StatusCode.PERMISSION_DENIED, "wrong admin token")
+
+    def resolve_artifact(self, path: str) -> Path:
+        """``path`` (absolute, or relative to the artifact root) resolved, symlinks and ``..``
+        included, and checked to lie below the artifact root."""
+        if not path:
+            raise InvalidRequest("path: is empty; name an artifact folder")
+        if len(path) > MAX_PATH or "\0" in path:
+            raise InvalidRequest(f"path: longer than {MAX_PATH} characters or not a path")
         try:
-            version = await self.reload(req.path)
-        except (ValueError, FileNotFoundError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"path: {e}")
+            resolved = (self.artifact_root / path).resolve()
+        except (OSError, RuntimeError, ValueError) as e:
+            raise InvalidRequest(f"path: cannot be resolved ({type(e).__name__})") from None
+        if not resolved.is_relative_to(self.artifact_root):
+            raise AdminError(grpc.StatusCode.PERMISSION_DENIED,
+                             f"path: outside the artifact root {self.artifact_root}; loads are allowed below it only")
+        return resolved
+
+    async def _load_artifact(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.LoadArtifactResponse:
+        t0 = time.monotonic()
+        req = parse(pb.LoadArtifactRequest, data)
+        path = self.resolve_artifact(req.path)
+        loop = asyncio.get_running_loop()
+        timeout = self.cfg.admin.load_timeout_s
+        # the cheap checks (stat calls, a bounded JSON read) before any engine starts: a wrong
+        # path costs milliseconds, not an engine process
+        try:
+            await asyncio.wait_for(loop.run_in_executor(None, check_artifact, path), min(timeout, 30.0))
+        except TimeoutError:
+            raise AdminError(grpc.StatusCode.DEADLINE_EXCEEDED, "path: the artifact check did not finish in time") from None
+        version = await asyncio.shield(self.reload(str(path)))
         return pb.LoadArtifactResponse(model_version=version, load_seconds=time.monotonic() - t0)
 
-    async def _model_info(self, req: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+    async def _model_info(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        parse(pb.GetModelInfoRequest, data)
         e = self.engine
         s = e.schema
         q = e.manifest.quantization

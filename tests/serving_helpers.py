@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import tempfile
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from quant.convert import QuantizeConfig, export
+from serve.client import RecommenderClient
 from serve.server import RecommenderServer, ServeConfig
 from tests.conftest import tiny_job_overrides
 from train.job import load_job
@@ -53,17 +57,37 @@ def tiny_ranking_artifact(data: Path, out: Path, tower: str = "hstu", embeddings
     return art
 
 
+ADMIN_TOKEN = "test-admin-token-0123456789"
+
+
+def admin_token_file() -> str:
+    """A file holding ADMIN_TOKEN (readable by its owner only, as an operator would keep it)."""
+    fd, path = tempfile.mkstemp(prefix="genrec-admin-token-")
+    os.write(fd, ADMIN_TOKEN.encode())
+    os.close(fd)
+    return path
+
+
 class ThreadedServer:
-    """A RecommenderServer running its own event loop on a background thread."""
+    """A RecommenderServer running its own event loop on a background thread. Admin is on (its
+    own loopback port, ``admin_target``, token ADMIN_TOKEN) unless the config sets a token file."""
 
     def __init__(self, artifact: Path, cfg: ServeConfig | None = None, engine=None) -> None:  # noqa: ANN001
-        self.cfg = cfg or ServeConfig(host="127.0.0.1", port=0)
+        cfg = cfg or ServeConfig(host="127.0.0.1", port=0)
+        if not cfg.admin.token_file:
+            cfg = replace(cfg, admin=replace(cfg.admin, token_file=admin_token_file()))
+        self.cfg = cfg
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.server = self.call(self._make(str(artifact), engine))
         self.port = self.call(self.server.start())
         self.target = f"127.0.0.1:{self.port}"
+        self.admin_target = f"127.0.0.1:{self.server.admin_port}"
+
+    def client(self, timeout_s: float = 2.0) -> RecommenderClient:
+        """A client of this server, Admin included."""
+        return RecommenderClient(self.target, timeout_s, admin_target=self.admin_target, admin_token=ADMIN_TOKEN)
 
     async def _make(self, artifact: str, engine) -> RecommenderServer:  # noqa: ANN001
         return RecommenderServer(self.cfg, artifact, engine)

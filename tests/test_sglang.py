@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from proto.genrec.v1 import recommender_pb2 as pb
-from serve.client import RecommenderClient, user
+from serve.client import user
 from serve.engine import TorchEngine
 from serve.requests import Limits, decode
 from tests.serving_helpers import ThreadedServer, tiny_ranking_artifact
@@ -64,7 +64,7 @@ def test_sglang_engine_behind_the_grpc_server(artifacts):
     engine = SGLangEngine(artifacts["hstu"])
     srv = ThreadedServer(artifacts["hstu"], engine=engine)
     try:
-        c = RecommenderClient(srv.target, timeout_s=30)
+        c = srv.client(timeout_s=30)
         u = user([(5, 1_700_000_000, 3), (9, 1_700_000_060, 1)], {"region": [2]})
         rec = c.recommend(u, retrieve_k=20, top_k=5)
         assert len(rec.items) == 5 and c.info().engine == "sglang"

@@ -1,0 +1,349 @@
+"""The serving tier's boundary: Admin on its own authenticated listener, artifact paths confined
+to one folder and checked before any engine starts, every Admin failure a proper status, TLS,
+and a shutdown that completes whatever state Admin was left in."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import pytest
+
+from proto.genrec.v1 import recommender_pb2 as pb
+from serve.client import RecommenderClient, user
+from serve.server import AdminConfig, ServeConfig, TLSConfig
+from tests.serving_helpers import (
+    ADMIN_TOKEN,
+    ThreadedServer,
+    admin_token_file,
+    tiny_ranking_artifact,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+T0 = 1_700_000_000
+BAD = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+
+
+@pytest.fixture(scope="module")
+def root(tiny_synth, tmp_path_factory):
+    """An artifact root holding one real artifact (``root / "live"``)."""
+    out = tmp_path_factory.mktemp("security")
+    art = tiny_ranking_artifact(tiny_synth, out)
+    root = out / "artifacts"
+    root.mkdir()
+    shutil.copytree(art, root / "live")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(root):
+    cfg = ServeConfig(host="127.0.0.1", port=0, admin=AdminConfig(token_file=admin_token_file()))
+    srv = ThreadedServer(root / "live", cfg)
+    yield srv
+    srv.stop()
+
+
+def admin_call(target: str, method: str, body: bytes, token: str | None = ADMIN_TOKEN,
+               timeout: float = 30.0) -> tuple[grpc.StatusCode, str]:
+    with grpc.insecure_channel(target) as ch:
+        call = ch.unary_unary(f"/genrec.v1.Admin/{method}")
+        md = (("authorization", f"Bearer {token}"),) if token is not None else ()
+        try:
+            call(body, timeout=timeout, metadata=md)
+            return grpc.StatusCode.OK, ""
+        except grpc.RpcError as e:
+            return e.code(), e.details() or ""
+
+
+def load(srv: ThreadedServer, path: str, token: str | None = ADMIN_TOKEN) -> tuple[grpc.StatusCode, str]:
+    return admin_call(srv.admin_target, "LoadArtifact", pb.LoadArtifactRequest(path=path).SerializeToString(), token)
+
+
+def test_admin_is_not_served_on_the_public_port(server):
+    code, _ = admin_call(server.target, "GetModelInfo", b"")
+    assert code == grpc.StatusCode.UNIMPLEMENTED
+    code, _ = admin_call(server.target, "LoadArtifact", pb.LoadArtifactRequest(path="live").SerializeToString())
+    assert code == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_admin_needs_the_token(server):
+    assert admin_call(server.admin_target, "GetModelInfo", b"", token=None)[0] == grpc.StatusCode.UNAUTHENTICATED
+    assert admin_call(server.admin_target, "GetModelInfo", b"", token="wrong")[0] == grpc.StatusCode.PERMISSION_DENIED
+    assert load(server, "live", token=None)[0] == grpc.StatusCode.UNAUTHENTICATED
+    assert admin_call(server.admin_target, "GetModelInfo", b"")[0] == grpc.StatusCode.OK
+    assert server.client().info().tower == "hstu"
+
+
+def test_admin_is_off_without_a_token_file(root):
+    from serve.server import RecommenderServer
+
+    async def started() -> tuple[object, int]:
+        srv = RecommenderServer(ServeConfig(host="127.0.0.1", port=0), str(root / "live"))
+        await srv.start()
+        await srv.stop(0)
+        return srv.admin_server, srv.admin_port
+
+    assert asyncio.run(started()) == (None, 0)
+
+
+@pytest.mark.parametrize("path", ["../../../../../etc", "/etc", "/proc/self", "live/../../..", "/"])
+def test_paths_outside_the_artifact_root_are_refused_before_any_engine_starts(server, path):
+    before, engine = len(mp.active_children()), server.server.engine
+    code, detail = load(server, path)
+    assert code == grpc.StatusCode.PERMISSION_DENIED, detail
+    assert "outside the artifact root" in detail
+    assert server.server.engine is engine and len(mp.active_children()) == before
+
+
+def test_a_symlink_out_of_the_root_is_refused(server, root, tmp_path):
+    outside = tmp_path / "elsewhere"
+    shutil.copytree(root / "live", outside)
+    (root / "link").symlink_to(outside)
+    try:
+        assert load(server, "link")[0] == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        (root / "link").unlink()
+
+
+def _bad_artifact(root: Path, name: str) -> Path:
+    d = root / name
+    shutil.rmtree(d, ignore_errors=True)
+    shutil.copytree(root / "live", d)
+    return d
+
+
+def test_malformed_artifacts_get_failed_precondition_and_never_open_a_foreign_file(server, root):
+    cases = {}
+    d = _bad_artifact(root, "traversal")  # a manifest naming a file outside its folder
+    m = json.loads((d / "manifest.json").read_text())
+    m["files"]["../../../../../etc/passwd"] = m["files"].pop("dense.safetensors")
+    (d / "manifest.json").write_text(json.dumps(m))
+    cases["traversal"] = "etc/passwd"
+    d = _bad_artifact(root, "fifo")  # a FIFO named manifest.json: opening it would block
+    (d / "manifest.json").unlink()
+    os.mkfifo(d / "manifest.json")
+    cases["fifo"] = "not a regular file"
+    d = _bad_artifact(root, "dir")
+    (d / "manifest.json").unlink()
+    (d / "manifest.json").mkdir()
+    cases["dir"] = "not a regular file"
+    d = _bad_artifact(root, "keys")
+    m = json.loads((d / "manifest.json").read_text())
+    del m["model"]
+    (d / "manifest.json").write_text(json.dumps(m))
+    cases["keys"] = "lacks the key 'model'"
+    d = _bad_artifact(root, "truncated")
+    with open(d / "dense.safetensors", "r+b") as f:
+        f.truncate(100)
+    cases["truncated"] = "truncated"
+    d = _bad_artifact(root, "notjson")
+    (d / "manifest.json").write_bytes(b"\xff\xfe{")
+    cases["notjson"] = "not valid JSON"
+    cases["missing"] = "no manifest.json"
+    (root / "missing").mkdir(exist_ok=True)
+    engine = server.server.engine
+    for name, words in cases.items():
+        code, detail = load(server, name)
+        assert code == grpc.StatusCode.FAILED_PRECONDITION, (name, code, detail)
+        assert words in detail, (name, detail)
+    assert server.server.engine is engine
+
+
+def test_odd_requests_get_a_status_never_unknown(server, root):
+    long_name = "a" * 10_000
+    assert load(server, long_name)[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert load(server, "")[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert load(server, "x\0y")[0] == grpc.StatusCode.INVALID_ARGUMENT
+    code, detail = load(server, "does-not-exist-" + "b" * 3000)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and len(detail) <= 512
+    for body in (b"\xff\xff\xff", b"\x0a\xff", b"\x08" * 3):
+        assert admin_call(server.admin_target, "GetModelInfo", body)[0] == grpc.StatusCode.INVALID_ARGUMENT
+        assert admin_call(server.admin_target, "LoadArtifact", body)[0] == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_fuzzed_admin_calls_never_get_unknown_or_internal(server):
+    rng = random.Random(7)
+    valid = pb.LoadArtifactRequest(path="nowhere").SerializeToString()
+    seen = set()
+    for i in range(300):
+        body = bytearray(valid)
+        for _ in range(rng.randint(1, 4)):
+            op = rng.random()
+            if op < 0.4 and body:
+                body[rng.randrange(len(body))] = rng.randrange(256)
+            elif op < 0.7:
+                body = body[: rng.randrange(len(body) + 1)]
+            else:
+                body += bytes(rng.randrange(256) for _ in range(rng.randint(1, 16)))
+        token = [ADMIN_TOKEN, None, "x" * 40][i % 3]
+        for method in ("GetModelInfo", "LoadArtifact"):
+            code, _ = admin_call(server.admin_target, method, bytes(body), token)
+            assert code not in BAD, (method, bytes(body), code)
+            seen.add(code)
+    assert {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED} <= seen
+
+
+def test_a_second_load_while_one_runs_is_refused_and_one_engine_stays(root):
+    cfg = ServeConfig(host="127.0.0.1", port=0, engine_process=True)
+    srv = ThreadedServer(root / "live", cfg)
+    try:
+        results = []
+        t = threading.Thread(target=lambda: results.append(load(srv, "live")))
+        t.start()
+        deadline = time.monotonic() + 30
+        while not srv.server._reloading.locked() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        code, detail = load(srv, "live")
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "in progress" in detail
+        t.join(120)
+        assert results[0][0] == grpc.StatusCode.OK
+        deadline = time.monotonic() + 60  # the replaced engine process stops after its batch
+        while len([c for c in mp.active_children() if c.name.startswith("genrec-engine")]) > 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        srv.stop()
+
+
+def _self_signed(tmp: Path, name: str) -> tuple[Path, Path]:
+    key, cert = tmp / f"{name}.key", tmp / f"{name}.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return key, cert
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make test certificates")
+def test_tls_and_mutual_tls_on_the_public_port(root, tmp_path):
+    key, cert = _self_signed(tmp_path, "server")
+    ckey, ccert = _self_signed(tmp_path, "client")
+    u = user([(5, T0, 1), (9, T0 + 60, 1)], {"region": [2]})
+    srv = ThreadedServer(root / "live", ServeConfig(host="127.0.0.1", port=0, tls=TLSConfig(str(cert), str(key))))
+    try:
+        creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        assert len(RecommenderClient(srv.target, 10, credentials=creds).retrieve(u, k=3).items) == 3
+        with pytest.raises(grpc.RpcError) as e:  # plaintext to a TLS port
+            RecommenderClient(srv.target, 3).retrieve(u, k=3)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        # Admin shares the server's certificate unless it has its own
+        admin = RecommenderClient(srv.target, 10, admin_target=srv.admin_target, admin_token=ADMIN_TOKEN,
+                                  credentials=creds)
+        assert admin.info().tower == "hstu"
+    finally:
+        srv.stop()
+    mtls = TLSConfig(str(cert), str(key), client_ca=str(ccert))
+    srv = ThreadedServer(root / "live", ServeConfig(host="127.0.0.1", port=0, tls=mtls))
+    try:
+        anonymous = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        with pytest.raises(grpc.RpcError) as e:
+            RecommenderClient(srv.target, 3, credentials=anonymous).retrieve(u, k=3)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        known = grpc.ssl_channel_credentials(cert.read_bytes(), ckey.read_bytes(), ccert.read_bytes())
+        assert len(RecommenderClient(srv.target, 10, credentials=known).retrieve(u, k=3).items) == 3
+    finally:
+        srv.stop()
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def test_sigterm_under_load_with_a_load_in_progress_answers_admitted_calls_and_exits(root, tmp_path):
+    token = admin_token_file()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "genrec.cli", "serve", "--artifact", str(root / "live"),
+                             "--host", "127.0.0.1", "--port", "0", "--threads", "1", "--admin-token-file", token,
+                             "--grace-s", "5"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        port = admin = None
+        deadline = time.time() + 120
+        while time.time() < deadline and not (port and admin):
+            line = proc.stdout.readline()
+            if m := re.search(r"on 127\.0\.0\.1:(\d+)$", line.strip()):
+                port = int(m.group(1))
+            if m := re.search(r"admin on 127\.0\.0\.1:(\d+)", line):
+                admin = int(m.group(1))
+        assert port and admin, "server did not start"
+        threading.Thread(target=lambda: [_ for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
+        c = RecommenderClient(f"127.0.0.1:{port}", 20, admin_target=f"127.0.0.1:{admin}", admin_token=ADMIN_TOKEN)
+        u = user([(5, T0, 1), (9, T0 + 60, 1)], {"region": [2]})
+        codes: list[str] = []
+        stop = threading.Event()
+
+        def traffic() -> None:
+            while not stop.is_set():
+                try:
+                    c.retrieve(u, k=3)
+                    codes.append("OK")
+                except grpc.RpcError as e:
+                    codes.append(e.code().name)
+
+        workers = [threading.Thread(target=traffic) for _ in range(3)]
+        for w in workers:
+            w.start()
+        loading = threading.Thread(target=lambda: codes.append(_load_code(c, str(root / "live"))))
+        loading.start()
+        time.sleep(1.0)  # the new engine process is starting
+        kids = _children(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=5 + 30) == 0
+        stop.set()
+        for w in workers:
+            w.join(30)
+        loading.join(30)
+        assert "OK" in codes
+        # admitted calls were answered; later ones were refused as the server went away
+        assert set(codes) <= {"OK", "UNAVAILABLE", "CANCELLED"}, set(codes)
+        time.sleep(0.5)
+        assert not [k for k in kids if Path(f"/proc/{k}").exists() and "zombie" not in _state(k)], "engine left running"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _load_code(c: RecommenderClient, path: str) -> str:
+    try:
+        c.load_artifact(path)
+        return "OK"
+    except grpc.RpcError as e:
+        return e.code().name
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
+    except (FileNotFoundError, IndexError):
+        return "zombie"
+
+
+def test_config_file_and_overrides_reach_the_server_config(tmp_path):
+    from genrec.cli import build_parser
+    from genrec.config import ConfigError
+    from serve.cli import config_from_args, with_config_file
+
+    args, _ = build_parser().parse_known_args(["serve", "--artifact", "a", "--admin-port", "7"])
+    f = tmp_path / "serve.toml"
+    f.write_text("[serve.connections]\nmax_concurrent_rpcs = 64\n[serve.batch]\nmax_queue_ms = 25.0\n")
+    cfg = with_config_file(config_from_args(args), str(f), ["--serve.admin.load_timeout_s=60"])
+    assert cfg.connections.max_concurrent_rpcs == 64 and cfg.batch.max_queue_ms == 25.0
+    assert cfg.admin.port == 7 and cfg.admin.load_timeout_s == 60
+    with pytest.raises(ConfigError, match="no_such_key"):
+        with_config_file(cfg, None, ["--serve.no_such_key=1"])
+    assert replace(cfg, port=1).port == 1
