@@ -347,3 +347,53 @@ def test_config_file_and_overrides_reach_the_server_config(tmp_path):
     with pytest.raises(ConfigError, match="no_such_key"):
         with_config_file(cfg, None, ["--serve.no_such_key=1"])
     assert replace(cfg, port=1).port == 1
+
+
+def test_batch_cost_model_recovers_a_fixed_and_a_per_call_part():
+    from serve.batcher import BatchCost
+
+    cost = BatchCost()
+    assert cost.coefficients() is None and cost.wait(3, 30) == 0.0
+    cost.observe(1, 0.003)  # one size only: the per-call mean
+    assert cost.coefficients() == pytest.approx((0.0, 0.003))
+    for size in (1, 2, 4, 8, 16, 32) * 5:
+        cost.observe(size, 0.002 + 0.0005 * size)
+    a, c = cost.coefficients()
+    assert a == pytest.approx(0.002, rel=0.1) and c == pytest.approx(0.0005, rel=0.1)
+    assert cost.wait(2, 10) == pytest.approx(2 * a + 10 * c)
+
+
+def test_admission_refuses_at_once_what_could_not_start_in_time():
+    from serve.batcher import BatchConfig, Batcher, Overloaded
+
+    async def scenario() -> list[str]:
+        b = Batcher(lambda: None, BatchConfig(max_batch=4, max_queue=100, max_queue_ms=10))
+        out = []
+        now = time.monotonic()
+        b.admit(now + 1)  # nothing known yet: admitted
+        for _ in range(20):
+            b.cost.observe(4, 0.008)  # 2 ms a call
+        b.admit(now + 1)  # empty queue: ~2 ms to finish
+        b.queue.extend([(None, None)] * 4)  # 8 ms of work ahead: within 10 ms
+        b.admit(now + 1)
+        try:
+            b.admit(now + 0.005)  # but not within this caller's 5 ms
+        except Overloaded as e:
+            out.append(str(e))
+        b.queue.extend([(None, None)] * 2)  # 12 ms ahead: past max_queue_ms
+        try:
+            b.admit(now + 1)
+        except Overloaded as e:
+            out.append(str(e))
+        b.queue.clear()
+        b.inflight_calls = 8  # two batches of four in the engine: 16 ms
+        b.running = {1, 2}
+        try:
+            b.admit(now + 1)
+        except Overloaded as e:
+            out.append(str(e))
+        return out
+
+    refusals = asyncio.run(scenario())
+    assert len(refusals) == 3
+    assert "deadline" in refusals[0] and "10 ms" in refusals[1] and "10 ms" in refusals[2]
