@@ -74,6 +74,9 @@ class StepResult:
     # CPU time busy, and time the hypervisor ran something else while a virtual CPU had work ("steal")
     cpu_busy_pct: float = math.nan
     steal_pct: float = math.nan
+    # how fast a refusal (RESOURCE_EXHAUSTED: the server shedding load) reached the caller
+    refused_p50_ms: float = math.nan
+    refused_p99_ms: float = math.nan
 
 
 @dataclass
@@ -172,12 +175,14 @@ def cpu_shares(before: tuple[float, float, float] | None,
 
 
 def run_step(call, payloads: list[bytes], qps: float, duration: float, timeout: float,
-             seed: int, max_requests: int, bar: tqdm | None = None, response=None) -> StepResult:  # noqa: ANN001
+             seed: int, max_requests: int, bar: tqdm | None = None, response=None,  # noqa: ANN001
+             calls: list[tuple[float, float, str]] | None = None) -> StepResult:
     """One open-loop step. ``call``: a (sync) unary-unary callable of a channel; this thread
     sleeps to each scheduled send time and starts the call without waiting for it
     (``call.future``), the answer is timed when gRPC completes it (its callback thread).
     ``response``: the reply's message class; when given, each answer's ``timing`` splits
-    its latency into the server's part and the rest.
+    its latency into the server's part and the rest. ``calls``: when given, every call is
+    appended as (scheduled time since the step's start, latency, status code name).
 
     The sender sleeps with ``time.sleep`` (a nanosecond timer) rather than an event loop's
     timer, whose millisecond granularity made the old asyncio sender ~0.8 ms late at the
@@ -189,7 +194,7 @@ def run_step(call, payloads: list[bytes], qps: float, duration: float, timeout: 
     offsets = offsets[offsets < duration][:max_requests]
     hist, codes = Histogram(), Counter()
     server, compute, outside, lateness = Histogram(), Histogram(), Histogram(), Histogram()
-    decode, wait, handoff = Histogram(), Histogram(), Histogram()
+    decode, wait, handoff, refused = Histogram(), Histogram(), Histogram(), Histogram()
     lock, finished = threading.Lock(), threading.Event()
     state = {"batch_sum": 0, "pending": len(offsets)}  # what the callbacks update
 
@@ -204,6 +209,10 @@ def run_step(call, payloads: list[bytes], qps: float, duration: float, timeout: 
         timing = _timing(response, reply) if reply is not None and response is not None else None
         with lock:
             codes[code] += 1
+            if calls is not None:
+                calls.append((scheduled - start, took, code))
+            if code == "RESOURCE_EXHAUSTED":
+                refused.record(took)
             if reply is not None:
                 hist.record(took)
                 if timing is not None:
@@ -257,7 +266,7 @@ def run_step(call, payloads: list[bytes], qps: float, duration: float, timeout: 
                       ms(server, 50), ms(server, 99), ms(compute, 50), ms(compute, 99), ms(outside, 50), ms(outside, 99), ms(lateness, 99),
                       batch_sum / server.total if server.total else math.nan,
                       ms(decode, 50), ms(decode, 99), ms(wait, 50), ms(wait, 99), ms(handoff, 50), ms(handoff, 99),
-                      cpu_busy_pct=busy, steal_pct=steal)
+                      cpu_busy_pct=busy, steal_pct=steal, refused_p50_ms=ms(refused, 50), refused_p99_ms=ms(refused, 99))
 
 
 def step_seconds(qps: float, duration: float, min_requests: int = 0) -> float:
