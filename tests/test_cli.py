@@ -72,3 +72,14 @@ def test_cpu_identity_tells_cpu_generations_apart(tmp_path):
         "AMD EPYC (family 25 model 17, avx2+avx512f+avx512_bf16)", ["avx2", "avx512f", "avx512_bf16"])
     assert cpu_identity(info(1, "avx2")) == ("AMD EPYC (family 25 model 1, avx2)", ["avx2"])
     assert cpu_identity(tmp_path / "missing") == (None, [])
+
+
+def test_bad_input_leaves_no_partial_dataset(tmp_path):
+    bad = tmp_path / "seq.txt"
+    bad.write_text("1 2 3 4\n2 4 5 99999999999999999999\n")
+    proc = genrec("data", "convert", "sequences", bad, "--out", tmp_path / "d", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "genrec: error: " in proc.stderr and "seq.txt:2: item id 99999999999999999999 (field 4)" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["seq.txt"]
+
+

@@ -192,3 +192,72 @@ def test_id_outside_the_table_is_an_error_or_hashed(tmp_path):
         list(SequenceReader(tmp_path / "d", "train", embedding=emb(50), max_seq_len=8, batch_size=4))
     (b,) = list(SequenceReader(tmp_path / "d", "train", embedding=emb(50, "hash"), max_seq_len=8, batch_size=4))
     assert b.seq.values().max() < 50 and b.targets.max() < 50
+
+
+# ----- bad data: named errors, nothing partial left behind (issue 30) ------------------------
+
+
+def leftovers(folder, keep):
+    return sorted(p.name for p in folder.iterdir() if p.name not in keep)
+
+
+@pytest.mark.parametrize("text,err", [
+    (b"1 5 6 7\n2 8 5 99999999999999999999\n", r"seq.txt:2: item id 99999999999999999999 \(field 4\) does not fit in int64"),
+    (b"1 5 6 7\n2 8 \xff 9\n", r"seq.txt:2: byte 0xff at column 5 is not valid utf-8; convert the file to utf-8"),
+    (b"", r"seq.txt: no users \(the file is empty or blank\)"),
+    (b"\n  \n", r"seq.txt: no users"),
+])
+def test_bad_input_is_named_and_leaves_no_output(tmp_path, text, err):
+    src = tmp_path / "seq.txt"
+    src.write_bytes(text)
+    with pytest.raises(DataFormatError, match=err):
+        convert_sequences(src, tmp_path / "out")
+    assert leftovers(tmp_path, {"seq.txt"}) == []  # no out/, no staging directory
+
+
+def test_ratings_id_above_int64_and_empty_ratings_are_named(tmp_path):
+    src = tmp_path / "ratings.dat"
+    src.write_text("1::20::5::300\n1::10::3::18446744073709551616\n")
+    with pytest.raises(DataFormatError, match=r"ratings.dat:2: Timestamp 18446744073709551616 \(field 4\)"):
+        convert_ratings(src, tmp_path / "out")
+    src.write_text("")
+    with pytest.raises(DataFormatError, match="ratings.dat: no users"):
+        convert_ratings(src, tmp_path / "out")
+    assert leftovers(tmp_path, {"ratings.dat"}) == []
+
+
+def test_a_failed_conversion_keeps_the_earlier_dataset_and_a_good_one_replaces_it(tmp_path):
+    src, out = tmp_path / "seq.txt", tmp_path / "out"
+    src.write_text("1 5 6 7\n")
+    convert_sequences(src, out)
+    src.write_text("1 5 6 7 8\n2 x\n")
+    with pytest.raises(DataFormatError, match="seq.txt:2"):
+        convert_sequences(src, out)
+    assert rows(out)[0]["item_ids"] == [5, 6, 7] and read_info(out).num_events == 3
+    src.write_text("1 5 6 7 8\n")
+    convert_sequences(src, out)
+    assert rows(out)[0]["item_ids"] == [5, 6, 7, 8] and leftovers(tmp_path, {"seq.txt", "out"}) == []
+    (out / "notes.txt").write_text("mine")  # not a dataset any more: never deleted
+    with pytest.raises(DataFormatError, match="notes.txt.*choose a new or empty --out"):
+        convert_sequences(src, out)
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_interrupted_synth_leaves_nothing(tmp_path, monkeypatch):
+    import train.data.synthetic as synthetic
+
+    real, calls = synthetic._users_chunk, []
+
+    def chunk_then_interrupt(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(synthetic, "_users_chunk", chunk_then_interrupt)
+    cfg = SyntheticConfig(num_users=30, num_items=100, num_topics=4, median_len=6, chunk_users=10)
+    with pytest.raises(KeyboardInterrupt):
+        generate(cfg, tmp_path / "out", progress=False)
+    assert leftovers(tmp_path, set()) == []
+
+

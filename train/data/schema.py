@@ -21,6 +21,9 @@ Item ids are kept as the source gives them (no re-indexing), so a served id is a
 from __future__ import annotations
 
 import json
+import os
+import secrets
+import shutil
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,6 +36,7 @@ FORMAT = "genrec.interactions"
 FORMAT_VERSION = 1
 ROW_GROUP_SIZE = 8192
 CONTEXT_PREFIX = "ctx_"
+DATASET_FILES = ("dataset.json", "interactions.parquet", "items.parquet")
 
 BASE_SCHEMA = pa.schema(
     [
@@ -79,8 +83,70 @@ def schema_for(context_features: Iterable[str], extra_columns: dict[str, str] | 
     return pa.schema(fields)
 
 
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_replaceable(out: Path) -> None:
+    """A dataset output may replace nothing, an empty directory or an earlier dataset; never a
+    file or a directory holding anything else (replacing it would delete a user's files)."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise DataFormatError(f"{out}: exists and is not a directory; choose a new --out directory")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in DATASET_FILES)
+    if foreign:
+        raise DataFormatError(f"{out}: exists and holds files that are not part of a genrec dataset "
+                              f"({', '.join(foreign[:3])}); choose a new or empty --out directory")
+
+
+class StagedDir:
+    """All-or-nothing output directory: files go into a hidden sibling ``.<name>.tmp-*``,
+    which ``commit`` fsyncs and renames onto the target; ``discard`` deletes it. A reader thus
+    sees a dataset whole or not at all, and a failed writer (bad input line, full disk,
+    Ctrl-C) leaves the target as it was. A sibling, so the rename stays on one filesystem."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        check_replaceable(out)  # before the work, not after an hour of conversion
+        out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = self._sibling("tmp")
+        self.tmp.mkdir()  # not mkdtemp: its 0700 would stay on the dataset; mkdir keeps the umask's mode
+
+    def _sibling(self, kind: str) -> Path:
+        return self.out.parent / f".{self.out.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+
+    def commit(self) -> None:
+        for f in self.tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(self.tmp)
+        check_replaceable(self.out)  # it may have changed while we worked
+        if self.out.is_dir() and any(self.out.iterdir()):
+            # rename() only replaces an empty directory: move the old dataset aside first
+            old = self._sibling("old")
+            os.replace(self.out, old)
+            try:
+                os.replace(self.tmp, self.out)
+            except OSError:
+                os.replace(old, self.out)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(self.tmp, self.out)
+        _fsync_dir(self.out.parent)
+
+    def discard(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
 class DatasetWriter:
-    """Streams user rows into a dataset directory and writes the manifest on close.
+    """Streams user rows into a dataset directory and writes the manifest on close. The
+    directory appears (or replaces an earlier dataset) only when ``close`` succeeds.
 
     Usage::
 
@@ -98,7 +164,6 @@ class DatasetWriter:
         extra_columns: dict[str, str] | None = None,
     ) -> None:
         self.dir = Path(out_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.context = dict(context_features or {})
         self.schema = schema_for(self.context, extra_columns)
         self.info = DatasetInfo(
@@ -111,7 +176,14 @@ class DatasetWriter:
             context_features=self.context,
             extra=dict(extra or {}),
         )
-        self._writer = pq.ParquetWriter(self.dir / "interactions.parquet", self.schema)
+        self._stage = StagedDir(self.dir)
+        try:
+            # page CRCs let the reader and 'inspect --verify' tell a flipped bit from data
+            self._writer = pq.ParquetWriter(self._stage.tmp / "interactions.parquet", self.schema,
+                                            write_page_checksum=True)
+        except BaseException:
+            self._stage.discard()
+            raise
         self._counts: list[tuple[np.ndarray, np.ndarray]] = []
 
     def write(self, columns: dict[str, list]) -> None:
@@ -134,22 +206,35 @@ class DatasetWriter:
         return uniq, np.bincount(inv, weights=counts).astype(np.int64)
 
     def close(self) -> DatasetInfo:
-        self._writer.close()
-        ids, counts = self._merge_counts() if self._counts else (np.zeros(0, np.int64),) * 2
-        pq.write_table(pa.table({"item_id": ids, "count": counts}), self.dir / "items.parquet")
-        self.info.num_items = int(ids.size)
-        self.info.item_id_max = int(ids.max()) if ids.size else -1
-        (self.dir / "dataset.json").write_text(json.dumps(asdict(self.info), indent=2) + "\n")
+        try:
+            self._writer.close()
+            if not self.info.num_users:
+                raise DataFormatError(f"{self.info.source}: no users to write; {self.dir} was not written")
+            ids, counts = self._merge_counts()
+            pq.write_table(pa.table({"item_id": ids, "count": counts}), self._stage.tmp / "items.parquet",
+                           write_page_checksum=True)
+            self.info.num_items = int(ids.size)
+            self.info.item_id_max = int(ids.max())
+            (self._stage.tmp / "dataset.json").write_text(json.dumps(asdict(self.info), indent=2) + "\n")
+            self._stage.commit()
+        except BaseException:
+            self._stage.discard()
+            raise
         return self.info
+
+    def abort(self) -> None:
+        """Drops everything written: the target directory stays as it was."""
+        self._writer.close()
+        self._stage.discard()
 
     def __enter__(self) -> DatasetWriter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if exc[0] is None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
             self.close()
         else:
-            self._writer.close()
+            self.abort()
 
 
 def read_info(path: str | Path) -> DatasetInfo:
