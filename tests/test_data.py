@@ -197,6 +197,24 @@ def test_id_outside_the_table_is_an_error_or_hashed(tmp_path):
 # ----- bad data: named errors, nothing partial left behind (issue 30) ------------------------
 
 
+def damage_page(data, column="item_ids", group=0, garble=False):
+    """Damages the data page of a column chunk of interactions.parquet, as a bad disk block
+    would: flips a bit of its last byte (only a page CRC sees it), or with ``garble`` overwrites
+    the whole page, header included (Arrow fails to decode it). Returns the file."""
+    file = data / "interactions.parquet"
+    meta = pq.ParquetFile(file).metadata.row_group(group)
+    chunk = next(meta.column(c) for c in range(meta.num_columns) if meta.column(c).path_in_schema.startswith(column))
+    start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+    end = start + chunk.total_compressed_size
+    raw = bytearray(file.read_bytes())
+    if garble:
+        raw[chunk.data_page_offset : end] = b"\xab" * (end - chunk.data_page_offset)
+    else:
+        raw[end - 1] ^= 0x10
+    file.write_bytes(bytes(raw))
+    return file
+
+
 def leftovers(folder, keep):
     return sorted(p.name for p in folder.iterdir() if p.name not in keep)
 
@@ -259,5 +277,38 @@ def test_interrupted_synth_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         generate(cfg, tmp_path / "out", progress=False)
     assert leftovers(tmp_path, set()) == []
+
+
+def test_reader_names_the_file_and_row_group_of_a_damaged_page(tmp_path):
+    src = tmp_path / "seq.txt"
+    src.write_text("".join(f"{u} 1 2 3 4 5\n" for u in range(50)))
+    convert_sequences(src, tmp_path / "d")
+    file = tmp_path / "d" / "interactions.parquet"
+    good = file.read_bytes()
+    for garble in (False, True):
+        file.write_bytes(good)
+        if garble:  # a file without page CRCs (written before them) whose page no longer decodes
+            pq.write_table(pq.read_table(file), file)
+        damage_page(tmp_path / "d", garble=garble)
+        reader = SequenceReader(tmp_path / "d", "train", embedding=emb(6), max_seq_len=8, batch_size=8)
+        with pytest.raises(DataFormatError, match=rf"{file} \(row group 0, rows 0-49\): cannot be read as Parquet"):
+            list(reader)
+    file.write_bytes(file.read_bytes()[:-100])  # truncated: the footer is gone
+    with pytest.raises(DataFormatError, match=rf"{file} \(footer\): cannot be read.*damaged or truncated"):
+        SequenceReader(tmp_path / "d", "train", embedding=emb(6), max_seq_len=8, batch_size=8)
+
+
+def test_read_info_names_a_broken_manifest(tmp_path):
+    src = tmp_path / "seq.txt"
+    src.write_text("1 5 6 7\n")
+    convert_sequences(src, tmp_path / "d")
+    manifest = tmp_path / "d" / "dataset.json"
+    raw = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**raw, "num_users": "many"}))
+    with pytest.raises(DataFormatError, match="dataset.json: field 'num_users' is 'many'"):
+        read_info(tmp_path / "d")
+    manifest.write_text(manifest.read_text()[:40])
+    with pytest.raises(DataFormatError, match="dataset.json: not valid JSON"):
+        read_info(tmp_path / "d")
 
 

@@ -32,7 +32,6 @@ from typing import Literal
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from embedding.spec import EmbeddingConfig, IdOutOfRange, prepare_ids
 from models.inputs import SequenceBatch
@@ -47,7 +46,14 @@ from train.data.samples import (
     retrieval_window,
     with_candidates,
 )
-from train.data.schema import CONTEXT_PREFIX, DataFormatError, read_info, validate_schema
+from train.data.schema import (
+    CONTEXT_PREFIX,
+    DataFormatError,
+    arrow_errors,
+    open_parquet,
+    read_info,
+    validate_schema,
+)
 
 
 @dataclass(frozen=True)
@@ -119,7 +125,7 @@ class SequenceReader:
         self.path = Path(path)
         self.info = read_info(self.path)
         self.file = self.path / "interactions.parquet"
-        self.pf = pq.ParquetFile(self.file)
+        self.pf = open_parquet(self.file)
         validate_schema(self.file, self.pf.schema_arrow)
         self.split, self.embedding, self.max_seq_len = split, embedding, max_seq_len
         self.batch_size, self.seed, self.rank, self.world = batch_size, seed, rank, world_size
@@ -173,7 +179,11 @@ class SequenceReader:
         if g not in self._cache:
             if len(self._cache) >= 2:
                 self._cache.pop(next(iter(self._cache)))
-            self._cache[g] = _Group(self.pf.read_row_group(g, columns=["user_id", *self.columns]), self.columns)
+            first = sum(self.group_rows[:g])
+            # a damaged page surfaces here, mid-epoch: name the file and rows, not just Arrow's words
+            with arrow_errors(self.file, f"row group {g}, rows {first}-{first + self.group_rows[g] - 1}"):
+                table = self.pf.read_row_group(g, columns=["user_id", *self.columns])
+            self._cache[g] = _Group(table, self.columns)
         return self._cache[g]
 
     def _rank_samples(self) -> Iterator[tuple[int, int]]:
@@ -329,7 +339,8 @@ def train_events(user: int, num_events: int, valid_share: float) -> int:
 def ranking_cutoffs(file: Path, fraction: float) -> tuple[float, float]:
     """(cutoff_valid, cutoff_test): the times after which the last 2x and 1x ``fraction``
     of labelled, timestamped events fall."""
-    t = pq.read_table(file, columns=["timestamps", "actions"])
+    with arrow_errors(file, "timestamps, actions"):
+        t = open_parquet(file).read(columns=["timestamps", "actions"])
     times = t.column("timestamps").combine_chunks()
     acts = t.column("actions").combine_chunks()
     labelled = ~(times.is_null().to_numpy(zero_copy_only=False) | acts.is_null().to_numpy(zero_copy_only=False))

@@ -24,8 +24,9 @@ import json
 import os
 import secrets
 import shutil
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,7 @@ FORMAT_VERSION = 1
 ROW_GROUP_SIZE = 8192
 CONTEXT_PREFIX = "ctx_"
 DATASET_FILES = ("dataset.json", "interactions.parquet", "items.parquet")
+REMAKE = "re-create the dataset with 'genrec data convert' or 'genrec data synth'"
 
 BASE_SCHEMA = pa.schema(
     [
@@ -50,6 +52,28 @@ BASE_SCHEMA = pa.schema(
 
 class DataFormatError(ValueError):
     """Input data does not follow its format; the message names the file (and line)."""
+
+
+@contextmanager
+def arrow_errors(path: Path, where: str = "") -> Iterator[None]:
+    """Re-raises Arrow's read errors, which name no file ("Received invalid number of bytes
+    (corrupt data page?)"), as a DataFormatError naming ``path`` and ``where`` in it."""
+    at = f" ({where})" if where else ""
+    try:
+        yield
+    except FileNotFoundError:
+        raise DataFormatError(f"{path}: missing; the dataset is incomplete: {REMAKE}") from None
+    except (pa.ArrowException, OSError) as e:  # Arrow's IO and decode errors are OSErrors
+        raise DataFormatError(
+            f"{path}{at}: cannot be read as Parquet ({' '.join(str(e).split()).rstrip('.')}); the file is damaged "
+            f"or truncated: {REMAKE} ('genrec data inspect --verify DIR' reads every file of a dataset)"
+        ) from e
+
+
+def open_parquet(path: Path) -> pq.ParquetFile:
+    """Opens a dataset file, checking page CRCs where the writer stored them (ours do)."""
+    with arrow_errors(path, "footer"):
+        return pq.ParquetFile(path, page_checksum_verification=True)
 
 
 @dataclass
@@ -243,20 +267,45 @@ def read_info(path: str | Path) -> DatasetInfo:
         raise DataFormatError(
             f"{path}: no dataset.json; create a dataset with 'genrec data synth' or 'genrec data convert'"
         )
-    raw = json.loads(p.read_text())
-    if raw.get("format") != FORMAT:
-        raise DataFormatError(f"{p}: format is {raw.get('format')!r}, expected {FORMAT!r}")
+    try:
+        raw = json.loads(p.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataFormatError(f"{p}: not valid JSON ({e}); {REMAKE}") from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        got = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+        raise DataFormatError(f"{p}: format is {got!r}, expected {FORMAT!r}")
     if raw.get("format_version", 0) > FORMAT_VERSION:
         raise DataFormatError(
             f"{p}: format_version {raw['format_version']} is newer than this genrec reads "
             f"({FORMAT_VERSION}); upgrade genrec"
         )
+    _check_manifest_fields(p, raw)
     return DatasetInfo(**raw)
+
+
+def _check_manifest_fields(p: Path, raw: dict) -> None:
+    known = {f.name: f for f in fields(DatasetInfo)}
+    for name in raw:
+        if name not in known:
+            raise DataFormatError(f"{p}: unknown field '{name}' (fields: {', '.join(known)})")
+    for name, f in known.items():
+        if name not in raw and f.default is MISSING and f.default_factory is MISSING:
+            raise DataFormatError(f"{p}: field '{name}' is missing; {REMAKE}")
+        lowest = -1 if name == "item_id_max" else 0
+        if f.type == "int" and name in raw and (type(raw[name]) is not int or raw[name] < lowest):
+            raise DataFormatError(f"{p}: field '{name}' is {raw[name]!r}, expected an integer >= {lowest}")
 
 
 def read_items(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     """(item ids sorted ascending, interaction counts) of the dataset's catalogue."""
-    t = pq.read_table(Path(path) / "items.parquet")
+    file = Path(path) / "items.parquet"
+    with arrow_errors(file):
+        t = open_parquet(file).read()
+    for name in ("item_id", "count"):
+        if name not in t.column_names or not t.schema.field(name).type.equals(pa.int64()):
+            raise DataFormatError(f"{file}: needs an int64 column '{name}' (see train/data/schema.py); {REMAKE}")
+        if t.column(name).null_count:
+            raise DataFormatError(f"{file}: column '{name}' has nulls; {REMAKE}")
     return t.column("item_id").to_numpy(), t.column("count").to_numpy()
 
 
