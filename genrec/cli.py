@@ -43,6 +43,9 @@ def _data_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--users", help="MovieLens users.dat for context features (format 'ratings')")
     i = dsub.add_parser("inspect", help="print a dataset's manifest and sequence statistics")
     i.add_argument("path")
+    i.add_argument("--verify", action="store_true",
+                   help="also read every row group of every file and check schema, id ranges and manifest counts; "
+                   "exit 2 naming the bad file and row")
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:

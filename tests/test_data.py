@@ -312,3 +312,46 @@ def test_read_info_names_a_broken_manifest(tmp_path):
         read_info(tmp_path / "d")
 
 
+def write_dataset(out, user_rows, **kw):
+    from train.data.schema import DatasetWriter
+
+    with DatasetWriter(out, source="test", **kw) as w:
+        w.write({k: [r.get(k) for r in user_rows] for k in user_rows[0]})
+
+
+GOOD = {"user_id": 1, "item_ids": [1, 2, 3], "timestamps": [10, 20, 30], "actions": [1, 0, 1]}
+
+
+@pytest.mark.parametrize("bad,err", [
+    ({"item_ids": [1, -4, 3]}, r"row 1 \(user 2, row group 0\): item_ids\[1\] = -4 is not >= 0"),
+    ({"item_ids": [1, 2]}, r"row 1 \(user 2, row group 0\): item_ids has 2 events; training needs at least 3"),
+    ({"timestamps": [1, 2]}, r"row 1 \(user 2, row group 0\): timestamps has 2 values for 3 item_ids"),
+    ({"actions": [1, 4, 0]}, r"row 1 \(user 2, row group 0\): actions\[1\] = 4 is not \[0, 2\)"),
+    ({"ctx_device": [9]}, r"row 1 \(user 2, row group 0\): ctx_device\[0\] = 9 is not \[0, 4\)"),
+])
+def test_verify_names_file_row_and_field_of_a_bad_value(tmp_path, bad, err):
+    from train.data.verify import verify_dataset
+
+    user_rows = [{**GOOD, "ctx_device": [0]}, {**GOOD, "user_id": 2, "ctx_device": [3], **bad}]
+    write_dataset(tmp_path / "d", user_rows, action_names=["click"], context_features={"device": 4})
+    with pytest.raises(DataFormatError, match=f"{tmp_path / 'd' / 'interactions.parquet'}: {err}"):
+        verify_dataset(tmp_path / "d")
+
+
+def test_verify_reads_every_row_group_and_checks_the_manifest(tmp_path):
+    from train.data.verify import verify_dataset
+
+    src = tmp_path / "seq.txt"
+    src.write_text("".join(f"{u} 1 2 3 4\n" for u in range(20)))
+    convert_sequences(src, tmp_path / "d")
+    r = verify_dataset(tmp_path / "d")
+    assert (r.files, r.users, r.events, r.item_id_max) == (3, 20, 80, 4)
+    manifest = tmp_path / "d" / "dataset.json"
+    good = manifest.read_text()
+    manifest.write_text(good.replace('"num_events": 80', '"num_events": 81'))
+    with pytest.raises(DataFormatError, match="dataset.json: num_events is 81 but interactions.parquet has 80"):
+        verify_dataset(tmp_path / "d")
+    manifest.write_text(good)
+    file = damage_page(tmp_path / "d", "user_id")  # a column 'inspect' alone never reads
+    with pytest.raises(DataFormatError, match=rf"{file} \(row group 0, rows 0-19\): cannot be read as Parquet"):
+        verify_dataset(tmp_path / "d")

@@ -9,10 +9,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from genrec.config import load_config
-from train.data.schema import read_info
+from train.data.schema import arrow_errors, open_parquet, read_info
 
 
 def cmd_data(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -39,17 +38,27 @@ def cmd_data(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"wrote {args.out}: {info.num_users} users, {info.num_events} events, {info.num_items} items, "
               f"{info.users_with_timestamps} users with timestamps")
         return 0
-    return _inspect(Path(args.path))
+    return _inspect(Path(args.path), args.verify)
 
 
-def _inspect(path: Path) -> int:
+def _inspect(path: Path, verify: bool = False) -> int:
     info = read_info(path)
-    col = pq.read_table(path / "interactions.parquet", columns=["item_ids"]).column("item_ids").combine_chunks()
+    file = path / "interactions.parquet"
+    with arrow_errors(file, "item_ids"):
+        col = open_parquet(file).read(columns=["item_ids"]).column("item_ids").combine_chunks()
     off = col.offsets.to_numpy()
     lengths = off[1:] - off[:-1]
     print(json.dumps({k: v for k, v in info.__dict__.items() if k != "extra"}, indent=2))
-    q = np.percentile(lengths, [0, 50, 90, 99, 100]).astype(int).tolist()
-    print(f"sequence length: min {q[0]}, median {q[1]}, p90 {q[2]}, p99 {q[3]}, max {q[4]}, mean {lengths.mean():.1f}")
+    if lengths.size:
+        q = np.percentile(lengths, [0, 50, 90, 99, 100]).astype(int).tolist()
+        print(f"sequence length: min {q[0]}, median {q[1]}, p90 {q[2]}, p99 {q[3]}, max {q[4]}, "
+              f"mean {lengths.mean():.1f}")
+    if verify:
+        from train.data.verify import verify_dataset
+
+        r = verify_dataset(path)  # raises DataFormatError naming the file and row: exit 2
+        print(f"verified: {r.files} files, {r.row_groups} row groups, {r.users} users, {r.events} events: "
+              "every row readable, schema, ranges and manifest consistent")
     return 0
 
 

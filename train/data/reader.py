@@ -36,7 +36,6 @@ import pyarrow as pa
 from embedding.spec import EmbeddingConfig, IdOutOfRange, prepare_ids
 from models.inputs import SequenceBatch
 from train.data.samples import (
-    MIN_EVENTS,
     RankingDataConfig,
     Sample,
     Split,
@@ -48,6 +47,7 @@ from train.data.samples import (
 )
 from train.data.schema import (
     CONTEXT_PREFIX,
+    MIN_EVENTS,
     DataFormatError,
     arrow_errors,
     open_parquet,

@@ -28,7 +28,6 @@ from torchrec import KeyedJaggedTensor
 from models.inputs import SequenceBatch
 
 Split = Literal["train", "valid", "test", "rank_valid", "rank_test"]
-MIN_EVENTS = 3
 
 
 @dataclass(frozen=True)

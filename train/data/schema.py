@@ -37,6 +37,8 @@ FORMAT = "genrec.interactions"
 FORMAT_VERSION = 1
 ROW_GROUP_SIZE = 8192
 CONTEXT_PREFIX = "ctx_"
+# leave-one-out holds out a user's last two events; training needs one more before them
+MIN_EVENTS = 3
 DATASET_FILES = ("dataset.json", "interactions.parquet", "items.parquet")
 REMAKE = "re-create the dataset with 'genrec data convert' or 'genrec data synth'"
 
