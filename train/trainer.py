@@ -159,6 +159,12 @@ class Trainer:
         self.state = TrainState()
         self.steps_per_epoch = len(train_reader)
         self.total_steps = self.steps_per_epoch * cfg.max_epochs
+        # The schedule's base: each param group's LR as the optimizer was built from the config
+        # (train.optim.lr; train.parallel.sparse_lr for fused tables), read here, before resume()
+        # loads a checkpoint. Not kept in the groups: a checkpoint restores a group's current,
+        # already decayed LR (or, for TorchRec's keyed optimizers, no group state at all), and a
+        # base read back from it after a resume applied the schedule twice.
+        self.base_lrs = [g["lr"] for g in optimizer.param_groups]
 
     # ----- checkpoints --------------------------------------------------------------------
     def save(self) -> Path:
@@ -192,11 +198,22 @@ class Trainer:
             return torch.autocast(dev, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def set_lr(self) -> None:
+        """Sets every param group's LR for the coming step: a function of the step alone, so a
+        resumed run follows the same schedule as an uninterrupted one."""
+        factor = lr_factor(self.state.step, self.total_steps, self.cfg.optim)
+        for g, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+            g["lr"] = base * factor
+        # TorchRec's fused (in-backward) optimizers update their rows inside backward, with
+        # the LR last handed to fbgemm, which their zero_grad() and step() do. Handing it over
+        # before the forward makes the tables take this step's LR: otherwise they ran a step
+        # behind the schedule (the full LR at the warm-up's first step) and, after a resume,
+        # took their initial LR for the first step. The dense groups have no grads here.
+        self.optimizer.zero_grad(set_to_none=True)
+
     def train_step(self, batch: Any) -> dict[str, float]:
         """One optimizer step; returns the step's losses (``loss`` and its parts)."""
-        factor = lr_factor(self.state.step, self.total_steps, self.cfg.optim)
-        for g in self.optimizer.param_groups:
-            g["lr"] = g.setdefault("base_lr", g["lr"]) * factor
+        self.set_lr()
         with self._autocast():
             losses = self.model(batch)
         loss = losses["loss"]
@@ -241,7 +258,7 @@ class Trainer:
                 rate = window_samples / max(now - window_start, 1e-9)
                 rec = {"kind": "train", "step": self.state.step, "epoch": self.state.epoch,
                        **{k: sum(v) / len(v) for k, v in losses.items()},
-                       "lr": self.optimizer.param_groups[0]["lr"], "samples_per_s": rate}
+                       **self.lr_record(), "samples_per_s": rate}
                 self.log.write(rec)
                 bar.set_postfix(loss=f"{rec['loss']:.4f}", samples_s=f"{rate:.0f}")
                 window_start, window_samples, losses = now, 0, {}
@@ -258,6 +275,12 @@ class Trainer:
             maybe_inject_fault(self.rank, self.state.step)
         self.state.train_seconds += time.perf_counter() - started
         bar.close()
+
+    def lr_record(self) -> dict[str, Any]:
+        """The LR of the step just taken: ``lr`` (the first param group's) and, when the optimizer
+        has several groups (DMP: the fused tables' then the dense AdamW's), ``lr_groups``."""
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        return {"lr": lrs[0], **({"lr_groups": lrs} if len(lrs) > 1 else {})}
 
     def evaluate(self, readers: dict[str, SequenceReader]) -> dict[str, float]:
         """Retrieval metrics from the 'valid'/'test' reader, ranking metrics (keys
