@@ -4,7 +4,9 @@
 * a checkpoint written on 2 ranks loads on 1 (and a 1-process one on 2) and gives the same
   model: the same test metrics, and distributed evaluation equals single-process evaluation;
 * a worker SIGKILLed mid-epoch is restarted by ``torchrun --max-restarts`` and the job ends
-  exactly like an uninterrupted one (same losses after the restart, same metrics);
+  exactly like an uninterrupted one: the same LR and loss at every step of a warm-up + cosine
+  schedule, the same final checkpoint, the same metrics; as does a one-process run killed and
+  continued with ``genrec train --resume``;
 * two torchrun "nodes" meeting through a c10d rendezvous on 127.0.0.1 equal one node x 2;
 * shardings the device cannot do, and checkpoints of another feature spec, are refused;
 * ``mode = "ddp"`` (what the default config gets under torchrun on CPU: its tables train in
@@ -24,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tiny_job_overrides
+from tests.dist.trajectory import SCHEDULE, assert_same_trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -41,7 +44,7 @@ init_std = 0.05
 max_epochs = 2
 checkpoint_every_steps = 4
 log_every_steps = 1
-
+""" + SCHEDULE + """
 [train.parallel]
 sparse_optimizer = "rowwise_adagrad"
 sparse_lr = 0.05
@@ -74,11 +77,6 @@ def train_args(data: Path, out: Path, run_id: str, extra: list[str] = (), config
 
 def results(out: Path, run_id: str) -> dict:
     return json.loads((out / "dist" / run_id / "results.json").read_text())
-
-
-def losses(out: Path, run_id: str) -> dict[int, float]:
-    recs = [json.loads(x) for x in (out / "dist" / run_id / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in recs if r["kind"] == "train"}  # the last write of a step wins
 
 
 @pytest.mark.parametrize("ec,ebc", [("row_wise", "table_wise"), ("table_wise", "column_wise"),
@@ -138,11 +136,10 @@ def test_killed_worker_is_restarted_and_ends_like_an_uninterrupted_run(tiny_synt
     logged = [json.loads(x)["step"] for x in (two_rank_run / "dist" / "killed" / "metrics.jsonl").read_text().splitlines()
               if json.loads(x)["kind"] == "train"]
     assert logged.count(5) == 2 and logged.count(7) == 2 and logged.count(8) == 1  # steps 5-7 ran twice: killed, resumed at 4
+    # resumed inside the warm-up (the checkpoint's LR is 4/5 of the configured one), with the
+    # fused sparse optimizer's LR handed to fbgemm only by the optimizer's own calls
+    assert_same_trajectory(two_rank_run / "dist" / "straight", two_rank_run / "dist" / "killed")
     straight, killed = results(two_rank_run, "straight"), results(two_rank_run, "killed")
-    a, b = losses(two_rank_run, "straight"), losses(two_rank_run, "killed")
-    assert sorted(a) == sorted(b)
-    for step in a:
-        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
     for k in ("hr@10", "ndcg@10", "mrr"):
         assert killed["test"][k] == pytest.approx(straight["test"][k], abs=1e-6), k
 
@@ -270,11 +267,26 @@ def test_replicated_run_with_a_killed_worker_ends_like_an_uninterrupted_one(tiny
     logged = [json.loads(x)["step"] for x in (ddp_run / "dist" / "killed" / "metrics.jsonl").read_text().splitlines()
               if json.loads(x)["kind"] == "train"]
     assert logged.count(5) == 2 and logged.count(8) == 1  # killed after step 7, resumed at the step-4 checkpoint
-    a, b = losses(ddp_run, "straight"), losses(ddp_run, "killed")
-    assert sorted(a) == sorted(b)
-    for step in a:
-        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
+    assert_same_trajectory(ddp_run / "dist" / "straight", ddp_run / "dist" / "killed")
     straight, killed = results(ddp_run, "straight"), results(ddp_run, "killed")
+    for k in ("hr@10", "ndcg@10", "mrr"):
+        assert killed["test"][k] == pytest.approx(straight["test"][k], abs=1e-6), k
+
+
+def test_one_process_run_killed_and_resumed_from_the_cli_ends_like_an_uninterrupted_one(tiny_synth, tmp_path):
+    """``genrec train --resume``: a one-process run of the default recipe (the plain model,
+    tables in AdamW) SIGKILLed after step 7, its newest checkpoint at step 4 inside the
+    warm-up, and continued from the command line."""
+    config = DDP_CONFIG  # in one process: train.parallel.mode "auto" trains the plain model
+    run([sys.executable] + train_args(tiny_synth, tmp_path, "straight", config=config))
+    proc = run([sys.executable] + train_args(tiny_synth, tmp_path, "killed", config=config),
+               env={**ENV, "GENREC_FAULT_INJECT": "0:7"}, check=False)
+    run_dir = tmp_path / "dist" / "killed"
+    assert proc.returncode == -9 and not (run_dir / "results.json").exists()
+    run([sys.executable, "-m", "genrec.cli", "train", "--resume", str(run_dir)])
+    assert_same_trajectory(tmp_path / "dist" / "straight", run_dir)
+    straight, killed = results(tmp_path, "straight"), results(tmp_path, "killed")
+    assert straight["stopped"] == "max_epochs"
     for k in ("hr@10", "ndcg@10", "mrr"):
         assert killed["test"][k] == pytest.approx(straight["test"][k], abs=1e-6), k
 

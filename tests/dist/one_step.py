@@ -4,9 +4,9 @@ Launched by tests/test_distributed.py as
 ``torchrun --nproc-per-node 2 tests/dist/one_step.py EC_SHARDING EBC_SHARDING OUT``
 (or ``... one_step.py ddp ddp OUT`` for the replicated model of ``mode = "ddp"``).
 Every rank builds the same seeded reference; the sharded model starts from its weights,
-takes one step on its own batch (fused SGD on the tables, SGD on the dense part; under DDP
-one SGD over everything); rank 0 applies the same step to the reference on the mean of
-both ranks' losses and compares.
+takes one step on its own batch (fused SGD on the tables, SGD on the dense part, at LRs set
+on the param groups as the trainer's schedule sets them; under DDP one SGD over everything);
+rank 0 applies the same step to the reference on the mean of both ranks' losses and compares.
 """
 
 import json
@@ -72,9 +72,15 @@ def main() -> None:
     ctx = init_distributed(ParallelConfig(mode="dmp", sparse_optimizer="sgd"))
     torch.manual_seed(0)
     model = GenerativeRecommender(cfg, emb, corpus, sparse_device=torch.device("meta"))
-    par = parallelize(model, emb, ParallelConfig(sparse_optimizer="sgd"), SPARSE_LR,
-                      lambda ps: torch.optim.SGD(list(ps), lr=DENSE_LR), ctx, batch_size=3)
+    par = parallelize(model, emb, ParallelConfig(sparse_optimizer="sgd"), 2 * SPARSE_LR,
+                      lambda ps: torch.optim.SGD(list(ps), lr=2 * DENSE_LR), ctx, batch_size=3)
     par.model.load_state_dict({k: v.clone() for k, v in start.items()})  # the sharded modules consume it
+    # the step's LR as a schedule sets it (train.trainer.Trainer.set_lr): on every param group,
+    # then zero_grad() before the forward, which hands it to the fused optimizers that update
+    # the tables inside backward (else they would step with the 2x LR they were built with)
+    for g in par.optimizer.param_groups:
+        g["lr"] /= 2
+    par.optimizer.zero_grad()
     loss = par.model(batch(ctx.rank))["loss"]
     loss.backward()
     par.optimizer.step()
