@@ -102,3 +102,15 @@ def test_inspect_verify_reads_every_page_and_names_the_damaged_file(tmp_path):
     assert genrec("data", "inspect", data, check=False).returncode == 0  # reads item_ids only: blind to it
     proc = genrec("data", "inspect", "--verify", data, check=False)
     assert proc.returncode == 2 and f"genrec: error: {file} (row group 1, rows 20-39): cannot be read" in proc.stderr
+
+
+def test_train_on_a_damaged_dataset_names_the_file_and_leaves_no_run_dir(tmp_path, tiny_config):
+    from tests.test_data import damage_page
+
+    data = small_synth(tmp_path)
+    file = damage_page(data, "timestamps", group=1)
+    proc = genrec("train", "--config", tiny_config, *tiny_job_overrides(data, tmp_path / "runs"),
+                  "--train.max_epochs=1", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"genrec: error: {file} (row group 1, rows 20-39): cannot be read as Parquet" in proc.stderr
+    assert not (tmp_path / "runs" / "tiny").exists()  # no run directory left for a run that never trained

@@ -15,12 +15,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from embedding.spec import IdOutOfRange
 from genrec.config import ConfigError
 from train.data.reader import make_reader
-from train.data.schema import read_info
+from train.data.schema import DataFormatError, read_info
 from train.job import JobConfig, build_model, task_masks, tokens_per_event
 from train.parallel import DistContext, init_distributed, parallelize, replicate, strategy
-from train.rundir import new_run_dir, write_run_files
+from train.rundir import new_run_dir, remove_unused_run_dir, write_run_files
 from train.trainer import Trainer, build_optimizer
 
 
@@ -52,6 +53,7 @@ def run_training(job: JobConfig, run_dir: Path | None = None) -> tuple[Path, dic
         torch.set_num_threads(job.train.threads)
     torch.set_float32_matmul_precision(job.train.matmul_precision)
     ctx = init_distributed(job.train.parallel)
+    new_dir = run_dir is None and not job.run.id  # a run.id dir is a restart's to find: never removed
     try:
         seed_everything(job.train.seed)
         how = strategy(job.train.parallel) if ctx.distributed else "none"
@@ -61,7 +63,6 @@ def run_training(job: JobConfig, run_dir: Path | None = None) -> tuple[Path, dic
         # DMP materializes the (sharded) tables itself; a replica builds them whole
         model, emb = build_model(job, sparse_device=torch.device("meta") if how == "dmp" else None)
         resolved = replace(job, embedding=emb)
-        run_dir = resolve_run_dir(job, resolved, ctx, run_dir)
         msl = job.model.max_seq_len
         tasks = task_masks(job, read_info(job.data.path))
         retrieval = job.model.arch == "generative"
@@ -70,6 +71,8 @@ def run_training(job: JobConfig, run_dir: Path | None = None) -> tuple[Path, dic
         per_rank = replace(job.data, batch_size=max(1, job.data.batch_size // ctx.world_size))
         readers = {s: make_reader(per_rank, s, emb, msl, seed=job.train.seed, rank=ctx.rank, world_size=ctx.world_size,
                                   tasks=tasks, tokens_per_event=tokens_per_event(job)) for s in splits}
+        # only now, with the dataset's files opened and their schemas checked: bad data leaves no run dir
+        run_dir = resolve_run_dir(job, resolved, ctx, run_dir)
         valid = {k: v for k, v in readers.items() if k in ("valid", "rank_valid")}
         test = {k: v for k, v in readers.items() if k in ("test", "rank_test")}
         optim = job.train.optim
@@ -101,6 +104,11 @@ def run_training(job: JobConfig, run_dir: Path | None = None) -> tuple[Path, dic
         (run_dir / f"memory.rank{ctx.rank}.json").write_text(json.dumps(peak) + "\n")
         ctx.barrier()
         return run_dir, results
+    except (DataFormatError, IdOutOfRange):
+        # a damaged row group found mid-epoch: drop the new run dir if it holds nothing but its start files
+        if new_dir and run_dir is not None and ctx.rank == 0:
+            remove_unused_run_dir(run_dir)
+        raise
     finally:
         # no barrier on failure: a dead peer would turn a clean error into a hang
         if ctx.distributed and dist.is_initialized():

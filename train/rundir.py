@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -93,6 +94,23 @@ def new_run_dir(out_dir: str | Path, name: str) -> Path:
         i += 1
     path.mkdir(parents=True)
     return path
+
+
+RUN_START_FILES = ("config.toml", "version.json", "env.json", "sharding.json")
+
+
+def remove_unused_run_dir(path: Path) -> bool:
+    """Deletes a run directory (and its then empty ``runs/<name>``) that holds only the files
+    written as it started: what a job that failed on its data before its first logged step
+    leaves behind, which nothing can resume or evaluate. True if it was removed."""
+    if not path.is_dir() or any(p.name not in RUN_START_FILES for p in path.iterdir()):
+        return False
+    shutil.rmtree(path)
+    try:
+        path.parent.rmdir()  # fails, as it should, while other runs of this name are there
+    except OSError:
+        pass
+    return True
 
 
 def write_run_files(path: Path, config: Any) -> None:
