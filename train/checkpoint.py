@@ -5,7 +5,7 @@ rank has finished, so a killed job never leaves a half-written ``step_*``)::
 
     checkpoints/step_00001200/
       .metadata, __*_*.distcp        DCP: model and optimizer tensors (sharded or not)
-      trainer_state.rank{r}.json     step, epoch, reader position, RNG state, early stopping
+      trainer_state.rank{r}.json     step, epoch, reader position, RNG states, early stopping
 
 Tensors go through DCP; everything else is JSON, so no Python object is ever unpickled
 from the trainer state. Loading works on any world size DCP can reshard to; the reader
@@ -40,12 +40,33 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _encode(state: torch.Tensor) -> str:
+    return base64.b64encode(state.numpy().tobytes()).decode()
+
+
+def _decode(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
 def rng_state() -> str:
-    return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+    return _encode(torch.get_rng_state())
 
 
 def set_rng_state(text: str) -> None:
-    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8))
+    torch.set_rng_state(_decode(text))
+
+
+def device_rng_state(device: torch.device | None) -> str | None:
+    """The CUDA generator of ``device``, where dropout masks and sampled negatives are drawn
+    when the model runs there (None on CPU, where the CPU generator draws them)."""
+    if device is None or device.type != "cuda":
+        return None
+    return _encode(torch.cuda.get_rng_state(device))
+
+
+def set_device_rng_state(text: str | None, device: torch.device | None) -> None:
+    if text is not None and device is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(_decode(text), device)
 
 
 def step_dir(root: Path, step: int) -> Path:

@@ -168,7 +168,8 @@ class Trainer:
 
     # ----- checkpoints --------------------------------------------------------------------
     def save(self) -> Path:
-        body = {"trainer": self.state.__dict__, "reader": self.train_reader.state_dict(), "rng": ckpt.rng_state()}
+        body = {"trainer": self.state.__dict__, "reader": self.train_reader.state_dict(), "rng": ckpt.rng_state(),
+                "device_rng": ckpt.device_rng_state(self.device)}
         path = ckpt.save_checkpoint(self.ckpt_root, self.state.step, self.io.state(), body)
         best = ckpt.step_dir(self.ckpt_root, self.state.best_step) if self.state.best_step >= 0 else None
         ckpt.prune_checkpoints(self.ckpt_root, self.cfg.keep_checkpoints, {best} if best else set())
@@ -184,6 +185,8 @@ class Trainer:
         self.train_reader.load_state_dict(body["reader"])
         if body.get("world_size") == self.world_size:
             ckpt.set_rng_state(body["rng"])
+            # on a GPU the model draws dropout and sampled negatives from the device's generator
+            ckpt.set_device_rng_state(body.get("device_rng"), self.device)
         self._print(f"resumed from {path.name}: step {self.state.step}, epoch {self.state.epoch}")
         return True
 
