@@ -29,6 +29,7 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_handles
 from typing import Any
 
 from quant.artifact import Manifest
@@ -47,6 +48,9 @@ class ProcessSettings:
     # it had fails (INTERNAL) and the next batch starts a new one, so a hung engine cannot stall
     # the server for good
     hang_s: float = 30.0
+    # a child that has not loaded the artifact in this long (e.g. a hung network file system) is
+    # killed and the start fails, so neither a start nor a shutdown waits for it forever
+    start_timeout_s: float = 120.0
 
 
 def plan_cpus(spec: str, threads: int, available: tuple[int, ...],
@@ -90,11 +94,34 @@ def plan_cpus(spec: str, threads: int, available: tuple[int, ...],
 
 
 class EngineProcessError(RuntimeError):
-    """The engine process failed to start or died."""
+    """The engine process failed to start, died, or was closed."""
+
+
+def _exit_with_parent() -> None:
+    """Ends this (child) process when its parent process ends, however it ends (SIGKILL too).
+
+    It waits on the parent sentinel multiprocessing gives every spawned child (the read end of a
+    pipe whose write end only the parent holds: the kernel closes it when the parent exits), in a
+    daemon thread blocked in poll(): no CPU, no periodic wake-up. Not PR_SET_PDEATHSIG: that fires
+    when the parent *thread* that spawned the child exits, and engine processes are spawned from
+    executor and standby threads that may end long before the server does; it is Linux-only too.
+    The price: the thread needs the GIL to exit, so a child stuck in C code holding the GIL
+    outlives its parent (the main thread's own EOF on the pipe does not help there either)."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def wait() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=wait, name="genrec-exit-with-parent", daemon=True).start()
 
 
 def _child(conn: Connection, kind: str, artifact: str, device: str, settings: ProcessSettings) -> None:
     import signal
+
+    _exit_with_parent()  # first: loading (imports included) can take long, and can hang
 
     import torch
 
@@ -144,10 +171,13 @@ def _child(conn: Connection, kind: str, artifact: str, device: str, settings: Pr
 
 
 class EngineProcess:
-    """The engine ``kind`` for ``artifact``, run in a spawned child process."""
+    """The engine ``kind`` for ``artifact``, run in a spawned child process.
+
+    ``start=False``: the child is started by :meth:`start`, so another thread holding the object
+    can cancel a start in progress with :meth:`close`."""
 
     def __init__(self, kind: str, artifact: str, device: str = "cpu",
-                 settings: ProcessSettings | None = None) -> None:
+                 settings: ProcessSettings | None = None, start: bool = True) -> None:
         self.kind, self.artifact, self.device = kind, str(artifact), device
         self.settings = settings or ProcessSettings()
         self.lock = threading.Lock()  # held by a control call, a thread's batch, or the loop's pipelined batches
@@ -155,21 +185,38 @@ class EngineProcess:
         self.restarts = 0
         self.closed = False
         self._last_stages: dict[str, float] = {}
-        self._start()
+        # close() against a start in progress: _closing stops one about to spawn, _starting says
+        # there is a child to kill (whose EOF ends the start's wait); _guard orders the two
+        self._guard = threading.Lock()
+        self._closing = self._starting = False
+        self.proc: mp.process.BaseProcess | None = None
+        if start:
+            self.start()
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Starts the child and waits (at most ``settings.start_timeout_s``) until it has loaded
+        the artifact. Raises EngineProcessError when it could not, timed out (the child is
+        killed) or was cancelled by :meth:`close`; the child's own error (a bad artifact) as is."""
         ctx = mp.get_context("spawn")  # a fresh interpreter: no torch thread pools inherited by fork
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_child, args=(child, self.kind, self.artifact, self.device, self.settings),
-                                name=f"genrec-engine-{self.kind}", daemon=True)
-        self.proc.start()
+        conn, child = ctx.Pipe()
+        proc = ctx.Process(target=_child, args=(child, self.kind, self.artifact, self.device, self.settings),
+                           name=f"genrec-engine-{self.kind}", daemon=True)
+        with self._guard:
+            if self._closing:
+                conn.close()
+                child.close()
+                raise EngineProcessError(f"engine process for {self.artifact} was closed before it started")
+            self.conn, self.proc, self._starting = conn, proc, True
+            proc.start()
         child.close()
         try:
-            tag, body = self.conn.recv()
-        except EOFError:
-            self.proc.join(5)
-            raise EngineProcessError(f"engine process exited while loading {self.artifact} "
-                                     f"(exit code {self.proc.exitcode})") from None
+            tag, body = self._await_ready()
+        except BaseException:
+            conn.close()
+            raise
+        finally:
+            with self._guard:
+                self._starting = False
         if tag == "error":
             self.proc.join(5)
             raise body
@@ -181,13 +228,32 @@ class EngineProcess:
         self.tower: str = meta["tower"]
         self.path: str | None = meta.get("path")  # how the engine runs the tower (TorchEngine.path)
 
+    def _await_ready(self) -> tuple[str, Any]:
+        """The child's first message, within ``start_timeout_s``. A child that exits (or is
+        killed by close()) closes its end of the pipe: the wait ends at once on the EOF."""
+        timeout = self.settings.start_timeout_s
+        if not self.conn.poll(timeout):
+            self.proc.kill()
+            self.proc.join(5)
+            raise EngineProcessError(f"engine process did not load {self.artifact} in {timeout:g}s "
+                                     "(start_timeout_s) and was killed")
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError):  # (a reset, not an EOF, when the child died with bytes unread)
+            self.proc.join(5)
+            if self._closing:
+                raise EngineProcessError(f"engine process loading {self.artifact} was stopped: "
+                                         "closed while it started") from None
+            raise EngineProcessError(f"engine process exited while loading {self.artifact} "
+                                     f"(exit code {self.proc.exitcode})") from None
+
     def _call(self, op: str, payload: Any = None) -> Any:  # noqa: ANN401 - the op's reply
         with self.lock:
             if self.closed:
                 raise EngineProcessError("the engine process was closed")
             if not self.proc.is_alive():
                 self.restarts += 1
-                self._start()
+                self.start()
             tag, body = self._exchange(op, payload, timeout=self.settings.hang_s)
         if tag == "raise":
             raise body
@@ -300,12 +366,25 @@ class EngineProcess:
     def close(self, timeout: float = 10.0) -> None:
         """Waits for the batch in flight, then stops the child. Every wait is bounded by
         ``timeout``: a child that does not answer (or a batch that never returns) is killed,
-        so a reload or a shutdown never hangs on a stuck engine."""
+        so a reload or a shutdown never hangs on a stuck engine. From another thread during a
+        start (the constructor's, :meth:`start`'s or a restart's), it kills the starting child
+        and the start raises EngineProcessError."""
+        with self._guard:
+            self._closing = True
+            starting = self._starting
+            if starting:
+                self.proc.kill()
+        if starting:  # the start owns the pipe until it raises (and reaps the child): wait for the exit only
+            self.closed = True
+            wait_handles([self.proc.sentinel], timeout)
+            return
         got = self.lock.acquire(timeout=timeout)
         try:
             if self.closed:
                 return
             self.closed = True
+            if self.proc is None:  # never started
+                return
             if self.proc.is_alive() and got:
                 try:
                     self._last_stages = self._exchange("stages", timeout=timeout)[1]
