@@ -355,3 +355,15 @@ def test_verify_reads_every_row_group_and_checks_the_manifest(tmp_path):
     file = damage_page(tmp_path / "d", "user_id")  # a column 'inspect' alone never reads
     with pytest.raises(DataFormatError, match=rf"{file} \(row group 0, rows 0-19\): cannot be read as Parquet"):
         verify_dataset(tmp_path / "d")
+
+
+def test_baselines_name_a_damaged_dataset_file(tmp_path):
+    from train.baselines import Baseline
+
+    src = tmp_path / "seq.txt"
+    src.write_text("".join(f"{u} 1 2 3 4 5\n" for u in range(50)))
+    convert_sequences(src, tmp_path / "d")
+    damage_page(tmp_path / "d")
+    file = tmp_path / "d" / "interactions.parquet"
+    with pytest.raises(DataFormatError, match=rf"{file} \(row group 0\): cannot be read as Parquet"):
+        Baseline(tmp_path / "d", "popular")

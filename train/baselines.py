@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 import torch
 
 from train.data.reader import SequenceReader, train_events
+from train.data.schema import arrow_errors, open_parquet
 from train.evaluate import EvalConfig, RankingMetrics, target_ranks
 
 
@@ -29,14 +30,17 @@ class Baseline:
     def __init__(self, data_path: str | Path, kind: Literal["popular", "transition"],
                  valid_users: float = 1.0) -> None:
         self.kind = kind
-        items = pq.read_table(Path(data_path) / "items.parquet").column("item_id").to_numpy()
+        with arrow_errors(Path(data_path) / "items.parquet"):
+            items = pq.read_table(Path(data_path) / "items.parquet").column("item_id").to_numpy()
         self.corpus = torch.from_numpy(np.sort(items))
         pop = np.zeros(items.size, np.float64)
         pairs = []
-        pf = pq.ParquetFile(Path(data_path) / "interactions.parquet")
+        path = Path(data_path) / "interactions.parquet"
+        pf = open_parquet(path)
         corpus_np = self.corpus.numpy()
         for g in range(pf.num_row_groups):
-            grp = pf.read_row_group(g, columns=["user_id", "item_ids"])
+            with arrow_errors(path, f"row group {g}"):
+                grp = pf.read_row_group(g, columns=["user_id", "item_ids"])
             col, users = grp.column("item_ids").combine_chunks(), grp.column("user_id").to_pylist()
             off, vals = col.offsets.to_numpy(), col.values.to_numpy()
             for b in range(len(off) - 1):
