@@ -4,14 +4,21 @@ Everything a request can get wrong is checked here, at the boundary, and named b
 field path (``user.history[3].item_id``) so the caller can fix it; past this module the
 engines trust their inputs. Rules:
 
-* the message parses (a truncated or foreign payload is invalid, not an internal error)
-  and carries no field this contract does not define, at any depth;
+* the request is at most ``Limits.request_bytes()`` long (checked before it is parsed), it
+  parses (a truncated or foreign payload is invalid, not an internal error) and carries no
+  field this contract does not define, at any depth;
 * history: 1..``max_history`` events; ids fit the item table (or hash, if the table says
-  so); action bitmasks fit the model's actions; timestamps >= 0;
-* context: known feature names, each at most once, ids that fit their tables;
+  so); action bitmasks fit the model's actions; timestamps >= 0. A history longer than the
+  model's window (``ModelSchema.max_history``) is accepted: the model reads its latest events;
+* context: at most ``max_context_features`` known feature names, each at most once, each
+  with at most ``max_context_ids`` ids that fit their tables;
 * candidates: at most ``max_candidates``, valid ids, bids finite and >= 0;
 * sizes: ``retrieve_k`` / ``k`` up to ``max_retrieve`` and the catalogue; ``top_k`` up to
   what is ranked; objective: "", "retrieval", "ecpm" or a task name.
+
+Every repeated field's count is checked before its elements are converted, and an error
+quotes at most ``MAX_QUOTE`` characters of a request's string and is at most
+``MAX_DETAIL`` characters in all (a gRPC status detail travels in a header).
 """
 
 from __future__ import annotations
@@ -33,15 +40,66 @@ Kind = Literal["recommend", "retrieve", "rank"]
 DEFAULT_RETRIEVE_K, DEFAULT_TOP_K = 100, 10
 
 
+MAX_QUOTE = 64  # characters of a request's string an error message repeats
+MAX_DETAIL = 512  # characters of an error message in all (as serve.server bounds a status detail)
+
+
+def quote(text: str) -> str:
+    """A request's string for an error message: quoted, escaped to printable ASCII (as
+    ``ascii()`` does), at most ``MAX_QUOTE`` characters of that, then ``...`` where cut."""
+    shown = ascii(text[: MAX_QUOTE + 1])[1:-1]
+    return f"'{shown[:MAX_QUOTE]}'" + ("..." if len(shown) > MAX_QUOTE else "")
+
+
 class InvalidRequest(ValueError):
-    """A request breaks the contract; ``str()`` names the field."""
+    """A request breaks the contract; ``str()`` names the field: ASCII, at most ``MAX_DETAIL``
+    characters (what is past that is cut, ``...`` marks the cut)."""
+
+    def __init__(self, message: str) -> None:
+        message = message[: MAX_DETAIL + 1].encode("ascii", "backslashreplace").decode("ascii")
+        if len(message) > MAX_DETAIL:
+            message = message[: MAX_DETAIL - 3] + "..."
+        super().__init__(message)
+
+
+# The most bytes one element of a repeated field takes on the wire, counted for elements
+# sent unpacked (a tag per value): decode() refuses a request longer than the largest one
+# its limits allow before parsing it, so parsing costs at most what the limits allow.
+_EVENT_BYTES = 2 + 3 * 11  # Event in User.history: tag + length, three tagged varints
+_ID_BYTES = 11  # a tagged int64 (EventColumns, ContextFeature.ids)
+_CANDIDATE_BYTES = 3 + 11 + 9  # tag + length, item_id, bid
+_NAME_BYTES = 256  # a context feature's name or an objective, counted at this length at most
+_FIXED_BYTES = 1024  # the scalars and the nested messages' headers
 
 
 @dataclass(frozen=True)
 class Limits:
-    max_history: int = 4096
-    max_candidates: int = 1024
-    max_retrieve: int = 1024
+    """How much one request may ask for; every count is checked before the work it causes.
+
+    A history may be longer than the model's window (the model reads its latest events), up
+    to ``max_history``."""
+
+    max_history: int = 4096  # events in User.history or history_columns
+    max_candidates: int = 1024  # candidates of Recommend / Rank
+    max_retrieve: int = 1024  # retrieve_k / k
+    max_context_features: int = 32  # entries of User.context
+    max_context_ids: int = 256  # ids of one context feature
+    max_request_bytes: int = 0  # a request's size; 0: the largest the limits above allow
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            least = 0 if name == "max_request_bytes" else 1  # 0 bytes: derived from the others
+            if value < least:
+                raise ValueError(f"serve limits: {name} = {value}; it must be at least {least}")
+
+    def request_bytes(self) -> int:
+        """The longest request decode() parses: ``max_request_bytes``, or where that is 0 the
+        largest request the other limits allow (every element at its longest encoding)."""
+        if self.max_request_bytes:
+            return self.max_request_bytes
+        context = self.max_context_features * (6 + _NAME_BYTES + self.max_context_ids * _ID_BYTES)
+        return (_FIXED_BYTES + 2 * _NAME_BYTES + self.max_history * _EVENT_BYTES + context
+                + self.max_candidates * _CANDIDATE_BYTES)
 
 
 @dataclass
@@ -125,14 +183,14 @@ def _ids(schema: ModelSchema, feature: str, ids: np.ndarray, field_path: str) ->
 _COLUMN = {"item_id": "item_ids", "timestamp": "timestamps", "actions": "actions"}
 
 
-def _history(user: pb.User, limit: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, Callable[[object, str], str]]:
+def _history(user: pb.User) -> tuple[np.ndarray, np.ndarray, np.ndarray, Callable[[object, str], str]]:
     """(item ids, timestamps, actions) [n] int64 of ``user.history`` or ``user.history_columns``,
     and how an error names event i's field (``where(i, "item_id" | "timestamp" | "actions")``)."""
     columns = user.HasField("history_columns")
     if columns and len(user.history):
         raise InvalidRequest("user: sets both history and history_columns; send the history once")
+    cols = user.history_columns
     if columns:
-        cols = user.history_columns
         n, name = len(cols.item_ids), "user.history_columns.item_ids"
         where = lambda i, field: f"user.history_columns.{_COLUMN[field]}[{i}]"  # noqa: E731
     else:
@@ -140,24 +198,41 @@ def _history(user: pb.User, limit: int) -> tuple[np.ndarray, np.ndarray, np.ndar
         where = lambda i, field: f"user.history[{i}].{field}"  # noqa: E731
     if n == 0:
         raise InvalidRequest(f"{name}: is empty; send at least one past event")
-    if n > limit:
-        raise InvalidRequest(f"{name}: has {n} events; the limit is {limit}")
     if not columns:
         h = user.history
         return (np.fromiter((e.item_id for e in h), np.int64, n), np.fromiter((e.timestamp for e in h), np.int64, n),
                 np.fromiter((e.actions for e in h), np.int64, n), where)
+    for col in ("timestamps", "actions"):  # both checked before any column is converted
+        if len(getattr(cols, col)) not in (0, n):
+            raise InvalidRequest(f"user.history_columns.{col}: has {len(getattr(cols, col))} values for {n} "
+                                 "item_ids; send one per item or none")
     out = [np.fromiter(cols.item_ids, np.int64, n)]
     for col in ("timestamps", "actions"):
         values = getattr(cols, col)
-        if len(values) not in (0, n):
-            raise InvalidRequest(f"user.history_columns.{col}: has {len(values)} values for {n} item_ids; "
-                                 "send one per item or none")
         out.append(np.fromiter(values, np.int64, n) if len(values) else np.zeros(n, np.int64))
     return (*out, where)
 
 
+def _context(user: pb.User, schema: ModelSchema) -> dict[str, np.ndarray]:
+    """{feature: table ids} of ``user.context`` (its counts checked by :func:`_user_counts`)."""
+    known = schema.embedding.pooled_features
+    context: dict[str, np.ndarray] = {}
+    for i, f in enumerate(user.context):
+        if f.name not in known:
+            raise InvalidRequest(f"user.context[{i}].name: {quote(f.name)} is not a context feature of this model; "
+                                 f"known: {list(known)}")
+        if f.name in context:
+            raise InvalidRequest(f"user.context[{i}].name: {quote(f.name)} is given twice")
+        ids = np.fromiter(f.ids, np.int64, len(f.ids))
+        context[f.name] = _ids(schema, f.name, ids, f"user.context[{i}].ids[{{}}]")
+    return context
+
+
 def decode_user(user: pb.User, schema: ModelSchema, limits: Limits) -> UserInput:
-    raw, times, actions, where = _history(user, min(limits.max_history, 10 * schema.max_history))
+    """``user`` -> its validated history (all of it, up to ``limits.max_history``: the engines
+    give the model its latest ``schema.max_history`` events) and context."""
+    _user_counts(user, limits)
+    raw, times, actions, where = _history(user)
     items = _ids(schema, schema.embedding.item_feature, raw, where("{}", "item_id"))
     if (times < 0).any():
         raise InvalidRequest(f"{where(int(np.flatnonzero(times < 0)[0]), 'timestamp')}: is negative")
@@ -169,23 +244,11 @@ def decode_user(user: pb.User, schema: ModelSchema, limits: Limits) -> UserInput
         raise InvalidRequest("user.request_time: is negative")
     has_time = bool((times > 0).all())
     request_time = user.request_time or (int(times[-1]) if has_time else 0)
-    context: dict[str, np.ndarray] = {}
-    known = schema.embedding.pooled_features
-    for i, f in enumerate(user.context):
-        if f.name not in known:
-            raise InvalidRequest(f"user.context[{i}].name: '{f.name}' is not a context feature of this model; "
-                                 f"known: {list(known)}")
-        if f.name in context:
-            raise InvalidRequest(f"user.context[{i}].name: '{f.name}' is given twice")
-        ids = np.asarray(list(f.ids), np.int64)
-        context[f.name] = _ids(schema, f.name, ids, f"user.context[{i}].ids[{{}}]")
-    return UserInput(items, times, actions, has_time, request_time, context)
+    return UserInput(items, times, actions, has_time, request_time, _context(user, schema))
 
 
-def _candidates(cands, schema: ModelSchema, limits: Limits) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # noqa: ANN001
+def _candidates(cands, schema: ModelSchema) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # noqa: ANN001
     c = len(cands)
-    if c > limits.max_candidates:
-        raise InvalidRequest(f"candidates: {c} given; the limit is {limits.max_candidates}")
     raw = np.fromiter((x.item_id for x in cands), np.int64, c)
     rows = _ids(schema, schema.embedding.item_feature, raw, "candidates[{}].item_id")
     bids = np.fromiter((x.bid for x in cands), np.float64, c)
@@ -196,10 +259,41 @@ def _candidates(cands, schema: ModelSchema, limits: Limits) -> tuple[np.ndarray,
     return rows, raw, bids
 
 
+def _over(path: str, n: int, limit: int, what: str) -> None:
+    if n > limit:
+        raise InvalidRequest(f"{path}: has {n} {what}; the limit is {limit}")
+
+
+def _user_counts(user: pb.User, limits: Limits) -> None:
+    """The counts of ``user``'s repeated fields against ``limits``, before any is converted."""
+    cols = user.history_columns
+    _over("user.history", len(user.history), limits.max_history, "events")
+    for col in ("item_ids", "timestamps", "actions"):
+        _over(f"user.history_columns.{col}", len(getattr(cols, col)), limits.max_history, "values")
+    _over("user.context", len(user.context), limits.max_context_features, "features")
+    for i, f in enumerate(user.context):
+        _over(f"user.context[{i}].ids", len(f.ids), limits.max_context_ids, "ids")
+
+
+def _counts(req: Message, limits: Limits) -> None:
+    """Every repeated field's count against its limit, before any element is converted."""
+    _user_counts(req.user, limits)
+    if hasattr(req, "candidates"):
+        _over("candidates", len(req.candidates), limits.max_candidates, "candidates")
+
+
+def _size(data: bytes, limits: Limits) -> None:
+    """Refuses a request longer than the limits allow before it is parsed: parsing costs in
+    proportion to the bytes, and the gRPC listener's own cap is megabytes."""
+    if len(data) > limits.request_bytes():
+        raise InvalidRequest(f"request: {len(data)} bytes, more than the {limits.request_bytes()} the server's "
+                             "limits allow (max_history, max_candidates, ...); send fewer events or ids")
+
+
 def _objective(name: str, schema: ModelSchema, path: str) -> str:
     valid = ["", "retrieval", *schema.tasks] + (["ecpm"] if schema.tasks else [])
     if name not in valid:
-        raise InvalidRequest(f"{path}: '{name}' is not an objective of this model; valid: {valid}")
+        raise InvalidRequest(f"{path}: {quote(name)} is not an objective of this model; valid: {valid}")
     return name
 
 
@@ -212,14 +306,16 @@ def _k(value: int, default: int, upper: int, path: str) -> int:
 
 def decode(kind: Kind, data: bytes, schema: ModelSchema, limits: Limits) -> Work:
     """Bytes of a Recommend / Retrieve / Rank request -> a validated ``Work``."""
+    _size(data, limits)
     if kind == "recommend":
         req = parse(pb.RecommendRequest, data)
+        _counts(req, limits)
         user = decode_user(req.user, schema, limits)
         cap = min(limits.max_retrieve, schema.catalogue_size)
         work = Work(kind, user, objective=_objective(req.objective, schema, "objective"),
                     exclude_history=req.exclude_history if req.HasField("exclude_history") else True)
         if len(req.candidates):
-            work.candidates, work.candidate_ids, work.bids = _candidates(req.candidates, schema, limits)
+            work.candidates, work.candidate_ids, work.bids = _candidates(req.candidates, schema)
             pool = len(req.candidates)
         else:
             work.retrieve_k = _k(req.retrieve_k, min(DEFAULT_RETRIEVE_K, cap), cap, "retrieve_k")
@@ -228,15 +324,17 @@ def decode(kind: Kind, data: bytes, schema: ModelSchema, limits: Limits) -> Work
         return work
     if kind == "retrieve":
         req = parse(pb.RetrieveRequest, data)
+        _counts(req, limits)
         cap = min(limits.max_retrieve, schema.catalogue_size)
         return Work(kind, decode_user(req.user, schema, limits), retrieve_k=_k(req.k, min(DEFAULT_RETRIEVE_K, cap), cap, "k"),
                     exclude_history=req.exclude_history if req.HasField("exclude_history") else True)
     req = parse(pb.RankRequest, data)
+    _counts(req, limits)
     if not schema.tasks:
         raise InvalidRequest("Rank: this model has no ranking tasks; use Retrieve or Recommend")
     if len(req.candidates) == 0:
         raise InvalidRequest("candidates: is empty; Rank needs at least one")
     work = Work(kind, decode_user(req.user, schema, limits), objective=_objective(req.objective, schema, "objective"))
-    work.candidates, work.candidate_ids, work.bids = _candidates(req.candidates, schema, limits)
+    work.candidates, work.candidate_ids, work.bids = _candidates(req.candidates, schema)
     work.top_k = len(req.candidates)
     return work
