@@ -215,21 +215,23 @@ class TorchEngine:
         return results
 
     def retrieve(self, users: torch.Tensor, works: list[tuple[int, Work]]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Exact top-k over the whole catalogue, one matmul for all (row, work) pairs."""
+        """Exact top-k over the whole catalogue, one matmul for all (row, work) pairs, each
+        work's :meth:`Work.excluded` items masked (fewer than ``retrieve_k`` come back where
+        the mask leaves fewer in the catalogue). Every engine's retrieval is this one."""
         rows = [i for i, _ in works]
         if rows != list(range(users.shape[0])):
             users = users[torch.tensor(rows, device=users.device)]
         k = max(w.retrieve_k for _, w in works)
-        if self.items_native is not None:  # one native call: GEMM, history masked, top-k
-            exclude = [w.user.items if w.exclude_history else _NONE for _, w in works]
+        excluded = [w.excluded() for _, w in works]
+        if self.items_native is not None:  # one native call: GEMM, exclusions masked, top-k
+            exclude = [_NONE if e is None else e for e in excluded]
             pos, vals = self.padded.retrieve(users, self.items_native, self.corpus_np, self.model.head.cfg.temperature,
-                                             exclude if any(w.exclude_history for _, w in works) else None, k)
-            ids = self.corpus_np[pos]
-            return {i: (ids[j, : w.retrieve_k], vals[j, : w.retrieve_k]) for j, (i, w) in enumerate(works)}
+                                             exclude if any(e is not None for e in excluded) else None, k)
+            return _top(self.corpus_np[pos], vals, works)
         # = model.head.scores(users, items): the same product and temperature, the items pre-transposed
         scores = torch.mm(users, self.items_t).div_(self.model.head.cfg.temperature).float()  # [b, N]
-        ex = [(j, w.user.items) for j, (_, w) in enumerate(works) if w.exclude_history]
-        if ex:  # every work's history items at once: (row, catalogue position) pairs -> -inf
+        ex = [(j, e) for j, e in enumerate(excluded) if e is not None]
+        if ex:  # every work's excluded items at once: (row, catalogue position) pairs -> -inf
             seen = np.concatenate([items for _, items in ex])
             row = np.repeat([j for j, _ in ex], [items.size for _, items in ex])
             idx = np.minimum(np.searchsorted(self.corpus_np, seen), self.corpus_np.size - 1)
@@ -237,8 +239,7 @@ class TorchEngine:
             row, idx = torch.from_numpy(row[hit]).to(scores.device), torch.from_numpy(idx[hit]).to(scores.device)
             scores[row, idx] = -math.inf
         top = torch.topk(scores, k, dim=1)
-        ids, vals = self.corpus_np[top.indices.cpu().numpy()], top.values.cpu().numpy()
-        return {i: (ids[j, : w.retrieve_k], vals[j, : w.retrieve_k]) for j, (i, w) in enumerate(works)}
+        return _top(self.corpus_np[top.indices.cpu().numpy()], top.values.cpu().numpy(), works)
 
     def score(self, state, to_rank: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> dict[int, np.ndarray]:  # noqa: ANN001
         """Task probabilities of every work's candidates, scored against the cached histories
@@ -248,13 +249,17 @@ class TorchEngine:
         keys = list(to_rank)
         if self.padded is not None:  # the state is its encode()'s
             return dict(zip(keys, self.padded.score(state, keys, [to_rank[i][0] for i in keys])))
+        out = {i: np.zeros((0, len(self.schema.tasks)), np.float32) for i in keys}
+        keys = [i for i in keys if to_rank[i][0].size]  # not those whose exclusions left nothing retrieved
+        if not keys:
+            return out
         items = torch.from_numpy(np.concatenate([to_rank[i][0] for i in keys])).to(self.device)
         owner = torch.from_numpy(np.concatenate([np.full(to_rank[i][0].size, i) for i in keys])).to(self.device)
         mb = self.micro_batch
         probs = torch.cat([self.model.score_candidates(state, items[s : s + mb], owner[s : s + mb])
                            for s in range(0, items.numel(), mb)]).float().cpu().numpy()
         splits = np.cumsum([to_rank[i][0].size for i in keys])[:-1]
-        return dict(zip(keys, np.split(probs, splits)))
+        return out | dict(zip(keys, np.split(probs, splits)))
 
     def order(self, objective: str, tasks: dict[str, np.ndarray], bids: np.ndarray,
               retrieval: np.ndarray | None) -> np.ndarray:
@@ -267,6 +272,17 @@ class TorchEngine:
         for t in self.objective_tasks:
             value *= tasks[t]
         return value
+
+
+def _top(ids: np.ndarray, vals: np.ndarray, works: list[tuple[int, Work]]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """{work: (ids, scores)}: row j's first ``retrieve_k`` of ids / vals [b, k] (best first),
+    masked ones (-inf: excluded, sorted last) left out."""
+    out = {}
+    for j, (i, w) in enumerate(works):
+        d, v = ids[j, : w.retrieve_k], vals[j, : w.retrieve_k]
+        keep = v > -math.inf
+        out[i] = (d, v) if keep.all() else (d[keep], v[keep])
+    return out
 
 
 def native_ok(model: GenerativeRecommender) -> bool:

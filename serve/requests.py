@@ -9,10 +9,13 @@ engines trust their inputs. Rules:
   field this contract does not define, at any depth;
 * history: 1..``max_history`` events; ids fit the item table (or hash, if the table says
   so); action bitmasks fit the model's actions; timestamps >= 0. A history longer than the
-  model's window (``ModelSchema.max_history``) is accepted: the model reads its latest events;
+  model's window (``ModelSchema.max_history``) is accepted: the model reads its latest
+  events, ``exclude_history`` drops every item of it from retrieval;
 * context: at most ``max_context_features`` known feature names, each at most once, each
   with at most ``max_context_ids`` ids that fit their tables;
 * candidates: at most ``max_candidates``, valid ids, bids finite and >= 0;
+* exclude_items: at most ``max_exclude_items`` ids, valid as candidates' are; an id of the
+  table that is not in the catalogue excludes nothing;
 * sizes: ``retrieve_k`` / ``k`` up to ``max_retrieve`` and the catalogue; ``top_k`` up to
   what is ranked; objective: "", "retrieval", "ecpm" or a task name.
 
@@ -66,7 +69,7 @@ class InvalidRequest(ValueError):
 # sent unpacked (a tag per value): decode() refuses a request longer than the largest one
 # its limits allow before parsing it, so parsing costs at most what the limits allow.
 _EVENT_BYTES = 2 + 3 * 11  # Event in User.history: tag + length, three tagged varints
-_ID_BYTES = 11  # a tagged int64 (EventColumns, ContextFeature.ids)
+_ID_BYTES = 11  # a tagged int64 (EventColumns, ContextFeature.ids, exclude_items)
 _CANDIDATE_BYTES = 3 + 11 + 9  # tag + length, item_id, bid
 _NAME_BYTES = 256  # a context feature's name or an objective, counted at this length at most
 _FIXED_BYTES = 1024  # the scalars and the nested messages' headers
@@ -76,12 +79,13 @@ _FIXED_BYTES = 1024  # the scalars and the nested messages' headers
 class Limits:
     """How much one request may ask for; every count is checked before the work it causes.
 
-    A history may be longer than the model's window (the model reads its latest events), up
-    to ``max_history``."""
+    A history may be longer than the model's window (the model reads its latest events;
+    ``exclude_history`` drops all of it from retrieval), up to ``max_history``."""
 
     max_history: int = 4096  # events in User.history or history_columns
     max_candidates: int = 1024  # candidates of Recommend / Rank
     max_retrieve: int = 1024  # retrieve_k / k
+    max_exclude_items: int = 4096  # exclude_items of Recommend / Retrieve
     max_context_features: int = 32  # entries of User.context
     max_context_ids: int = 256  # ids of one context feature
     max_request_bytes: int = 0  # a request's size; 0: the largest the limits above allow
@@ -99,7 +103,7 @@ class Limits:
             return self.max_request_bytes
         context = self.max_context_features * (6 + _NAME_BYTES + self.max_context_ids * _ID_BYTES)
         return (_FIXED_BYTES + 2 * _NAME_BYTES + self.max_history * _EVENT_BYTES + context
-                + self.max_candidates * _CANDIDATE_BYTES)
+                + self.max_candidates * _CANDIDATE_BYTES + self.max_exclude_items * _ID_BYTES)
 
 
 @dataclass
@@ -122,9 +126,21 @@ class Work:
     candidate_ids: np.ndarray | None = None  # [c] as the caller sent them
     bids: np.ndarray | None = None  # [c]
     exclude_history: bool = True
+    exclude_items: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [e] item table rows
     objective: str = ""
     deadline: float = math.inf  # time.monotonic() by which the caller stops waiting
     enqueued: float = field(default_factory=time.monotonic)
+
+    def excluded(self) -> np.ndarray | None:
+        """[e] item table rows retrieval must not return: ``exclude_items``, and with
+        ``exclude_history`` every item of the history sent (not only the model's window);
+        None when there are none. Every engine's retrieval masks these (an id outside the
+        catalogue masks nothing)."""
+        if self.exclude_history and self.exclude_items.size:
+            return np.concatenate([self.user.items, self.exclude_items])
+        if self.exclude_history:
+            return self.user.items
+        return self.exclude_items if self.exclude_items.size else None
 
 
 @dataclass(frozen=True)
@@ -242,7 +258,8 @@ def decode_user(user: pb.User, schema: ModelSchema, limits: Limits) -> UserInput
                              f"{schema.num_actions} actions")
     if user.request_time < 0:
         raise InvalidRequest("user.request_time: is negative")
-    has_time = bool((times > 0).all())
+    # as for a request of the model's window alone (what the engines give it)
+    has_time = bool((times[-schema.max_history :] > 0).all())
     request_time = user.request_time or (int(times[-1]) if has_time else 0)
     return UserInput(items, times, actions, has_time, request_time, _context(user, schema))
 
@@ -257,6 +274,15 @@ def _candidates(cands, schema: ModelSchema) -> tuple[np.ndarray, np.ndarray, np.
         i = int(np.flatnonzero(bad)[0])
         raise InvalidRequest(f"candidates[{i}].bid: {bids[i]} is not a finite number >= 0")
     return rows, raw, bids
+
+
+def _exclude(ids, schema: ModelSchema) -> np.ndarray:  # noqa: ANN001
+    """``exclude_items`` -> item table rows. Ids are checked as candidates' are (one outside
+    the item table is INVALID_ARGUMENT, or hashed where the table hashes, as a history's item
+    is): a bad id is a caller's bug, better named than silently excluding nothing. An id of the
+    table that is not in the catalogue (e.g. a retired item) is fine: it excludes nothing."""
+    n = len(ids)
+    return _ids(schema, schema.embedding.item_feature, np.fromiter(ids, np.int64, n), "exclude_items[{}]")
 
 
 def _over(path: str, n: int, limit: int, what: str) -> None:
@@ -280,6 +306,8 @@ def _counts(req: Message, limits: Limits) -> None:
     _user_counts(req.user, limits)
     if hasattr(req, "candidates"):
         _over("candidates", len(req.candidates), limits.max_candidates, "candidates")
+    if hasattr(req, "exclude_items"):
+        _over("exclude_items", len(req.exclude_items), limits.max_exclude_items, "ids")
 
 
 def _size(data: bytes, limits: Limits) -> None:
@@ -313,7 +341,8 @@ def decode(kind: Kind, data: bytes, schema: ModelSchema, limits: Limits) -> Work
         user = decode_user(req.user, schema, limits)
         cap = min(limits.max_retrieve, schema.catalogue_size)
         work = Work(kind, user, objective=_objective(req.objective, schema, "objective"),
-                    exclude_history=req.exclude_history if req.HasField("exclude_history") else True)
+                    exclude_history=req.exclude_history if req.HasField("exclude_history") else True,
+                    exclude_items=_exclude(req.exclude_items, schema))
         if len(req.candidates):
             work.candidates, work.candidate_ids, work.bids = _candidates(req.candidates, schema)
             pool = len(req.candidates)
@@ -327,7 +356,8 @@ def decode(kind: Kind, data: bytes, schema: ModelSchema, limits: Limits) -> Work
         _counts(req, limits)
         cap = min(limits.max_retrieve, schema.catalogue_size)
         return Work(kind, decode_user(req.user, schema, limits), retrieve_k=_k(req.k, min(DEFAULT_RETRIEVE_K, cap), cap, "k"),
-                    exclude_history=req.exclude_history if req.HasField("exclude_history") else True)
+                    exclude_history=req.exclude_history if req.HasField("exclude_history") else True,
+                    exclude_items=_exclude(req.exclude_items, schema))
     req = parse(pb.RankRequest, data)
     _counts(req, limits)
     if not schema.tasks:

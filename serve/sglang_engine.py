@@ -230,14 +230,14 @@ class SGLangEngine(TorchEngine):
             found = self.retrieve(users, [(j, w) for j, (_, w) in enumerate(need)])
             retrieved = {i: found[j] for j, (i, _) in enumerate(need)}
         to_rank = self.plan_ranking(works, retrieved)
-        probs = {}
-        if to_rank:
-            keys = list(to_rank)
+        probs = {i: np.zeros((0, len(self.schema.tasks)), np.float32) for i in to_rank}
+        keys = [i for i in to_rank if to_rank[i][0].size]  # not those whose exclusions left nothing retrieved
+        if keys:
             batch = collate_users([works[i].user for i in keys], self.model, self.device,
                                   candidates=[to_rank[i][0] for i in keys])
             h, tok = self._tower(batch)
             p = torch.sigmoid(self.model.rank_logits(h, tok, batch).float()).numpy()
             splits = np.cumsum([to_rank[i][0].size for i in keys])[:-1]
-            probs = dict(zip(keys, np.split(p, splits)))
+            probs.update(zip(keys, np.split(p, splits)))
         return self.finish(works, retrieved, to_rank, probs, t0)
 

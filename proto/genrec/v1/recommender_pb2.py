@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!proto/genrec/v1/recommender.proto\x12\tgenrec.v1\"<\n\x05\x45vent\x12\x0f\n\x07item_id\x18\x01 \x01(\x03\x12\x11\n\ttimestamp\x18\x02 \x01(\x03\x12\x0f\n\x07\x61\x63tions\x18\x03 \x01(\r\"+\n\x0e\x43ontextFeature\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x03(\x03\")\n\tCandidate\x12\x0f\n\x07item_id\x18\x01 \x01(\x03\x12\x0b\n\x03\x62id\x18\x02 \x01(\x01\"E\n\x0c\x45ventColumns\x12\x10\n\x08item_ids\x18\x01 \x03(\x03\x12\x12\n\ntimestamps\x18\x02 \x03(\x03\x12\x0f\n\x07\x61\x63tions\x18\x03 \x03(\r\"\x9d\x01\n\x04User\x12!\n\x07history\x18\x01 \x03(\x0b\x32\x10.genrec.v1.Event\x12*\n\x07\x63ontext\x18\x02 \x03(\x0b\x32\x19.genrec.v1.ContextFeature\x12\x14\n\x0crequest_time\x18\x03 \x01(\x03\x12\x30\n\x0fhistory_columns\x18\x04 \x01(\x0b\x32\x17.genrec.v1.EventColumns\"\xc3\x01\n\x10RecommendRequest\x12\x1d\n\x04user\x18\x01 \x01(\x0b\x32\x0f.genrec.v1.User\x12\x12\n\nretrieve_k\x18\x02 \x01(\r\x12\r\n\x05top_k\x18\x03 \x01(\r\x12(\n\ncandidates\x18\x04 \x03(\x0b\x32\x14.genrec.v1.Candidate\x12\x1c\n\x0f\x65xclude_history\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12\x11\n\tobjective\x18\x06 \x01(\tB\x12\n\x10_exclude_history\"\xa4\x01\n\nScoredItem\x12\x0f\n\x07item_id\x18\x01 \x01(\x03\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x17\n\x0fretrieval_score\x18\x03 \x01(\x02\x12/\n\x05tasks\x18\x04 \x03(\x0b\x32 .genrec.v1.ScoredItem.TasksEntry\x1a,\n\nTasksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"z\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x02\x12\x12\n\ncompute_ms\x18\x02 \x01(\x02\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x11\n\tdecode_ms\x18\x04 \x01(\x02\x12\x0f\n\x07wait_ms\x18\x05 \x01(\x02\x12\x12\n\nhandoff_ms\x18\x06 \x01(\x02\"s\n\x11RecommendResponse\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.genrec.v1.ScoredItem\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12!\n\x06timing\x18\x03 \x01(\x0b\x32\x11.genrec.v1.Timing\"m\n\x0fRetrieveRequest\x12\x1d\n\x04user\x18\x01 \x01(\x0b\x32\x0f.genrec.v1.User\x12\t\n\x01k\x18\x02 \x01(\r\x12\x1c\n\x0f\x65xclude_history\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x12\n\x10_exclude_history\"r\n\x10RetrieveResponse\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.genrec.v1.ScoredItem\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12!\n\x06timing\x18\x03 \x01(\x0b\x32\x11.genrec.v1.Timing\"i\n\x0bRankRequest\x12\x1d\n\x04user\x18\x01 \x01(\x0b\x32\x0f.genrec.v1.User\x12(\n\ncandidates\x18\x02 \x03(\x0b\x32\x14.genrec.v1.Candidate\x12\x11\n\tobjective\x18\x03 \x01(\t\"n\n\x0cRankResponse\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.genrec.v1.ScoredItem\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12!\n\x06timing\x18\x03 \x01(\x0b\x32\x11.genrec.v1.Timing\"#\n\x13LoadArtifactRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"C\n\x14LoadArtifactResponse\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x14\n\x0cload_seconds\x18\x02 \x01(\x02\"\x15\n\x13GetModelInfoRequest\"\xe2\x01\n\tModelInfo\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x15\n\rartifact_path\x18\x02 \x01(\t\x12\r\n\x05tower\x18\x03 \x01(\t\x12\r\n\x05tasks\x18\x04 \x03(\t\x12\x0f\n\x07\x61\x63tions\x18\x05 \x03(\t\x12\x18\n\x10\x63ontext_features\x18\x06 \x03(\t\x12\x16\n\x0e\x63\x61talogue_size\x18\x07 \x01(\x04\x12\x13\n\x0bmax_history\x18\x08 \x01(\r\x12\x0e\n\x06\x65ngine\x18\t \x01(\t\x12\x12\n\nembeddings\x18\n \x01(\t\x12\r\n\x05\x64\x65nse\x18\x0b \x01(\t2\xd3\x01\n\x0bRecommender\x12\x46\n\tRecommend\x12\x1b.genrec.v1.RecommendRequest\x1a\x1c.genrec.v1.RecommendResponse\x12\x43\n\x08Retrieve\x12\x1a.genrec.v1.RetrieveRequest\x1a\x1b.genrec.v1.RetrieveResponse\x12\x37\n\x04Rank\x12\x16.genrec.v1.RankRequest\x1a\x17.genrec.v1.RankResponse2\x9e\x01\n\x05\x41\x64min\x12O\n\x0cLoadArtifact\x12\x1e.genrec.v1.LoadArtifactRequest\x1a\x1f.genrec.v1.LoadArtifactResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.genrec.v1.GetModelInfoRequest\x1a\x14.genrec.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!proto/genrec/v1/recommender.proto\x12\tgenrec.v1\"<\n\x05\x45vent\x12\x0f\n\x07item_id\x18\x01 \x01(\x03\x12\x11\n\ttimestamp\x18\x02 \x01(\x03\x12\x0f\n\x07\x61\x63tions\x18\x03 \x01(\r\"+\n\x0e\x43ontextFeature\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x03(\x03\")\n\tCandidate\x12\x0f\n\x07item_id\x18\x01 \x01(\x03\x12\x0b\n\x03\x62id\x18\x02 \x01(\x01\"E\n\x0c\x45ventColumns\x12\x10\n\x08item_ids\x18\x01 \x03(\x03\x12\x12\n\ntimestamps\x18\x02 \x03(\x03\x12\x0f\n\x07\x61\x63tions\x18\x03 \x03(\r\"\x9d\x01\n\x04User\x12!\n\x07history\x18\x01 \x03(\x0b\x32\x10.genrec.v1.Event\x12*\n\x07\x63ontext\x18\x02 \x03(\x0b\x32\x19.genrec.v1.ContextFeature\x12\x14\n\x0crequest_time\x18\x03 \x01(\x03\x12\x30\n\x0fhistory_columns\x18\x04 \x01(\x0b\x32\x17.genrec.v1.EventColumns\"\xda\x01\n\x10RecommendRequest\x12\x1d\n\x04user\x18\x01 \x01(\x0b\x32\x0f.genrec.v1.User\x12\x12\n\nretrieve_k\x18\x02 \x01(\r\x12\r\n\x05top_k\x18\x03 \x01(\r\x12(\n\ncandidates\x18\x04 \x03(\x0b\x32\x14.genrec.v1.Candidate\x12\x1c\n\x0f\x65xclude_history\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12\x11\n\tobjective\x18\x06 \x01(\t\x12\x15\n\rexclude_items\x18\x07 \x03(\x03\x42\x12\n\x10_exclude_history\"\xa4\x01\n\nScoredItem\x12\x0f\n\x07item_id\x18\x01 \x01(\x03\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x17\n\x0fretrieval_score\x18\x03 \x01(\x02\x12/\n\x05tasks\x18\x04 \x03(\x0b\x32 .genrec.v1.ScoredItem.TasksEntry\x1a,\n\nTasksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"z\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x02\x12\x12\n\ncompute_ms\x18\x02 \x01(\x02\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x11\n\tdecode_ms\x18\x04 \x01(\x02\x12\x0f\n\x07wait_ms\x18\x05 \x01(\x02\x12\x12\n\nhandoff_ms\x18\x06 \x01(\x02\"s\n\x11RecommendResponse\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.genrec.v1.ScoredItem\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12!\n\x06timing\x18\x03 \x01(\x0b\x32\x11.genrec.v1.Timing\"\x84\x01\n\x0fRetrieveRequest\x12\x1d\n\x04user\x18\x01 \x01(\x0b\x32\x0f.genrec.v1.User\x12\t\n\x01k\x18\x02 \x01(\r\x12\x1c\n\x0f\x65xclude_history\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x15\n\rexclude_items\x18\x04 \x03(\x03\x42\x12\n\x10_exclude_history\"r\n\x10RetrieveResponse\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.genrec.v1.ScoredItem\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12!\n\x06timing\x18\x03 \x01(\x0b\x32\x11.genrec.v1.Timing\"i\n\x0bRankRequest\x12\x1d\n\x04user\x18\x01 \x01(\x0b\x32\x0f.genrec.v1.User\x12(\n\ncandidates\x18\x02 \x03(\x0b\x32\x14.genrec.v1.Candidate\x12\x11\n\tobjective\x18\x03 \x01(\t\"n\n\x0cRankResponse\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.genrec.v1.ScoredItem\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12!\n\x06timing\x18\x03 \x01(\x0b\x32\x11.genrec.v1.Timing\"#\n\x13LoadArtifactRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"C\n\x14LoadArtifactResponse\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x14\n\x0cload_seconds\x18\x02 \x01(\x02\"\x15\n\x13GetModelInfoRequest\"\xe2\x01\n\tModelInfo\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x15\n\rartifact_path\x18\x02 \x01(\t\x12\r\n\x05tower\x18\x03 \x01(\t\x12\r\n\x05tasks\x18\x04 \x03(\t\x12\x0f\n\x07\x61\x63tions\x18\x05 \x03(\t\x12\x18\n\x10\x63ontext_features\x18\x06 \x03(\t\x12\x16\n\x0e\x63\x61talogue_size\x18\x07 \x01(\x04\x12\x13\n\x0bmax_history\x18\x08 \x01(\r\x12\x0e\n\x06\x65ngine\x18\t \x01(\t\x12\x12\n\nembeddings\x18\n \x01(\t\x12\r\n\x05\x64\x65nse\x18\x0b \x01(\t2\xd3\x01\n\x0bRecommender\x12\x46\n\tRecommend\x12\x1b.genrec.v1.RecommendRequest\x1a\x1c.genrec.v1.RecommendResponse\x12\x43\n\x08Retrieve\x12\x1a.genrec.v1.RetrieveRequest\x1a\x1b.genrec.v1.RetrieveResponse\x12\x37\n\x04Rank\x12\x16.genrec.v1.RankRequest\x1a\x17.genrec.v1.RankResponse2\x9e\x01\n\x05\x41\x64min\x12O\n\x0cLoadArtifact\x12\x1e.genrec.v1.LoadArtifactRequest\x1a\x1f.genrec.v1.LoadArtifactResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.genrec.v1.GetModelInfoRequest\x1a\x14.genrec.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,33 +44,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USER']._serialized_start=270
   _globals['_USER']._serialized_end=427
   _globals['_RECOMMENDREQUEST']._serialized_start=430
-  _globals['_RECOMMENDREQUEST']._serialized_end=625
-  _globals['_SCOREDITEM']._serialized_start=628
-  _globals['_SCOREDITEM']._serialized_end=792
-  _globals['_SCOREDITEM_TASKSENTRY']._serialized_start=748
-  _globals['_SCOREDITEM_TASKSENTRY']._serialized_end=792
-  _globals['_TIMING']._serialized_start=794
-  _globals['_TIMING']._serialized_end=916
-  _globals['_RECOMMENDRESPONSE']._serialized_start=918
-  _globals['_RECOMMENDRESPONSE']._serialized_end=1033
-  _globals['_RETRIEVEREQUEST']._serialized_start=1035
-  _globals['_RETRIEVEREQUEST']._serialized_end=1144
-  _globals['_RETRIEVERESPONSE']._serialized_start=1146
-  _globals['_RETRIEVERESPONSE']._serialized_end=1260
-  _globals['_RANKREQUEST']._serialized_start=1262
-  _globals['_RANKREQUEST']._serialized_end=1367
-  _globals['_RANKRESPONSE']._serialized_start=1369
-  _globals['_RANKRESPONSE']._serialized_end=1479
-  _globals['_LOADARTIFACTREQUEST']._serialized_start=1481
-  _globals['_LOADARTIFACTREQUEST']._serialized_end=1516
-  _globals['_LOADARTIFACTRESPONSE']._serialized_start=1518
-  _globals['_LOADARTIFACTRESPONSE']._serialized_end=1585
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1587
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1608
-  _globals['_MODELINFO']._serialized_start=1611
-  _globals['_MODELINFO']._serialized_end=1837
-  _globals['_RECOMMENDER']._serialized_start=1840
-  _globals['_RECOMMENDER']._serialized_end=2051
-  _globals['_ADMIN']._serialized_start=2054
-  _globals['_ADMIN']._serialized_end=2212
+  _globals['_RECOMMENDREQUEST']._serialized_end=648
+  _globals['_SCOREDITEM']._serialized_start=651
+  _globals['_SCOREDITEM']._serialized_end=815
+  _globals['_SCOREDITEM_TASKSENTRY']._serialized_start=771
+  _globals['_SCOREDITEM_TASKSENTRY']._serialized_end=815
+  _globals['_TIMING']._serialized_start=817
+  _globals['_TIMING']._serialized_end=939
+  _globals['_RECOMMENDRESPONSE']._serialized_start=941
+  _globals['_RECOMMENDRESPONSE']._serialized_end=1056
+  _globals['_RETRIEVEREQUEST']._serialized_start=1059
+  _globals['_RETRIEVEREQUEST']._serialized_end=1191
+  _globals['_RETRIEVERESPONSE']._serialized_start=1193
+  _globals['_RETRIEVERESPONSE']._serialized_end=1307
+  _globals['_RANKREQUEST']._serialized_start=1309
+  _globals['_RANKREQUEST']._serialized_end=1414
+  _globals['_RANKRESPONSE']._serialized_start=1416
+  _globals['_RANKRESPONSE']._serialized_end=1526
+  _globals['_LOADARTIFACTREQUEST']._serialized_start=1528
+  _globals['_LOADARTIFACTREQUEST']._serialized_end=1563
+  _globals['_LOADARTIFACTRESPONSE']._serialized_start=1565
+  _globals['_LOADARTIFACTRESPONSE']._serialized_end=1632
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1634
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1655
+  _globals['_MODELINFO']._serialized_start=1658
+  _globals['_MODELINFO']._serialized_end=1884
+  _globals['_RECOMMENDER']._serialized_start=1887
+  _globals['_RECOMMENDER']._serialized_end=2098
+  _globals['_ADMIN']._serialized_start=2101
+  _globals['_ADMIN']._serialized_end=2259
 # @@protoc_insertion_point(module_scope)

@@ -55,20 +55,22 @@ class User(_message.Message):
     def __init__(self, history: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., context: _Optional[_Iterable[_Union[ContextFeature, _Mapping]]] = ..., request_time: _Optional[int] = ..., history_columns: _Optional[_Union[EventColumns, _Mapping]] = ...) -> None: ...
 
 class RecommendRequest(_message.Message):
-    __slots__ = ("user", "retrieve_k", "top_k", "candidates", "exclude_history", "objective")
+    __slots__ = ("user", "retrieve_k", "top_k", "candidates", "exclude_history", "objective", "exclude_items")
     USER_FIELD_NUMBER: _ClassVar[int]
     RETRIEVE_K_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_HISTORY_FIELD_NUMBER: _ClassVar[int]
     OBJECTIVE_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_ITEMS_FIELD_NUMBER: _ClassVar[int]
     user: User
     retrieve_k: int
     top_k: int
     candidates: _containers.RepeatedCompositeFieldContainer[Candidate]
     exclude_history: bool
     objective: str
-    def __init__(self, user: _Optional[_Union[User, _Mapping]] = ..., retrieve_k: _Optional[int] = ..., top_k: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., exclude_history: _Optional[bool] = ..., objective: _Optional[str] = ...) -> None: ...
+    exclude_items: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, user: _Optional[_Union[User, _Mapping]] = ..., retrieve_k: _Optional[int] = ..., top_k: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., exclude_history: _Optional[bool] = ..., objective: _Optional[str] = ..., exclude_items: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScoredItem(_message.Message):
     __slots__ = ("item_id", "score", "retrieval_score", "tasks")
@@ -116,14 +118,16 @@ class RecommendResponse(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[ScoredItem, _Mapping]]] = ..., model_version: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
 
 class RetrieveRequest(_message.Message):
-    __slots__ = ("user", "k", "exclude_history")
+    __slots__ = ("user", "k", "exclude_history", "exclude_items")
     USER_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_HISTORY_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_ITEMS_FIELD_NUMBER: _ClassVar[int]
     user: User
     k: int
     exclude_history: bool
-    def __init__(self, user: _Optional[_Union[User, _Mapping]] = ..., k: _Optional[int] = ..., exclude_history: _Optional[bool] = ...) -> None: ...
+    exclude_items: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, user: _Optional[_Union[User, _Mapping]] = ..., k: _Optional[int] = ..., exclude_history: _Optional[bool] = ..., exclude_items: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RetrieveResponse(_message.Message):
     __slots__ = ("items", "model_version", "timing")
