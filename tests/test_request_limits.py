@@ -145,27 +145,37 @@ def test_a_request_longer_than_its_limits_allow_is_refused_before_it_is_parsed(e
     assert Limits(max_request_bytes=100).request_bytes() == 100
 
 
-def test_the_largest_request_the_limits_allow_is_within_their_byte_bound():
-    """request_bytes() must not refuse a request its counts allow: every element at its longest
-    encoding (ids near 2^63, unpacked columns, 256-character names)."""
-    lim = Limits(max_history=30, max_candidates=7, max_exclude_items=9, max_context_features=3, max_context_ids=11)
+def _largest(lim: Limits) -> list[tuple[bytes, int]]:
+    """The longest Recommend and Retrieve requests ``lim`` allows (every count at its limit,
+    every value at its longest valid encoding: ids near 2^63, 256-character names), and how
+    many bytes longer each is sent unpacked (valid too: a tag byte per repeated scalar)."""
     big, name = 2**63 - 1, "n" * 256
     ctx = [pb.ContextFeature(name=name, ids=[big] * lim.max_context_ids)] * lim.max_context_features
     hist = [pb.Event(item_id=big, timestamp=big, actions=2**32 - 1)] * lim.max_history
     cands = [pb.Candidate(item_id=big, bid=1e300)] * lim.max_candidates
-    reqs = [pb.RecommendRequest(user=pb.User(history=hist, context=ctx, request_time=big), retrieve_k=2**32 - 1,
-                                top_k=2**32 - 1, candidates=cands, exclude_history=False, objective=name,
-                                exclude_items=[big] * lim.max_exclude_items),
-            pb.RetrieveRequest(user=pb.User(history_columns=pb.EventColumns(
-                item_ids=[big] * lim.max_history, timestamps=[big] * lim.max_history,
-                actions=[2**32 - 1] * lim.max_history), context=ctx, request_time=big), k=2**32 - 1,
-                exclude_history=True, exclude_items=[big] * lim.max_exclude_items)]
-    for req in reqs:
-        data = req.SerializeToString()
-        # sent unpacked (valid too), each value of a repeated scalar takes one tag byte more
-        n_scalars = lim.max_history * 3 + lim.max_context_features * lim.max_context_ids + lim.max_exclude_items
-        assert len(data) + n_scalars <= lim.request_bytes(), (len(data), lim.request_bytes())
-        requests._size(data, lim)  # not refused on its size
+    excl = [big] * lim.max_exclude_items
+    unpacked = lim.max_context_features * lim.max_context_ids + lim.max_exclude_items
+    rec = pb.RecommendRequest(user=pb.User(history=hist, context=ctx, request_time=big), retrieve_k=2**32 - 1,
+                              top_k=2**32 - 1, candidates=cands, exclude_history=False, objective=name, exclude_items=excl)
+    cols = pb.EventColumns(item_ids=[big] * lim.max_history, timestamps=[big] * lim.max_history,
+                           actions=[2**32 - 1] * lim.max_history)
+    ret = pb.RetrieveRequest(user=pb.User(history_columns=cols, context=ctx, request_time=big), k=2**32 - 1,
+                             exclude_history=True, exclude_items=excl)
+    return [(rec.SerializeToString(), unpacked), (ret.SerializeToString(), unpacked + 3 * lim.max_history)]
+
+
+def test_the_largest_request_the_limits_allow_is_within_their_byte_bound():
+    """request_bytes() must not refuse a request its counts allow: checked with each count
+    large alone (so that its share of the bound, not the bound's slack, must cover it) and all
+    together."""
+    one = dict(max_history=1, max_candidates=1, max_exclude_items=1, max_context_features=1, max_context_ids=1)
+    large = dict(max_history=2000, max_candidates=2000, max_exclude_items=5000, max_context_ids=3000)
+    variants = [Limits(**one), Limits(**{**one, "max_context_features": 60, "max_context_ids": 3}), Limits()]
+    variants += [Limits(**{**one, key: value}) for key, value in large.items()]
+    for lim in variants:
+        for data, unpacked in _largest(lim):
+            assert len(data) + unpacked <= lim.request_bytes(), (lim, len(data) + unpacked, lim.request_bytes())
+            requests._size(data, lim)  # not refused on its size
 
 
 # ---- exclude_items and histories longer than the window -------------------------------------
