@@ -91,7 +91,9 @@ class ConnectionConfig:
     # Python runs for them (the cheapest refusal there is: the front-end's CPU stays for the calls
     # it serves). Sized to the batcher's queue plus what the engines hold, with room for health checks.
     max_concurrent_rpcs: int = 512
-    max_message_bytes: int = 4 << 20  # a request larger than this is refused unread
+    # a request larger than this is refused unread (RESOURCE_EXHAUSTED); 0: the largest request the
+    # limits allow (serve.requests.Limits.request_bytes), so a valid request is never cut off
+    max_message_bytes: int = 0
     keepalive_time_s: float = 60.0  # ping an idle connection this often ...
     keepalive_timeout_s: float = 20.0  # ... and close it if the ping goes unanswered this long
     max_connection_idle_s: float = 600.0
@@ -192,6 +194,7 @@ def bounded(message: str, limit: int = MAX_DETAIL) -> str:
     """An error detail of at most ``limit`` characters: details travel in gRPC metadata, whose
     size is capped (8 KB by default); a detail quoting a long request string would turn the
     intended status into RESOURCE_EXHAUSTED."""
+    message = message.encode("ascii", "backslashreplace").decode()  # (gRPC percent-encodes the rest, up to 12x)
     return message if len(message) <= limit else message[: limit - 3] + "..."
 
 
@@ -221,9 +224,15 @@ def _bind(server: grpc.aio.Server, host: str, port: int, tls: TLSConfig) -> int:
     return bound
 
 
-def _server_options(c: ConnectionConfig) -> list[tuple[str, int]]:
+def _server_options(c: ConnectionConfig, limits: Limits) -> list[tuple[str, int]]:
+    """gRPC's options for the public listener. A message limit below what the request limits
+    allow would refuse valid requests before they are read: a config error."""
+    largest = limits.request_bytes()
+    if c.max_message_bytes and c.max_message_bytes < largest:
+        raise ValueError(f"serve.connections.max_message_bytes = {c.max_message_bytes} is less than the largest "
+                         f"request the limits allow ({largest} bytes): raise it, or set 0 to derive it")
     ms = lambda s: int(s * 1000)  # noqa: E731
-    return [("grpc.max_receive_message_length", c.max_message_bytes),
+    return [("grpc.max_receive_message_length", c.max_message_bytes or largest + 1024),
             ("grpc.keepalive_time_ms", ms(c.keepalive_time_s)),
             ("grpc.keepalive_timeout_ms", ms(c.keepalive_timeout_s)),
             ("grpc.max_connection_idle_ms", ms(c.max_connection_idle_s)),
@@ -258,7 +267,8 @@ class RecommenderServer:
         self.batcher = Batcher(lambda: self.engine, self.cfg.batch, self.metrics.on_batch)
         self.batcher.start()
         conn = self.cfg.connections
-        self.server = grpc.aio.server(options=_server_options(conn), maximum_concurrent_rpcs=conn.max_concurrent_rpcs)
+        self.server = grpc.aio.server(options=_server_options(conn, self.cfg.limits),
+                                      maximum_concurrent_rpcs=conn.max_concurrent_rpcs)
         handlers = {m: grpc.unary_unary_rpc_method_handler(self._handler(k))
                     for m, k in (("Recommend", "recommend"), ("Retrieve", "retrieve"), ("Rank", "rank"))}
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(RECOMMENDER, handlers),))

@@ -397,3 +397,15 @@ def test_admission_refuses_at_once_what_could_not_start_in_time():
     refusals = asyncio.run(scenario())
     assert len(refusals) == 3
     assert "deadline" in refusals[0] and "10 ms" in refusals[1] and "10 ms" in refusals[2]
+
+
+def test_error_details_are_ascii_and_bounded_and_the_message_limit_fits_the_request_limits():
+    from serve.requests import Limits
+    from serve.server import ConnectionConfig, _server_options, bounded
+
+    detail = bounded("name 'é" + "x" * 2000 + "'")
+    assert detail.isascii() and len(detail) == 512 and detail.endswith("...") and "\\xe9" in detail
+    options = dict(_server_options(ConnectionConfig(), Limits()))
+    assert options["grpc.max_receive_message_length"] > Limits().request_bytes()
+    with pytest.raises(ValueError, match="max_message_bytes"):
+        _server_options(ConnectionConfig(max_message_bytes=1000), Limits())
