@@ -15,25 +15,31 @@ tower, stages, ``run``), so batching, deadlines, reload and metrics are unchange
 costs two pipe transfers of its validated arrays (tens of microseconds). From the event
 loop, batches pipeline (``run_async``): the child takes them in order, the next already in
 its pipe when one finishes. If the child dies, the batches in flight fail (INTERNAL) and the
-next batch starts a new child.
+next batch starts a new child; with a warm standby (``FailoverEngine``, what
+``open_engine_process`` builds by default) a second child of the artifact, loaded and idle,
+takes over at once and the batches in flight run again on it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import multiprocessing as mp
 import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_handles
 from typing import Any
 
 from quant.artifact import Manifest
 from serve.requests import ModelSchema, Work
+
+log = logging.getLogger("genrec.serve")
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,9 @@ class ProcessSettings:
     # a child that has not loaded the artifact in this long (e.g. a hung network file system) is
     # killed and the start fails, so neither a start nor a shutdown waits for it forever
     start_timeout_s: float = 120.0
+    # open_engine_process: a second process of the artifact, loaded and idle, takes over at once when
+    # the engine dies (FailoverEngine); costs one more engine's memory. EngineProcess ignores it.
+    standby: bool = True
 
 
 def plan_cpus(spec: str, threads: int, available: tuple[int, ...],
@@ -95,6 +104,11 @@ def plan_cpus(spec: str, threads: int, available: tuple[int, ...],
 
 class EngineProcessError(RuntimeError):
     """The engine process failed to start, died, or was closed."""
+
+
+class EngineDied(EngineProcessError):
+    """The engine process died (or was killed as hung) with the batch in it: the batch did not
+    fail on its own account, so it may run again on another engine process."""
 
 
 def _exit_with_parent() -> None:
@@ -146,11 +160,13 @@ def _child(conn: Connection, kind: str, artifact: str, device: str, settings: Pr
     conn.send(("ready", {"name": engine.name, "version": engine.version, "schema": engine.schema,
                          "manifest": engine.manifest, "tower": engine.tower, "path": getattr(engine, "path", None)}))
     poll_s = settings.poll_ms / 1e3
+    served = False  # no spinning before the first request: a standby idles blocked on its pipe
     while True:
-        if poll_s > 0:  # busy-poll: a blocking recv would let this CPU go idle between batches
+        if poll_s > 0 and served:  # busy-poll: a blocking recv would let this CPU go idle between batches
             end = time.monotonic() + poll_s
             while not conn.poll(0) and time.monotonic() < end:
                 pass
+        served = True
         try:
             op, payload = conn.recv()
         except EOFError:  # the parent went away
@@ -174,12 +190,15 @@ class EngineProcess:
     """The engine ``kind`` for ``artifact``, run in a spawned child process.
 
     ``start=False``: the child is started by :meth:`start`, so another thread holding the object
-    can cancel a start in progress with :meth:`close`."""
+    can cancel a start in progress with :meth:`close`. ``restart=False``: a dead child is not
+    replaced by the next batch, which fails with :class:`EngineDied` instead (for an owner that
+    replaces engines itself, :class:`FailoverEngine`)."""
 
     def __init__(self, kind: str, artifact: str, device: str = "cpu",
-                 settings: ProcessSettings | None = None, start: bool = True) -> None:
+                 settings: ProcessSettings | None = None, start: bool = True, restart: bool = True) -> None:
         self.kind, self.artifact, self.device = kind, str(artifact), device
         self.settings = settings or ProcessSettings()
+        self.restart = restart
         self.lock = threading.Lock()  # held by a control call, a thread's batch, or the loop's pipelined batches
         self._pending: collections.deque[asyncio.Future] = collections.deque()  # run_async's batches, in send order
         self.restarts = 0
@@ -247,11 +266,17 @@ class EngineProcess:
             raise EngineProcessError(f"engine process exited while loading {self.artifact} "
                                      f"(exit code {self.proc.exitcode})") from None
 
+    @property
+    def _then(self) -> str:
+        return "; the next batch starts a new one" if self.restart else ""
+
     def _call(self, op: str, payload: Any = None) -> Any:  # noqa: ANN401 - the op's reply
         with self.lock:
             if self.closed:
                 raise EngineProcessError("the engine process was closed")
             if not self.proc.is_alive():
+                if not self.restart:
+                    raise EngineDied(f"engine process died (exit code {self.proc.exitcode})")
                 self.restarts += 1
                 self.start()
             tag, body = self._exchange(op, payload, timeout=self.settings.hang_s)
@@ -268,13 +293,11 @@ class EngineProcess:
             if timeout is not None and not self.conn.poll(timeout):
                 self.proc.kill()
                 self.proc.join(1)
-                raise EngineProcessError(f"engine process did not answer '{op}' in {timeout:g}s and was killed; "
-                                         "the next batch starts a new one")
+                raise EngineDied(f"engine process did not answer '{op}' in {timeout:g}s and was killed{self._then}")
             return self.conn.recv()
         except (EOFError, BrokenPipeError, ConnectionResetError):
             self.proc.join(1)
-            raise EngineProcessError(f"engine process died (exit code {self.proc.exitcode}); "
-                                     "the next batch starts a new one") from None
+            raise EngineDied(f"engine process died (exit code {self.proc.exitcode}){self._then}") from None
 
     def run(self, works: list[Work]) -> list:
         return self._call("run", works)
@@ -290,6 +313,8 @@ class EngineProcess:
         through ``run`` in a thread."""
         loop = asyncio.get_running_loop()
         if self.closed or not self.proc.is_alive():
+            if not self.closed and not self.restart:  # nothing for a thread to do but fail
+                raise EngineDied(f"engine process died (exit code {self.proc.exitcode})")
             return await loop.run_in_executor(None, self.run, works)
         if not self._pending:  # the pipeline is idle: it takes the pipe until its last reply is in
             if not self.lock.acquire(blocking=False):
@@ -343,8 +368,7 @@ class EngineProcess:
         if not self._pending:
             return
         self.proc.join(1)
-        err = EngineProcessError(f"engine process {why or f'died (exit code {self.proc.exitcode})'}; "
-                                 "the next batch starts a new one")
+        err = EngineDied(f"engine process {why or f'died (exit code {self.proc.exitcode})'}{self._then}")
         while self._pending:
             reply = self._pending.popleft()
             if not reply.done():
@@ -401,6 +425,278 @@ class EngineProcess:
             if got:
                 self.lock.release()
 
+
+def _pin(pid: int, cpus: tuple[int, ...]) -> None:
+    """Moves every thread of process ``pid`` onto ``cpus`` (sched_setaffinity on a pid moves
+    only its main thread; torch's pool threads keep theirs)."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:  # a thread that ended meanwhile
+            pass
+
+
+def _exited(engine: EngineProcess) -> bool:
+    """Whether the child has exited, from its sentinel (no waitpid: that races a join elsewhere)."""
+    return bool(wait_handles([engine.proc.sentinel], 0))
+
+
+class FailoverEngine:
+    """An engine process with a warm standby: one process of the same artifact, loaded and idle
+    (blocked on its pipe), takes over the moment the serving one dies, so a crash costs no
+    outage and no failed call. The standby costs one more process's memory (~430 MB for ML-1M)
+    and, for a few seconds after each start, loading on the CPUs this process may use; it is
+    pinned to ``settings.cpus`` (the engine's CPUs) only when it takes over.
+
+    Same interface as :class:`EngineProcess` (name, version, schema, manifest, tower, path,
+    artifact, stages, run, run_async, close, restarts), plus ``available`` and :meth:`on_state`.
+
+    * A batch that fails because its engine died (:class:`EngineDied`: a crash, or killed as
+      hung) runs once more on the engine that took over, unless every caller's deadline has
+      passed. Batches are pure functions of their requests, so a re-run is safe.
+    * A watcher thread per process, blocked on its sentinel, notices a death at once even
+      with no traffic: the standby is promoted, ``restarts`` counts the replacement a
+      background thread then starts (the new standby, or the engine when both died).
+    * ``available``: some engine can answer now. False only when both are dead, until a
+      replacement has loaded; then calls fail at once with EngineProcessError.
+    * ``start=False``: :meth:`start` starts the first engine; :meth:`close` from another
+      thread cancels it (or the standby's start) and stops every process."""
+
+    def __init__(self, kind: str, artifact: str, device: str = "cpu",
+                 settings: ProcessSettings | None = None, start: bool = True) -> None:
+        self.kind, self.artifact, self.device = kind, str(artifact), device
+        self.settings = settings or ProcessSettings()
+        self.active: EngineProcess | None = None  # answers batches
+        self.standby: EngineProcess | None = None  # loaded, idle, takes over when `active` dies
+        self.restarts = 0
+        self.closed = False
+        self._mu = threading.Lock()  # guards the fields above and below (short holds only, no I/O)
+        self._changed = threading.Condition(self._mu)
+        self._starting: EngineProcess | None = None  # a start in progress, for close() to cancel
+        self._filler: threading.Thread | None = None  # starts engines while a slot is empty
+        self._due = 0  # engines lost in service and not yet replaced
+        self._retired: dict[str, float] = {}  # stages of engines gone
+        self._hooks: list[Callable[[bool], None]] = []
+        self._reported = False  # `available` as last told to the hooks
+        self._notifying = threading.Lock()  # hooks see the changes in order
+        self._stop = threading.Event()  # ends the filler's back-off on close
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Starts the serving engine (bounded by ``settings.start_timeout_s``), then the
+        standby in the background."""
+        first = self._launch(self.settings.cpus)
+        self.name, self.version, self.schema = first.name, first.version, first.schema
+        self.manifest, self.tower, self.path = first.manifest, first.tower, first.path
+        if not self._place(first):
+            raise EngineProcessError(f"engine for {self.artifact} closed while it started")
+        self._refill()
+
+    # ----- what the server reads --------------------------------------------------------------
+    @property
+    def available(self) -> bool:
+        """Some engine process can answer now."""
+        return self.active is not None and not self.closed
+
+    def on_state(self, hook: Callable[[bool], None]) -> None:
+        """``hook(available)`` on each change of ``available``, in order, from whichever thread
+        saw it (a watcher thread, the event loop): keep it short and thread-safe, e.g. a
+        ``loop.call_soon_threadsafe``. Not called once closed."""
+        self._hooks.append(hook)
+
+    def wait_standby(self, timeout: float) -> bool:
+        """Waits until both the serving engine and the standby are up; False after ``timeout``."""
+        with self._changed:
+            full = self._changed.wait_for(lambda: self.closed or None not in (self.active, self.standby), timeout)
+            return bool(full) and not self.closed
+
+    # ----- batches ----------------------------------------------------------------------------
+    def _serving(self) -> EngineProcess:
+        engine = self.active
+        if engine is None:
+            raise EngineProcessError("no engine process can answer: " + (
+                "closed" if self.closed else f"the engine and its standby died; a new one is loading {self.artifact}"))
+        return engine
+
+    def _after(self, engine: EngineProcess, err: EngineProcessError, works: list[Work]) -> EngineProcess:
+        """The engine to run a batch again on after ``engine`` failed it with ``err``; raises
+        ``err`` when there is none or the batch should not run again."""
+        if isinstance(err, EngineDied):
+            self._lost(engine)
+        nxt = self.active
+        # a closed `engine` (not died) was retired by a watcher while the batch was on its way to it
+        if nxt is None or nxt is engine or self.closed or not any(w.deadline > time.monotonic() for w in works):
+            raise err
+        return nxt
+
+    def run(self, works: list[Work]) -> list:
+        engine = self._serving()
+        try:
+            return engine.run(works)
+        except EngineProcessError as e:
+            nxt = self._after(engine, e, works)
+        return nxt.run(works)
+
+    async def run_async(self, works: list[Work]) -> list:
+        engine = self._serving()
+        try:
+            return await engine.run_async(works)
+        except EngineProcessError as e:
+            nxt = self._after(engine, e, works)
+        return await nxt.run_async(works)
+
+    @property
+    def stages(self) -> dict[str, float]:
+        """Seconds per stage inside the engines, summed over every process that served."""
+        total = dict(self._retired)
+        engine = self.active
+        for k, v in (engine.stages if engine else {}).items():
+            total[k] = total.get(k, 0.0) + v
+        return total
+
+    # ----- engines coming and going -----------------------------------------------------------
+    def _launch(self, cpus: tuple[int, ...]) -> EngineProcess:
+        """A started engine process (restart=False: a dead one is replaced here, not in-line)."""
+        engine = EngineProcess(self.kind, self.artifact, self.device, replace(self.settings, cpus=cpus),
+                               start=False, restart=False)
+        with self._mu:
+            if self.closed:
+                raise EngineProcessError(f"engine for {self.artifact} closed while it started")
+            self._starting = engine
+        try:
+            engine.start()
+        finally:
+            with self._mu:
+                self._starting = None
+        return engine
+
+    def _place(self, engine: EngineProcess) -> bool:
+        """A started engine takes an empty slot: serving (pinned to the engine CPUs) or standby.
+        False (the engine closed) when closed."""
+        with self._mu:
+            placed = not self.closed and (self.active is None or self.standby is None)
+            if placed:
+                if self._due:
+                    self._due -= 1
+                    self.restarts += 1
+                if self.active is None:
+                    _pin(engine.proc.pid, self.settings.cpus)
+                    self.active = engine
+                else:
+                    self.standby = engine
+                self._changed.notify_all()
+        if not placed:
+            engine.close()
+            return False
+        threading.Thread(target=self._watch, args=(engine,), name="genrec-engine-watch", daemon=True).start()
+        self._notify()
+        return True
+
+    def _watch(self, engine: EngineProcess) -> None:
+        wait_handles([engine.proc.sentinel])  # until the process exits
+        self._lost(engine)
+        engine.close()
+
+    def _lost(self, engine: EngineProcess) -> None:
+        """``engine`` died: the standby (if alive) serves in its place, a replacement starts.
+        Idempotent (a batch and the watcher may both report it)."""
+        with self._mu:
+            if engine is self.active:
+                nxt, self.standby = self.standby, None
+                if nxt is not None and _exited(nxt):  # died too; its watcher will find no slot
+                    self._due, nxt = self._due + 1, None
+                if nxt is not None:
+                    _pin(nxt.proc.pid, self.settings.cpus)  # the dead one's CPUs are free now
+                self.active = nxt
+            elif engine is self.standby:
+                self.standby = None
+            else:
+                return
+            self._due += 1
+            for k, v in engine._last_stages.items():
+                self._retired[k] = self._retired.get(k, 0.0) + v
+            self._changed.notify_all()
+        engine.proc.kill()  # (an engine killed as hung is gone already) so its watcher wakes
+        self._notify()
+        self._refill()
+
+    def _refill(self) -> None:
+        """Starts the filler thread if a slot is empty and none runs."""
+        with self._mu:
+            if self.closed or self._filler is not None or None not in (self.active, self.standby):
+                return
+            self._filler = threading.Thread(target=self._fill, name="genrec-engine-standby", daemon=True)
+            self._filler.start()
+
+    def _fill(self) -> None:
+        """Starts engines until both slots are full (one thread at a time); a failed start is
+        retried with back-off."""
+        backoff = 1.0
+        while True:
+            with self._mu:
+                if self.closed or None not in (self.active, self.standby):
+                    self._filler = None  # (under the lock: _refill sees either this thread or none)
+                    return
+            try:
+                # on the CPUs of this process, off the serving engine's: pinned when it takes over
+                engine = self._launch(())
+                if (engine.version, engine.schema) != (self.version, self.schema):
+                    engine.close()
+                    raise EngineProcessError(f"{self.artifact} changed on disk ({self.version} -> {engine.version}); "
+                                             "not serving it under the old version: load it with a reload")
+            except Exception as e:  # noqa: BLE001 - logged, retried: the serving engine may still answer
+                if self.closed:  # (the start was cancelled by close())
+                    continue
+                log.error("starting a standby engine process failed (retry in %gs): %s", backoff, e)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 60.0)
+                continue
+            backoff = 1.0
+            self._place(engine)
+
+    def _notify(self) -> None:
+        with self._notifying:
+            now = self.available
+            if self.closed or now == self._reported:
+                return
+            self._reported = now
+            for hook in list(self._hooks):
+                try:
+                    hook(now)
+                except Exception:  # noqa: BLE001 - a hook's bug must not stop a failover
+                    log.exception("engine state hook failed")
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancels a start in progress, waits for the batch in flight (bounded by ``timeout``),
+        stops every engine process. The hooks are not called again."""
+        with self._mu:
+            if self.closed:
+                return
+            self.closed = True
+            engines = [e for e in (self._starting, self.active, self.standby) if e is not None]
+            self.active = self.standby = None
+            self._changed.notify_all()
+        self._stop.set()
+        for engine in engines:  # the starting one first: killed at once
+            engine.close(timeout)
+            for k, v in engine._last_stages.items():
+                self._retired[k] = self._retired.get(k, 0.0) + v
+
+
+def open_engine_process(kind: str, artifact: str, device: str = "cpu",
+                        settings: ProcessSettings | None = None) -> EngineProcess | FailoverEngine:
+    """The engine process for ``settings``: with a warm standby (``settings.standby``) or one process."""
+    settings = settings or ProcessSettings()
+    if settings.standby:
+        return FailoverEngine(kind, artifact, device, settings)
+    return EngineProcess(kind, artifact, device, settings)
 
 class EnginePool:
     """``replicas`` engine processes of one artifact behind one engine interface: a batch

@@ -1,13 +1,17 @@
-"""Start-ups of engine processes that cannot hang the server.
+"""Engine processes that fail without an outage, and start-ups that cannot hang the server.
 
 * Every wait of a start is bounded (``start_timeout_s``), a start can be cancelled by
   ``close()`` from another thread, and an engine process ends with its parent, SIGKILL too.
+* ``FailoverEngine``: a warm standby takes over when the engine dies; the batches in flight
+  run again on it; a new standby loads in the background; with both dead, calls fail at once
+  and ``available`` says so until a replacement has loaded.
 
 A stopped child (SIGSTOP) stands in for one hung while loading: it never answers, and SIGKILL
 still ends it."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -17,12 +21,16 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from serve.worker import EngineProcess, EngineProcessError, ProcessSettings
+from serve.client import user
+from serve.requests import Limits, Work, decode_user
+from serve.worker import EngineProcess, EngineProcessError, FailoverEngine, ProcessSettings
 from tests.serving_helpers import tiny_ranking_artifact
 
 ROOT = Path(__file__).resolve().parents[1]
+T0 = 1_700_000_000
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +95,7 @@ def test_a_start_that_hangs_times_out_and_leaves_no_process(artifact):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process states from /proc")
-@pytest.mark.parametrize("cls", [EngineProcess])
+@pytest.mark.parametrize("cls", [EngineProcess, FailoverEngine])
 def test_close_during_a_start_kills_the_child_and_the_start_raises(artifact, cls):
     """What a shutdown or a cancelled Admin load does to an engine still loading."""
     engine = cls("torch", str(artifact), settings=ProcessSettings(threads=1), start=False)
@@ -145,3 +153,88 @@ def test_an_engine_process_ends_with_its_parent_even_after_sigkill(artifact, tmp
         parent.kill()
         if child and not gone(child):
             os.kill(child, signal.SIGKILL)
+
+
+# ----- failover ------------------------------------------------------------------------------
+
+def history(n: int, seed: int) -> list[tuple[int, int, int]]:
+    rng = np.random.default_rng(seed)
+    return [(int(rng.integers(1, 600)), T0 + 60 * i, int(rng.choice([1, 3, 7]))) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def failover(artifact):
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    engine = FailoverEngine("torch", str(artifact), settings=ProcessSettings(threads=1, cpus=(cpu,)))
+    states: list[bool] = []
+    engine.on_state(states.append)
+    engine.states = states  # what the hook was told, for the tests
+    yield engine
+    pids = [e.proc.pid for e in (engine.active, engine.standby) if e is not None]
+    engine.close()
+    assert all(gone(p) for p in pids)
+
+
+def batches(engine: FailoverEngine, n: int) -> list[list[Work]]:
+    users = [decode_user(user(history(4 + 3 * i, seed=i), {"region": [3]}), engine.schema, Limits()) for i in range(n)]
+    return [[Work("recommend", u, retrieve_k=20, top_k=4)] * 40 for u in users]
+
+
+def same(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a.item_ids, b.item_ids)
+        np.testing.assert_allclose(a.scores, b.scores, rtol=1e-6)
+
+
+def affinity(pid: int) -> set[frozenset[int]]:
+    return {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process states from /proc")
+def test_a_killed_engine_fails_over_to_the_standby_with_every_batch_in_flight_answered(failover):
+    assert failover.wait_standby(60)
+    bs = batches(failover, 3)
+    want = [failover.run(b) for b in bs]
+    primary, standby = failover.active, failover.standby
+    cpu = failover.settings.cpus
+    assert affinity(primary.proc.pid) == {frozenset(cpu)}
+
+    async def kill_with_three_in_flight() -> list:
+        tasks = [asyncio.ensure_future(failover.run_async(b)) for b in bs]
+        await asyncio.sleep(0)  # each has sent its batch to the primary's pipe
+        assert len(primary._pending) == 3
+        os.kill(primary.proc.pid, signal.SIGKILL)
+        return await asyncio.gather(*tasks)
+
+    got = asyncio.run(kill_with_three_in_flight())
+    for g, w in zip(got, want, strict=True):  # re-run on the standby: the same answers
+        same(g, w)
+    assert failover.active is standby and failover.available and False not in failover.states
+    assert affinity(standby.proc.pid) == {frozenset(cpu)}  # it took the primary's CPUs
+    assert failover.wait_standby(60) and failover.standby is not primary and failover.restarts == 1
+    assert gone(primary.proc.pid)
+    same(asyncio.run(failover.run_async(bs[0])), want[0])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process states from /proc")
+def test_both_engines_dead_is_unavailable_then_recovers(failover):
+    assert failover.wait_standby(60)
+    bs = batches(failover, 1)
+    want = failover.run(bs[0])
+    restarts, told = failover.restarts, len(failover.states)
+    for e in (failover.active, failover.standby):
+        os.kill(e.proc.pid, signal.SIGKILL)
+    # the watchers see both deaths with no traffic; a replacement loads for seconds
+    assert wait_until(lambda: not failover.available, 10)
+    with pytest.raises(EngineProcessError, match="no engine process can answer"):
+        failover.run(bs[0])
+    with pytest.raises(EngineProcessError, match="no engine process can answer"):
+        asyncio.run(failover.run_async(bs[0]))
+    assert failover.wait_standby(60) and failover.available
+    assert failover.states[told:] == [False, True] and failover.restarts == restarts + 2
+    same(failover.run(bs[0]), want)
+    # a death nobody has seen yet: the thread's batch finds it and runs on the standby
+    os.kill(failover.active.proc.pid, signal.SIGKILL)
+    same(failover.run(bs[0]), want)
+    assert failover.available
