@@ -24,10 +24,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from serve.client import user
+from serve.batcher import BatchConfig
+from serve.client import RecommenderClient, user
 from serve.requests import Limits, Work, decode_user
+from serve.server import ServeConfig
 from serve.worker import EngineProcess, EngineProcessError, FailoverEngine, ProcessSettings
-from tests.serving_helpers import tiny_ranking_artifact
+from tests.serving_helpers import ThreadedServer, tiny_ranking_artifact
 
 ROOT = Path(__file__).resolve().parents[1]
 T0 = 1_700_000_000
@@ -215,6 +217,42 @@ def test_a_killed_engine_fails_over_to_the_standby_with_every_batch_in_flight_an
     assert failover.wait_standby(60) and failover.standby is not primary and failover.restarts == 1
     assert gone(primary.proc.pid)
     same(asyncio.run(failover.run_async(bs[0])), want[0])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process states from /proc")
+def test_the_server_loses_no_call_when_its_engine_process_is_killed(failover, artifact):
+    """The server takes the failover engine as it would an engine process: calls keep coming from
+    two clients while the serving process is SIGKILLed, and every one is answered."""
+    assert failover.wait_standby(60)
+    srv = ThreadedServer(artifact, ServeConfig(host="127.0.0.1", port=0, batch=BatchConfig(max_inflight=3)),
+                         engine=failover)
+    client = RecommenderClient(srv.target, timeout_s=30)
+    done, errors, stop = [0, 0], [], threading.Event()
+
+    def calls(i: int) -> None:
+        u = user(history(6 + i, seed=i), {"region": [3]})
+        while not stop.is_set():
+            try:
+                assert len(client.recommend(u, retrieve_k=20, top_k=5).items) == 5
+                done[i] += 1
+            except Exception as e:  # noqa: BLE001 - the test counts them
+                errors.append(e)
+
+    threads = [threading.Thread(target=calls, args=(i,), daemon=True) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        assert wait_until(lambda: min(done) >= 20, 30)
+        killed = failover.active
+        os.kill(killed.proc.pid, signal.SIGKILL)
+        at = list(done)
+        assert wait_until(lambda: failover.active is not killed and min(d - a for d, a in zip(done, at)) >= 20, 30)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        srv.stop()
+    assert errors == [] and failover.available
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process states from /proc")
