@@ -459,7 +459,8 @@ class FailoverEngine:
 
     * A batch that fails because its engine died (:class:`EngineDied`: a crash, or killed as
       hung) runs once more on the engine that took over, unless every caller's deadline has
-      passed. Batches are pure functions of their requests, so a re-run is safe.
+      passed. Batches are pure functions of their requests, so a re-run is safe. Once only: a
+      batch that kills every engine it runs on costs two processes, not all of them.
     * A watcher thread per process, blocked on its sentinel, notices a death at once even
       with no traffic: the standby is promoted, ``restarts`` counts the replacement a
       background thread then starts (the new standby, or the engine when both died).
@@ -697,6 +698,7 @@ def open_engine_process(kind: str, artifact: str, device: str = "cpu",
     if settings.standby:
         return FailoverEngine(kind, artifact, device, settings)
     return EngineProcess(kind, artifact, device, settings)
+
 
 class EnginePool:
     """``replicas`` engine processes of one artifact behind one engine interface: a batch

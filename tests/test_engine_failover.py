@@ -12,6 +12,7 @@ still ends it."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -173,8 +174,9 @@ def failover(artifact):
     engine.states = states  # what the hook was told, for the tests
     yield engine
     pids = [e.proc.pid for e in (engine.active, engine.standby) if e is not None]
-    engine.close()
+    engine.close()  # (a replacement may be loading: cancelled)
     assert all(gone(p) for p in pids)
+    assert not [c for c in mp.active_children() if c.name.startswith("genrec-engine")]
 
 
 def batches(engine: FailoverEngine, n: int) -> list[list[Work]]:
@@ -189,6 +191,11 @@ def same(got: list, want: list) -> None:
         np.testing.assert_allclose(a.scores, b.scores, rtol=1e-6)
 
 
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 def affinity(pid: int) -> set[frozenset[int]]:
     return {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir(f"/proc/{pid}/task")}
 
@@ -201,6 +208,9 @@ def test_a_killed_engine_fails_over_to_the_standby_with_every_batch_in_flight_an
     primary, standby = failover.active, failover.standby
     cpu = failover.settings.cpus
     assert affinity(primary.proc.pid) == {frozenset(cpu)}
+    c0 = cpu_seconds(standby.proc.pid)
+    time.sleep(0.5)
+    assert cpu_seconds(standby.proc.pid) - c0 < 0.05  # the standby idles: blocked on its pipe, no polling
 
     async def kill_with_three_in_flight() -> list:
         tasks = [asyncio.ensure_future(failover.run_async(b)) for b in bs]
