@@ -127,6 +127,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-hang-s", type=float, default=30.0,
                    help="an engine process that has not answered a batch in this long is killed: its batches fail "
                    "(INTERNAL) and the next one starts a new process")
+    p.add_argument("--engine-standby", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep a warm standby engine process (loaded, idle, one more process's memory) that takes over "
+                   "at once when the engine process dies, its batches re-run there; a new standby then loads")
+    p.add_argument("--engine-start-timeout-s", type=float, default=120.0,
+                   help="an engine process that has not loaded the artifact in this long is killed and the start fails")
     p.add_argument("--gil-switch-ms", type=float, default=0.5,
                    help="sys.setswitchinterval: how long a thread may hold the GIL when another waits")
     p.add_argument("--max-batch", type=int, default=32, help="requests per engine batch")

@@ -49,7 +49,8 @@ def config_from_args(args: argparse.Namespace, cpus: list[tuple[int, ...]] | Non
         limits=Limits(max_history=args.max_history, max_candidates=args.max_candidates, max_retrieve=args.max_retrieve),
         engine_process=args.engine_process, engine_replicas=args.engine_replicas,
         process=ProcessSettings(threads=args.threads, matmul_precision=args.matmul_precision,
-                                poll_ms=args.engine_poll_ms, hang_s=args.engine_hang_s),
+                                poll_ms=args.engine_poll_ms, hang_s=args.engine_hang_s,
+                                standby=args.engine_standby, start_timeout_s=args.engine_start_timeout_s),
         replica_cpus=tuple(cpus or ()),
     )
 

@@ -21,6 +21,8 @@ class ServerMetrics:
         self.batch_size = Histogram("genrec_batch_size", "Requests per engine batch",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.queue_depth = Gauge("genrec_queue_depth", "Requests waiting for a batch", registry=r)
+        self.engine_available = Gauge("genrec_engine_available", "1 while some engine process can answer",
+                                      registry=r)
         self.model = Gauge("genrec_model_info", "The served artifact (value 1)", ["version", "engine"], registry=r)
 
     def on_batch(self, size: int, depth: int) -> None:

@@ -45,7 +45,7 @@ from serve.batcher import BatchConfig, Batcher, DeadlineExceeded, Overloaded, Sh
 from serve.engine import Result
 from serve.metrics import ServerMetrics
 from serve.requests import InvalidRequest, Kind, Limits, decode, parse
-from serve.worker import EnginePool, EngineProcess, EngineProcessError, ProcessSettings
+from serve.worker import EnginePool, EngineProcessError, ProcessSettings, open_engine_process
 
 log = logging.getLogger("genrec.serve")
 RECOMMENDER = "genrec.v1.Recommender"
@@ -139,7 +139,8 @@ def open_engine(cfg: ServeConfig, artifact: str):  # noqa: ANN201 - an engine
         cpus = cfg.replica_cpus or ((),) * cfg.engine_replicas
         if len(cpus) != cfg.engine_replicas:
             raise ValueError(f"replica_cpus names {len(cpus)} replicas, engine_replicas is {cfg.engine_replicas}")
-        engines = [EngineProcess(cfg.engine, artifact, cfg.device, replace(cfg.process, cpus=c)) for c in cpus]
+        # each with a warm standby (ProcessSettings.standby): an engine that dies is replaced at once
+        engines = [open_engine_process(cfg.engine, artifact, cfg.device, replace(cfg.process, cpus=c)) for c in cpus]
         return engines[0] if len(engines) == 1 else EnginePool(engines)
     if cfg.engine_replicas != 1:
         raise ValueError("engine replicas need the engine in its own process (--engine-process)")
@@ -279,8 +280,8 @@ class RecommenderServer:
         if self.admin_token is not None:
             await self._start_admin()
         await self.server.start()
-        for svc in ("", RECOMMENDER):
-            await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        self._observe(self.engine)
+        await self._set_health()
         if self.cfg.metrics_port:
             self.metrics.serve_http(self.cfg.metrics_port, self.cfg.host)
         quiet_gc()
@@ -297,6 +298,22 @@ class RecommenderServer:
         self.admin_port = _bind(self.admin_server, a.host, a.port, a.tls if a.tls.enabled else self.cfg.tls)
         await self.admin_server.start()
         log.info("admin on %s:%d (token required; loads under %s)", a.host, self.admin_port, self.artifact_root)
+
+    def _observe(self, engine) -> None:  # noqa: ANN001 - any engine
+        """Health follows the engine: an engine with a standby reports when no process of it can
+        answer (``available``); hooks come from its threads, so they hop onto the loop."""
+        if hasattr(engine, "on_state"):
+            loop = asyncio.get_running_loop()
+            engine.on_state(lambda _ok: loop.call_soon_threadsafe(lambda: loop.create_task(self._set_health())))
+
+    async def _set_health(self) -> None:
+        if self._stopping:
+            return
+        ok = getattr(self.engine, "available", True)  # (the current engine: a hook of a replaced one does no harm)
+        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+        self.metrics.engine_available.set(1 if ok else 0)
+        for svc in ("", RECOMMENDER):
+            await self.health.set(svc, status)
 
     async def stop(self, grace: float | None = None) -> None:
         """Graceful and bounded: NOT_SERVING, refuse new calls, let calls in flight finish (up to
@@ -338,6 +355,8 @@ class RecommenderServer:
                 loop.run_in_executor(None, engine.close).add_done_callback(_log_failure)
                 raise ShuttingDown("the server is shutting down; the new artifact was not swapped in")
             old, self.engine, self.artifact = self.engine, engine, path
+            self._observe(engine)
+            await self._set_health()
             self.metrics.model.labels(old.version, old.name).set(0)
             self.metrics.model.labels(engine.version, engine.name).set(1)
             if self.owns_engine and hasattr(old, "close"):  # e.g. an engine process: stops after its batch in flight

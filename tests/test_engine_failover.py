@@ -286,3 +286,34 @@ def test_both_engines_dead_is_unavailable_then_recovers(failover):
     os.kill(failover.active.proc.pid, signal.SIGKILL)
     same(failover.run(bs[0]), want)
     assert failover.available
+
+
+def test_health_is_not_serving_only_while_no_engine_process_can_answer(artifact):
+    """The server's own engine (a standby by default): health stays SERVING when one process dies,
+    turns NOT_SERVING when both are dead, and SERVING again once a replacement has loaded."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    srv = ThreadedServer(artifact, ServeConfig(host="127.0.0.1", port=0, engine_process=True,
+                                               process=ProcessSettings(threads=1)))
+    engine = srv.server.engine
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(srv.target))
+
+    def status() -> int:
+        return stub.Check(health_pb2.HealthCheckRequest(service="genrec.v1.Recommender"), timeout=5).status
+
+    serving, down = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    try:
+        assert isinstance(engine, FailoverEngine) and engine.wait_standby(60)
+        assert status() == serving
+        os.kill(engine.active.proc.pid, signal.SIGKILL)
+        assert wait_until(lambda: engine.restarts >= 1, 10)
+        assert status() == serving
+        assert engine.wait_standby(60)
+        for e in (engine.active, engine.standby):
+            os.kill(e.proc.pid, signal.SIGKILL)
+        assert wait_until(lambda: status() == down, 10)
+        assert wait_until(lambda: status() == serving, 60)
+        assert len(RecommenderClient(srv.target, 10).retrieve(user(history(6, 0), {"region": [3]}), k=5).items) == 5
+    finally:
+        srv.stop()

@@ -498,8 +498,9 @@ def test_closing_a_stuck_engine_process_is_bounded(artifacts):
 
 
 def test_reload_in_engine_process_mode_swaps_and_stops_the_old_child(artifacts):
+    # (no standby: the one process's lifecycle is what this checks; tests/test_engine_failover.py the pair's)
     srv = ThreadedServer(artifacts["hstu"], ServeConfig(host="127.0.0.1", port=0, engine_process=True,
-                                                        process=ProcessSettings(threads=1)))
+                                                        process=ProcessSettings(threads=1, standby=False)))
     try:
         old = srv.server.engine
         assert isinstance(old, EngineProcess)
