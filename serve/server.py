@@ -140,7 +140,11 @@ def open_engine(cfg: ServeConfig, artifact: str):  # noqa: ANN201 - an engine
         if len(cpus) != cfg.engine_replicas:
             raise ValueError(f"replica_cpus names {len(cpus)} replicas, engine_replicas is {cfg.engine_replicas}")
         # each with a warm standby (ProcessSettings.standby): an engine that dies is replaced at once
-        engines = [open_engine_process(cfg.engine, artifact, cfg.device, replace(cfg.process, cpus=c)) for c in cpus]
+        # (replicas stand in for each other: no standby each)
+        single = cfg.engine_replicas == 1
+        engines = [open_engine_process(cfg.engine, artifact, cfg.device,
+                                       replace(cfg.process, cpus=c, standby=cfg.process.standby and single))
+                   for c in cpus]
         return engines[0] if len(engines) == 1 else EnginePool(engines)
     if cfg.engine_replicas != 1:
         raise ValueError("engine replicas need the engine in its own process (--engine-process)")

@@ -13,6 +13,7 @@ import pytest
 
 import serve.requests as requests
 from proto.genrec.v1 import recommender_pb2 as pb
+from serve.batcher import BatchConfig
 from serve.client import user
 from serve.engine import NaiveTorchEngine, TorchEngine
 from serve.requests import MAX_DETAIL, InvalidRequest, Limits, decode
@@ -365,7 +366,9 @@ def test_fuzzed_requests_never_get_unknown_or_internal(artifact, engine):
     header over its limit), an answer never holds an item the request excluded, and the
     server stays up."""
     lim = Limits(max_history=64, max_candidates=32, max_exclude_items=1000)
-    srv = ThreadedServer(artifact, ServeConfig(host="127.0.0.1", port=0, limits=lim), engine=engine)
+    # (admission control off: the fuzz sends concurrently, and its refusals are not what this checks)
+    srv = ThreadedServer(artifact, ServeConfig(host="127.0.0.1", port=0, limits=lim,
+                                               batch=BatchConfig(max_queue_ms=0)), engine=engine)
     try:
         ch, rpc = calls(srv.target)
         cases = fuzz_cases(random.Random(11), 1500)
