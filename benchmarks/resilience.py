@@ -3,17 +3,18 @@
 One run, one artifact, ``genrec serve`` processes on 127.0.0.1 (engine process pinned to the
 last CPU, the front-end and this load generator on the others), open-loop Poisson load:
 
-* capacity: the highest offered QPS (steps of the sweep) whose p99, failures counted as
-  infinite, meets the budget (``--slo-p99-ms``);
+* capacity: the most calls per second the default server answers, from a sweep of offered
+  loads that stops once it answers less than 90% of what is offered (beside it, the highest
+  step within the p99 budget, ``--slo-p99-ms``);
 * overload: 2x and 4x that capacity offered for ``--overload-s`` each, against the default
   server (admission control on) and, side by side, one with it off (``--max-queue-ms 0``, no
   cap on concurrent calls: the queue alone bounds the backlog, as before admission control).
   Goodput (answered calls per second, and those within 2x the budget), how fast refusals came
   back, the admitted calls' p99, the server's memory;
-* engine crash: 50% of capacity, the serving engine process SIGKILLed mid-run: failed calls and
-  when the last one failed, relative to the kill;
+* engine crash: 50% of capacity, once the standby has loaded the serving engine process is
+  SIGKILLed mid-run: failed calls and when the last one failed, relative to the kill;
 * shutdown: 50% of capacity, SIGTERM mid-run: how long the server took to exit and what the
-  calls sent before the signal got.
+  calls sent before the signal got (those sent after it find no server: UNAVAILABLE).
 
     python -m benchmarks.resilience --artifact DIR [--slo-p99-ms 15]
 """
@@ -45,7 +46,26 @@ BATCHED = ["--max-batch", "32", "--max-wait-ms", "0", "--engine-poll-ms", "1000"
 NO_ADMISSION = ["--max-queue-ms", "0", "--max-queue", "512", "--serve.connections.max_concurrent_rpcs=100000"]
 
 
-def start(artifact: Path, extra: list[str]) -> tuple[subprocess.Popen, str, list[int]]:
+class Server:
+    """A ``genrec serve`` process: its address, the CPUs left for the load generator, and an
+    event set once its standby engine has loaded."""
+
+    def __init__(self, proc: subprocess.Popen, target: str, front: list[int]) -> None:
+        self.proc, self.target, self.front = proc, target, front
+        self.standby_ready = threading.Event()
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        for line in self.proc.stdout:
+            if "standby engine process" in line and "ready" in line:
+                self.standby_ready.set()
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(60)
+
+
+def start(artifact: Path, extra: list[str]) -> Server:
     """A server process, its address and the CPUs left for the load generator."""
     cmd = [sys.executable, "-m", "genrec.cli", "serve", "--artifact", str(artifact), "--host", "127.0.0.1",
            "--port", "0", "--threads", "1", *BATCHED, *extra]
@@ -60,8 +80,7 @@ def start(artifact: Path, extra: list[str]) -> tuple[subprocess.Popen, str, list
         if m := re.search(r"front-end on CPU (\S+)", line):
             front = [] if m.group(1) == "any" else [int(c) for c in m.group(1).split(",")]
         if m := re.search(r"on 127\.0\.0\.1:(\d+)$", line.strip()):
-            threading.Thread(target=lambda: [_ for _ in proc.stdout], daemon=True).start()  # keep it drained
-            return proc, f"127.0.0.1:{m.group(1)}", front
+            return Server(proc, f"127.0.0.1:{m.group(1)}", front)
     proc.kill()
     raise RuntimeError("server did not start in 300 s")
 
@@ -88,7 +107,9 @@ def cpu_seconds(pid: int) -> float:
 
 
 def step(target: str, payloads: list[bytes], qps: float, seconds: float, seed: int, timeout_s: float,
-         calls: list | None = None) -> dict:
+         calls: list | None = None, began: threading.Event | None = None) -> dict:
+    """One open-loop step; ``began`` is set as it starts sending (its calls' times count from
+    then, within a millisecond)."""
     with grpc.insecure_channel(target) as ch:
         grpc.channel_ready_future(ch).result(timeout=30)
         call = ch.unary_unary("/genrec.v1.Recommender/Recommend")
@@ -98,21 +119,25 @@ def step(target: str, payloads: list[bytes], qps: float, seconds: float, seed: i
             except grpc.RpcError:
                 pass
         time.sleep(0.5)
+        if began is not None:
+            began.set()
         r = run_step(call, payloads, qps, seconds, timeout_s, seed, 10**7, response=RESPONSES["Recommend"],
                      calls=calls)
     return asdict(r)
 
 
-def capacity(target: str, payloads: list[bytes], slo_ms: float, seconds: float) -> tuple[float, list[dict]]:
-    steps, best = [], 0.0
+def capacity(target: str, payloads: list[bytes], slo_ms: float, seconds: float) -> tuple[float, float, list[dict]]:
+    """(calls answered per second at most, the highest step within the p99 budget, the steps)."""
+    steps, within, ok = [], 0.0, True
     for i, qps in enumerate(STEPS):
         r = step(target, payloads, qps, seconds, i, 1.0)
         steps.append(r)
         print(f"  capacity step {qps:g}: ok/s {r['achieved_qps']:.0f}, p99(all) {r['p99_all_ms']:.1f} ms", flush=True)
-        if r["p99_all_ms"] > slo_ms:
+        ok = ok and r["p99_all_ms"] <= slo_ms
+        within = qps if ok else within
+        if r["ok"] < 0.9 * r["sent"] or r["p99_all_ms"] > 20 * slo_ms:  # saturated: answers lag or fail
             break
-        best = qps
-    return best, steps
+    return max(r["achieved_qps"] for r in steps), within, steps
 
 
 def overload(target: str, pid: int, payloads: list[bytes], cap: float, slo_ms: float, seconds: float) -> list[dict]:
@@ -120,11 +145,11 @@ def overload(target: str, pid: int, payloads: list[bytes], cap: float, slo_ms: f
     for mult in (2, 4):
         calls: list = []
         rss0 = rss_mb(pid)
-        r = step(target, payloads, mult * cap, seconds, 100 + mult, 1.0, calls)
+        r = step(target, payloads, round(mult * cap), seconds, 100 + mult, 1.0, calls)
         within = sum(1 for _, took, code in calls if code == "OK" and took * 1e3 <= 2 * slo_ms)
         r.update(multiple=mult, goodput=r["ok"] / r["duration_s"], goodput_within_2x=within / r["duration_s"],
                  rss_before_mb=rss0, rss_after_mb=rss_mb(pid))
-        print(f"  {mult}x ({mult * cap:g} QPS): goodput {r['goodput']:.0f}/s ({r['goodput_within_2x']:.0f} within "
+        print(f"  {mult}x ({round(mult * cap)} QPS): goodput {r['goodput']:.0f}/s ({r['goodput_within_2x']:.0f} within "
               f"{2 * slo_ms:g} ms), admitted p99 {r['p99_ms']:.1f} ms, refused p99 {r['refused_p99_ms']:.1f} ms, "
               f"errors {r['errors']}, RSS {rss0:.0f} -> {r['rss_after_mb']:.0f} MB", flush=True)
         out.append(r)
@@ -134,41 +159,47 @@ def overload(target: str, pid: int, payloads: list[bytes], cap: float, slo_ms: f
 
 def engine_kill(artifact: Path, payloads: list[bytes], cap: float, seconds: float) -> dict:
     """50% of capacity; at a third of the run, SIGKILL of the engine process doing the work."""
-    proc, target, _ = start(artifact, [])
+    srv = start(artifact, [])
+    proc, target = srv.proc, srv.target
     try:
+        ready = srv.standby_ready.wait(180)
         calls: list = []
         kill_at = seconds / 3
         result: dict = {}
-        t = threading.Thread(target=lambda: result.update(step(target, payloads, cap / 2, seconds, 7, 1.0, calls)))
+        began = threading.Event()
+        t = threading.Thread(target=lambda: result.update(step(target, payloads, cap / 2, seconds, 7, 1.0, calls,
+                                                               began)))
         t.start()
-        time.sleep(0.5 + 20 / cap + kill_at)  # (the warm-up calls and the pause before the step)
+        began.wait(60)
+        time.sleep(kill_at)
         kids = children(proc.pid)
         busy = max(kids, key=cpu_seconds)  # the engine serving: a standby has done nothing
         os.kill(busy, signal.SIGKILL)
-        killed = time.perf_counter()
         t.join()
-        start_wall = killed - kill_at  # approximately when the step began
         failed = [(s, took, code) for s, took, code in calls if code != "OK"]
         last = max((s + took for s, took, _ in failed), default=None)
         out = {"offered_qps": cap / 2, "sent": len(calls), "failed": len(failed),
                "failed_pct": 100.0 * len(failed) / max(len(calls), 1), "codes": dict(Counter(c for _, _, c in calls)),
-               "last_failure_after_kill_s": None if last is None else last - (killed - start_wall),
+               "last_failure_after_kill_s": None if last is None else last - kill_at,
                "engine_processes_before": len(kids), "engine_processes_after": len(children(proc.pid)),
-               "p99_ms": result.get("p99_ms")}
+               "p99_ms": result.get("p99_ms"), "standby_ready": ready}
         print(f"  engine kill: {out['failed']} of {out['sent']} failed ({out['failed_pct']:.2f}%), last failure "
               f"{out['last_failure_after_kill_s']} s after the kill; codes {out['codes']}", flush=True)
         return out
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        srv.stop()
 
 
 def shutdown(artifact: Path, payloads: list[bytes], cap: float, seconds: float) -> dict:
-    proc, target, _ = start(artifact, ["--grace-s", "10"])
+    srv = start(artifact, ["--grace-s", "10"])
+    proc, target = srv.proc, srv.target
     calls: list = []
-    t = threading.Thread(target=lambda: step(target, payloads, cap / 2, seconds, 9, 2.0, calls))
+    began = threading.Event()
+    t = threading.Thread(target=lambda: step(target, payloads, cap / 2, seconds, 9, 2.0, calls, began))
     t.start()
-    time.sleep(0.5 + 20 / cap + seconds / 3)
+    signal_at = seconds / 3
+    began.wait(60)
+    time.sleep(signal_at)
     kids = children(proc.pid)
     proc.send_signal(signal.SIGTERM)
     t0 = time.perf_counter()
@@ -176,10 +207,13 @@ def shutdown(artifact: Path, payloads: list[bytes], cap: float, seconds: float) 
     exit_s = time.perf_counter() - t0
     t.join()
     left = [k for k in kids if Path(f"/proc/{k}").exists()]
-    codes = Counter(c for _, _, c in calls)
-    out = {"exit_s": exit_s, "exit_code": code, "codes": dict(codes), "engine_processes_left": len(left),
-           "grace_s": 10}
-    print(f"  SIGTERM: exit {code} after {exit_s:.2f} s; calls {dict(codes)}; engines left {len(left)}", flush=True)
+    # (calls sent within 50 ms of the signal are left out: sent as it arrived)
+    before = Counter(c for s, _, c in calls if s < signal_at - 0.05)
+    after = Counter(c for s, _, c in calls if s > signal_at + 0.05)
+    out = {"exit_s": exit_s, "exit_code": code, "codes_sent_before": dict(before), "codes_sent_after": dict(after),
+           "engine_processes_left": len(left), "grace_s": 10}
+    print(f"  SIGTERM: exit {code} after {exit_s:.2f} s; calls sent before {dict(before)}, after {dict(after)}; "
+          f"engines left {len(left)}", flush=True)
     return out
 
 
@@ -187,16 +221,17 @@ def render(p: dict) -> str:
     slo = p["slo_p99_ms"]
     lines = ["## Resilience (overload, engine crash, shutdown)", "",
              f"{p['date']}, {p['machine'].get('cpu', '?')}; artifact `{Path(p['artifact']).name}`; "
-             f"`python -m benchmarks.resilience`. Capacity: the highest step with p99 (failures as infinite) within "
-             f"{slo:g} ms.", "",
-             "| server | capacity (QPS) | offered | goodput /s (x capacity) | within 2x budget /s | admitted p99 ms "
+             f"`python -m benchmarks.resilience`. Capacity: the most calls per second the default server answered "
+             f"in a sweep, {p['capacity_qps']:.0f}/s (within a p99 of {slo:g} ms: {p['capacity_within_slo_qps']:g} "
+             f"QPS); 2x and 4x of it offered to each server.", "",
+             "| server | offered | goodput /s (x capacity) | within 2x budget /s | admitted p99 ms "
              "| refused p50 / p99 ms | errors | front-end RSS MB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|"]
+    cap = p["capacity_qps"]
     for name, s in p["servers"].items():
-        cap = s["capacity_qps"]
         for r in s["overload"]:
             errs = ", ".join(f"{k} {v}" for k, v in sorted(r["errors"].items())) or "none"
-            lines.append(f"| {name} | {cap:g} | {r['offered_qps']:g} ({r['multiple']}x) | {r['goodput']:.0f} "
+            lines.append(f"| {name} | {r['offered_qps']:.0f} ({r['multiple']}x) | {r['goodput']:.0f} "
                          f"({r['goodput'] / cap:.2f}) | {r['goodput_within_2x']:.0f} | {r['p99_ms']:.1f} | "
                          f"{r['refused_p50_ms']:.2f} / {r['refused_p99_ms']:.2f} | {errs} | "
                          f"{r['rss_before_mb']:.0f} -> {r['rss_after_mb']:.0f} |")
@@ -210,7 +245,8 @@ def render(p: dict) -> str:
     s = p.get("shutdown")
     if s:
         lines += ["", f"SIGTERM at 50% of capacity: exit code {s['exit_code']} after {s['exit_s']:.2f} s (grace "
-                  f"{s['grace_s']} s); calls {s['codes']}; engine processes left {s['engine_processes_left']}."]
+                  f"{s['grace_s']} s); calls sent before the signal {s['codes_sent_before']}, after it "
+                  f"{s['codes_sent_after']}; engine processes left {s['engine_processes_left']}."]
     return "\n".join(lines)
 
 
@@ -223,22 +259,23 @@ def main() -> None:
     ap.add_argument("--out", default="runs/benchmarks/serving")
     args = ap.parse_args()
     artifact, payloads = artifact_and_requests(Path(args.out), args.artifact)
-    servers = {}
+    servers: dict[str, dict] = {}
+    cap = within = 0.0
+    steps: list[dict] = []
     for name, extra in (("admission (default)", []), ("no admission", NO_ADMISSION)):
         print(f"{name}:", flush=True)
-        proc, target, front = start(artifact, extra)
-        if front:
-            os.sched_setaffinity(0, front)
+        srv = start(artifact, extra)
+        if srv.front:
+            os.sched_setaffinity(0, srv.front)
         try:
-            cap, steps = capacity(target, payloads, args.slo_p99_ms, args.step_s)
-            cap = cap or STEPS[0]
-            servers[name] = {"capacity_qps": cap, "capacity_steps": steps,
-                             "overload": overload(target, proc.pid, payloads, cap, args.slo_p99_ms, args.overload_s)}
+            if not cap:  # measured once, on the default server; both get the same offered loads
+                cap, within, steps = capacity(srv.target, payloads, args.slo_p99_ms, args.step_s)
+            servers[name] = {"overload": overload(srv.target, srv.proc.pid, payloads, cap, args.slo_p99_ms,
+                                                  args.overload_s)}
         finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
-    cap = servers["admission (default)"]["capacity_qps"]
+            srv.stop()
     payload = {"date": today(), "machine": machine(), "artifact": str(artifact), "slo_p99_ms": args.slo_p99_ms,
+               "capacity_qps": cap, "capacity_within_slo_qps": within, "capacity_steps": steps,
                "servers": servers, "engine_kill": engine_kill(artifact, payloads, cap, 15.0),
                "shutdown": shutdown(artifact, payloads, cap, 12.0)}
     write_json("resilience", payload)

@@ -60,6 +60,9 @@ class ProcessSettings:
     # open_engine_process: a second process of the artifact, loaded and idle, takes over at once when
     # the engine dies (FailoverEngine); costs one more engine's memory. EngineProcess ignores it.
     standby: bool = True
+    # niceness the process starts with; a standby that loads beside a serving engine uses
+    # STANDBY_NICE, so its load (seconds of CPU) does not slow the calls being served
+    nice: int = 0
 
 
 def plan_cpus(spec: str, threads: int, available: tuple[int, ...],
@@ -102,6 +105,9 @@ def plan_cpus(spec: str, threads: int, available: tuple[int, ...],
     return groups, tuple(c for c in cpus if c not in engine)
 
 
+STANDBY_NICE = 10
+
+
 class EngineProcessError(RuntimeError):
     """The engine process failed to start, died, or was closed."""
 
@@ -136,6 +142,8 @@ def _child(conn: Connection, kind: str, artifact: str, device: str, settings: Pr
     import signal
 
     _exit_with_parent()  # first: loading (imports included) can take long, and can hang
+    if settings.nice:
+        os.nice(settings.nice)  # (threads started later, torch's pool too, inherit it)
 
     import torch
 
@@ -442,6 +450,20 @@ def _pin(pid: int, cpus: tuple[int, ...]) -> None:
             pass
 
 
+def _renice(pid: int, nice: int) -> None:
+    """Sets every thread of ``pid`` to ``nice`` where permitted (lowering it needs CAP_SYS_NICE;
+    without it a promoted standby keeps its niceness, which costs nothing on CPUs of its own)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError:  # not permitted, or a thread that ended meanwhile
+            pass
+
+
 def _exited(engine: EngineProcess) -> bool:
     """Whether the child has exited, from its sentinel (no waitpid: that races a join elsewhere)."""
     return bool(wait_handles([engine.proc.sentinel], 0))
@@ -563,9 +585,10 @@ class FailoverEngine:
         return total
 
     # ----- engines coming and going -----------------------------------------------------------
-    def _launch(self, cpus: tuple[int, ...]) -> EngineProcess:
+    def _launch(self, cpus: tuple[int, ...], nice: int = 0) -> EngineProcess:
         """A started engine process (restart=False: a dead one is replaced here, not in-line)."""
-        engine = EngineProcess(self.kind, self.artifact, self.device, replace(self.settings, cpus=cpus),
+        engine = EngineProcess(self.kind, self.artifact, self.device,
+                               replace(self.settings, cpus=cpus, nice=self.settings.nice + nice),
                                start=False, restart=False)
         with self._mu:
             if self.closed:
@@ -593,6 +616,8 @@ class FailoverEngine:
                 else:
                     self.standby = engine
                 self._changed.notify_all()
+                log.info("%s engine process %d ready (%s)", "standby" if engine is self.standby else "serving",
+                         engine.proc.pid, self.artifact)
         if not placed:
             engine.close()
             return False
@@ -615,6 +640,7 @@ class FailoverEngine:
                     self._due, nxt = self._due + 1, None
                 if nxt is not None:
                     _pin(nxt.proc.pid, self.settings.cpus)  # the dead one's CPUs are free now
+                    _renice(nxt.proc.pid, self.settings.nice)
                 self.active = nxt
             elif engine is self.standby:
                 self.standby = None
@@ -646,8 +672,11 @@ class FailoverEngine:
                     self._filler = None  # (under the lock: _refill sees either this thread or none)
                     return
             try:
-                # on the CPUs of this process, off the serving engine's: pinned when it takes over
-                engine = self._launch(())
+                # on the CPUs of this process, off the serving engine's: pinned when it takes over;
+                # niced while another engine serves (the front-end shares these CPUs)
+                with self._mu:
+                    nice = STANDBY_NICE if self.active is not None else 0
+                engine = self._launch((), nice)
                 if (engine.version, engine.schema) != (self.version, self.schema):
                     engine.close()
                     raise EngineProcessError(f"{self.artifact} changed on disk ({self.version} -> {engine.version}); "
