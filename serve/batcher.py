@@ -58,8 +58,10 @@ class BatchConfig:
 
 class BatchCost:
     """Engine seconds of a batch of ``b`` calls, ``a + c x b``, by least squares over recent
-    batches (exponentially weighted: the model follows the machine). Until the sizes vary, the
-    per-call mean with no fixed part."""
+    batches (exponentially weighted: the model follows the machine). Until the sizes vary (or
+    when the fit makes no sense), the mean batch with no per-call part: small batches cost
+    about the same whatever their size, and charging a lone call's whole cost to every call
+    ahead refused calls at half the capacity (a fresh server, batches of 1-3 calls)."""
 
     def __init__(self, decay: float = 0.02) -> None:
         self.decay = decay
@@ -80,7 +82,7 @@ class BatchCost:
             a = (self.st - c * self.sb) / self.n
             if a >= 0 and c >= 0:
                 return a, c
-        return 0.0, self.st / self.sb  # one size seen (or a fit that makes no sense): per call
+        return self.st / self.n, 0.0  # one size seen (or a fit that makes no sense): per batch
 
     def wait(self, batches: float, calls: float) -> float:
         ac = self.coefficients()

@@ -88,9 +88,10 @@ class ConnectionConfig:
     """Limits of the public listener, enforced by gRPC before a handler runs."""
 
     # calls being handled at once; gRPC refuses more at once with RESOURCE_EXHAUSTED, before any
-    # Python runs for them (the cheapest refusal there is: the front-end's CPU stays for the calls
-    # it serves). Sized to the batcher's queue plus what the engines hold, with room for health checks.
-    max_concurrent_rpcs: int = 512
+    # of our Python runs for them (the cheapest refusal there is: the front-end's CPU stays with the
+    # calls it serves). Size it to max QPS x the latency budget with headroom (300/s x 15 ms = 5),
+    # plus health checks: beyond what admission control would admit anyway
+    max_concurrent_rpcs: int = 64
     # a request larger than this is refused unread (RESOURCE_EXHAUSTED); 0: the largest request the
     # limits allow (serve.requests.Limits.request_bytes), so a valid request is never cut off
     max_message_bytes: int = 0

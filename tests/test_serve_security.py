@@ -355,8 +355,8 @@ def test_batch_cost_model_recovers_a_fixed_and_a_per_call_part():
 
     cost = BatchCost()
     assert cost.coefficients() is None and cost.wait(3, 30) == 0.0
-    cost.observe(1, 0.003)  # one size only: the per-call mean
-    assert cost.coefficients() == pytest.approx((0.0, 0.003))
+    cost.observe(2, 0.003)  # one size only: the batch mean, no per-call part
+    assert cost.coefficients() == pytest.approx((0.003, 0.0))
     for size in (1, 2, 4, 8, 16, 32) * 5:
         cost.observe(size, 0.002 + 0.0005 * size)
     a, c = cost.coefficients()
