@@ -142,7 +142,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    "else one per engine replica)")
     p.add_argument("--default-timeout-ms", type=float, default=1000.0, help="deadline of calls that set none")
     p.add_argument("--grace-s", type=float, default=10.0, help="shutdown: time for calls in flight")
-    p.add_argument("--max-queue-ms", type=float, default=10.0,
+    p.add_argument("--max-queue-ms", type=float, default=20.0,
                    help="admission: refuse at once (RESOURCE_EXHAUSTED) a call predicted to wait longer than this "
                    "for the engine; also refused: calls that could not finish before their deadline (0: deadline only)")
     p.add_argument("--max-history", type=int, default=4096)

@@ -53,7 +53,7 @@ class BatchConfig:
     max_inflight: int = 1
     # refuse a call predicted to wait longer than this for its batch to start (0: no limit but
     # the caller's deadline and max_queue); a fraction of the latency budget callers hold us to
-    max_queue_ms: float = 10.0
+    max_queue_ms: float = 20.0
 
 
 class BatchCost:

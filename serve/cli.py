@@ -128,7 +128,7 @@ def _exit_now() -> None:
 
 
 def cmd_serve(args: argparse.Namespace, overrides: list[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     engine, front = engine_cpus(args)

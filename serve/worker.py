@@ -60,8 +60,8 @@ class ProcessSettings:
     # open_engine_process: a second process of the artifact, loaded and idle, takes over at once when
     # the engine dies (FailoverEngine); costs one more engine's memory. EngineProcess ignores it.
     standby: bool = True
-    # niceness the process starts with; a standby that loads beside a serving engine uses
-    # STANDBY_NICE, so its load (seconds of CPU) does not slow the calls being served
+    # nonzero: the process starts at idle priority (SCHED_IDLE; a standby loading beside a serving
+    # engine, so its load does not slow the calls being served); back to normal when it takes over
     nice: int = 0
 
 
@@ -142,8 +142,8 @@ def _child(conn: Connection, kind: str, artifact: str, device: str, settings: Pr
     import signal
 
     _exit_with_parent()  # first: loading (imports included) can take long, and can hang
-    if settings.nice:
-        os.nice(settings.nice)  # (threads started later, torch's pool too, inherit it)
+    if settings.nice:  # a standby loading beside a serving engine: idle priority (threads started
+        _background(0)  # later, torch's pool too, inherit it); the CPU's idle time is enough to load
 
     import torch
 
@@ -450,17 +450,28 @@ def _pin(pid: int, cpus: tuple[int, ...]) -> None:
             pass
 
 
-def _renice(pid: int, nice: int) -> None:
-    """Sets every thread of ``pid`` to ``nice`` where permitted (lowering it needs CAP_SYS_NICE;
-    without it a promoted standby keeps its niceness, which costs nothing on CPUs of its own)."""
+def _background(pid: int) -> None:
+    """SCHED_IDLE for ``pid`` (0: this thread): it runs only when its CPU has nothing else to do,
+    so a standby's load (seconds of CPU on the front-end's CPUs) delays no call being served."""
+    try:
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+    except (OSError, AttributeError):  # not Linux: a lower niceness instead
+        os.nice(STANDBY_NICE)
+
+
+def _foreground(pid: int) -> None:
+    """Every thread of ``pid`` back to the normal policy, where permitted (leaving SCHED_IDLE
+    needs CAP_SYS_NICE; without it a promoted standby stays idle-priority, which costs nothing on
+    CPUs of its own, the case of an engine pinned with --engine-cpus)."""
     try:
         tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
     except OSError:
         tids = [pid]
     for tid in tids:
         try:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-        except OSError:  # not permitted, or a thread that ended meanwhile
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, tid, 0)
+        except (OSError, AttributeError):  # not permitted, or a thread that ended meanwhile
             pass
 
 
@@ -640,7 +651,7 @@ class FailoverEngine:
                     self._due, nxt = self._due + 1, None
                 if nxt is not None:
                     _pin(nxt.proc.pid, self.settings.cpus)  # the dead one's CPUs are free now
-                    _renice(nxt.proc.pid, self.settings.nice)
+                    _foreground(nxt.proc.pid)
                 self.active = nxt
             elif engine is self.standby:
                 self.standby = None
