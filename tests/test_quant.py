@@ -204,7 +204,7 @@ def test_wrong_shape_is_named(artifact):
 
 def test_missing_file_is_named(artifact):
     (artifact / "dense.safetensors").unlink()
-    with pytest.raises(ArtifactError, match="missing file dense.safetensors"):
+    with pytest.raises(ArtifactError, match="dense.safetensors is missing"):
         load_model(artifact)
 
 
