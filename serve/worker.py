@@ -434,16 +434,19 @@ class EngineProcess:
                 self.lock.release()
 
 
+def _threads(pid: int) -> list[int]:
+    """Thread ids of process ``pid`` (scheduler calls on a pid reach only its main thread)."""
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return [pid]
+
+
 def _pin(pid: int, cpus: tuple[int, ...]) -> None:
-    """Moves every thread of process ``pid`` onto ``cpus`` (sched_setaffinity on a pid moves
-    only its main thread; torch's pool threads keep theirs)."""
+    """Moves every thread of process ``pid`` onto ``cpus`` (torch's pool threads included)."""
     if not cpus or not hasattr(os, "sched_setaffinity"):
         return
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        tids = [pid]
-    for tid in tids:
+    for tid in _threads(pid):
         try:
             os.sched_setaffinity(tid, cpus)
         except OSError:  # a thread that ended meanwhile
@@ -463,11 +466,7 @@ def _foreground(pid: int) -> None:
     """Every thread of ``pid`` back to the normal policy, where permitted (leaving SCHED_IDLE
     needs CAP_SYS_NICE; without it a promoted standby stays idle-priority, which costs nothing on
     CPUs of its own, the case of an engine pinned with --engine-cpus)."""
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        tids = [pid]
-    for tid in tids:
+    for tid in _threads(pid):
         try:
             os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
             os.setpriority(os.PRIO_PROCESS, tid, 0)
