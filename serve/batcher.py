@@ -120,13 +120,14 @@ class Batcher:
     def depth(self) -> int:
         return len(self.queue)
 
-    def predicted_wait(self) -> float:
+    def predicted_wait(self, cost: tuple[float, float] | None = None) -> float:
         """Seconds until a call arriving now would start: the batches in flight, then the
-        queue's calls (in batches of up to ``max_batch``), at the fitted cost, spread over the
-        engines that run batches side by side."""
+        queue's calls (in batches of up to ``max_batch``), at the fitted cost ``(a, c)`` (default:
+        the current fit), spread over the engines that run batches side by side."""
+        a, c = cost or self.cost.coefficients() or (0.0, 0.0)
         queued = len(self.queue)
         batches = len(self.running) + -(-queued // self.cfg.max_batch)
-        return self.cost.wait(batches, self.inflight_calls + queued) / self.parallel
+        return (a * batches + c * (self.inflight_calls + queued)) / self.parallel
 
     @property
     def parallel(self) -> int:
@@ -139,12 +140,12 @@ class Batcher:
             raise ShuttingDown("the server is shutting down")
         if len(self.queue) >= self.cfg.max_queue:
             raise Overloaded(f"queue full ({self.cfg.max_queue} requests waiting); retry with backoff")
-        wait = self.predicted_wait()
+        a, c = self.cost.coefficients() or (0.0, 0.0)  # (fitted once per call: this runs on every call)
+        wait = self.predicted_wait((a, c))
         if self.cfg.max_queue_ms > 0 and wait * 1e3 > self.cfg.max_queue_ms:
             raise Overloaded(f"overloaded: a call would wait ~{wait * 1e3:.0f} ms to start, more than the "
                              f"server's {self.cfg.max_queue_ms:g} ms; retry with backoff or another replica")
-        own = self.cost.wait(1, 1)
-        if time.monotonic() + wait + own > deadline:
+        if time.monotonic() + wait + a + c > deadline:  # (+ its own batch)
             raise Overloaded(f"overloaded: a call would wait ~{wait * 1e3:.0f} ms to start and could not finish "
                              "before its deadline; retry with backoff or another replica")
 

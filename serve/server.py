@@ -44,13 +44,12 @@ from quant.artifact import ArtifactError, check_artifact
 from serve.batcher import BatchConfig, Batcher, DeadlineExceeded, Overloaded, ShuttingDown
 from serve.engine import Result
 from serve.metrics import ServerMetrics
-from serve.requests import InvalidRequest, Kind, Limits, decode, parse
+from serve.requests import MAX_DETAIL, InvalidRequest, Kind, Limits, decode, parse
 from serve.worker import EnginePool, EngineProcessError, ProcessSettings, open_engine_process
 
 log = logging.getLogger("genrec.serve")
 RECOMMENDER = "genrec.v1.Recommender"
 ADMIN = "genrec.v1.Admin"
-MAX_DETAIL = 512  # characters of an error detail (gRPC carries it in metadata)
 MAX_PATH = 4096
 
 
