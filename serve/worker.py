@@ -722,12 +722,16 @@ class FailoverEngine:
             self.closed = True
             engines = [e for e in (self._starting, self.active, self.standby) if e is not None]
             self.active = self.standby = None
+            filler = self._filler
             self._changed.notify_all()
         self._stop.set()
         for engine in engines:  # the starting one first: killed at once
             engine.close(timeout)
             for k, v in engine._last_stages.items():
                 self._retired[k] = self._retired.get(k, 0.0) + v
+        # an engine the filler started just before: it finds no slot and stops it, before we return
+        if filler is not None and filler is not threading.current_thread():
+            filler.join(timeout)
 
 
 def open_engine_process(kind: str, artifact: str, device: str = "cpu",

@@ -117,6 +117,25 @@ def test_close_during_a_start_kills_the_child_and_the_start_raises(artifact, cls
         os.kill(pid, signal.SIGKILL) if not gone(pid) else None
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process states from /proc")
+def test_close_waits_for_a_standby_that_loaded_but_has_no_slot_yet(artifact, monkeypatch):
+    """A standby that finished loading just as close() ran (between its start and its slot) is
+    stopped before close() returns: no engine process outlives the engine that started it."""
+    placing, place = threading.Event(), FailoverEngine._place
+
+    def slow_place(self, engine):  # noqa: ANN001, ANN202 - the standby's start is done, its slot not taken
+        if self.active is not None:
+            placing.set()
+            time.sleep(1.0)
+        return place(self, engine)
+
+    monkeypatch.setattr(FailoverEngine, "_place", slow_place)
+    engine = FailoverEngine("torch", str(artifact), settings=ProcessSettings(threads=1))
+    assert placing.wait(60)
+    engine.close(timeout=30)
+    assert not [c for c in mp.active_children() if c.name.startswith("genrec-engine")]
+
+
 PARENT = textwrap.dedent('''
     import sys, threading, time
     if __name__ == "__mp_main__":  # the engine child: loading hangs, as on a stuck file system
