@@ -18,7 +18,7 @@ SHARED = Path(os.environ.get("GENREC_SHARED_DATA", ROOT.parent / "shared" / "dat
 
 def dataset(name: str, cache: Path = ROOT / "data") -> Path:
     """A converted dataset directory for 'ml1m' or 'beauty', converting from SHARED once."""
-    from train.data.convert import convert_movielens, convert_sequences
+    from genrec.train.data.convert import convert_movielens, convert_sequences
 
     out = cache / name
     if (out / "dataset.json").exists():
@@ -35,7 +35,7 @@ def dataset(name: str, cache: Path = ROOT / "data") -> Path:
 def machine() -> dict[str, Any]:
     import torch
 
-    from train.rundir import cpu_identity
+    from genrec.train.rundir import cpu_identity
 
     cpu, isa = cpu_identity()
     return {

@@ -1,6 +1,6 @@
 """Distributed training benchmark: 1 process vs 2, sharding types, memory, communication.
 
-    python -m benchmarks.distributed [--steps 60] [--users 30000]
+    python -m genrec.benchmarks.distributed [--steps 60] [--users 30000]
 
 Runs the synthetic ads config (10^7 raw item ids, managed-collision item table, fused
 Adagrad, DDP dense) for a fixed number of steps, train-only, as: one process (a world of
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from benchmarks.common import ROOT, machine, today, update_results_md, write_json
+from genrec.benchmarks.common import ROOT, machine, today, update_results_md, write_json
 
 CONFIG = "configs/ads_synthetic.toml"
 HASHED_ITEM = ('--embedding.tables=[{{name="item", features=["item"], dim=64, num_embeddings=200000, oov="hash", '
@@ -89,7 +89,7 @@ def main() -> None:
     }
     for s in ("table_wise", "row_wise", "column_wise"):
         runs[f"2 processes, hashed item {s}"] = launch(2, data, out, f"two_{s}", args.steps, [HASHED_ITEM.format(s=s)])
-    from train.job import build_model, load_job
+    from genrec.train.job import build_model, load_job
 
     model, _ = build_model(load_job(CONFIG, [f'--data.path="{data}"']), sparse_device=__import__("torch").device("meta"))
     dense = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("sparse."))
@@ -102,7 +102,7 @@ def main() -> None:
                "mean_tokens_per_sequence": mean_len, "dense_parameters": dense, "runs": runs}
     write_json("distributed", payload)
     lines = ["## Distributed training (synthetic ads, 10^7 raw item ids)", "",
-             f"`python -m benchmarks.distributed` — {today()}, {payload['machine']['cpu']}, "
+             f"`python -m genrec.benchmarks.distributed` — {today()}, {payload['machine']['cpu']}, "
              f"{payload['machine']['cores_usable']} of {payload['machine']['cores']} cores usable by all its ranks together; {args.steps} train-only steps of global batch 256 "
              f"({mean_len:.0f} tokens per sequence on average).", "",
              "| run | samples/s (global) | x 1 process | peak RSS per rank (MB) | comm per rank per step |",

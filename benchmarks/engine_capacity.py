@@ -21,7 +21,7 @@ This is an optimistic bound on the served figure, not a replacement: every batch
 median time (the spread of real batches adds to the p99), and the served p99 also adds
 decode, IPC between front-end and engine, encode and the load generator's share of the CPUs.
 
-    python -m benchmarks.engine_capacity [--artifact DIR] [--qps 50,100,...] [--goal-qps 300]
+    python -m genrec.benchmarks.engine_capacity [--artifact DIR] [--qps 50,100,...] [--goal-qps 300]
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import machine, today, update_results_md, write_json
-from benchmarks.serving import artifact_and_requests, peak_gflops, serving_arguments
+from genrec.benchmarks.common import machine, today, update_results_md, write_json
+from genrec.benchmarks.serving import artifact_and_requests, peak_gflops, serving_arguments
 
 BATCHES = (1, 2, 3, 4, 6, 8, 12, 16)
 MAX_BATCH = 32  # the server's --max-batch in the serving benchmark
@@ -91,8 +91,8 @@ def main() -> None:
     ap.add_argument("--goal-qps", type=float, default=300.0)
     ap.add_argument("--reps", type=int, default=25)
     args = ap.parse_args()
-    from serve.engine import TorchEngine
-    from serve.requests import Limits, decode
+    from genrec.serve.engine import TorchEngine
+    from genrec.serve.requests import Limits, decode
 
     artifact, payloads = artifact_and_requests(Path(args.out), args.artifact)
     torch.set_num_threads(1)
@@ -126,7 +126,7 @@ def main() -> None:
     ok = [s["offered_qps"] for s in steps if s["p99_ms"] <= args.slo_p99_ms]
     # the largest engine cost (a factor on every S(B)) that meets the goal, in steps of 0.05
     scale = next((f for f in np.arange(1.0, 0.0, -0.05) if simulate(service(f), args.goal_qps)[1] <= args.slo_p99_ms), None)
-    payload = {"date": today(), "machine": machine(), "command": " ".join(["python -m benchmarks.engine_capacity", *sys.argv[1:]]),
+    payload = {"date": today(), "machine": machine(), "command": " ".join(["python -m genrec.benchmarks.engine_capacity", *sys.argv[1:]]),
                "artifact": str(artifact), "cpu": cpu, "peak_gflops": peak, "default_path": engines["default"].path,
                "batch_ms": {str(k): v for k, v in times.items()}, "fit": {"fixed_ms": fixed, "per_request_ms": per_request},
                **{f"{alt}_batch_ms": {str(k): v for k, v in both[alt].items()} for alt in ("padded", "jagged")},

@@ -13,11 +13,11 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))" | tee -a "$OUT/gpu.txt"
 timeout 300 python3 -m pytest tests/test_kernels.py -q -p no:cacheprovider 2>&1 | tee "$OUT/kernel_tests.log"
-timeout 240 python3 -m benchmarks.kernels --device cuda --no-train-step --rounds 5 --reps 20 2>&1 | tee "$OUT/kernels_bench.log"
+timeout 240 python3 -m genrec.benchmarks.kernels --device cuda --no-train-step --rounds 5 --reps 20 2>&1 | tee "$OUT/kernels_bench.log"
 cp benchmarks/results/kernels_cuda.json "$OUT/" 2>/dev/null
 timeout 60 python3 - <<'PY' 2>&1 | tee "$OUT/fp8.log"
 import torch
-from quant.dense import Fp8WeightLinear, quantize_linear_weight
+from genrec.quant.dense import Fp8WeightLinear, quantize_linear_weight
 lin = torch.nn.Linear(1024, 1024).cuda()
 x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
 codes, scale = quantize_linear_weight(lin.weight.data, "fp8")

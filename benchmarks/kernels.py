@@ -12,7 +12,7 @@ rounds, reported as ratios to the eager reference in the same run.
 * triton: ``kernels.triton_hstu`` (GPU only; on CPU it only runs in the interpreter, which is
   a correctness tool, not a speed one, so it is not timed here).
 
-    python -m benchmarks.kernels [--rounds 5] [--device cuda]
+    python -m genrec.benchmarks.kernels [--rounds 5] [--device cuda]
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.common import dataset, machine, today, update_results_md, write_json
-from kernels.hstu_attention import hstu_attention_coded, hstu_attention_reference
-from kernels.jagged import lengths_to_offsets
+from genrec.benchmarks.common import dataset, machine, today, update_results_md, write_json
+from genrec.kernels.hstu_attention import hstu_attention_coded, hstu_attention_reference
+from genrec.kernels.jagged import lengths_to_offsets
 
 
 def ml1m_lengths(batch: int, cap: int, seed: int) -> tuple[torch.Tensor, str]:
@@ -81,7 +81,7 @@ def bench_attention(device: str, rounds: int, reps: int) -> dict:
     paths = {"reference": fwd_bwd(hstu_attention_reference), "compiled": fwd_bwd(compiled),
              "coded": fwd_bwd(lambda *a, **k: hstu_attention_coded(*a, plan={}, **k))}
     if device == "cuda":
-        from kernels.triton_hstu import triton_hstu_attention
+        from genrec.kernels.triton_hstu import triton_hstu_attention
 
         paths["triton"] = fwd_bwd(triton_hstu_attention)
         args16, kw16 = attention_inputs(lengths, 1, 64, device, torch.bfloat16, 200)
@@ -98,9 +98,9 @@ def bench_attention(device: str, rounds: int, reps: int) -> dict:
 
 
 def bench_train_step(device: str, rounds: int, steps: int) -> dict:
-    from train.data.reader import make_reader
-    from train.job import build_model, load_job
-    from train.trainer import build_optimizer
+    from genrec.train.data.reader import make_reader
+    from genrec.train.job import build_model, load_job
+    from genrec.train.trainer import build_optimizer
 
     data = dataset("ml1m")
     # (compile, the tower's attention backend) per variant: "reference" is the config key
@@ -162,7 +162,7 @@ def main() -> None:
     rows = "\n".join(f"| {k} | {v:.2f} | {att['speedup_vs_reference'][k]:.2f}x |" for k, v in att["ms"].items())
     update_results_md(f"kernels_{args.device}", "\n".join([
         f"## Kernels ({args.device})", "",
-        f"`{' '.join(['python -m benchmarks.kernels', *sys.argv[1:]])}` — {today()}, {m['gpu'] or m['cpu']}, {m['threads']} threads, torch {m['torch']}.",
+        f"`{' '.join(['python -m genrec.benchmarks.kernels', *sys.argv[1:]])}` — {today()}, {m['gpu'] or m['cpu']}, {m['threads']} threads, torch {m['torch']}.",
         f"HSTU attention forward + backward, ML-1M-shaped batch ({att['shape']['batch']} users, "
         f"{att['shape']['tokens']} tokens, longest {att['shape']['max_len']}, d=64):", "",
         "| path | ms | vs reference |", "|---|---|---|", rows, "",

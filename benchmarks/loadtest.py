@@ -32,9 +32,9 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from tqdm import tqdm
 
-from benchmarks.hdr import Histogram
-from proto.genrec.v1 import recommender_pb2 as pb
-from serve.client import user as client_user
+from genrec.benchmarks.hdr import Histogram
+from genrec.proto.v1 import recommender_pb2 as pb
+from genrec.serve.client import user as client_user
 
 
 @dataclass
@@ -354,8 +354,12 @@ def markdown(result: LoadTestResult) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict[str, LoadTestResult], out: Path, slo_ms: float) -> Path:
-    import matplotlib
+def plot(results: dict[str, LoadTestResult], out: Path, slo_ms: float) -> Path | None:
+    """p50 / p99 against offered QPS, as one PNG; None without matplotlib (the ``plot`` extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,9 +1,9 @@
 """Quality benchmark: the default configs on ML-1M and Amazon Beauty, next to baselines
 and published numbers, under the leave-one-out full-corpus protocol.
 
-    python -m benchmarks.quality                         # everything (hours on 2 cores)
-    python -m benchmarks.quality --datasets ml1m --models hstu --budget-min 60
-    python -m benchmarks.quality --datasets ml1m --models hstu --no-baselines --nproc 2   # torchrun, 2 CPU processes
+    python -m genrec.benchmarks.quality                         # everything (hours on 2 cores)
+    python -m genrec.benchmarks.quality --datasets ml1m --models hstu --budget-min 60
+    python -m genrec.benchmarks.quality --datasets ml1m --models hstu --no-baselines --nproc 2   # torchrun, 2 CPU processes
 
 Each (dataset, model, process count) record replaces the previous one in ``results/quality.json``, so
 runs can be done one at a time. Models train with the shipped config unchanged except
@@ -20,12 +20,20 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, ROOT, dataset, machine, today, update_results_md, write_json
-from train.baselines import Baseline, evaluate_baseline
-from train.data.reader import make_reader
-from train.data.schema import read_info
-from train.job import load_job, resolve_embedding
-from train.run import run_training
+from genrec.benchmarks.common import (
+    RESULTS,
+    ROOT,
+    dataset,
+    machine,
+    today,
+    update_results_md,
+    write_json,
+)
+from genrec.train.baselines import Baseline, evaluate_baseline
+from genrec.train.data.reader import make_reader
+from genrec.train.data.schema import read_info
+from genrec.train.job import load_job, resolve_embedding
+from genrec.train.run import run_training
 
 CONFIGS = {"hstu": "configs/hstu.toml", "transformer": "configs/transformer.toml"}
 KEYS = ["hr@10", "ndcg@10", "hr@50", "hr@200", "ndcg@200", "mrr"]
@@ -98,8 +106,8 @@ def test_last(run_dir: Path) -> dict:
     cut by the budget), beside the headline ones of the best-validation checkpoint: the
     validation users (10% of ML-1M: 604) pick an epoch within their noise, and this shows
     what that choice cost or gained."""
-    from train import checkpoint as ckpt
-    from train.cli import evaluate_run
+    from genrec.train import checkpoint as ckpt
+    from genrec.train.cli import evaluate_run
 
     last = ckpt.latest_checkpoint(Path(run_dir) / "checkpoints")
     m, path = evaluate_run(Path(run_dir), str(last), "test")
@@ -127,7 +135,7 @@ def last_of(record: dict) -> str:
 
 def render(records: list[dict]) -> str:
     lines = ["## Retrieval quality (leave-one-out, full-corpus ranking, test split)", "",
-             "`python -m benchmarks.quality` — every model trained with its shipped config "
+             "`python -m genrec.benchmarks.quality` — every model trained with its shipped config "
              "(`configs/hstu.toml`, `configs/transformer.toml`), only `data.path` changed. Items scored the same "
              "as the target rank ahead of it (the baselines' counts tie; rows dated before 2026-12-01 counted ties "
              "for the target, which moved the baselines by at most 0.0005 HR@10 and a float model's figures not at "

@@ -1,6 +1,6 @@
 """Quantization benchmark: the ML-1M HSTU model as serving artifacts, size vs accuracy.
 
-    python -m benchmarks.quant [--run RUN_DIR] [--qat-budget-min 20]
+    python -m genrec.benchmarks.quant [--run RUN_DIR] [--qat-budget-min 20]
 
 For every embedding scheme (fp32, fp16, int8, int4) x dense scheme (fp32, int8): export the
 run's best checkpoint with ``genrec quantize``'s code path, load the artifact as the server
@@ -20,12 +20,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import RESULTS, dataset, machine, today, update_results_md, write_json
-from quant.convert import QuantizeConfig, export, load_model
-from train.data.reader import make_reader
-from train.evaluate import evaluate
-from train.job import load_job
-from train.run import run_training
+from genrec.benchmarks.common import RESULTS, dataset, machine, today, update_results_md, write_json
+from genrec.quant.convert import QuantizeConfig, export
+from genrec.quant.load import load_model
+from genrec.train.data.reader import make_reader
+from genrec.train.evaluate import evaluate
+from genrec.train.job import load_job
+from genrec.train.run import run_training
 
 EMB = ("fp32", "fp16", "int8", "int4")
 DENSE = ("fp32", "int8")
@@ -93,7 +94,7 @@ def main() -> None:
     qat = qat_rows(data, args.qat_budget_min, out, args.threads) if args.qat_budget_min else []
     write_json("quant", {"date": today(), "machine": machine(), "run": str(run), "rows": rows, "qat": qat})
     lines = ["## Quantization (ML-1M HSTU, serving artifacts)", "",
-             f"`python -m benchmarks.quant` — {today()}; model: `{run}` (test split, full-corpus ranking).", "",
+             f"`python -m genrec.benchmarks.quant` — {today()}; model: `{run}` (test split, full-corpus ranking).", "",
              "| tables | dense | tables (bytes) | x fp32 | artifact (bytes) | x fp32 | HR@10 | NDCG@10 | NDCG@10 loss |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -7,7 +7,7 @@ For each dataset, in one run:
 * ``dlrm``: the pooled-embedding DLRM-style baseline on the same batches and features;
 * the synthetic generator's oracle: AUC of the true probabilities on the same test events.
 
-    python -m benchmarks.ranking [--datasets synthetic,ml1m] [--budget-min 20]
+    python -m genrec.benchmarks.ranking [--datasets synthetic,ml1m] [--budget-min 20]
 
 Metrics on the held-out time split (``rank_test``): AUC, GAUC, NE per task; retrieval on
 the leave-one-out test split.
@@ -19,10 +19,18 @@ import argparse
 import json
 from pathlib import Path
 
-from benchmarks.common import RESULTS, ROOT, dataset, machine, today, update_results_md, write_json
-from train.data.synthetic import SyntheticConfig, generate
-from train.job import load_job
-from train.run import run_training
+from genrec.benchmarks.common import (
+    RESULTS,
+    ROOT,
+    dataset,
+    machine,
+    today,
+    update_results_md,
+    write_json,
+)
+from genrec.train.data.synthetic import SyntheticConfig, generate
+from genrec.train.job import load_job
+from genrec.train.run import run_training
 
 CONFIGS = {"synthetic": "configs/ranking_synthetic.toml", "ml1m": "configs/ranking_ml1m.toml"}
 VARIANTS = {
@@ -54,7 +62,7 @@ def run_variant(name: str, data: Path, variant: str, budget: float | None, out_d
 
 def render(records: list[dict]) -> str:
     lines = ["## Ranking (multi-task, target-aware candidates, held-out time split)", "",
-             "`python -m benchmarks.ranking` — joint model = `configs/ranking_<dataset>.toml`; "
+             "`python -m genrec.benchmarks.ranking` — joint model = `configs/ranking_<dataset>.toml`; "
              "retrieval-only = the same without tasks; DLRM = pooled-embedding baseline on the same batches.", ""]
     for ds in ("synthetic", "ml1m"):
         recs = {r["variant"]: r for r in records if r["dataset"] == ds}

@@ -16,7 +16,7 @@ last CPU, the front-end and this load generator on the others), open-loop Poisso
 * shutdown: 50% of capacity, SIGTERM mid-run: how long the server took to exit and what the
   calls sent before the signal got (those sent after it find no server: UNAVAILABLE).
 
-    python -m benchmarks.resilience --artifact DIR [--slo-p99-ms 15]
+    python -m genrec.benchmarks.resilience --artifact DIR [--slo-p99-ms 15]
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from benchmarks.common import ROOT, machine, today, update_results_md, write_json
-from benchmarks.loadtest import RESPONSES, run_step
-from benchmarks.serving import artifact_and_requests
+from genrec.benchmarks.common import ROOT, machine, today, update_results_md, write_json
+from genrec.benchmarks.loadtest import RESPONSES, run_step
+from genrec.benchmarks.serving import artifact_and_requests
 
 STEPS = [50, 100, 150, 200, 300, 400, 500, 600, 800]
 BATCHED = ["--max-batch", "32", "--max-wait-ms", "0", "--engine-poll-ms", "1000"]
@@ -221,7 +221,7 @@ def render(p: dict) -> str:
     slo = p["slo_p99_ms"]
     lines = ["## Resilience (overload, engine crash, shutdown)", "",
              f"{p['date']}, {p['machine'].get('cpu', '?')}; artifact `{Path(p['artifact']).name}`; "
-             f"`python -m benchmarks.resilience`. Capacity: the most calls per second the default server answered "
+             f"`python -m genrec.benchmarks.resilience`. Capacity: the most calls per second the default server answered "
              f"in a sweep, {p['capacity_qps']:.0f}/s (within a p99 of {slo:g} ms: {p['capacity_within_slo_qps']:g} "
              f"QPS); 2x and 4x of it offered to each server.", "",
              "| server | offered | goodput /s (x capacity) | within 2x budget /s | admitted p99 ms "

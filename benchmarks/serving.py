@@ -27,7 +27,7 @@ request (``torch.utils.flop_counter``), the machine's peak from a matmul micro-b
 hence how close each server gets to the physical limit, and where the server's time goes
 at load (its per-stage profile).
 
-    python -m benchmarks.serving [--artifact DIR] [--engines naive,torch,torch-serial,torch-blocking,torch-padded,torch-inproc,torch-replicas2,sglang]
+    python -m genrec.benchmarks.serving [--artifact DIR] [--engines naive,torch,torch-serial,torch-blocking,torch-padded,torch-inproc,torch-replicas2,sglang]
 """
 
 from __future__ import annotations
@@ -48,9 +48,24 @@ import grpc
 import numpy as np
 import torch
 
-from benchmarks.common import RESULTS, ROOT, dataset, machine, today, update_results_md, write_json
-from benchmarks.loadtest import StepResult, load_workload, make_workload, plot, qps_within, sweep
-from proto.genrec.v1 import recommender_pb2 as pb
+from genrec.benchmarks.common import (
+    RESULTS,
+    ROOT,
+    dataset,
+    machine,
+    today,
+    update_results_md,
+    write_json,
+)
+from genrec.benchmarks.loadtest import (
+    StepResult,
+    load_workload,
+    make_workload,
+    plot,
+    qps_within,
+    sweep,
+)
+from genrec.proto.v1 import recommender_pb2 as pb
 
 SWEEPS = {
     # steps down to 10 QPS: on this noisy 2-core VM the 15 ms budget can fall below 25 QPS
@@ -86,7 +101,7 @@ ENV = {"torch-padded": {"GENREC_NATIVE": "0"}}  # server variant -> extra enviro
 
 def default_artifact(out: Path) -> Path:
     """The ML-1M joint retrieval + ranking HSTU model of the ranking benchmark, int8 tables."""
-    from quant.convert import QuantizeConfig, export
+    from genrec.quant.convert import QuantizeConfig, export
 
     art = out / "ml1m-hstu-int8"
     if (art / "manifest.json").exists():
@@ -95,7 +110,7 @@ def default_artifact(out: Path) -> Path:
     run = next(r["run_dir"] for r in recs if r["dataset"] == "ml1m" and r["variant"] == "joint")
     if not Path(run).is_dir():  # run directories stay on the machine that trained them
         raise SystemExit(f"the ranking benchmark's ML-1M run {run} is not here: train it "
-                         "(python -m benchmarks.ranking --datasets ml1m --variants joint) or pass --artifact DIR")
+                         "(python -m genrec.benchmarks.ranking --datasets ml1m --variants joint) or pass --artifact DIR")
     export(run, art, QuantizeConfig(embeddings="int8"), progress=False)
     return art
 
@@ -137,8 +152,8 @@ def flops_per_request(artifact: Path, payloads: list[bytes]) -> float:
     the same layers)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from serve.engine import TorchEngine
-    from serve.requests import Limits, decode
+    from genrec.serve.engine import TorchEngine
+    from genrec.serve.requests import Limits, decode
 
     engine = TorchEngine(artifact, native=False)
     with FlopCounterMode(display=False) as fc:
@@ -150,8 +165,8 @@ def flops_per_request(artifact: Path, payloads: list[bytes]) -> float:
 def decode_cost(artifact: Path, workload: Path, n: int = 300, reps: int = 5) -> dict[str, float]:
     """ms per request for the server's decoding (parse, validate, ids) of the workload's first
     ``n`` requests, the history as Event messages and as history_columns, alternately (median)."""
-    from serve.engine import TorchEngine
-    from serve.requests import Limits, decode
+    from genrec.serve.engine import TorchEngine
+    from genrec.serve.requests import Limits, decode
 
     schema = TorchEngine(artifact).schema
     forms = {"events": load_workload(workload, columns=False)[:n], "columns": load_workload(workload)[:n]}
@@ -296,7 +311,7 @@ def _cell(step: dict | None) -> str:
 
 def render(p: dict) -> str:
     lines = ["## Serving (ML-1M HSTU artifact, open-loop load test)", "",
-             f"`python -m benchmarks.serving` — {p['date']}, {p['machine']['cpu']}, {p['machine']['cores']} cores "
+             f"`python -m genrec.benchmarks.serving` — {p['date']}, {p['machine']['cpu']}, {p['machine']['cores']} cores "
              f"shared by the server (a gRPC front-end process and an engine process with {p['server_threads']} compute "
              "thread, pinned to the last CPU; the front-end and the load generator on the other) and the load generator; "
              "torch: the tower in native code (serve.native), up to three batches pipelined through the engine process (the "

@@ -1,6 +1,6 @@
 """Serving at scale: a catalogue of about 10^6 items and histories of thousands of events.
 
-    python -m benchmarks.serving_scale [--items 1000000] [--histories 200,1000,4000] [--engines torch,sglang]
+    python -m genrec.benchmarks.serving_scale [--items 1000000] [--histories 200,1000,4000] [--engines torch,sglang]
 
 Builds once (under ``--out``): synthetic logs whose catalogue holds about ``--items``
 distinct items, an HSTU with ``max_seq_len`` 4096 trained for a few steps (latency does not
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import ROOT, machine, today, update_results_md, write_json
-from benchmarks.serving import single_request_latency, start_server
-from proto.genrec.v1 import recommender_pb2 as pb
+from genrec.benchmarks.common import ROOT, machine, today, update_results_md, write_json
+from genrec.benchmarks.serving import single_request_latency, start_server
+from genrec.proto.v1 import recommender_pb2 as pb
 
 
 def genrec(*args: str) -> None:
@@ -121,7 +121,7 @@ def main() -> None:
 def render(p: dict) -> str:
     m = p["machine"]
     lines = ["## Serving at scale (10^6-item catalogue, long histories)", "",
-             f"`python -m benchmarks.serving_scale` — {p['date']}, {m['cpu']}, {m['cores']} cores, server on "
+             f"`python -m genrec.benchmarks.serving_scale` — {p['date']}, {m['cpu']}, {m['cores']} cores, server on "
              f"{p['server_threads']} threads. An HSTU (2 layers, d 64, max_seq_len 4096) over "
              f"{p['catalogue_size']:,} catalogue items (int8 tables), one request at a time: retrieve 100 from the "
              "whole catalogue (exact top-k), rank the 100, return 10.", "",

@@ -15,7 +15,7 @@ head (128 shared negatives, what large catalogues use), each pair in the same ro
 share of the step spent in the retrieval loss (identical work in both paths) is timed too:
 it bounds what any tower speed-up can give.
 
-    python -m benchmarks.train_speed [--steps 20] [--rounds 3] [--threads 2] [--bf16]
+    python -m genrec.benchmarks.train_speed [--steps 20] [--rounds 3] [--threads 2] [--bf16]
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import dataset, machine, today, update_results_md, write_json
-from kernels.jagged import jagged_to_padded
-from models.inputs import SequenceBatch
-from models.recommender import GenerativeRecommender
-from train.data.reader import make_reader
-from train.job import build_model, load_job
-from train.trainer import build_optimizer
+from genrec.benchmarks.common import dataset, machine, today, update_results_md, write_json
+from genrec.kernels.jagged import jagged_to_padded
+from genrec.models.inputs import SequenceBatch
+from genrec.models.recommender import GenerativeRecommender
+from genrec.train.data.reader import make_reader
+from genrec.train.job import build_model, load_job
+from genrec.train.trainer import build_optimizer
 
 
 def naive_loss(model: GenerativeRecommender, batch: SequenceBatch) -> torch.Tensor:
@@ -142,7 +142,7 @@ def measure(job, steps: int, rounds: int, label: str) -> dict:
 def loss_error(precision: str) -> dict[str, dict[str, float]]:
     """The chunked full-softmax loss and its gradients at ``precision`` and at "highest" vs
     fp64, on an ML-1M-sized problem (unit vectors, temperature 0.05)."""
-    from kernels.softmax_ce import softmax_cross_entropy
+    from genrec.kernels.softmax_ce import softmax_cross_entropy
 
     g = torch.Generator().manual_seed(0)
     u = F.normalize(torch.randn(13_800, 64, generator=g, dtype=torch.float64), dim=-1).requires_grad_()
@@ -192,7 +192,7 @@ def main() -> None:
     lines = [
         "## Training throughput (ML-1M HSTU step)",
         "",
-        f"`python -m benchmarks.train_speed` — {today()}, {m['cpu']}, {m['threads']} threads, torch {m['torch']}.",
+        f"`python -m genrec.benchmarks.train_speed` — {today()}, {m['cpu']}, {m['threads']} threads, torch {m['torch']}.",
         "Same model, loss and optimizer in both paths; batches of 128 real ML-1M sequences; median of "
         f"{args.rounds} interleaved rounds of {args.steps} steps. Naive: padded to 200, dense masked attention, "
         "eager. Default: the shipped config's path (length-sorted windows, jagged rows, the HSTU attention's "

@@ -23,8 +23,8 @@ from torchrec.modules.embedding_configs import (
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
 from torchrec.types import DataType
 
-from embedding.qat import fake_quantize_rows
-from embedding.spec import EmbeddingConfig, TableConfig
+from genrec.embedding.qat import fake_quantize_rows
+from genrec.embedding.spec import EmbeddingConfig, TableConfig
 
 _POOLING = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
 _DTYPE = {"fp32": DataType.FP32, "fp16": DataType.FP16}

@@ -194,7 +194,10 @@ def _loadtest_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from genrec import __version__
+
     parser = argparse.ArgumentParser(prog="genrec", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"genrec {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     for add in (_demo_parser, _data_parser, _train_parser, _eval_parser, _quantize_parser, _serve_parser,
                 _loadtest_parser):
@@ -204,19 +207,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _handler(cmd: str) -> Handler:
     if cmd in ("demo", "data", "train", "eval"):
-        from train import cli
+        from genrec.train import cli
 
         return getattr(cli, f"cmd_{cmd}")
     if cmd == "quantize":
-        from quant.cli import cmd_quantize
+        from genrec.quant.cli import cmd_quantize
 
         return cmd_quantize
     if cmd == "serve":
-        from serve.cli import cmd_serve
+        from genrec.serve.cli import cmd_serve
 
         return cmd_serve
     if cmd == "loadtest":
-        from benchmarks.loadtest import cmd_loadtest
+        from genrec.benchmarks.loadtest import cmd_loadtest
 
         return cmd_loadtest
     raise SystemExit(f"unknown command {cmd}")
@@ -231,11 +234,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)} (config overrides look like --section.key=value)")
     handler = _handler(args.cmd)
-    from embedding.spec import IdOutOfRange
     from genrec.config import ConfigError
-    from quant.artifact import ArtifactError
-    from train.checkpoint import IncompatibleCheckpoint
-    from train.data.schema import DataFormatError
+    from genrec.embedding.spec import IdOutOfRange
+    from genrec.quant.artifact import ArtifactError
+    from genrec.train.checkpoint import IncompatibleCheckpoint
+    from genrec.train.data.schema import DataFormatError
 
     try:
         return handler(args, rest)

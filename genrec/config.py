@@ -19,6 +19,7 @@ against the field types (ints are accepted for floats, nothing else is coerced).
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 import types
 import typing
 from collections.abc import Sequence
@@ -26,7 +27,6 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 import tomli_w
-import tomllib
 
 T = TypeVar("T")
 

@@ -25,7 +25,7 @@ from typing import Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.jagged import jagged_index, jagged_to_padded, padded_to_jagged
+from genrec.kernels.jagged import jagged_index, jagged_to_padded, padded_to_jagged
 
 Backend = Literal["auto", "reference", "triton"]
 
@@ -377,7 +377,7 @@ def hstu_attention(
     kw = dict(max_seq_len=max_seq_len, alpha=alpha, pos_weights=pos_weights, time_weights=time_weights,
               timestamps=timestamps, query_times=query_times, num_targets=num_targets, max_len=max_len)
     if backend == "triton" or (backend == "auto" and q.is_cuda and _triton_fits(q, v)):
-        from kernels.triton_hstu import triton_hstu_attention
+        from genrec.kernels.triton_hstu import triton_hstu_attention
 
         return triton_hstu_attention(q, k, v, offsets, **kw)
     if backend == "auto":  # (a compiled tower calls it eagerly: a graph break per layer)

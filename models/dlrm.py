@@ -16,11 +16,11 @@ from torch import nn
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
-from embedding.collection import pooled_table_configs
-from embedding.spec import EmbeddingConfig
-from kernels.jagged import jagged_index
-from models.inputs import SequenceBatch
-from models.ranking import RankingConfig, RankingHead
+from genrec.embedding.collection import pooled_table_configs
+from genrec.embedding.spec import EmbeddingConfig
+from genrec.kernels.jagged import jagged_index
+from genrec.models.inputs import SequenceBatch
+from genrec.models.ranking import RankingConfig, RankingHead
 
 HIST, HIST_ACTION, CAND = "dlrm_hist_item", "dlrm_hist_action", "dlrm_cand_item"
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.hstu_attention import (
+from genrec.kernels.hstu_attention import (
     attention_mask,
     hstu_attention,
     hstu_cached_attention,
@@ -32,7 +32,7 @@ from kernels.hstu_attention import (
     time_bucket,
     token_positions,
 )
-from models.dropout import Dropout
+from genrec.models.dropout import Dropout
 
 
 @dataclass(frozen=True)

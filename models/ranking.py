@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.dropout import Dropout
+from genrec.models.dropout import Dropout
 
 
 @dataclass(frozen=True)

@@ -21,16 +21,16 @@ from typing import Literal
 import torch
 from torch import nn
 
-from embedding.collection import SparseArch
-from embedding.spec import EmbeddingConfig
-from kernels.jagged import jagged_index
-from models.dropout import Dropout
-from models.hstu import CachedHistory, HSTUConfig, HSTUTower, JaggedMeta
-from models.inputs import SequenceBatch
-from models.ranking import RankingConfig, RankingHead
-from models.retrieval import RetrievalConfig, RetrievalHead
-from models.tokens import Tokens, layout
-from models.transformer import TransformerConfig, TransformerTower
+from genrec.embedding.collection import SparseArch
+from genrec.embedding.spec import EmbeddingConfig
+from genrec.kernels.jagged import jagged_index
+from genrec.models.dropout import Dropout
+from genrec.models.hstu import CachedHistory, HSTUConfig, HSTUTower, JaggedMeta
+from genrec.models.inputs import SequenceBatch
+from genrec.models.ranking import RankingConfig, RankingHead
+from genrec.models.retrieval import RetrievalConfig, RetrievalHead
+from genrec.models.tokens import Tokens, layout
+from genrec.models.transformer import TransformerConfig, TransformerTower
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.jagged import jagged_index, lengths_to_offsets
-from kernels.softmax_ce import softmax_cross_entropy
+from genrec.kernels.jagged import jagged_index, lengths_to_offsets
+from genrec.kernels.softmax_ce import softmax_cross_entropy
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
-from kernels.jagged import jagged_index, lengths_to_offsets
-from models.inputs import SequenceBatch
+from genrec.kernels.jagged import jagged_index, lengths_to_offsets
+from genrec.models.inputs import SequenceBatch
 
 
 @dataclass

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.hstu_attention import attention_mask
-from kernels.jagged import jagged_index, jagged_to_padded, padded_to_jagged
-from models.dropout import Dropout
-from models.hstu import CachedHistory, JaggedMeta
+from genrec.kernels.hstu_attention import attention_mask
+from genrec.kernels.jagged import jagged_index, jagged_to_padded, padded_to_jagged
+from genrec.models.dropout import Dropout
+from genrec.models.hstu import CachedHistory, JaggedMeta
 
 
 @dataclass(frozen=True)

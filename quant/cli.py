@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from quant.convert import QuantizeConfig, export, format_report
+from genrec.quant.convert import QuantizeConfig, export, format_report
 
 
 def cmd_quantize(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -1,4 +1,5 @@
-"""Training checkpoint -> serving artifact, and artifact -> model ready to serve.
+"""Training checkpoint -> serving artifact (the artifact -> model direction is quant/load.py,
+which serving imports without any training code).
 
 ``export`` loads a run's checkpoint into the unsharded model, measures it on the
 validation split, writes the artifact (quantized tables + dense tensors), loads the
@@ -18,16 +19,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 from tqdm import tqdm
 
-from embedding.spec import EmbeddingConfig
-from genrec.config import from_dict, to_dict
-from models.recommender import GenerativeRecommender, ModelConfig
-from quant.artifact import ArtifactError, Manifest, check_artifact, load_tensors, save_artifact
-from quant.dense import Scheme as DenseScheme
-from quant.dense import dense_bytes, dense_tensors, load_dense
-from quant.embeddings import Scheme as EmbScheme
-from quant.embeddings import install, quantized_modules, served_rows, table_bytes, table_tensors
-from train import checkpoint as ckpt
-from train.rundir import code_version
+from genrec.config import to_dict
+from genrec.models.recommender import GenerativeRecommender
+from genrec.quant.artifact import Manifest, save_artifact
+from genrec.quant.dense import Scheme as DenseScheme
+from genrec.quant.dense import dense_bytes, dense_tensors
+from genrec.quant.embeddings import Scheme as EmbScheme
+from genrec.quant.embeddings import table_bytes, table_tensors
+from genrec.quant.load import load_model
+from genrec.train import checkpoint as ckpt
+from genrec.train.rundir import code_version
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def _corpus_size(checkpoint: Path) -> int:
 
 
 def load_training_model(run_dir: Path, checkpoint: Path) -> tuple[Any, GenerativeRecommender]:
-    from train.job import load_job
+    from genrec.train.job import load_job
 
     job = load_job(run_dir / "config.toml")
     if job.model.arch != "generative":
@@ -69,28 +70,6 @@ def load_training_model(run_dir: Path, checkpoint: Path) -> tuple[Any, Generativ
     model = GenerativeRecommender(job.model, job.embedding, torch.zeros(_corpus_size(checkpoint), dtype=torch.long))
     ckpt.load_checkpoint(checkpoint, model, None)
     return job, model.eval()
-
-
-def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[GenerativeRecommender, Manifest]:
-    """The servable model of an artifact (verified); quantized tables run fbgemm's kernels."""
-    device = torch.device(device)
-    manifest, tensors = load_tensors(path, check_artifact(path))
-    try:
-        model_cfg = from_dict(ModelConfig, manifest.model)
-        emb_cfg = from_dict(EmbeddingConfig, manifest.embedding)
-    except ValueError as e:
-        raise ArtifactError(f"{path}/manifest.json: model or embedding config is invalid: {e}") from e
-    dense = tensors["dense.safetensors"]
-    if "corpus_ids" not in dense:
-        raise ArtifactError(f"{path}/dense.safetensors: tensor 'corpus_ids' is missing")
-    q = manifest.quantization
-    model = GenerativeRecommender(model_cfg, emb_cfg, dense["corpus_ids"], sparse_device=torch.device("meta"))
-    ec, ebc = quantized_modules(emb_cfg, tensors["embeddings.safetensors"], q["embeddings"], q.get("row_alignment", 16))
-    emb = tensors["embeddings.safetensors"]
-    install(model.sparse, ec, ebc, served_rows(emb_cfg, emb, q["embeddings"]),
-            served_rows(emb_cfg, emb, q["embeddings"], pooled=True))
-    load_dense(model, dense, q["dense"], device)
-    return model.to(device).eval(), manifest
 
 
 def export(
@@ -102,8 +81,8 @@ def export(
     measure_accuracy: bool = True,
 ) -> dict[str, Any]:
     """Writes the artifact and returns the report (sizes and accuracy before / after)."""
-    from train.data.reader import make_reader
-    from train.evaluate import evaluate
+    from genrec.train.data.reader import make_reader
+    from genrec.train.evaluate import evaluate
 
     bar = tqdm(total=5, desc="quantize", disable=not progress, unit="step")
     run_dir, ckpt_dir = resolve_checkpoint(checkpoint)

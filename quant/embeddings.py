@@ -20,8 +20,8 @@ from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEBC
 from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEC
 from torchrec.types import DataType
 
-from embedding.collection import SparseArch, pooled_table_configs, sequence_table_configs
-from embedding.spec import EmbeddingConfig
+from genrec.embedding.collection import SparseArch, pooled_table_configs, sequence_table_configs
+from genrec.embedding.spec import EmbeddingConfig
 
 Scheme = Literal["fp32", "fp16", "int8", "int4"]
 DATA_TYPE = {"fp32": DataType.FP32, "fp16": DataType.FP16, "int8": DataType.INT8, "int4": DataType.INT4}

@@ -29,8 +29,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from serve.engine import Result, run_stamped
-from serve.requests import Work
+from genrec.serve.engine import Result, run_stamped
+from genrec.serve.requests import Work
 
 
 class Overloaded(RuntimeError):

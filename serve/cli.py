@@ -14,16 +14,16 @@ from pathlib import Path
 import torch
 
 from genrec.config import ConfigError, apply_overrides, from_dict, merge, to_dict
-from serve.batcher import BatchConfig
-from serve.requests import Limits
-from serve.server import (
+from genrec.serve.batcher import BatchConfig
+from genrec.serve.requests import Limits
+from genrec.serve.server import (
     AdminConfig,
     RecommenderServer,
     ServeConfig,
     TLSConfig,
     kill_engine_processes,
 )
-from serve.worker import ProcessSettings, plan_cpus
+from genrec.serve.worker import ProcessSettings, plan_cpus
 
 
 def default_inflight(args: argparse.Namespace) -> int:

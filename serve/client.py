@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import grpc
 
-from proto.genrec.v1 import recommender_pb2 as pb
-from proto.genrec.v1 import recommender_pb2_grpc as pb_grpc
+from genrec.proto.v1 import recommender_pb2 as pb
+from genrec.proto.v1 import recommender_pb2_grpc as pb_grpc
 
 
 def channel_for(targets: str | Sequence[str], credentials: grpc.ChannelCredentials | None = None,

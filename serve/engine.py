@@ -30,13 +30,13 @@ import numpy as np
 import torch
 from torchrec import KeyedJaggedTensor
 
-from models.inputs import SequenceBatch
-from models.recommender import GenerativeRecommender
-from quant.artifact import Manifest
-from quant.convert import load_model
-from serve import native as native_path
-from serve.padded import PaddedHSTU, context_kjt, supports
-from serve.requests import ModelSchema, UserInput, Work
+from genrec.models.inputs import SequenceBatch
+from genrec.models.recommender import GenerativeRecommender
+from genrec.quant.artifact import Manifest
+from genrec.quant.load import load_model
+from genrec.serve import native as native_path
+from genrec.serve.padded import PaddedHSTU, context_kjt, supports
+from genrec.serve.requests import ModelSchema, UserInput, Work
 
 _NONE = np.zeros(0, np.int64)
 

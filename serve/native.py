@@ -30,13 +30,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels import native
-from kernels.hstu_attention import time_bucket
-from models.recommender import GenerativeRecommender
-from quant.embeddings import ServedRows
-from serve.padded import PaddedHSTU, relative
-from serve.padded import supports as padded_supports
-from serve.requests import UserInput
+from genrec.kernels import native
+from genrec.kernels.hstu_attention import time_bucket
+from genrec.models.recommender import GenerativeRecommender
+from genrec.quant.embeddings import ServedRows
+from genrec.serve.padded import PaddedHSTU, relative
+from genrec.serve.padded import supports as padded_supports
+from genrec.serve.requests import UserInput
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int

@@ -35,10 +35,16 @@ import torch
 import torch.nn.functional as F
 from torchrec import KeyedJaggedTensor
 
-from kernels.hstu_attention import bias_codes, bias_table, query_blocks, silu_attention, time_bucket
-from models.hstu import HSTULayer
-from models.recommender import GenerativeRecommender
-from serve.requests import UserInput
+from genrec.kernels.hstu_attention import (
+    bias_codes,
+    bias_table,
+    query_blocks,
+    silu_attention,
+    time_bucket,
+)
+from genrec.models.hstu import HSTULayer
+from genrec.models.recommender import GenerativeRecommender
+from genrec.serve.requests import UserInput
 
 
 def context_kjt(users: list[UserInput], names: list[str]) -> KeyedJaggedTensor:

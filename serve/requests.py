@@ -36,8 +36,8 @@ import numpy as np
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from embedding.spec import EmbeddingConfig, IdOutOfRange, prepare_ids
-from proto.genrec.v1 import recommender_pb2 as pb
+from genrec.embedding.spec import EmbeddingConfig, IdOutOfRange, prepare_ids
+from genrec.proto.v1 import recommender_pb2 as pb
 
 Kind = Literal["recommend", "retrieve", "rank"]
 DEFAULT_RETRIEVE_K, DEFAULT_TOP_K = 100, 10

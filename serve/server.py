@@ -39,13 +39,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from proto.genrec.v1 import recommender_pb2 as pb
-from quant.artifact import ArtifactError, check_artifact
-from serve.batcher import BatchConfig, Batcher, DeadlineExceeded, Overloaded, ShuttingDown
-from serve.engine import Result
-from serve.metrics import ServerMetrics
-from serve.requests import MAX_DETAIL, InvalidRequest, Kind, Limits, decode, parse
-from serve.worker import EnginePool, EngineProcessError, ProcessSettings, open_engine_process
+from genrec.proto.v1 import recommender_pb2 as pb
+from genrec.quant.artifact import ArtifactError, check_artifact
+from genrec.serve.batcher import BatchConfig, Batcher, DeadlineExceeded, Overloaded, ShuttingDown
+from genrec.serve.engine import Result
+from genrec.serve.metrics import ServerMetrics
+from genrec.serve.requests import MAX_DETAIL, InvalidRequest, Kind, Limits, decode, parse
+from genrec.serve.worker import EnginePool, EngineProcessError, ProcessSettings, open_engine_process
 
 log = logging.getLogger("genrec.serve")
 RECOMMENDER = "genrec.v1.Recommender"
@@ -125,10 +125,10 @@ class ServeConfig:
 
 def make_engine(kind: str, artifact: str, device: str):  # noqa: ANN201 - an engine
     if kind == "sglang":
-        from serve.sglang_engine import SGLangEngine
+        from genrec.serve.sglang_engine import SGLangEngine
 
         return SGLangEngine(artifact, device=device)
-    from serve.engine import NaiveTorchEngine, TorchEngine
+    from genrec.serve.engine import NaiveTorchEngine, TorchEngine
 
     return (NaiveTorchEngine if kind == "naive" else TorchEngine)(artifact, device=device)
 

@@ -39,9 +39,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from serve import sglang_shim
+from genrec.serve import sglang_shim
 
-_ROOT = Path(__file__).resolve().parents[1]
 HIST_ID, CAND_ID, VOCAB = 1, 2, 4
 log = logging.getLogger("genrec.serve.sglang")
 
@@ -51,8 +50,8 @@ def _prepare_environment() -> None:
     in SGLang's spawned workers, through PYTHONPATH)."""
     if not torch.cuda.is_available():
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-    os.environ["SGLANG_EXTERNAL_MODEL_PACKAGE"] = "serve.sglang_models"
-    paths = [sglang_shim.HERE, str(_ROOT)]
+    os.environ["SGLANG_EXTERNAL_MODEL_PACKAGE"] = "genrec.serve.sglang_models"
+    paths = [sglang_shim.HERE]  # (genrec itself is installed: the workers import it as we do)
     current = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join(paths + [p for p in current if p not in paths])
     sglang_shim.install()
@@ -66,11 +65,11 @@ from sglang.srt.managers.embed_types import PositionalEmbeds  # noqa: E402
 from sglang.srt.managers.io_struct import GenerateReqInput  # noqa: E402
 
 from genrec.config import from_dict, to_dict  # noqa: E402
-from kernels.jagged import lengths_to_offsets  # noqa: E402
-from models.hstu import JaggedMeta  # noqa: E402
-from models.recommender import ModelConfig, build_tower  # noqa: E402
-from serve.engine import Result, TorchEngine, collate_users  # noqa: E402
-from serve.requests import Work  # noqa: E402
+from genrec.kernels.jagged import lengths_to_offsets  # noqa: E402
+from genrec.models.hstu import JaggedMeta  # noqa: E402
+from genrec.models.recommender import ModelConfig, build_tower  # noqa: E402
+from genrec.serve.engine import Result, TorchEngine, collate_users  # noqa: E402
+from genrec.serve.requests import Work  # noqa: E402
 
 
 class GenRecTower(nn.Module):

@@ -36,8 +36,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_handles
 from typing import Any
 
-from quant.artifact import Manifest
-from serve.requests import ModelSchema, Work
+from genrec.quant.artifact import Manifest
+from genrec.serve.requests import ModelSchema, Work
 
 log = logging.getLogger("genrec.serve")
 
@@ -147,8 +147,8 @@ def _child(conn: Connection, kind: str, artifact: str, device: str, settings: Pr
 
     import torch
 
-    from serve.engine import run_stamped
-    from serve.server import make_engine, quiet_gc
+    from genrec.serve.engine import run_stamped
+    from genrec.serve.server import make_engine, quiet_gc
 
     # Ctrl-C reaches the whole process group: the front-end drains and then stops this
     # process itself, so the batches it still sends must find it alive.

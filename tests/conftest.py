@@ -18,7 +18,7 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 @pytest.fixture(scope="session")
 def tiny_synth(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from train.data.synthetic import SyntheticConfig, generate
+    from genrec.train.data.synthetic import SyntheticConfig, generate
 
     out = tmp_path_factory.mktemp("synth") / "data"
     cfg = SyntheticConfig(num_users=300, num_items=600, num_topics=8, median_len=12, max_len=60, seed=3,

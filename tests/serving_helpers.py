@@ -9,12 +9,12 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-from quant.convert import QuantizeConfig, export
-from serve.client import RecommenderClient
-from serve.server import RecommenderServer, ServeConfig
+from genrec.quant.convert import QuantizeConfig, export
+from genrec.serve.client import RecommenderClient
+from genrec.serve.server import RecommenderServer, ServeConfig
+from genrec.train.job import load_job
+from genrec.train.run import run_training
 from tests.conftest import tiny_job_overrides
-from train.job import load_job
-from train.run import run_training
 
 RANKING_TOML = """
 [data]

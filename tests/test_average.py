@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from genrec.config import ConfigError
+from genrec.train import checkpoint as ckpt
+from genrec.train.average import AveragedWeights
+from genrec.train.job import load_job
+from genrec.train.run import run_training
 from tests.conftest import tiny_job_overrides
-from train import checkpoint as ckpt
-from train.average import AveragedWeights
-from train.job import load_job
-from train.run import run_training
 
 
 def test_the_average_follows_its_formula_and_is_what_a_checkpoint_model_holds(tmp_path):

@@ -4,11 +4,11 @@ import json
 
 import pytest
 
+from genrec.train.job import load_job
+from genrec.train.run import run_training
+from genrec.train.trainer import Trainer
 from tests.conftest import TINY_TABLES, tiny_job_overrides
 from tests.dist.trajectory import SCHEDULE, assert_same_trajectory
-from train.job import load_job
-from train.run import run_training
-from train.trainer import Trainer
 
 
 @pytest.mark.parametrize("tower, ema", [("hstu", 0.0), ("transformer", 0.9)])

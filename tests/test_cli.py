@@ -60,7 +60,7 @@ def test_malformed_data_is_named(tmp_path):
 
 
 def test_cpu_identity_tells_cpu_generations_apart(tmp_path):
-    from train.rundir import cpu_identity
+    from genrec.train.rundir import cpu_identity
 
     def info(model: int, flags: str) -> Path:
         f = tmp_path / f"cpuinfo{model}"
@@ -85,7 +85,7 @@ def test_bad_input_leaves_no_partial_dataset(tmp_path):
 
 def small_synth(tmp_path):
     """A tiny synthetic dataset of three row groups (20 users each)."""
-    from train.data.synthetic import SyntheticConfig, generate
+    from genrec.train.data.synthetic import SyntheticConfig, generate
 
     data = tmp_path / "synth"
     generate(SyntheticConfig(num_users=60, num_items=200, num_topics=4, median_len=8, chunk_users=20), data,

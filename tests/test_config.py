@@ -4,7 +4,7 @@ from typing import Literal
 import pytest
 
 from genrec.config import ConfigError, dump_toml, from_dict, load_config, parse_override
-from train.job import JobConfig, load_job
+from genrec.train.job import JobConfig, load_job
 
 
 @dataclass(frozen=True)

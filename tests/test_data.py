@@ -7,11 +7,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from embedding.spec import EmbeddingConfig, IdOutOfRange, TableConfig
-from train.data.convert import convert_movielens, convert_ratings, convert_sequences
-from train.data.reader import SequenceReader, holds_valid
-from train.data.schema import DataFormatError, read_info
-from train.data.synthetic import SyntheticConfig, SyntheticWorld, generate
+from genrec.embedding.spec import EmbeddingConfig, IdOutOfRange, TableConfig
+from genrec.train.data.convert import convert_movielens, convert_ratings, convert_sequences
+from genrec.train.data.reader import SequenceReader, holds_valid
+from genrec.train.data.schema import DataFormatError, read_info
+from genrec.train.data.synthetic import SyntheticConfig, SyntheticWorld, generate
 
 
 def rows(path):
@@ -262,7 +262,7 @@ def test_a_failed_conversion_keeps_the_earlier_dataset_and_a_good_one_replaces_i
 
 
 def test_interrupted_synth_leaves_nothing(tmp_path, monkeypatch):
-    import train.data.synthetic as synthetic
+    import genrec.train.data.synthetic as synthetic
 
     real, calls = synthetic._users_chunk, []
 
@@ -313,7 +313,7 @@ def test_read_info_names_a_broken_manifest(tmp_path):
 
 
 def write_dataset(out, user_rows, **kw):
-    from train.data.schema import DatasetWriter
+    from genrec.train.data.schema import DatasetWriter
 
     with DatasetWriter(out, source="test", **kw) as w:
         w.write({k: [r.get(k) for r in user_rows] for k in user_rows[0]})
@@ -330,7 +330,7 @@ GOOD = {"user_id": 1, "item_ids": [1, 2, 3], "timestamps": [10, 20, 30], "action
     ({"ctx_device": [9]}, r"row 1 \(user 2, row group 0\): ctx_device\[0\] = 9 is not \[0, 4\)"),
 ])
 def test_verify_names_file_row_and_field_of_a_bad_value(tmp_path, bad, err):
-    from train.data.verify import verify_dataset
+    from genrec.train.data.verify import verify_dataset
 
     user_rows = [{**GOOD, "ctx_device": [0]}, {**GOOD, "user_id": 2, "ctx_device": [3], **bad}]
     write_dataset(tmp_path / "d", user_rows, action_names=["click"], context_features={"device": 4})
@@ -339,7 +339,7 @@ def test_verify_names_file_row_and_field_of_a_bad_value(tmp_path, bad, err):
 
 
 def test_verify_reads_every_row_group_and_checks_the_manifest(tmp_path):
-    from train.data.verify import verify_dataset
+    from genrec.train.data.verify import verify_dataset
 
     src = tmp_path / "seq.txt"
     src.write_text("".join(f"{u} 1 2 3 4\n" for u in range(20)))
@@ -358,7 +358,7 @@ def test_verify_reads_every_row_group_and_checks_the_manifest(tmp_path):
 
 
 def test_baselines_name_a_damaged_dataset_file(tmp_path):
-    from train.baselines import Baseline
+    from genrec.train.baselines import Baseline
 
     src = tmp_path / "seq.txt"
     src.write_text("".join(f"{u} 1 2 3 4 5\n" for u in range(50)))

@@ -3,8 +3,8 @@ import pytest
 import torch
 from torchrec import EmbeddingCollection, KeyedJaggedTensor
 
-from embedding.collection import SparseArch
-from embedding.spec import EmbeddingConfig, IdOutOfRange, TableConfig, hash_ids, prepare_ids
+from genrec.embedding.collection import SparseArch
+from genrec.embedding.spec import EmbeddingConfig, IdOutOfRange, TableConfig, hash_ids, prepare_ids
 
 
 def spec():

@@ -25,11 +25,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from serve.batcher import BatchConfig
-from serve.client import RecommenderClient, user
-from serve.requests import Limits, Work, decode_user
-from serve.server import ServeConfig
-from serve.worker import EngineProcess, EngineProcessError, FailoverEngine, ProcessSettings
+from genrec.serve.batcher import BatchConfig
+from genrec.serve.client import RecommenderClient, user
+from genrec.serve.requests import Limits, Work, decode_user
+from genrec.serve.server import ServeConfig
+from genrec.serve.worker import EngineProcess, EngineProcessError, FailoverEngine, ProcessSettings
 from tests.serving_helpers import ThreadedServer, tiny_ranking_artifact
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,13 +139,13 @@ def test_close_waits_for_a_standby_that_loaded_but_has_no_slot_yet(artifact, mon
 PARENT = textwrap.dedent('''
     import sys, threading, time
     if __name__ == "__mp_main__":  # the engine child: loading hangs, as on a stuck file system
-        import serve.server
+        import genrec.serve.server
         def hang(*args, **kwargs):
             print("loading", flush=True)
             threading.Event().wait()
-        serve.server.make_engine = hang
+        genrec.serve.server.make_engine = hang
     if __name__ == "__main__":
-        from serve.worker import EngineProcess, ProcessSettings
+        from genrec.serve.worker import EngineProcess, ProcessSettings
         engine = EngineProcess("torch", sys.argv[1], settings=ProcessSettings(threads=1), start=False)
         def report():
             while engine.proc is None or engine.proc.pid is None:

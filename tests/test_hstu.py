@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.hstu_attention import hstu_attention, time_bucket
-from kernels.jagged import jagged_to_padded, lengths_to_offsets
-from models.hstu import HSTUConfig, HSTUTower, JaggedMeta
+from genrec.kernels.hstu_attention import hstu_attention, time_bucket
+from genrec.kernels.jagged import jagged_to_padded, lengths_to_offsets
+from genrec.models.hstu import HSTUConfig, HSTUTower, JaggedMeta
 
 MAX_SEQ_LEN = 24
 
@@ -55,7 +55,7 @@ def test_jagged_reference_matches_per_pair_loop(lengths):
 @pytest.mark.parametrize("num_targets", [None, [3, 0, 5]])
 def test_query_blocked_reference_matches_per_pair_loop(num_targets):
     """Inference on long sequences goes through the queries in blocks; same numbers."""
-    from kernels.hstu_attention import hstu_attention_reference
+    from genrec.kernels.hstu_attention import hstu_attention_reference
 
     lengths = [11, 2, 9]
     nt = None if num_targets is None else torch.tensor(num_targets)
@@ -75,7 +75,7 @@ def test_query_blocked_reference_matches_per_pair_loop(num_targets):
 def test_inference_path_matches_loop_blocked_and_shares_its_plan(monkeypatch, heads, num_targets, long):
     """The serving path (one bias code per pair, baddbmm) in query blocks, with the plan
     one layer built reused by another layer's weights: same numbers as the loop."""
-    import kernels.hstu_attention as ha
+    import genrec.kernels.hstu_attention as ha
 
     if long:
         monkeypatch.setattr(ha, "QUERY_BLOCK", 2)  # 11 > 2 * 2: blocks of QUERY_BLOCK = 2 query rows
@@ -101,7 +101,7 @@ def test_training_path_gradients_match_the_loop(monkeypatch, heads, num_targets,
     """Autograd through the training path (one bias code per pair, query blocks of 4 rows,
     the hand-written backward of ``_CodedBlocks``): the loop's output and the loop's
     gradients for q, k, v and each bias table the layer has."""
-    import kernels.hstu_attention as ha
+    import genrec.kernels.hstu_attention as ha
 
     monkeypatch.setattr(ha, "CAUSAL_BLOCK", 4)  # 11 rows: blocks 0-4, 4-8, 8-11
     lengths = [11, 2, 9]
@@ -132,7 +132,7 @@ def test_inference_path_without_bias_terms():
 
 @pytest.mark.parametrize("heads", [1, 2])
 def test_last_row_attention_equals_the_full_pass_at_each_last_row(heads):
-    from kernels.hstu_attention import hstu_last_row_attention
+    from genrec.kernels.hstu_attention import hstu_last_row_attention
 
     lengths = [5, 1, 7, 2]
     q, k, v, lens, pos_w, time_w, ts, qt = random_case(lengths, heads=heads, seed=8)

@@ -13,8 +13,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernels module is imported
 
-from kernels.hstu_attention import hstu_attention, hstu_attention_reference  # noqa: E402
-from kernels.jagged import lengths_to_offsets  # noqa: E402
+from genrec.kernels.hstu_attention import hstu_attention, hstu_attention_reference  # noqa: E402
+from genrec.kernels.jagged import lengths_to_offsets  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: (2e-5, 1e-4), torch.bfloat16: (3e-2, 3e-2), torch.float16: (5e-3, 5e-3)}
@@ -82,7 +82,7 @@ def test_auto_backend_on_cpu_matches_the_reference_and_refuses_bad_head_dims():
 
 @pytest.mark.parametrize("t,n,d,chunk", [(37, 11, 8, 5), (100, 50, 16, None), (5, 300, 4, 1000), (1, 3, 2, None)])
 def test_chunked_softmax_cross_entropy_matches_the_unfused_loss(t, n, d, chunk):
-    from kernels.softmax_ce import softmax_cross_entropy
+    from genrec.kernels.softmax_ce import softmax_cross_entropy
 
     g = torch.Generator().manual_seed(t * n)
     u = torch.randn(t, d, generator=g, dtype=torch.float64)
@@ -103,7 +103,7 @@ def test_chunked_softmax_cross_entropy_matches_the_unfused_loss(t, n, d, chunk):
 def test_chunked_softmax_cross_entropy_leaves_excluded_pairs_out(chunk):
     """Excluded (token, item) pairs: the loss and gradients of the logits with those
     entries at -inf, whichever chunks the pairs fall in."""
-    from kernels.softmax_ce import softmax_cross_entropy
+    from genrec.kernels.softmax_ce import softmax_cross_entropy
 
     g = torch.Generator().manual_seed(3)
     t, n, d = 11, 9, 4
@@ -132,7 +132,7 @@ def test_chunked_softmax_cross_entropy_leaves_excluded_pairs_out(chunk):
 def test_chunked_softmax_cross_entropy_under_the_training_matmul_precisions(precision):
     """train.matmul_precision may route the loss GEMMs to oneDNN (bf16 inside on CPUs with
     fast bf16): the loss and gradients stay within bf16 rounding of the fp64 reference."""
-    from kernels.softmax_ce import softmax_cross_entropy
+    from genrec.kernels.softmax_ce import softmax_cross_entropy
 
     g = torch.Generator().manual_seed(5)
     u = torch.nn.functional.normalize(torch.randn(300, 64, generator=g, dtype=torch.float64), dim=-1)
@@ -155,7 +155,7 @@ def test_chunked_softmax_cross_entropy_under_the_training_matmul_precisions(prec
 
 
 def test_chunked_softmax_cross_entropy_keeps_fp32_under_bf16_autocast():
-    from kernels.softmax_ce import softmax_cross_entropy
+    from genrec.kernels.softmax_ce import softmax_cross_entropy
 
     u = torch.randn(64, 16, requires_grad=True)
     it = torch.randn(40, 16)

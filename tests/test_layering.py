@@ -17,6 +17,7 @@ def imports(package):
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 names = [node.module]
             for n in names:
+                n = n.removeprefix("genrec.") if n.split(".")[1:2] and n.split(".")[1] in OURS else n
                 found.setdefault(n, set()).add(path.relative_to(ROOT).as_posix())
     return found
 

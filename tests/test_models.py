@@ -5,13 +5,13 @@ import torch
 import torch.nn.functional as F
 from torchrec import KeyedJaggedTensor
 
-from embedding.spec import EmbeddingConfig, TableConfig
-from kernels.jagged import lengths_to_offsets
-from models.hstu import JaggedMeta
-from models.inputs import SequenceBatch
-from models.recommender import GenerativeRecommender, ModelConfig
-from models.retrieval import RetrievalConfig, RetrievalHead
-from models.transformer import TransformerConfig, TransformerTower
+from genrec.embedding.spec import EmbeddingConfig, TableConfig
+from genrec.kernels.jagged import lengths_to_offsets
+from genrec.models.hstu import JaggedMeta
+from genrec.models.inputs import SequenceBatch
+from genrec.models.recommender import GenerativeRecommender, ModelConfig
+from genrec.models.retrieval import RetrievalConfig, RetrievalHead
+from genrec.models.transformer import TransformerConfig, TransformerTower
 
 
 def test_transformer_rows_do_not_depend_on_batch_mates_and_grads_are_finite():
@@ -40,7 +40,7 @@ def test_full_softmax_is_cross_entropy_over_the_corpus():
 
 
 def test_prefix_pairs_list_each_event_with_its_history_so_far():
-    from models.retrieval import prefix_pairs
+    from genrec.models.retrieval import prefix_pairs
 
     rows, cols = prefix_pairs(torch.tensor([2, 1, 0, 3]))
     assert rows.tolist() == [0, 1, 1, 2, 3, 4, 4, 5, 5, 5]
@@ -152,7 +152,7 @@ def test_missing_timestamps_fall_back_to_positions():
 
 
 def test_dropout_keeps_one_minus_p_scaled_and_passes_gradients_through_the_kept_elements():
-    from models.dropout import Dropout
+    from genrec.models.dropout import Dropout
 
     torch.manual_seed(0)
     x = torch.randn(400, 250, requires_grad=True)

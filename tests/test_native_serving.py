@@ -4,13 +4,13 @@ import numpy as np
 import pytest
 import torch
 
-from embedding.spec import EmbeddingConfig, TableConfig
-from kernels.hstu_attention import time_bucket
-from models.hstu import HSTUConfig
-from models.ranking import RankingConfig
-from models.recommender import GenerativeRecommender, ModelConfig
-from serve.native import NativeHSTU, library, supports, time_thresholds
-from serve.requests import UserInput
+from genrec.embedding.spec import EmbeddingConfig, TableConfig
+from genrec.kernels.hstu_attention import time_bucket
+from genrec.models.hstu import HSTUConfig
+from genrec.models.ranking import RankingConfig
+from genrec.models.recommender import GenerativeRecommender, ModelConfig
+from genrec.serve.native import NativeHSTU, library, supports, time_thresholds
+from genrec.serve.requests import UserInput
 from tests.test_padded_serving import T0, TASKS, model, padded_scores, reference
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C++ compiler: the native kernels did not build")
@@ -103,7 +103,7 @@ def test_only_models_it_computes_take_the_native_path():
 
 
 def test_the_library_builds_into_an_empty_cache_and_a_missing_compiler_falls_back(tmp_path, monkeypatch):
-    from kernels import native
+    from genrec.kernels import native
 
     monkeypatch.setenv("GENREC_NATIVE_CACHE", str(tmp_path))
     native._build.cache_clear()
@@ -130,8 +130,8 @@ def test_served_tables_gathered_natively_equal_the_pytorch_lookups(scheme):
     for sum and mean pooling, several ids, a feature a user lacks, and candidates."""
     from dataclasses import replace
 
-    from quant.embeddings import install, quantized_modules, served_rows, table_tensors
-    from serve.padded import PaddedHSTU
+    from genrec.quant.embeddings import install, quantized_modules, served_rows, table_tensors
+    from genrec.serve.padded import PaddedHSTU
     from tests.test_padded_serving import CANDS, users
 
     m = model()

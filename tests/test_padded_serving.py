@@ -4,15 +4,15 @@ import numpy as np
 import pytest
 import torch
 
-from embedding.spec import EmbeddingConfig, TableConfig
-from models.hstu import HSTUConfig
-from models.ranking import RankingConfig, TaskConfig
-from models.recommender import GenerativeRecommender, ModelConfig
-from serve.engine import collate_users
-from serve.native import NativeHSTU
-from serve.native import library as native_library
-from serve.padded import PaddedHSTU, supports
-from serve.requests import UserInput
+from genrec.embedding.spec import EmbeddingConfig, TableConfig
+from genrec.models.hstu import HSTUConfig
+from genrec.models.ranking import RankingConfig, TaskConfig
+from genrec.models.recommender import GenerativeRecommender, ModelConfig
+from genrec.serve.engine import collate_users
+from genrec.serve.native import NativeHSTU
+from genrec.serve.native import library as native_library
+from genrec.serve.padded import PaddedHSTU, supports
+from genrec.serve.requests import UserInput
 
 TASKS = (TaskConfig("click", ("click",)), TaskConfig("conversion", ("conversion",)))
 T0 = 1_700_000_000

@@ -7,28 +7,28 @@ import shutil
 import pytest
 import torch
 
-from embedding.qat import fake_quantize_rows
-from quant.artifact import ArtifactError
-from quant.convert import (
+from genrec.embedding.qat import fake_quantize_rows
+from genrec.quant.artifact import ArtifactError
+from genrec.quant.convert import (
     QuantizeConfig,
     export,
     format_report,
-    load_model,
     load_training_model,
     resolve_checkpoint,
 )
-from quant.dense import (
+from genrec.quant.dense import (
     Fp8WeightLinear,
     dequantize_linear_weight,
     int8_dynamic_linear,
     quantize_linear_weight,
 )
-from quant.embeddings import dequantize, quantize_weight
+from genrec.quant.embeddings import dequantize, quantize_weight
+from genrec.quant.load import load_model
+from genrec.train.data.reader import make_reader
+from genrec.train.evaluate import evaluate
+from genrec.train.job import load_job
+from genrec.train.run import run_training
 from tests.conftest import tiny_job_overrides
-from train.data.reader import make_reader
-from train.evaluate import evaluate
-from train.job import load_job
-from train.run import run_training
 
 
 @pytest.mark.parametrize("scheme,levels", [("int8", 255), ("int4", 15)])
@@ -48,9 +48,9 @@ def test_fp16_tables_round_to_half_precision():
 
 
 def test_torchrec_quantized_lookup_matches_the_float_table():
-    from embedding.collection import SparseArch
-    from embedding.spec import EmbeddingConfig, TableConfig
-    from quant.embeddings import quantized_modules, table_tensors
+    from genrec.embedding.collection import SparseArch
+    from genrec.embedding.spec import EmbeddingConfig, TableConfig
+    from genrec.quant.embeddings import quantized_modules, table_tensors
 
     cfg = EmbeddingConfig(tables=(TableConfig("item", ("item",), dim=32, num_embeddings=300),))
     arch = SparseArch(cfg)
@@ -70,9 +70,9 @@ def test_served_direct_rows_equal_the_quantized_collection(scheme):
     be the rows TorchRec's quantized EmbeddingCollection returns, for the sequence KJT too."""
     from torchrec import KeyedJaggedTensor
 
-    from embedding.collection import SparseArch
-    from embedding.spec import EmbeddingConfig, TableConfig
-    from quant.embeddings import install, quantized_modules, served_rows, table_tensors
+    from genrec.embedding.collection import SparseArch
+    from genrec.embedding.spec import EmbeddingConfig, TableConfig
+    from genrec.quant.embeddings import install, quantized_modules, served_rows, table_tensors
 
     cfg = EmbeddingConfig(tables=(TableConfig("item", ("item",), dim=32, num_embeddings=300),
                                   TableConfig("action", ("action",), dim=32, num_embeddings=8)))

@@ -7,15 +7,15 @@ import pytest
 import torch
 from torchrec import KeyedJaggedTensor
 
-from embedding.spec import EmbeddingConfig, TableConfig
-from models.dlrm import PooledDLRM
-from models.inputs import SequenceBatch
-from models.ranking import RankingConfig, TaskConfig
-from models.recommender import GenerativeRecommender, ModelConfig
-from train.data.reader import SequenceReader, ranking_cutoffs
-from train.data.samples import RankingDataConfig
-from train.data.schema import read_info
-from train.ranking_metrics import auc, gauc, logloss, normalized_entropy
+from genrec.embedding.spec import EmbeddingConfig, TableConfig
+from genrec.models.dlrm import PooledDLRM
+from genrec.models.inputs import SequenceBatch
+from genrec.models.ranking import RankingConfig, TaskConfig
+from genrec.models.recommender import GenerativeRecommender, ModelConfig
+from genrec.train.data.reader import SequenceReader, ranking_cutoffs
+from genrec.train.data.samples import RankingDataConfig
+from genrec.train.data.schema import read_info
+from genrec.train.ranking_metrics import auc, gauc, logloss, normalized_entropy
 
 TASKS = (TaskConfig("click", ("click",)), TaskConfig("conversion", ("conversion",), weight=0.5))
 

@@ -11,13 +11,13 @@ import grpc
 import numpy as np
 import pytest
 
-import serve.requests as requests
-from proto.genrec.v1 import recommender_pb2 as pb
-from serve.batcher import BatchConfig
-from serve.client import user
-from serve.engine import NaiveTorchEngine, TorchEngine
-from serve.requests import MAX_DETAIL, InvalidRequest, Limits, decode
-from serve.server import ServeConfig
+import genrec.serve.requests as requests
+from genrec.proto.v1 import recommender_pb2 as pb
+from genrec.serve.batcher import BatchConfig
+from genrec.serve.client import user
+from genrec.serve.engine import NaiveTorchEngine, TorchEngine
+from genrec.serve.requests import MAX_DETAIL, InvalidRequest, Limits, decode
+from genrec.serve.server import ServeConfig
 from tests.serving_helpers import ThreadedServer, tiny_ranking_artifact
 
 T0 = 1_700_000_000

@@ -22,9 +22,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from proto.genrec.v1 import recommender_pb2 as pb
-from serve.client import RecommenderClient, user
-from serve.server import AdminConfig, ServeConfig, TLSConfig
+from genrec.proto.v1 import recommender_pb2 as pb
+from genrec.serve.client import RecommenderClient, user
+from genrec.serve.server import AdminConfig, ServeConfig, TLSConfig
 from tests.serving_helpers import (
     ADMIN_TOKEN,
     ThreadedServer,
@@ -88,7 +88,7 @@ def test_admin_needs_the_token(server):
 
 
 def test_admin_is_off_without_a_token_file(root):
-    from serve.server import RecommenderServer
+    from genrec.serve.server import RecommenderServer
 
     async def started() -> tuple[object, int]:
         srv = RecommenderServer(ServeConfig(host="127.0.0.1", port=0), str(root / "live"))
@@ -337,7 +337,7 @@ def _state(pid: int) -> str:
 def test_config_file_and_overrides_reach_the_server_config(tmp_path):
     from genrec.cli import build_parser
     from genrec.config import ConfigError
-    from serve.cli import config_from_args, with_config_file
+    from genrec.serve.cli import config_from_args, with_config_file
 
     args, _ = build_parser().parse_known_args(["serve", "--artifact", "a", "--admin-port", "7"])
     f = tmp_path / "serve.toml"
@@ -351,7 +351,7 @@ def test_config_file_and_overrides_reach_the_server_config(tmp_path):
 
 
 def test_batch_cost_model_recovers_a_fixed_and_a_per_call_part():
-    from serve.batcher import BatchCost
+    from genrec.serve.batcher import BatchCost
 
     cost = BatchCost()
     assert cost.coefficients() is None and cost.wait(3, 30) == 0.0
@@ -365,7 +365,7 @@ def test_batch_cost_model_recovers_a_fixed_and_a_per_call_part():
 
 
 def test_admission_refuses_at_once_what_could_not_start_in_time():
-    from serve.batcher import BatchConfig, Batcher, Overloaded
+    from genrec.serve.batcher import BatchConfig, Batcher, Overloaded
 
     async def scenario() -> list[str]:
         b = Batcher(lambda: None, BatchConfig(max_batch=4, max_queue=100, max_queue_ms=10))
@@ -401,8 +401,8 @@ def test_admission_refuses_at_once_what_could_not_start_in_time():
 
 
 def test_error_details_are_ascii_and_bounded_and_the_message_limit_fits_the_request_limits():
-    from serve.requests import Limits
-    from serve.server import ConnectionConfig, _server_options, bounded
+    from genrec.serve.requests import Limits
+    from genrec.serve.server import ConnectionConfig, _server_options, bounded
 
     detail = bounded("name 'é" + "x" * 2000 + "'")
     assert detail.isascii() and len(detail) == 512 and detail.endswith("...") and "\\xe9" in detail

@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from proto.genrec.v1 import recommender_pb2 as pb
-from serve.batcher import BatchConfig
-from serve.client import RecommenderClient, user
-from serve.engine import TorchEngine
-from serve.requests import Limits
-from serve.server import ServeConfig, open_engine
-from serve.worker import EnginePool, EngineProcess, ProcessSettings, plan_cpus
+from genrec.proto.v1 import recommender_pb2 as pb
+from genrec.serve.batcher import BatchConfig
+from genrec.serve.client import RecommenderClient, user
+from genrec.serve.engine import TorchEngine
+from genrec.serve.requests import Limits
+from genrec.serve.server import ServeConfig, open_engine
+from genrec.serve.worker import EnginePool, EngineProcess, ProcessSettings, plan_cpus
 from tests.serving_helpers import ThreadedServer, tiny_ranking_artifact
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +71,7 @@ def test_recommend_retrieve_rank_match_the_offline_model(artifacts, tower):
         assert [i.item_id for i in rank.items] == [x for x, _ in cands]  # request order
         # the served scores equal the offline model's on the same artifact
         engine = srv.server.engine
-        from serve.requests import Work, decode_user
+        from genrec.serve.requests import Work, decode_user
 
         w = Work("rank", decode_user(u, engine.schema, Limits()), candidates=np.array([x for x, _ in cands]),
                  candidate_ids=np.array([x for x, _ in cands]), bids=np.array([b for _, b in cands]), objective="click")
@@ -315,7 +315,7 @@ def test_reload_swaps_the_artifact_without_dropping_calls(artifacts):
 
 
 def test_engine_process_answers_like_the_in_process_engine_and_replaces_a_killed_child(artifacts):
-    from serve.requests import Work, decode_user
+    from genrec.serve.requests import Work, decode_user
 
     local = TorchEngine(artifacts["hstu"])
     cpu = sorted(os.sched_getaffinity(0))[-1]
@@ -374,9 +374,9 @@ def test_batches_sent_from_the_loop_pipeline_through_one_engine_process(artifact
     """Three batches in flight at once: each sent before any reply is read, computed back to back
     in order, each answered with its own results; a child killed with two in flight fails both,
     frees the pipe, and the next batch starts a new child. The CLI pipelines three by default."""
-    from serve.cli import default_inflight
-    from serve.requests import Work, decode_user
-    from serve.worker import EngineProcessError
+    from genrec.serve.cli import default_inflight
+    from genrec.serve.requests import Work, decode_user
+    from genrec.serve.worker import EngineProcessError
 
     local = TorchEngine(artifacts["hstu"])
     remote = EngineProcess("torch", str(artifacts["hstu"]), settings=ProcessSettings(threads=1))
@@ -421,7 +421,7 @@ def _cpu_seconds(pid: int) -> float:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads CPU time from /proc")
 def test_a_polling_engine_process_spins_between_batches_then_blocks(artifacts):
-    from serve.requests import Work, decode_user
+    from genrec.serve.requests import Work, decode_user
 
     local = TorchEngine(artifacts["hstu"])
     remote = EngineProcess("torch", str(artifacts["hstu"]), settings=ProcessSettings(threads=1, poll_ms=400))
@@ -447,8 +447,8 @@ def test_an_engine_process_that_stops_answering_is_killed_and_replaced(artifacts
     pipeline and from a thread alike, frees the pipe, and the next batch gets a new child."""
     import threading
 
-    from serve.requests import Work, decode_user
-    from serve.worker import EngineProcessError
+    from genrec.serve.requests import Work, decode_user
+    from genrec.serve.worker import EngineProcessError
 
     local = TorchEngine(artifacts["hstu"])
     remote = EngineProcess("torch", str(artifacts["hstu"]), settings=ProcessSettings(threads=1, hang_s=0.5))
@@ -544,7 +544,7 @@ def test_cpu_plan_gives_the_engines_their_own_cpus_and_the_front_end_the_rest():
 
 
 def test_engine_pool_runs_batches_on_free_replicas_with_the_same_answers(artifacts):
-    from serve.requests import Work, decode_user
+    from genrec.serve.requests import Work, decode_user
 
     local = TorchEngine(artifacts["hstu"])
     u = decode_user(user(history(9), CTX), local.schema, Limits())
@@ -632,8 +632,8 @@ def test_generated_proto_code_is_current(tmp_path):
 
 
 def test_naive_engine_returns_the_same_answers_as_the_batched_engine(artifacts):
-    from serve.engine import NaiveTorchEngine
-    from serve.requests import decode
+    from genrec.serve.engine import NaiveTorchEngine
+    from genrec.serve.requests import decode
 
     fast, naive = TorchEngine(artifacts["hstu"]), NaiveTorchEngine(artifacts["hstu"])
     works = []
@@ -646,8 +646,8 @@ def test_naive_engine_returns_the_same_answers_as_the_batched_engine(artifacts):
 
 
 def test_the_engine_paths_native_padded_and_jagged_answer_alike(artifacts, monkeypatch):
-    from serve.native import library
-    from serve.requests import decode
+    from genrec.serve.native import library
+    from genrec.serve.requests import decode
 
     default = TorchEngine(artifacts["hstu"])
     assert default.path == ("native" if library() is not None else "padded")
@@ -669,7 +669,7 @@ def test_the_engine_paths_native_padded_and_jagged_answer_alike(artifacts, monke
 def test_unknown_fields_are_named_at_any_depth_and_odd_but_valid_encodings_pass():
     """parse() checks unknown fields by size first; the slow walk must still name nested ones,
     and a valid message that is not canonically encoded must not be refused."""
-    from serve.requests import InvalidRequest, parse
+    from genrec.serve.requests import InvalidRequest, parse
 
     req = pb.RecommendRequest(user=user(history(3), CTX), retrieve_k=10)
     data = req.SerializeToString()
@@ -689,7 +689,7 @@ def test_unknown_fields_are_named_at_any_depth_and_odd_but_valid_encodings_pass(
 def test_history_as_columns_is_the_same_request_and_its_errors_name_the_column(artifacts):
     """User.history_columns (packed arrays) decodes to the user the Event messages give, is
     answered alike by a live server, and each bad column is INVALID_ARGUMENT naming it."""
-    from serve.requests import InvalidRequest, decode
+    from genrec.serve.requests import InvalidRequest, decode
 
     engine = TorchEngine(artifacts["hstu"])
     h = history(9)

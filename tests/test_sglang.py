@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from proto.genrec.v1 import recommender_pb2 as pb
-from serve.client import user
-from serve.engine import TorchEngine
-from serve.requests import Limits, decode
+from genrec.proto.v1 import recommender_pb2 as pb
+from genrec.serve.client import user
+from genrec.serve.engine import TorchEngine
+from genrec.serve.requests import Limits, decode
 from tests.serving_helpers import ThreadedServer, tiny_ranking_artifact
 
 TOL = 1e-5  # the towers run the same fp32 code; differences are summation order only
@@ -43,7 +43,7 @@ def works(schema, seed: int = 0) -> list:
 
 @pytest.mark.parametrize("tower", ["hstu", "transformer"])
 def test_sglang_and_torch_engines_return_the_same_scores(artifacts, tower):
-    from serve.sglang_engine import SGLangEngine
+    from genrec.serve.sglang_engine import SGLangEngine
 
     torch_engine = TorchEngine(artifacts[tower])
     sgl_engine = SGLangEngine(artifacts[tower])
@@ -59,7 +59,7 @@ def test_sglang_and_torch_engines_return_the_same_scores(artifacts, tower):
 
 
 def test_sglang_engine_behind_the_grpc_server(artifacts):
-    from serve.sglang_engine import SGLangEngine
+    from genrec.serve.sglang_engine import SGLangEngine
 
     engine = SGLangEngine(artifacts["hstu"])
     srv = ThreadedServer(artifacts["hstu"], engine=engine)

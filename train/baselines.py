@@ -19,9 +19,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from train.data.reader import SequenceReader, train_events
-from train.data.schema import arrow_errors, open_parquet
-from train.evaluate import EvalConfig, RankingMetrics, target_ranks
+from genrec.train.data.reader import SequenceReader, train_events
+from genrec.train.data.schema import arrow_errors, open_parquet
+from genrec.train.evaluate import EvalConfig, RankingMetrics, target_ranks
 
 
 class Baseline:

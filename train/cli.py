@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 
 from genrec.config import load_config
-from train.data.schema import arrow_errors, open_parquet, read_info
+from genrec.train.data.schema import arrow_errors, open_parquet, read_info
 
 
 def cmd_data(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.data_cmd == "synth":
-        from train.data.synthetic import SyntheticConfig, generate
+        from genrec.train.data.synthetic import SyntheticConfig, generate
 
         cfg = load_config(SyntheticConfig, None, overrides)
         t0 = time.perf_counter()
@@ -27,7 +27,7 @@ def cmd_data(args: argparse.Namespace, overrides: list[str]) -> int:
     if overrides:
         raise SystemExit(f"genrec data {args.data_cmd} takes no overrides: {overrides}")
     if args.data_cmd == "convert":
-        from train.data import convert
+        from genrec.train.data import convert
 
         if args.format == "sequences":
             info = convert.convert_sequences(args.input, args.out)
@@ -54,7 +54,7 @@ def _inspect(path: Path, verify: bool = False) -> int:
         print(f"sequence length: min {q[0]}, median {q[1]}, p90 {q[2]}, p99 {q[3]}, max {q[4]}, "
               f"mean {lengths.mean():.1f}")
     if verify:
-        from train.data.verify import verify_dataset
+        from genrec.train.data.verify import verify_dataset
 
         r = verify_dataset(path)  # raises DataFormatError naming the file and row: exit 2
         print(f"verified: {r.files} files, {r.row_groups} row groups, {r.users} users, {r.events} events: "
@@ -64,8 +64,8 @@ def _inspect(path: Path, verify: bool = False) -> int:
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from genrec.config import dump_toml
-    from train.job import load_job
-    from train.run import run_training
+    from genrec.train.job import load_job
+    from genrec.train.run import run_training
 
     if args.resume:
         job = load_job(Path(args.resume) / "config.toml", overrides)
@@ -80,7 +80,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _print_results(run_dir: Path, results: dict) -> None:
-    from train.evaluate import format_table
+    from genrec.train.evaluate import format_table
 
     best = f"; best epoch {results['best_epoch']}" if "best_epoch" in results else ""
     print(f"\nrun: {run_dir}  ({results['epochs']} epochs, {results['train_seconds']:.0f}s of training, "
@@ -95,8 +95,8 @@ def _print_results(run_dir: Path, results: dict) -> None:
 
 
 def _load_run_model(run: Path, checkpoint: str | None, data: str | None):  # noqa: ANN202
-    from train import checkpoint as ckpt
-    from train.job import build_model, load_job
+    from genrec.train import checkpoint as ckpt
+    from genrec.train.job import build_model, load_job
 
     overrides = [f'--data.path="{data}"'] if data else []
     job = load_job(run / "config.toml", overrides)
@@ -115,8 +115,8 @@ def _load_run_model(run: Path, checkpoint: str | None, data: str | None):  # noq
 def evaluate_run(run: Path, checkpoint: str | None, split: str, data: str | None = None) -> tuple[dict, Path]:
     """Metrics of a run's checkpoint (default: its best, else its newest) on ``split``, and
     that checkpoint's path: what ``genrec eval --run`` prints."""
-    from train.data.reader import make_reader
-    from train.evaluate import evaluate
+    from genrec.train.data.reader import make_reader
+    from genrec.train.evaluate import evaluate
 
     job, model, emb, path = _load_run_model(run, checkpoint, data)
     reader = make_reader(job.data, split, emb, job.model.max_seq_len)
@@ -124,12 +124,12 @@ def evaluate_run(run: Path, checkpoint: str | None, split: str, data: str | None
 
 
 def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
-    from train.data.reader import make_reader
-    from train.evaluate import format_table
+    from genrec.train.data.reader import make_reader
+    from genrec.train.evaluate import format_table
 
     if args.baseline:
-        from train.baselines import Baseline, evaluate_baseline
-        from train.job import JobConfig, resolve_embedding
+        from genrec.train.baselines import Baseline, evaluate_baseline
+        from genrec.train.job import JobConfig, resolve_embedding
 
         if not args.data:
             raise SystemExit("genrec eval --baseline needs --data DIR")
@@ -152,12 +152,12 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def cmd_demo(args: argparse.Namespace, overrides: list[str]) -> int:
     """Synthetic data (if missing) -> train configs/demo.toml -> baselines -> one table."""
-    from train.baselines import Baseline, evaluate_baseline
-    from train.data.reader import make_reader
-    from train.data.synthetic import SyntheticConfig, generate
-    from train.evaluate import format_table
-    from train.job import load_job, resolve_embedding
-    from train.run import run_training
+    from genrec.train.baselines import Baseline, evaluate_baseline
+    from genrec.train.data.reader import make_reader
+    from genrec.train.data.synthetic import SyntheticConfig, generate
+    from genrec.train.evaluate import format_table
+    from genrec.train.job import load_job, resolve_embedding
+    from genrec.train.run import run_training
 
     data = Path(args.data)
     if not (data / "dataset.json").exists():

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.inputs import SequenceBatch
+from genrec.models.inputs import SequenceBatch
 
 
 @dataclass(frozen=True)

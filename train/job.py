@@ -18,14 +18,14 @@ from typing import Literal
 import numpy as np
 import torch
 
-from embedding.spec import EmbeddingConfig, prepare_ids
 from genrec.config import ConfigError, load_config
-from models.dlrm import PooledDLRM
-from models.recommender import GenerativeRecommender, ModelConfig
-from train.data.reader import DataConfig
-from train.data.schema import DatasetInfo, read_info, read_items
-from train.evaluate import EvalConfig
-from train.parallel import ParallelConfig
+from genrec.embedding.spec import EmbeddingConfig, prepare_ids
+from genrec.models.dlrm import PooledDLRM
+from genrec.models.recommender import GenerativeRecommender, ModelConfig
+from genrec.train.data.reader import DataConfig
+from genrec.train.data.schema import DatasetInfo, read_info, read_items
+from genrec.train.evaluate import EvalConfig
+from genrec.train.parallel import ParallelConfig
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,8 @@ import torch.distributed as dist
 import torchrec
 from torch import nn
 
-from embedding.spec import EmbeddingConfig
 from genrec.config import ConfigError
+from genrec.embedding.spec import EmbeddingConfig
 
 SparseOptimizer = Literal["adam", "rowwise_adagrad", "adagrad", "sgd"]
 CPU_EC_SHARDINGS = ("table_wise", "row_wise", "column_wise")
@@ -281,7 +281,7 @@ class Replicated:
 
     def __init__(self, model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimizer,
                  tables: list[str]) -> None:
-        from train.checkpoint import PlainState
+        from genrec.train.checkpoint import PlainState
 
         self.model, self.module, self.optimizer, self.tables = model, module, optimizer, tables
         self.dense_params = [p for p in module.parameters() if p.requires_grad]

@@ -15,14 +15,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from embedding.spec import IdOutOfRange
 from genrec.config import ConfigError
-from train.data.reader import make_reader
-from train.data.schema import DataFormatError, read_info
-from train.job import JobConfig, build_model, task_masks, tokens_per_event
-from train.parallel import DistContext, init_distributed, parallelize, replicate, strategy
-from train.rundir import new_run_dir, remove_unused_run_dir, write_run_files
-from train.trainer import Trainer, build_optimizer
+from genrec.embedding.spec import IdOutOfRange
+from genrec.train.data.reader import make_reader
+from genrec.train.data.schema import DataFormatError, read_info
+from genrec.train.job import JobConfig, build_model, task_masks, tokens_per_event
+from genrec.train.parallel import DistContext, init_distributed, parallelize, replicate, strategy
+from genrec.train.rundir import new_run_dir, remove_unused_run_dir, write_run_files
+from genrec.train.trainer import Trainer, build_optimizer
 
 
 def seed_everything(seed: int) -> None:

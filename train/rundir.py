@@ -139,8 +139,12 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def plot_curves(metrics_path: Path, out: Path, metric_keys: tuple[str, ...] = ("hr@10", "ndcg@10")) -> Path | None:
-    """Training loss per step and validation metrics per epoch, as one PNG."""
-    import matplotlib
+    """Training loss per step and validation metrics per epoch, as one PNG; None without
+    matplotlib (the ``plot`` extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -33,13 +33,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from train import checkpoint as ckpt
-from train.average import AveragedWeights
-from train.data.reader import SequenceReader
-from train.evaluate import EvalConfig, evaluate
-from train.job import OptimConfig, TrainConfig
-from train.ranking_metrics import evaluate_ranking
-from train.rundir import MetricsLog, plot_curves
+from genrec.train import checkpoint as ckpt
+from genrec.train.average import AveragedWeights
+from genrec.train.data.reader import SequenceReader
+from genrec.train.evaluate import EvalConfig, evaluate
+from genrec.train.job import OptimConfig, TrainConfig
+from genrec.train.ranking_metrics import evaluate_ranking
+from genrec.train.rundir import MetricsLog, plot_curves
 
 
 def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:

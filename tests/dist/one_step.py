@@ -18,13 +18,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torchrec import KeyedJaggedTensor
 
-from embedding.spec import EmbeddingConfig, TableConfig
-from models.hstu import HSTUConfig
-from models.inputs import SequenceBatch
-from models.ranking import RankingConfig, TaskConfig
-from models.recommender import GenerativeRecommender, ModelConfig
-from models.retrieval import RetrievalConfig
-from train.parallel import ParallelConfig, init_distributed, parallelize, replicate
+from genrec.embedding.spec import EmbeddingConfig, TableConfig
+from genrec.models.hstu import HSTUConfig
+from genrec.models.inputs import SequenceBatch
+from genrec.models.ranking import RankingConfig, TaskConfig
+from genrec.models.recommender import GenerativeRecommender, ModelConfig
+from genrec.models.retrieval import RetrievalConfig
+from genrec.train.parallel import ParallelConfig, init_distributed, parallelize, replicate
 
 SPARSE_LR, DENSE_LR = 0.1, 0.05
 

@@ -16,7 +16,7 @@ import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from train.data.schema import DataFormatError, DatasetInfo, DatasetWriter
+from genrec.train.data.schema import DataFormatError, DatasetInfo, DatasetWriter
 
 CHUNK = 8192
 RATING_ACTIONS = [f"rating_{r}" for r in range(1, 6)]

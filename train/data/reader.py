@@ -33,9 +33,9 @@ from typing import Literal
 import numpy as np
 import pyarrow as pa
 
-from embedding.spec import EmbeddingConfig, IdOutOfRange, prepare_ids
-from models.inputs import SequenceBatch
-from train.data.samples import (
+from genrec.embedding.spec import EmbeddingConfig, IdOutOfRange, prepare_ids
+from genrec.models.inputs import SequenceBatch
+from genrec.train.data.samples import (
     RankingDataConfig,
     Sample,
     Split,
@@ -45,7 +45,7 @@ from train.data.samples import (
     retrieval_window,
     with_candidates,
 )
-from train.data.schema import (
+from genrec.train.data.schema import (
     CONTEXT_PREFIX,
     MIN_EVENTS,
     DataFormatError,

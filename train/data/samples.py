@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torchrec import KeyedJaggedTensor
 
-from models.inputs import SequenceBatch
+from genrec.models.inputs import SequenceBatch
 
 Split = Literal["train", "valid", "test", "rank_valid", "rank_test"]
 

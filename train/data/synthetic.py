@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from train.data.schema import DatasetInfo, DatasetWriter
+from genrec.train.data.schema import DatasetInfo, DatasetWriter
 
 ACTIONS = ["impression", "click", "conversion"]
 CONTEXT = {"segment": None, "device": 4, "region": 64}  # segment cardinality = num_topics

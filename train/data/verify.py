@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from train.data.schema import (
+from genrec.train.data.schema import (
     CONTEXT_PREFIX,
     MIN_EVENTS,
     REMAKE,

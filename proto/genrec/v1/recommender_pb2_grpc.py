@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto.genrec.v1 import recommender_pb2 as proto_dot_genrec_dot_v1_dot_recommender__pb2
+from genrec.proto.v1 import recommender_pb2 as genrec_dot_v1_dot_recommender__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/genrec/v1/recommender_pb2_grpc.py depends on'
+        + ' but the generated code in genrec/v1/recommender_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,18 +37,18 @@ class RecommenderStub:
         """
         self.Recommend = channel.unary_unary(
                 '/genrec.v1.Recommender/Recommend',
-                request_serializer=proto_dot_genrec_dot_v1_dot_recommender__pb2.RecommendRequest.SerializeToString,
-                response_deserializer=proto_dot_genrec_dot_v1_dot_recommender__pb2.RecommendResponse.FromString,
+                request_serializer=genrec_dot_v1_dot_recommender__pb2.RecommendRequest.SerializeToString,
+                response_deserializer=genrec_dot_v1_dot_recommender__pb2.RecommendResponse.FromString,
                 _registered_method=True)
         self.Retrieve = channel.unary_unary(
                 '/genrec.v1.Recommender/Retrieve',
-                request_serializer=proto_dot_genrec_dot_v1_dot_recommender__pb2.RetrieveRequest.SerializeToString,
-                response_deserializer=proto_dot_genrec_dot_v1_dot_recommender__pb2.RetrieveResponse.FromString,
+                request_serializer=genrec_dot_v1_dot_recommender__pb2.RetrieveRequest.SerializeToString,
+                response_deserializer=genrec_dot_v1_dot_recommender__pb2.RetrieveResponse.FromString,
                 _registered_method=True)
         self.Rank = channel.unary_unary(
                 '/genrec.v1.Recommender/Rank',
-                request_serializer=proto_dot_genrec_dot_v1_dot_recommender__pb2.RankRequest.SerializeToString,
-                response_deserializer=proto_dot_genrec_dot_v1_dot_recommender__pb2.RankResponse.FromString,
+                request_serializer=genrec_dot_v1_dot_recommender__pb2.RankRequest.SerializeToString,
+                response_deserializer=genrec_dot_v1_dot_recommender__pb2.RankResponse.FromString,
                 _registered_method=True)
 
 
@@ -83,18 +83,18 @@ def add_RecommenderServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Recommend': grpc.unary_unary_rpc_method_handler(
                     servicer.Recommend,
-                    request_deserializer=proto_dot_genrec_dot_v1_dot_recommender__pb2.RecommendRequest.FromString,
-                    response_serializer=proto_dot_genrec_dot_v1_dot_recommender__pb2.RecommendResponse.SerializeToString,
+                    request_deserializer=genrec_dot_v1_dot_recommender__pb2.RecommendRequest.FromString,
+                    response_serializer=genrec_dot_v1_dot_recommender__pb2.RecommendResponse.SerializeToString,
             ),
             'Retrieve': grpc.unary_unary_rpc_method_handler(
                     servicer.Retrieve,
-                    request_deserializer=proto_dot_genrec_dot_v1_dot_recommender__pb2.RetrieveRequest.FromString,
-                    response_serializer=proto_dot_genrec_dot_v1_dot_recommender__pb2.RetrieveResponse.SerializeToString,
+                    request_deserializer=genrec_dot_v1_dot_recommender__pb2.RetrieveRequest.FromString,
+                    response_serializer=genrec_dot_v1_dot_recommender__pb2.RetrieveResponse.SerializeToString,
             ),
             'Rank': grpc.unary_unary_rpc_method_handler(
                     servicer.Rank,
-                    request_deserializer=proto_dot_genrec_dot_v1_dot_recommender__pb2.RankRequest.FromString,
-                    response_serializer=proto_dot_genrec_dot_v1_dot_recommender__pb2.RankResponse.SerializeToString,
+                    request_deserializer=genrec_dot_v1_dot_recommender__pb2.RankRequest.FromString,
+                    response_serializer=genrec_dot_v1_dot_recommender__pb2.RankResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -123,8 +123,8 @@ class Recommender:
             request,
             target,
             '/genrec.v1.Recommender/Recommend',
-            proto_dot_genrec_dot_v1_dot_recommender__pb2.RecommendRequest.SerializeToString,
-            proto_dot_genrec_dot_v1_dot_recommender__pb2.RecommendResponse.FromString,
+            genrec_dot_v1_dot_recommender__pb2.RecommendRequest.SerializeToString,
+            genrec_dot_v1_dot_recommender__pb2.RecommendResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -150,8 +150,8 @@ class Recommender:
             request,
             target,
             '/genrec.v1.Recommender/Retrieve',
-            proto_dot_genrec_dot_v1_dot_recommender__pb2.RetrieveRequest.SerializeToString,
-            proto_dot_genrec_dot_v1_dot_recommender__pb2.RetrieveResponse.FromString,
+            genrec_dot_v1_dot_recommender__pb2.RetrieveRequest.SerializeToString,
+            genrec_dot_v1_dot_recommender__pb2.RetrieveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -177,8 +177,8 @@ class Recommender:
             request,
             target,
             '/genrec.v1.Recommender/Rank',
-            proto_dot_genrec_dot_v1_dot_recommender__pb2.RankRequest.SerializeToString,
-            proto_dot_genrec_dot_v1_dot_recommender__pb2.RankResponse.FromString,
+            genrec_dot_v1_dot_recommender__pb2.RankRequest.SerializeToString,
+            genrec_dot_v1_dot_recommender__pb2.RankResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -202,13 +202,13 @@ class AdminStub:
         """
         self.LoadArtifact = channel.unary_unary(
                 '/genrec.v1.Admin/LoadArtifact',
-                request_serializer=proto_dot_genrec_dot_v1_dot_recommender__pb2.LoadArtifactRequest.SerializeToString,
-                response_deserializer=proto_dot_genrec_dot_v1_dot_recommender__pb2.LoadArtifactResponse.FromString,
+                request_serializer=genrec_dot_v1_dot_recommender__pb2.LoadArtifactRequest.SerializeToString,
+                response_deserializer=genrec_dot_v1_dot_recommender__pb2.LoadArtifactResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/genrec.v1.Admin/GetModelInfo',
-                request_serializer=proto_dot_genrec_dot_v1_dot_recommender__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=proto_dot_genrec_dot_v1_dot_recommender__pb2.ModelInfo.FromString,
+                request_serializer=genrec_dot_v1_dot_recommender__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=genrec_dot_v1_dot_recommender__pb2.ModelInfo.FromString,
                 _registered_method=True)
 
 
@@ -233,13 +233,13 @@ def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'LoadArtifact': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadArtifact,
-                    request_deserializer=proto_dot_genrec_dot_v1_dot_recommender__pb2.LoadArtifactRequest.FromString,
-                    response_serializer=proto_dot_genrec_dot_v1_dot_recommender__pb2.LoadArtifactResponse.SerializeToString,
+                    request_deserializer=genrec_dot_v1_dot_recommender__pb2.LoadArtifactRequest.FromString,
+                    response_serializer=genrec_dot_v1_dot_recommender__pb2.LoadArtifactResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
-                    request_deserializer=proto_dot_genrec_dot_v1_dot_recommender__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=proto_dot_genrec_dot_v1_dot_recommender__pb2.ModelInfo.SerializeToString,
+                    request_deserializer=genrec_dot_v1_dot_recommender__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=genrec_dot_v1_dot_recommender__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,8 +268,8 @@ class Admin:
             request,
             target,
             '/genrec.v1.Admin/LoadArtifact',
-            proto_dot_genrec_dot_v1_dot_recommender__pb2.LoadArtifactRequest.SerializeToString,
-            proto_dot_genrec_dot_v1_dot_recommender__pb2.LoadArtifactResponse.FromString,
+            genrec_dot_v1_dot_recommender__pb2.LoadArtifactRequest.SerializeToString,
+            genrec_dot_v1_dot_recommender__pb2.LoadArtifactResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -295,8 +295,8 @@ class Admin:
             request,
             target,
             '/genrec.v1.Admin/GetModelInfo',
-            proto_dot_genrec_dot_v1_dot_recommender__pb2.GetModelInfoRequest.SerializeToString,
-            proto_dot_genrec_dot_v1_dot_recommender__pb2.ModelInfo.FromString,
+            genrec_dot_v1_dot_recommender__pb2.GetModelInfoRequest.SerializeToString,
+            genrec_dot_v1_dot_recommender__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,1 @@
+"""Training: datasets, the training loop, checkpoints and parallelism (``genrec train``)."""

@@ -1,0 +1,1 @@
+"""Interaction-log datasets: schema, Parquet reading, synthetic generation, conversion, checks."""
