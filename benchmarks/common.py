@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -62,16 +61,18 @@ def write_json(name: str, payload: Any) -> Path:
 
 
 def update_results_md(section: str, body: str) -> None:
-    """Replaces the block between ``<!-- section -->`` markers in RESULTS.md (or appends it)."""
+    """Regenerates RESULTS.md from every ``results/*.json`` (``benchmarks/report.py``).
+
+    Call it after ``write_json``. ``section`` and ``body`` are what the benchmark would have
+    written; the page is rendered from the JSON alone, so they are no longer used (kept so the
+    benchmark scripts need no change).
+    """
     import fcntl
 
-    start, end = f"<!-- {section} -->", f"<!-- /{section} -->"
-    block = f"{start}\n{body.rstrip()}\n{end}"
-    RESULTS_MD.parent.mkdir(parents=True, exist_ok=True)
-    # benchmarks may run side by side (one per core): serialise the read-modify-write
+    from genrec.benchmarks import report
+
+    del section, body
+    # benchmarks may run side by side (one per core): serialise the rewrite on RESULTS.lock
     with open(RESULTS_MD.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        text = RESULTS_MD.read_text() if RESULTS_MD.exists() else "# Benchmark results\n"
-        pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
-        text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
-        RESULTS_MD.write_text(text)
+        report.write(RESULTS, RESULTS_MD)
