@@ -2,7 +2,7 @@
 
 A job is a TOML file in ``configs/`` plus dotted overrides::
 
-    genrec train --config configs/ml1m_hstu.toml --train.optim.lr=3e-4 --data.path=data/ml1m
+    genrec train --config configs/hstu.toml --train.optim.lr=3e-4 --data.path=data/ml1m
 
 Every section is owned by its component: ``[data]`` by the reader, ``[embedding]`` by the
 feature spec, ``[model]`` by the model, ``[train]`` by the trainer, ``[eval]`` by the
@@ -62,9 +62,9 @@ class TrainConfig:
     select_within_se: float = 0.0
     precision: Literal["fp32", "bf16"] = "fp32"
     # torch.set_float32_matmul_precision for fp32 GEMMs. "medium" lets torch route them to
-    # oneDNN, which may use bf16 inside where the CPU has fast bf16; on this project's EPYC
-    # it made the naive ML-1M step 1.14x faster at fp32-level error (measured,
-    # benchmarks/RESULTS.md, training throughput). "highest": torch's default.
+    # oneDNN, which may use bf16 inside where the CPU has fast bf16: faster there at fp32-level
+    # error, no change elsewhere (benchmarks/train_speed.py measures both and the error).
+    # "highest": torch's default.
     matmul_precision: Literal["highest", "high", "medium"] = "medium"
     seed: int = 0
     log_every_steps: int = 20

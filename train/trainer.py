@@ -98,8 +98,8 @@ def release_free_memory() -> None:
     glibc serves the large ones from its heap once its mmap threshold has risen to their
     size: freed, they leave holes that count in the process's RSS. On ML-1M (6 layers, one
     thread) RSS grew ~180 MB an epoch over epochs 4-9 without this and ~120 MB with it,
-    measured side by side; a fixed 128 KB mmap threshold stopped the growth but cost a third
-    of the step's speed. Once per epoch it costs ~10 ms."""
+    measured side by side; a fixed 128 KB mmap threshold stopped the growth but slowed every
+    step, where a trim once per epoch costs next to nothing."""
     lib = _libc()
     if lib is not None:
         lib.malloc_trim(0)
