@@ -6,7 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
-from genrec.benchmarks import report
+from genrec.benchmarks import common, report
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -64,3 +64,18 @@ def test_check_flags_a_stale_page(tmp_path: Path) -> None:
     assert report.main(["--check", "--out", str(out)]) == 0
     out.write_text(out.read_text() + "hand edit\n")
     assert report.main(["--check", "--out", str(out)]) == 1
+
+
+def test_update_results_md_regenerates_the_page(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """What the benchmark scripts call after write_json: section and body are ignored, the page
+    comes from the JSON files."""
+    results = tmp_path / "results"
+    results.mkdir()
+    shutil.copy(RESULTS / "kernels.json", results / "kernels.json")
+    page = tmp_path / "RESULTS.md"
+    page.write_text("# old hand-made page\n")
+    monkeypatch.setattr(common, "RESULTS", results)
+    monkeypatch.setattr(common, "RESULTS_MD", page)
+    common.update_results_md("kernels_cpu", "ignored body")
+    assert page.read_text() == report.render(results)
+    assert "ignored body" not in page.read_text()
