@@ -25,7 +25,6 @@ between batches; no call is dropped.
 from __future__ import annotations
 
 import asyncio
-import gc
 import hmac
 import logging
 import math
@@ -43,9 +42,11 @@ from genrec.proto.v1 import recommender_pb2 as pb
 from genrec.quant.artifact import ArtifactError, check_artifact
 from genrec.serve.batcher import BatchConfig, Batcher, DeadlineExceeded, Overloaded, ShuttingDown
 from genrec.serve.engine import Result
+from genrec.serve.factory import make_engine, quiet_gc
+from genrec.serve.failover import EnginePool, open_engine_process
 from genrec.serve.metrics import ServerMetrics
 from genrec.serve.requests import MAX_DETAIL, InvalidRequest, Kind, Limits, decode, parse
-from genrec.serve.worker import EnginePool, EngineProcessError, ProcessSettings, open_engine_process
+from genrec.serve.worker import EngineProcessError, ProcessSettings
 
 log = logging.getLogger("genrec.serve")
 RECOMMENDER = "genrec.v1.Recommender"
@@ -123,16 +124,6 @@ class ServeConfig:
     replica_cpus: tuple[tuple[int, ...], ...] = ()  # CPUs of each replica (serve.worker.plan_cpus); () = any
 
 
-def make_engine(kind: str, artifact: str, device: str):  # noqa: ANN201 - an engine
-    if kind == "sglang":
-        from genrec.serve.sglang_engine import SGLangEngine
-
-        return SGLangEngine(artifact, device=device)
-    from genrec.serve.engine import NaiveTorchEngine, TorchEngine
-
-    return (NaiveTorchEngine if kind == "naive" else TorchEngine)(artifact, device=device)
-
-
 def open_engine(cfg: ServeConfig, artifact: str):  # noqa: ANN201 - an engine
     """The engine the config asks for: in a child process, or in this one."""
     if cfg.engine_process and cfg.engine != "sglang":
@@ -149,16 +140,6 @@ def open_engine(cfg: ServeConfig, artifact: str):  # noqa: ANN201 - an engine
     if cfg.engine_replicas != 1:
         raise ValueError("engine replicas need the engine in its own process (--engine-process)")
     return make_engine(cfg.engine, artifact, cfg.device)
-
-
-def quiet_gc() -> None:
-    """Moves every object alive now (torch, grpc, the model: ~350k objects) into the
-    collector's permanent generation. Otherwise a full collection, which Python starts now
-    and then as requests allocate, walks them all: ~170 ms with the process stalled, which
-    at 300 QPS is 50 calls past any p99 budget. Called once a process has loaded what it
-    keeps; garbage made later is still collected."""
-    gc.collect()
-    gc.freeze()
 
 
 def kill_engine_processes() -> None:

@@ -27,9 +27,10 @@ import pytest
 
 from genrec.serve.batcher import BatchConfig
 from genrec.serve.client import RecommenderClient, user
+from genrec.serve.failover import FailoverEngine
 from genrec.serve.requests import Limits, Work, decode_user
 from genrec.serve.server import ServeConfig
-from genrec.serve.worker import EngineProcess, EngineProcessError, FailoverEngine, ProcessSettings
+from genrec.serve.worker import EngineProcess, EngineProcessError, ProcessSettings
 from tests.serving_helpers import ThreadedServer, tiny_ranking_artifact
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,11 +140,11 @@ def test_close_waits_for_a_standby_that_loaded_but_has_no_slot_yet(artifact, mon
 PARENT = textwrap.dedent('''
     import sys, threading, time
     if __name__ == "__mp_main__":  # the engine child: loading hangs, as on a stuck file system
-        import genrec.serve.server
+        import genrec.serve.factory
         def hang(*args, **kwargs):
             print("loading", flush=True)
             threading.Event().wait()
-        genrec.serve.server.make_engine = hang
+        genrec.serve.factory.make_engine = hang
     if __name__ == "__main__":
         from genrec.serve.worker import EngineProcess, ProcessSettings
         engine = EngineProcess("torch", sys.argv[1], settings=ProcessSettings(threads=1), start=False)

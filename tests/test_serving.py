@@ -25,9 +25,10 @@ from genrec.proto.v1 import recommender_pb2 as pb
 from genrec.serve.batcher import BatchConfig
 from genrec.serve.client import RecommenderClient, user
 from genrec.serve.engine import TorchEngine
+from genrec.serve.failover import EnginePool
 from genrec.serve.requests import Limits
 from genrec.serve.server import ServeConfig, open_engine
-from genrec.serve.worker import EnginePool, EngineProcess, ProcessSettings, plan_cpus
+from genrec.serve.worker import EngineProcess, ProcessSettings, plan_cpus
 from tests.serving_helpers import ThreadedServer, tiny_ranking_artifact
 
 ROOT = Path(__file__).resolve().parents[1]
