@@ -38,8 +38,8 @@ import grpc
 import numpy as np
 
 from genrec.benchmarks.common import ROOT, machine, today, update_results_md, write_json
-from genrec.benchmarks.loadtest import RESPONSES, run_step
 from genrec.benchmarks.serving import artifact_and_requests
+from genrec.serve.loadtest import RESPONSES, run_step
 
 STEPS = [50, 100, 150, 200, 300, 400, 500, 600, 800]
 BATCHED = ["--max-batch", "32", "--max-wait-ms", "0", "--engine-poll-ms", "1000"]

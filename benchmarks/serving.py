@@ -57,7 +57,8 @@ from genrec.benchmarks.common import (
     update_results_md,
     write_json,
 )
-from genrec.benchmarks.loadtest import (
+from genrec.proto.v1 import recommender_pb2 as pb
+from genrec.serve.loadtest import (
     StepResult,
     load_workload,
     make_workload,
@@ -65,7 +66,6 @@ from genrec.benchmarks.loadtest import (
     qps_within,
     sweep,
 )
-from genrec.proto.v1 import recommender_pb2 as pb
 
 SWEEPS = {
     # steps down to 10 QPS: on this noisy 2-core VM the 15 ms budget can fall below 25 QPS

@@ -10,8 +10,9 @@ import time
 import grpc
 import pytest
 
-from genrec.benchmarks.hdr import Histogram
-from genrec.benchmarks.loadtest import (
+from genrec.proto.v1 import recommender_pb2 as pb
+from genrec.serve.hdr import Histogram
+from genrec.serve.loadtest import (
     cpu_shares,
     cpu_times,
     load_workload,
@@ -20,7 +21,6 @@ from genrec.benchmarks.loadtest import (
     sweep,
     write_outputs,
 )
-from genrec.proto.v1 import recommender_pb2 as pb
 
 DELAY_S, COMPUTE_S, FAIL_EVERY = 0.02, 0.005, 10
 
@@ -125,13 +125,13 @@ def test_workload_round_trip(tiny_synth, tmp_path):
 
 
 def test_a_step_lasts_long_enough_for_its_minimum_of_calls():
-    from genrec.benchmarks.loadtest import step_seconds
+    from genrec.serve.loadtest import step_seconds
 
     assert step_seconds(10, 10, 600) == 60 and step_seconds(100, 10, 600) == 10 and step_seconds(50, 3) == 3
 
 
 def test_a_missed_step_caps_the_max_qps_even_when_a_higher_step_met_the_budget():
-    from genrec.benchmarks.loadtest import StepResult, qps_within
+    from genrec.serve.loadtest import StepResult, qps_within
 
     def step(qps: float, p99: float) -> StepResult:
         return StepResult(qps, 1.0, 10, 10, {}, qps, p99, p99, p99, p99, p99, p99, 0)

@@ -32,9 +32,9 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from tqdm import tqdm
 
-from genrec.benchmarks.hdr import Histogram
 from genrec.proto.v1 import recommender_pb2 as pb
 from genrec.serve.client import user as client_user
+from genrec.serve.hdr import Histogram
 
 
 @dataclass
@@ -185,9 +185,9 @@ def run_step(call, payloads: list[bytes], qps: float, duration: float, timeout: 
     appended as (scheduled time since the step's start, latency, status code name).
 
     The sender sleeps with ``time.sleep`` (a nanosecond timer) rather than an event loop's
-    timer, whose millisecond granularity made the old asyncio sender ~0.8 ms late at the
-    median and 2.3 ms at p99 on the benchmark machine: lateness that counts against the
-    server, since latency runs from the scheduled time."""
+    timer, whose millisecond granularity makes an asyncio sender late by up to a millisecond
+    and more: lateness that counts against the server, since latency runs from the scheduled
+    time."""
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1.0 / qps, size=int(qps * duration * 1.5) + 10)
     offsets = np.cumsum(gaps)
@@ -280,7 +280,7 @@ def sweep(target: str, qps_steps: list[float], duration: float, payloads: list[b
           cooldown_s: float = 1.0, method: str = "Recommend", min_requests: int = 0) -> LoadTestResult:
     result = LoadTestResult(target, method, slo_ms)
     # what is loaded now stays; a full collection over it would stall the sender ~0.1 s
-    # (serve.server.quiet_gc has the same reason on the server side)
+    # (serve.factory.quiet_gc has the same reason on the server side)
     gc.collect()
     gc.freeze()
     with grpc.insecure_channel(target) as ch:
