@@ -1,349 +1,68 @@
-"""HSTU pointwise attention over jagged sequences.
+"""HSTU attention: the public ops, one per shape of call, each with a ``backend`` argument.
 
-HSTU ("Actions Speak Louder than Words", Zhai et al. 2024) replaces softmax attention by
+=========================  ==========================================  ==========================
+op                         what it computes                            backends
+=========================  ==========================================  ==========================
+:func:`hstu_attention`     every row of a jagged batch (training,      reference, coded, triton
+                           the full pass)
+:func:`hstu_last_row_attention`  each sequence's last row only          reference, coded
+                           (the last layer when only it is read)
+:func:`hstu_cached_attention`    candidates against cached history      reference, coded
+                           keys / values (M-FALCON-style serving)
+=========================  ==========================================  ==========================
 
-    A[i, j] = SiLU(alpha * <q_i, k_j> + rab_pos(i - j) + rab_time(t_query_i - t_j)) / N
+``auto`` picks Triton on CUDA where its head-dim constraints hold, else the coded backend.
+Semantics (the mask, the relative biases, the 1 / N scale) are the reference's
+(``kernels.hstu_reference``); every backend is checked against it in
+``tests/test_hstu_parity.py``. The whole-tower C++ kernel (``kernels.hstu_native``) sits
+behind the tower's methods, not these ops (it fuses the layers' GEMMs too).
 
-masked to the allowed pairs, then ``out_i = sum_j A[i, j] v_j``. ``N`` is the configured
-maximum sequence length (a constant, so a sequence scores the same alone, padded or in any
-batch). There is no row normalisation, which is why the op is cheap to fuse: every (i, j)
-pair is independent.
-
-Masks: history token i sees history tokens j <= i. When ``num_targets[b] = K``, the last
-K tokens of sequence b are *candidates* (HSTU's ranking setting): each sees the whole
-history and itself, never another candidate, and no history token sees any candidate. So
-a candidate's output does not depend on which other candidates share its sequence.
-
-Shapes: q, k [T, H, Dqk]; v [T, H, Dv]; offsets [B+1]; timestamps, query_times [T];
-num_targets [B]. Output [T, H, Dv].
+Modules: ``hstu_reference`` (pure PyTorch, the ground truth), ``hstu_coded`` (bias codes
+shared by the layers through an :class:`AttentionPlan`, a hand-written backward),
+``triton_hstu`` (fused Triton kernels), ``hstu_native`` (C++ on CPU, serving).
 """
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
-from genrec.kernels.jagged import jagged_index, jagged_to_padded, padded_to_jagged
+from genrec.kernels.hstu_coded import (  # noqa: F401 - the public names of the HSTU kernels
+    AttentionPlan,
+    bias_codes,
+    bias_table,
+    hstu_attention_coded,
+    hstu_cached_attention_coded,
+    hstu_last_row_attention_coded,
+    silu_attention,
+)
+from genrec.kernels.hstu_reference import (  # noqa: F401
+    attention_mask,
+    hstu_attention_reference,
+    hstu_cached_attention_reference,
+    hstu_last_row_attention_reference,
+    padded_relative_times,
+    query_blocks,
+    relative_bias,
+    time_bucket,
+    token_positions,
+)
 
-Backend = Literal["auto", "reference", "triton"]
+Backend = Literal["auto", "reference", "coded", "triton"]
+BACKENDS = ("auto", "reference", "coded", "triton")
 
-
-def time_bucket(dt: torch.Tensor, num_buckets: int) -> torch.Tensor:
-    """Log-spaced buckets of a time gap: 0 for dt <= 0, then floor(2 * log2(1 + dt)).
-
-    Half-octave buckets: seconds-scale gaps land in 2..~60, position gaps (the fallback
-    when timestamps are missing) in 2..~16. Clamped to ``num_buckets - 1``. int32 indices
-    (the [B, L, L] tensors of long sequences are the cost here: no int64 passes over them).
-    """
-    x = dt.to(torch.float32).clamp_(min=0).add_(1.0).log2_().mul_(2.0).floor_()
-    return x.clamp_(max=num_buckets - 1).to(torch.int32)
-
-
-def attention_mask(
-    lengths: torch.Tensor, max_len: int, num_targets: torch.Tensor | None = None,
-    rows: tuple[int, int] | None = None,
-) -> torch.Tensor:
-    """[B, L, L] bool: which key j query i may see (see module docstring). ``rows`` = (s, e):
-    only queries s..e-1 against keys 0..e-1 ([B, e - s, e]; no query sees a later key)."""
-    s, e = rows if rows is not None else (0, max_len)
-    ar = torch.arange(max_len, device=lengths.device)
-    i, j = ar[s:e, None], ar[None, :e]
-    valid = ar[None, :] < lengths[:, None]  # [B, L]
-    pair = valid[:, s:e, None] & valid[:, None, :e]
-    if num_targets is None:
-        return pair & (j <= i)[None]
-    hist = (lengths - num_targets)[:, None, None]  # [B, 1, 1]
-    history_query = (i[None] < hist) & (j <= i)[None]
-    target_query = (i[None] >= hist) & ((j[None] < hist) | (i == j)[None])
-    return pair & (history_query | target_query)
+# a compiled tower calls the coded backend eagerly: a graph break per layer
+_coded_eager = torch.compiler.disable(hstu_attention_coded)
 
 
-def token_positions(max_len: int, lengths: torch.Tensor, num_targets: torch.Tensor | None) -> torch.Tensor:
-    """[1, L] or [B, L] positions for the relative bias: candidates all sit at the first
-    position after the history, so a candidate is scored the same alone or among others."""
-    ar = torch.arange(max_len, device=lengths.device)
-    if num_targets is None:
-        return ar[None]
-    return torch.minimum(ar[None], (lengths - num_targets)[:, None])
+def _check(backend: str, allowed: tuple[str, ...]) -> None:
+    if backend not in allowed:
+        raise ValueError(f"unknown attention backend '{backend}' for this op; use one of {', '.join(allowed)}")
 
 
-def relative_bias(
-    offsets: torch.Tensor,
-    max_len: int,
-    max_seq_len: int,
-    pos_weights: torch.Tensor | None,
-    time_weights: torch.Tensor | None,
-    timestamps: torch.Tensor | None,
-    query_times: torch.Tensor | None,
-    index: tuple[torch.Tensor, torch.Tensor] | None = None,
-    num_targets: torch.Tensor | None = None,
-    rows: tuple[int, int] | None = None,
-    padded_times: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor | None:
-    """[B, L, L] additive bias (or None): position term plus time term.
-
-    ``pos_weights`` [max_seq_len]: bias by distance p(i) - p(j) (clamped; p from
-    :func:`token_positions`). ``time_weights`` [num_buckets]: bias by :func:`time_bucket`
-    of ``query_times[i] - timestamps[j]``. ``rows`` as in :func:`attention_mask`;
-    ``padded_times``: :func:`padded_relative_times` of the batch, when the caller has them.
-    """
-    s, e = rows if rows is not None else (0, max_len)
-    bias = None
-    if pos_weights is not None:
-        p = token_positions(max_len, offsets[1:] - offsets[:-1], num_targets).to(torch.int32)
-        dist = (p[:, s:e, None] - p[:, None, :e]).clamp_(0, max_seq_len - 1)
-        bias = _lookup(pos_weights, dist)  # [1 or B, e - s, e]
-    if time_weights is not None:
-        if padded_times is None:
-            if timestamps is None or query_times is None:
-                raise ValueError("time_weights needs timestamps and query_times")
-            padded_times = padded_relative_times(query_times, timestamps, offsets, max_len, index)
-        tq, tk = padded_times
-        buckets = time_bucket(tq[:, s:e, None] - tk[:, None, :e], time_weights.numel())
-        tb = _lookup(time_weights, buckets)  # [B, e - s, e]
-        bias = tb if bias is None else bias + tb
-    return bias
-
-
-def _records_grad(*tensors: torch.Tensor | None) -> bool:
-    """Whether autograd records an op on these tensors (grad mode on, one of them requires grad)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def _lookup(weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """weights[idx] for a 1-D table: index_select on the flat index is ~2-5x faster on CPU
-    than advanced indexing (which widens int32 indices to int64 first)."""
-    return weights.index_select(0, idx.reshape(-1)).view(idx.shape)
-
-
-def padded_relative_times(query_times: torch.Tensor, timestamps: torch.Tensor, offsets: torch.Tensor,
-                          max_len: int, index: tuple[torch.Tensor, torch.Tensor] | None = None,
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(query times, key times) padded to [B, L], as int32 seconds from the batch's earliest
-    key time (gaps of up to 68 years; differences are what the bias reads)."""
-    base = timestamps.min() if timestamps.numel() else timestamps.new_zeros(())
-    rel = lambda t: jagged_to_padded((t - base).clamp_(-(2**31) + 1, 2**31 - 1).to(torch.int32), offsets,  # noqa: E731
-                                     max_len, index=index)
-    return rel(query_times), rel(timestamps)
-
-
-# Inference on long sequences goes through the queries in blocks of this many rows, so the
-# [B, rows, L] scores, bias and mask stay cache-sized instead of [B, L, L] (at L = 4000 each
-# of those is 16M elements; allocating and streaming them dominated a long-history request).
-QUERY_BLOCK = 256
-# ...and serving splits even short ones into blocks of this many query rows: block s..e
-# only meets keys 0..e-1, so the causal upper triangle is mostly skipped (at L = 200, 35%
-# fewer pairs; 1.1x a batch of 8 histories, the same at batch 1: RESULTS.md, serving).
-CAUSAL_BLOCK = 64
-
-
-def query_blocks(max_len: int, block: int | None = None) -> list[tuple[int, int]]:
-    """Query row ranges (s, e): ``block`` rows each, or by default blocks of
-    :data:`CAUSAL_BLOCK` for sequences up to twice :data:`QUERY_BLOCK` and of it beyond."""
-    if block is None:
-        block = CAUSAL_BLOCK if max_len <= 2 * QUERY_BLOCK else QUERY_BLOCK
-    return [(s, min(s + block, max_len)) for s in range(0, max_len, block)]
-
-
-def _batch_lengths(offsets: torch.Tensor, max_len: int | None) -> tuple[torch.Tensor, int]:
-    """Per-sequence lengths and the longest (``max_len`` when the caller knows it)."""
-    lengths = offsets[1:] - offsets[:-1]
-    if max_len is None:
-        max_len = int(lengths.max()) if lengths.numel() else 0
-    return lengths, max_len
-
-
-def hstu_attention_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    offsets: torch.Tensor,
-    *,
-    max_seq_len: int,
-    alpha: float,
-    pos_weights: torch.Tensor | None = None,
-    time_weights: torch.Tensor | None = None,
-    timestamps: torch.Tensor | None = None,
-    query_times: torch.Tensor | None = None,
-    num_targets: torch.Tensor | None = None,
-    max_len: int | None = None,
-    query_block: int | None = None,
-) -> torch.Tensor:
-    """Pure-PyTorch jagged HSTU attention: pads to the batch's longest sequence, computes
-    dense masked attention, returns jagged rows. The ground truth for every fast path.
-
-    ``query_block``: rows of queries per block (default: all at once when training, blocks
-    of :data:`QUERY_BLOCK` at inference on sequences longer than twice that)."""
-    lengths, max_len = _batch_lengths(offsets, max_len)
-    if q.shape[0] == 0 or max_len == 0:
-        return v.new_zeros(v.shape)
-    index = jagged_index(offsets, q.shape[0])
-    qp = jagged_to_padded(q, offsets, max_len, index=index).transpose(1, 2)  # [B, H, L, D]
-    kp = jagged_to_padded(k, offsets, max_len, index=index).transpose(1, 2)
-    vp = jagged_to_padded(v, offsets, max_len, index=index).transpose(1, 2)
-    grad = _records_grad(q, k, v, pos_weights, time_weights)
-    times = None
-    if time_weights is not None and timestamps is not None and query_times is not None:
-        times = padded_relative_times(query_times, timestamps, offsets, max_len, index)
-
-    def rows(s: int, e: int) -> torch.Tensor:
-        # queries s..e-1 never see keys at or after e (causal history, candidates after it)
-        scores = torch.matmul(qp[:, :, s:e], kp[:, :, :e].transpose(-1, -2)) * alpha  # [B, H, e - s, e]
-        bias = relative_bias(offsets, max_len, max_seq_len, pos_weights, time_weights, timestamps, query_times,
-                             index, num_targets, rows=(s, e), padded_times=times)
-        if bias is not None:
-            scores = scores + bias[:, None].to(scores.dtype)
-        mask = attention_mask(lengths, max_len, num_targets, rows=(s, e))[:, None]
-        attn = F.silu(scores) * (mask.to(scores.dtype) / max_seq_len)
-        return torch.matmul(attn, vp[:, :, :e])  # [B, H, e - s, Dv]
-
-    # one shot when training (and under torch.compile: decided before any test on the
-    # dynamic max_len, so no shape guard or recompile) and for short sequences
-    if query_block is None and (grad or max_len <= 2 * QUERY_BLOCK):
-        out = rows(0, max_len)
-    else:
-        out = torch.cat([rows(s, e) for s, e in query_blocks(max_len, query_block)], dim=2)
-    out = out.transpose(1, 2)  # [B, L, H, Dv]
-    return padded_to_jagged(out, offsets, index=index)
-
-
-def bias_table(pos_weights: torch.Tensor | None, time_weights: torch.Tensor | None, max_seq_len: int,
-               dtype: torch.dtype) -> torch.Tensor:
-    """The position and time biases as one flat table, for :func:`bias_codes`:
-    ``table[d * nb + b] = pos_weights[d] + time_weights[b]`` (a missing term reads 0) and a
-    last slot, for masked pairs, so negative that SiLU of it is exactly 0."""
-    pos = pos_weights if pos_weights is not None else torch.zeros(max_seq_len)
-    tw = time_weights if time_weights is not None else torch.zeros(1, device=pos.device)
-    pos, tw = pos.to(device=tw.device, dtype=dtype), tw.to(dtype)
-    masked = torch.full((1,), torch.finfo(dtype).min / 2, dtype=dtype, device=tw.device)
-    return torch.cat([(pos[:, None] + tw[None, :]).reshape(-1), masked])
-
-
-def bias_codes(lengths: torch.Tensor, max_len: int, max_seq_len: int, num_buckets: int,
-               times: tuple[torch.Tensor, torch.Tensor] | None, num_targets: torch.Tensor | None,
-               rows: tuple[int, int]) -> torch.Tensor:
-    """[B, e - s, e] int32 index of every (query, key) pair into :func:`bias_table`:
-    position distance * num_buckets + time bucket, or the masked slot where the mask
-    (:func:`attention_mask`) forbids the pair. Shared by every layer of a tower."""
-    s, e = rows
-    p = token_positions(max_len, lengths, num_targets).to(torch.int32)
-    code = (p[:, s:e, None] - p[:, None, :e]).clamp_(0, max_seq_len - 1).mul_(num_buckets)
-    if times is not None:
-        tq, tk = times
-        code = code + time_bucket(tq[:, s:e, None] - tk[:, None, :e], num_buckets)
-    mask = attention_mask(lengths, max_len, num_targets, rows=rows)
-    return torch.where(mask, code, max_seq_len * num_buckets)
-
-
-def silu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, alpha: float) -> torch.Tensor:
-    """SiLU(alpha q k^T + bias) v, not yet divided by N, without autograd: q [B, H, r, D],
-    k, v [B, H, L, D], bias [B, r or 1, L] (masked pairs at :func:`bias_table`'s masked
-    slot) -> [B, H, r, Dv]. One head: a fused ``baddbmm``."""
-    return torch.matmul(F.silu(_scores(q, k, bias, alpha), inplace=True), v)
-
-
-def _scores(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, alpha: float) -> torch.Tensor:
-    """alpha q k^T + bias [B, H, r, L] (bias [B, r or 1, L], shared by the heads); one head: a fused ``baddbmm``."""
-    if q.shape[1] == 1:
-        return torch.baddbmm(bias, q[:, 0], k[:, 0].transpose(-1, -2), alpha=alpha)[:, None]
-    return torch.matmul(q, k.transpose(-1, -2)).mul_(alpha).add_(bias[:, None])
-
-
-class _CodedBlocks(torch.autograd.Function):
-    """The padded core of :func:`hstu_attention_coded` under autograd, with a hand-written
-    backward: SiLU(alpha q k^T + table[code]) v per query block, q, k, v [B, H, L, D]
-    padded, ``blocks`` [((s, e), code [B, e - s, e])]. Autograd over the same ops would
-    zero a full-size gradient for every block's k / v slice and keep the block outputs'
-    concatenation; here each block's gradients go straight into q, k, v's and the
-    table's (summed over heads: a pair's bias is shared by the heads). Saves each block's
-    pre-activation scores; SiLU is recomputed from them."""
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,  # noqa: ANN001
-                blocks: list, alpha: float) -> torch.Tensor:
-        scores, outs = [], []
-        for (s, e), code in blocks:
-            sc = _scores(q[:, :, s:e], k[:, :, :e], _lookup(table, code), alpha)  # [B, H, r, e], kept for backward
-            scores.append(sc)
-            outs.append(torch.matmul(F.silu(sc), v[:, :, :e]))
-        ctx.save_for_backward(q, k, v, *scores)
-        ctx.blocks, ctx.alpha, ctx.table_shape, ctx.table_dtype = blocks, alpha, table.shape, table.dtype
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-
-    @staticmethod
-    def backward(ctx, dout: torch.Tensor):  # noqa: ANN205
-        q, k, v, *scores = ctx.saved_tensors
-        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        need_table = ctx.needs_input_grad[3]
-        # the table's gradient sums a value per (query, key) pair: accumulated in fp32 at least (bf16 would drop most
-        # of them), in the table's own precision when wider (fp64 tables: fp32 sums read ~2e-7 off)
-        acc = torch.promote_types(torch.float32, ctx.table_dtype)
-        dtable = torch.zeros(ctx.table_shape, dtype=acc, device=dout.device) if need_table else None
-        for ((s, e), code), sc in zip(ctx.blocks, scores):
-            do = dout[:, :, s:e]
-            dv[:, :, :e] += torch.matmul(F.silu(sc).transpose(-1, -2), do)
-            ds = torch.ops.aten.silu_backward(torch.matmul(do, v[:, :, :e].transpose(-1, -2)), sc)  # [B, H, r, e]
-            if need_table:
-                dtable.index_add_(0, code.reshape(-1), ds.sum(1).reshape(-1).to(acc))
-            ds.mul_(ctx.alpha)
-            dq[:, :, s:e] = torch.matmul(ds, k[:, :, :e])
-            dk[:, :, :e] += torch.matmul(ds.transpose(-1, -2), q[:, :, s:e])
-        return dq, dk, dv, None if dtable is None else dtable.to(ctx.table_dtype), None, None
-
-
-def hstu_attention_coded(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    offsets: torch.Tensor,
-    *,
-    max_seq_len: int,
-    alpha: float,
-    pos_weights: torch.Tensor | None = None,
-    time_weights: torch.Tensor | None = None,
-    timestamps: torch.Tensor | None = None,
-    query_times: torch.Tensor | None = None,
-    num_targets: torch.Tensor | None = None,
-    max_len: int | None = None,
-    plan: dict | None = None,
-) -> torch.Tensor:
-    """:func:`hstu_attention_reference` in fewer passes (what training and serving run
-    wherever the Triton kernels do not, a compiled tower included): the mask and both relative biases become one int32 code per
-    (query, key) pair, computed once per batch and shared by every layer through ``plan``
-    (a dict the caller keeps for the batch); a layer then does one table gather, a fused
-    ``scores = bias + alpha * q k^T`` (baddbmm), SiLU and the value GEMM, and scales by
-    1 / N once on the output, going through the queries in :func:`query_blocks` (block
-    s..e meets keys 0..e-1 only, so most of the causal upper triangle is skipped).
-    Differentiable (:class:`_CodedBlocks`): gradients reach q, k, v and both bias tables."""
-    lengths, max_len = _batch_lengths(offsets, max_len)
-    if q.shape[0] == 0 or max_len == 0:
-        return v.new_zeros(v.shape)
-    plan = {} if plan is None else plan
-    use_time = time_weights is not None and timestamps is not None and query_times is not None
-    nb = time_weights.numel() if use_time else 1
-    key = ("hstu", max_len, max_seq_len, nb, use_time)
-    if key not in plan:
-        index = jagged_index(offsets, q.shape[0])
-        times = padded_relative_times(query_times, timestamps, offsets, max_len, index) if use_time else None
-        plan[key] = (index, [(r, bias_codes(lengths, max_len, max_seq_len, nb, times, num_targets, r))
-                             for r in query_blocks(max_len)])
-    index, blocks = plan[key]
-    table = bias_table(pos_weights, time_weights if use_time else None, max_seq_len, q.dtype)
-    qkv = jagged_to_padded(torch.cat([q, k, v], dim=-1), offsets, max_len, index=index)  # [B, L, H, 2Dqk + Dv]
-    dqk = q.shape[-1]
-    qp, kp, vp = (t.transpose(1, 2) for t in qkv.split([dqk, dqk, v.shape[-1]], dim=-1))  # [B, H, L, D]
-    if _records_grad(q, k, v, pos_weights, time_weights):
-        out = _CodedBlocks.apply(qp, kp, vp, table, blocks, alpha).transpose(1, 2)  # [B, L, H, Dv]
-        return padded_to_jagged(out, offsets, index=index) / max_seq_len
-    outs = [silu_attention(qp[:, :, s:e], kp[:, :, :e], vp[:, :, :e], _lookup(table, code), alpha)
-            for (s, e), code in blocks]  # [B, H, r, Dv] each
-    out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).transpose(1, 2)  # [B, L, H, Dv]
-    return padded_to_jagged(out, offsets, index=index).div_(max_seq_len)
-
-
-_hstu_attention_coded_eager = torch.compiler.disable(hstu_attention_coded)
+def _triton_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
+    return all(d >= 16 and d & (d - 1) == 0 for d in (q.shape[-1], v.shape[-1]))
 
 
 def hstu_attention(
@@ -361,32 +80,48 @@ def hstu_attention(
     num_targets: torch.Tensor | None = None,
     max_len: int | None = None,
     backend: Backend = "auto",
-    plan: dict | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
-    """Jagged HSTU attention; ``backend`` picks the implementation (same semantics).
+    """Jagged HSTU attention: q, k [T, H, Dqk], v [T, H, Dv], offsets [B+1] -> [T, H, Dv].
 
-    ``reference``: pure PyTorch (any device). ``triton``: the fused kernels of
-    ``kernels.triton_hstu`` (CUDA, or CPU under ``TRITON_INTERPRET=1``). ``auto``: Triton on
-    CUDA when its head-dim constraints hold; elsewhere :func:`hstu_attention_coded`, for
-    training and inference (``plan``: a per-batch dict the layers of one tower share).
-    ``max_len`` (optional) is the longest sequence in the batch, when the caller knows it
-    without a device sync.
+    Example, B=2 sequences of lengths [3, 0]: offsets = [0, 3, 3], q [3, H, Dqk]; row i of
+    sequence 0 sees rows 0..i. ``pos_weights`` [max_seq_len], ``time_weights`` [buckets]:
+    the relative biases (with ``timestamps`` / ``query_times`` [T]); ``num_targets`` [B]:
+    trailing candidates per sequence. ``max_len``: the longest sequence, when the caller
+    knows it without a device sync; ``plan``: shared by the layers of one tower (coded).
     """
-    if backend not in ("auto", "reference", "triton"):
-        raise ValueError(f"unknown attention backend '{backend}'; use 'auto', 'reference' or 'triton'")
+    _check(backend, BACKENDS)
     kw = dict(max_seq_len=max_seq_len, alpha=alpha, pos_weights=pos_weights, time_weights=time_weights,
               timestamps=timestamps, query_times=query_times, num_targets=num_targets, max_len=max_len)
     if backend == "triton" or (backend == "auto" and q.is_cuda and _triton_fits(q, v)):
         from genrec.kernels.triton_hstu import triton_hstu_attention
 
         return triton_hstu_attention(q, k, v, offsets, **kw)
-    if backend == "auto":  # (a compiled tower calls it eagerly: a graph break per layer)
-        return _hstu_attention_coded_eager(q, k, v, offsets, plan=plan, **kw)
-    return hstu_attention_reference(q, k, v, offsets, **kw)
+    if backend == "reference":
+        return hstu_attention_reference(q, k, v, offsets, **kw)
+    return _coded_eager(q, k, v, offsets, plan=plan, **kw)
 
 
-def _triton_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
-    return all(d >= 16 and d & (d - 1) == 0 for d in (q.shape[-1], v.shape[-1]))
+def hstu_last_row_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    max_seq_len: int,
+    alpha: float,
+    pos_weights: torch.Tensor | None = None,
+    time_weights: torch.Tensor | None = None,
+    timestamps: torch.Tensor | None = None,
+    query_times: torch.Tensor | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """The rows of :func:`hstu_attention` (no targets) at each sequence's last token only:
+    q, k, v [T, H, D] -> [B, H, Dv] (every sequence needs a token)."""
+    _check(backend, ("auto", "reference", "coded"))
+    fn = hstu_last_row_attention_reference if backend == "reference" else hstu_last_row_attention_coded
+    return fn(q, k, v, offsets, max_seq_len=max_seq_len, alpha=alpha, pos_weights=pos_weights,
+              time_weights=time_weights, timestamps=timestamps, query_times=query_times)
 
 
 def hstu_cached_attention(
@@ -404,155 +139,16 @@ def hstu_cached_attention(
     time_weights: torch.Tensor | None = None,
     hist_times: torch.Tensor | None = None,
     request_times: torch.Tensor | None = None,
-    plan: dict | None = None,
+    backend: Backend = "auto",
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
-    """Candidates attending to a cached history: what :func:`hstu_attention` computes for
-    the ``num_targets`` rows, without recomputing the history (M-FALCON-style serving).
-
-    q, k, v [C, H, D] for C candidates; k_hist, v_hist [Th, H, D] the history keys/values
-    of B users (``hist_offsets`` [B+1]); ``owner`` [C] each candidate's user;
-    ``request_times`` [B] the time each user's candidates are scored at. A candidate sits
-    at position h (its user's history length) and sees history j < h and itself.
-    ``plan``: a dict the layers of one tower share for one set of candidates (the grouping
-    by user, the history rows and the bias codes are computed by the first layer).
-    """
-    lengths = hist_offsets[1:] - hist_offsets[:-1]
-    return _grouped_attention(q, k, v, k_hist, v_hist, hist_offsets[:-1], lengths, owner, max_seq_len=max_seq_len,
-                              alpha=alpha, pos_weights=pos_weights, time_weights=time_weights, hist_times=hist_times,
-                              request_times=request_times, plan=plan)
-
-
-def hstu_last_row_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    offsets: torch.Tensor,
-    *,
-    max_seq_len: int,
-    alpha: float,
-    pos_weights: torch.Tensor | None = None,
-    time_weights: torch.Tensor | None = None,
-    timestamps: torch.Tensor | None = None,
-    query_times: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The rows of :func:`hstu_attention` (no targets) at each sequence's last token only:
-    [B, H, Dv] from q, k, v [T, H, D]. What the last layer of a tower needs when only the
-    final position's output is read (a user vector): one query row per sequence instead of
-    the whole causal [L, L] block."""
-    lengths = offsets[1:] - offsets[:-1]
-    if (lengths < 1).any():
-        raise ValueError("hstu_last_row_attention: every sequence needs at least one token")
-    last = offsets[1:] - 1
-    use_time = time_weights is not None and timestamps is not None and query_times is not None
-    return _grouped_attention(
-        q[last], k[last], v[last], k, v, offsets[:-1], lengths - 1, torch.arange(lengths.numel(), device=q.device),
-        max_seq_len=max_seq_len, alpha=alpha, pos_weights=pos_weights, time_weights=time_weights,
-        hist_times=timestamps, request_times=query_times[last] if use_time else None,
-        self_times=timestamps[last] if use_time else None)
-
-
-def _grouped_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_hist: torch.Tensor,
-    v_hist: torch.Tensor,
-    hist_starts: torch.Tensor,
-    hist_lengths: torch.Tensor,
-    owner: torch.Tensor,
-    *,
-    max_seq_len: int,
-    alpha: float,
-    pos_weights: torch.Tensor | None,
-    time_weights: torch.Tensor | None,
-    hist_times: torch.Tensor | None,
-    request_times: torch.Tensor | None,
-    self_times: torch.Tensor | None = None,
-    plan: dict | None = None,
-) -> torch.Tensor:
-    """Query rows q [C, H, D] of users ``owner`` [C], each at position ``hist_lengths[user]``
-    and time ``request_times[user]``, against that user's history rows
-    ``hist_starts[user] + 0 .. hist_lengths[user] - 1`` of k_hist / v_hist, and themselves
-    (k, v [C, H, D]; time gap to itself ``request_time - self_times`` when given, else 0).
-    ``plan``: as in :func:`hstu_cached_attention`."""
-    c, h = q.shape[0], q.shape[1]
-    if c == 0:
-        return v.new_zeros(v.shape)
-    use_time = time_weights is not None and hist_times is not None and request_times is not None
-    nb = time_weights.numel() if use_time else 1
-    key = ("grouped", max_seq_len, nb)
-    layout = plan.get(key) if plan is not None else None
-    if layout is None:
-        layout = _group_layout(owner, hist_starts, hist_lengths, k_hist.shape[0], max_seq_len, nb,
-                               hist_times if use_time else None, request_times if use_time else None, self_times)
-        if plan is not None:
-            plan[key] = layout
-    b, n, cmax = layout.code.shape[0], layout.code.shape[1], layout.cmax
-    if layout.slot is None:  # grouped already
-        qp = q.view(b, cmax, *q.shape[1:])
-    else:
-        qp = q.new_zeros(b, cmax, *q.shape[1:])
-        qp[layout.owner, layout.slot] = q
-    # history keys/values per user slot [B, L, H, D] (an empty history: zeros)
-    kp, vp = (t[layout.rows] if layout.rows is not None else t.new_zeros(b, n, *t.shape[1:]) for t in (k_hist, v_hist))
-    table = bias_table(pos_weights, time_weights if use_time else None, max_seq_len, q.dtype)
-    bias = _lookup(table, layout.code)  # [B, L]: every candidate of a user has the same position and time
-    inplace = not torch.is_grad_enabled()
-    if h == 1:
-        scores = torch.baddbmm(bias[:, None, :], qp[:, :, 0], kp[:, :, 0].transpose(1, 2), alpha=alpha)
-        out = torch.bmm(F.silu(scores, inplace=inplace), vp[:, :, 0])[:, :, None]  # [B, Cmax, 1, Dv]
-    else:
-        scores = torch.einsum("bchd,blhd->bhcl", qp, kp) * alpha + bias[:, None, None, :]  # [B, H, Cmax, L]
-        out = torch.einsum("bhcl,blhd->bchd", F.silu(scores, inplace=inplace), vp)
-    out = out.reshape(c, h, -1) if layout.slot is None else out[layout.owner, layout.slot]  # [C, H, Dv]
-    self_score = (q * k).sum(-1) * alpha  # [C, H]; distance to itself 0
-    # a candidate is seen at the request time (time gap 0, table slot 0) unless self_times say otherwise
-    self_score = self_score + (table[0] if layout.self_code is None else _lookup(table, layout.self_code)[:, None])
-    return (out + F.silu(self_score)[..., None] * v) / max_seq_len
-
-
-class _GroupLayout(NamedTuple):
-    """What :func:`_grouped_attention` needs that does not depend on the layer."""
-
-    owner: torch.Tensor  # [C] each candidate's user slot 0..B-1
-    slot: torch.Tensor | None  # [C] its column in the [B, Cmax] grid; None: already grouped (a view)
-    cmax: int  # most candidates of one user
-    rows: torch.Tensor | None  # [B, L] history row of each user slot; None: no history rows at all
-    code: torch.Tensor  # [B, L] bias code per (user, history slot), masked slots folded in
-    self_code: torch.Tensor | None  # [C] each candidate's code against itself (with self_times)
-
-
-def _group_layout(owner: torch.Tensor, hist_starts: torch.Tensor, hist_lengths: torch.Tensor, hist_rows: int,
-                  max_seq_len: int, nb: int, hist_times: torch.Tensor | None, request_times: torch.Tensor | None,
-                  self_times: torch.Tensor | None) -> _GroupLayout:
-    """Candidates grouped by user into [B, Cmax] slots, each user's history rows [B, L],
-    and the bias code per (user, history slot) with the mask folded in as
-    :func:`bias_table`'s masked slot (and each candidate's code against itself, when
-    ``self_times`` are given)."""
-    # only the users that own candidates here (a micro-batch may span a few of the batch's users)
-    users, owner = torch.unique(owner, return_inverse=True)
-    lengths = hist_lengths[users]
-    b, c = users.numel(), owner.numel()
-    n = max(int(lengths.max()), 1)
-    j = torch.arange(n, device=owner.device)
-    valid = j[None, :] < lengths[:, None]  # [B, L]
-    rows = torch.where(valid, hist_starts[users][:, None] + j[None, :], 0) if hist_rows else None
-    # Each user's candidates meet that user's keys and values in one GEMM (no per-candidate
-    # copy of the history). Requests send them grouped already (same count per user, in
-    # user order): then the [B, Cmax] view needs no scatter.
-    counts = torch.bincount(owner, minlength=b)
-    cmax = int(counts.max())
-    slot = None
-    if not (cmax * b == c and bool((owner[1:] >= owner[:-1]).all())):
-        starts = torch.cumsum(counts, 0) - counts
-        order = torch.argsort(owner, stable=True)
-        slot = torch.empty_like(owner)
-        slot[order] = torch.arange(c, device=owner.device) - starts[owner[order]]
-    code = (lengths[:, None] - j[None, :]).clamp_(0, max_seq_len - 1).mul_(nb)
-    self_code = None
-    if hist_times is not None and request_times is not None:
-        ht = hist_times[rows] if rows is not None else hist_times.new_zeros(b, n)
-        code = code + time_bucket(request_times[users][:, None] - ht, nb)
-        if self_times is not None:
-            self_code = time_bucket(request_times[users][owner] - self_times, nb)
-    return _GroupLayout(owner, slot, cmax, rows, torch.where(valid, code, max_seq_len * nb), self_code)
+    """Candidates against cached histories: what :func:`hstu_attention` gives the
+    ``num_targets`` rows, without recomputing the history. q, k, v [C, H, D] for C
+    candidates of users ``owner`` [C]; k_hist, v_hist [Th, H, D] of B users
+    (``hist_offsets`` [B+1], ``hist_times`` [Th]); ``request_times`` [B]. -> [C, H, Dv]."""
+    _check(backend, ("auto", "reference", "coded"))
+    kw = dict(max_seq_len=max_seq_len, alpha=alpha, pos_weights=pos_weights, time_weights=time_weights,
+              hist_times=hist_times, request_times=request_times)
+    if backend == "reference":
+        return hstu_cached_attention_reference(q, k, v, k_hist, v_hist, hist_offsets, owner, **kw)
+    return hstu_cached_attention_coded(q, k, v, k_hist, v_hist, hist_offsets, owner, plan=plan, **kw)

@@ -1,6 +1,6 @@
 """Triton kernels for jagged HSTU attention: forward, and backward as two kernels.
 
-Same semantics as :func:`kernels.hstu_attention.hstu_attention_reference` (see its module
+Same semantics as :func:`kernels.hstu_reference.hstu_attention_reference` (see its module
 docstring), computed block by block without materialising the [B, H, L, L] scores:
 
 * forward: one program per (query block, sequence x head); it walks the key blocks the

@@ -10,9 +10,12 @@ Relative bias = learned weight per position distance + learned weight per log-bu
 time gap (``query_time_i - time_j``). Sequences without timestamps use positions as times
 (the caller fills them; see ``models.recommender``).
 
-:meth:`HSTUTower.forward_padded` is the naive padded formulation over [B, L, D] with the
-same parameters: the reference for the jagged path in tests and the baseline in the
-training-speed benchmark.
+One model, many backends: the layers call the attention ops of ``kernels.hstu_attention``
+with the configured ``attention_backend`` (reference, coded, Triton); the tower's serving
+methods (:meth:`HSTUTower.encode_history`, :meth:`HSTUTower.extend`) also take
+``backend="native"``, the whole tower in the C++ kernel of ``kernels.hstu_native``, which
+receives the tower's weights as arguments. ``tests/test_hstu_parity.py`` runs every backend
+against the reference.
 """
 
 from __future__ import annotations
@@ -24,15 +27,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from genrec.kernels import hstu_native
 from genrec.kernels.hstu_attention import (
-    attention_mask,
+    AttentionPlan,
+    bias_table,
     hstu_attention,
     hstu_cached_attention,
     hstu_last_row_attention,
-    time_bucket,
-    token_positions,
 )
+from genrec.kernels.jagged import lengths_to_offsets
 from genrec.models.dropout import Dropout
+
+# how the tower's serving methods run: its layers in PyTorch (each attention through
+# ``HSTUConfig.attention_backend``), or the whole tower in the C++ kernel (CPU inference)
+TowerBackend = Literal["torch", "native"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +53,7 @@ class HSTUConfig:
     position_bias: bool = True
     time_bias: bool = True
     num_time_buckets: int = 64
-    attention_backend: Literal["auto", "reference", "triton"] = "auto"
+    attention_backend: Literal["auto", "reference", "coded", "triton"] = "auto"
 
 
 @dataclass
@@ -56,6 +64,8 @@ class CachedHistory:
     offsets: torch.Tensor  # [B+1] token offsets
     times: torch.Tensor  # [Th] token times (positions where users have no timestamps)
     request_times: torch.Tensor  # [B] the time candidates are scored at
+    # the same keys / values stacked [layers, Th, H * D] (the native backend's layout), when encoded there
+    stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -67,7 +77,8 @@ class JaggedMeta:
     timestamps: torch.Tensor | None  # [T]
     query_times: torch.Tensor | None  # [T]
     num_targets: torch.Tensor | None  # [B]
-    plan: dict = field(default_factory=dict)  # what every layer's attention shares (bias codes, layout)
+    plan: AttentionPlan = field(default_factory=AttentionPlan)  # what every layer's attention shares
+    attention_backend: str | None = None  # this call's, instead of the layers' configured one
 
 
 class HSTULayer(nn.Module):
@@ -121,7 +132,7 @@ class HSTULayer(nn.Module):
             query_times=meta.query_times,
             num_targets=meta.num_targets,
             max_len=meta.max_len,
-            backend=self.cfg.attention_backend,
+            backend=meta.attention_backend or self.cfg.attention_backend,
             plan=meta.plan,
         )
         return self._gate(x, u, attn)
@@ -134,43 +145,33 @@ class HSTULayer(nn.Module):
             cache.append((k, v))
         attn = hstu_last_row_attention(
             q, k, v, meta.offsets, max_seq_len=self.max_seq_len, alpha=self.alpha, pos_weights=self.pos_weights,
-            time_weights=self.time_weights, timestamps=meta.timestamps, query_times=meta.query_times)
+            time_weights=self.time_weights, timestamps=meta.timestamps, query_times=meta.query_times,
+            backend=self._backend(meta.attention_backend))
         last = meta.offsets[1:] - 1
         return self._gate(x[last], u[last], attn)
 
     def forward_cached(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], hist: CachedHistory,
-                       owner: torch.Tensor, plan: dict | None = None) -> torch.Tensor:
+                       owner: torch.Tensor, plan: AttentionPlan | None = None) -> torch.Tensor:
         """Candidate rows x [C, D] against the cached history of their users -> [C, D]
         (``plan``: shared by the layers of one call, see ``hstu_cached_attention``)."""
         u, v, q, k = self._split(x)
         attn = hstu_cached_attention(
             q, k, v, kv[0], kv[1], hist.offsets, owner, max_seq_len=self.max_seq_len, alpha=self.alpha, pos_weights=self.pos_weights,
-            time_weights=self.time_weights, hist_times=hist.times, request_times=hist.request_times, plan=plan)
+            time_weights=self.time_weights, hist_times=hist.times, request_times=hist.request_times,
+            backend=self._backend(), plan=plan)
         return self._gate(x, u, attn)
 
-    def forward_padded(
-        self,
-        x: torch.Tensor,
-        lengths: torch.Tensor,
-        timestamps: torch.Tensor | None,
-        query_times: torch.Tensor | None,
-        num_targets: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Naive padded formulation: x [B, L, D], times [B, L] -> [B, L, D]."""
-        c, n = self.cfg, x.shape[1]
-        u, v, q, k = self._split(x)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, L, D]
-        scores = torch.matmul(q, k.transpose(-1, -2)) * self.alpha  # [B, H, L, L]
-        if self.pos_weights is not None:
-            p = token_positions(n, lengths, num_targets)
-            dist = (p[:, :, None] - p[:, None, :]).clamp(0, self.max_seq_len - 1)
-            scores = scores + self.pos_weights[dist][:, None]
-        if self.time_weights is not None:
-            dt = query_times[:, :, None] - timestamps[:, None, :]
-            scores = scores + self.time_weights[time_bucket(dt, c.num_time_buckets)][:, None]
-        mask = attention_mask(lengths, n, num_targets)[:, None]
-        attn = F.silu(scores) * mask / self.max_seq_len
-        return self._gate(x, u, torch.matmul(attn, v).transpose(1, 2))
+    def _backend(self, override: str | None = None) -> str:
+        """The attention backend for the ops without a Triton kernel (last row, cached)."""
+        b = override or self.cfg.attention_backend
+        return "auto" if b == "triton" else b
+
+    def weights(self) -> hstu_native.LayerWeights:
+        """This layer's weights for a kernel that runs whole layers."""
+        return hstu_native.LayerWeights(
+            self.norm.weight, self.norm.bias, self.uvqk.weight, self.uvqk.bias, self.out_norm.weight,
+            self.out_norm.bias, self.out.weight, self.out.bias,
+            bias_table(self.pos_weights, self.time_weights, self.max_seq_len, self.out.weight.dtype))
 
 
 class HSTUTower(nn.Module):
@@ -193,21 +194,102 @@ class HSTUTower(nn.Module):
             x = layer(x, meta, cache)
         return self.final_norm(x[meta.offsets[1:] - 1] if last_only else x)
 
-    def forward_cached(self, x: torch.Tensor, hist: CachedHistory, owner: torch.Tensor) -> torch.Tensor:
-        """Candidates [C, D] of users ``owner`` [C] against ``hist`` (from ``forward(cache=)``)."""
-        plan: dict = {}  # the candidates' grouping and bias codes, computed by the first layer
+    def encode_history(self, x: torch.Tensor, meta: JaggedMeta,
+                       backend: TowerBackend = "torch") -> tuple[torch.Tensor, CachedHistory]:
+        """Histories without candidates through the tower, read at their last rows.
+
+        x [T, D] token inputs of B histories (``meta``; every history has a token) ->
+        (each history's last row after the tower [B, D], the per-layer keys / values that
+        candidates are then scored against with :meth:`extend`). ``backend="native"``: the
+        C++ kernel (CPU inference, :meth:`native_supported`)."""
+        if meta.num_targets is not None:
+            raise ValueError("encode_history takes histories without targets (score those with extend)")
+        request = meta.query_times[meta.offsets[1:] - 1] if meta.query_times is not None else None
+        if backend == "native":
+            times = self._native_times(meta.timestamps, meta.query_times)
+            out, k, v = hstu_native.encode(self.native_weights(), x, meta.offsets, *times)
+            c, t = self.layers[0].cfg, x.shape[0]
+            layers = [(k[i].view(t, c.num_heads, c.qk_dim), v[i].view(t, c.num_heads, c.v_dim))
+                      for i in range(len(self.layers))]
+            return out.to(x.dtype), CachedHistory(layers, meta.offsets, meta.timestamps, request, (k, v))
+        if backend != "torch":
+            raise ValueError(f"unknown tower backend '{backend}'; use 'torch' or 'native'")
+        layers: list = []
+        h = self(x, meta, cache=layers, last_only=True)
+        return h, CachedHistory(layers, meta.offsets, meta.timestamps, request)
+
+    def extend(self, x: torch.Tensor, hist: CachedHistory, owner: torch.Tensor,
+               backend: TowerBackend = "torch") -> torch.Tensor:
+        """Candidates x [C, D] of users ``owner`` [C] against ``hist`` (:meth:`encode_history`,
+        or ``forward(cache=)``) -> [C, D]: what the full pass gives them as targets appended
+        to their user's history. Natively, runs of one user's candidates are scored together."""
+        if backend == "native":
+            if hist.stacked is not None:
+                k, v = hist.stacked
+            else:  # encoded by the PyTorch layers: the kernel's layout
+                k, v = (torch.stack([kv[i].flatten(-2) for kv in hist.layers]).float().contiguous() for i in (0, 1))
+            times = self._native_times(hist.times, hist.request_times)
+            out = hstu_native.score(self.native_weights(), x, hist.offsets, *times[::-1], k, v, owner)
+            return out.to(x.dtype)
+        if backend != "torch":
+            raise ValueError(f"unknown tower backend '{backend}'; use 'torch' or 'native'")
+        plan = AttentionPlan()  # the candidates' grouping and bias codes, built by the first layer
         for layer, kv in zip(self.layers, hist.layers):
             x = layer.forward_cached(x, kv, hist, owner, plan)
         return self.final_norm(x)
 
-    def forward_padded(
-        self,
-        x: torch.Tensor,
-        lengths: torch.Tensor,
-        timestamps: torch.Tensor | None,
-        query_times: torch.Tensor | None,
-        num_targets: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer.forward_padded(x, lengths, timestamps, query_times, num_targets)
-        return self.final_norm(x)
+    forward_cached = extend  # the name the transformer tower shares
+
+    # ---- the native backend: this tower's weights for the kernel -----------------------------
+    def native_supported(self) -> bool:
+        """Whether ``backend="native"`` computes this tower here (shapes it covers, and the
+        library builds: ``kernels.native``)."""
+        c, fn = self.layers[0].cfg, self.final_norm
+        eps = [la.norm.eps for la in self.layers] + [la.out_norm.eps for la in self.layers]
+        affine = isinstance(fn, nn.LayerNorm) and fn.weight is not None and fn.bias is not None
+        bias = all(la.uvqk.bias is not None and la.out.bias is not None for la in self.layers)
+        return (affine and hstu_native.supports(fn.normalized_shape[0], c.num_heads, c.qk_dim, c.v_dim,
+                                                self.layers[0].out.weight.dtype, [*eps, fn.eps], bias)
+                and hstu_native.library() is not None)
+
+    def native_weights(self) -> hstu_native.NativeTower:
+        """The layers' weights laid out for the kernel, rebuilt when a parameter changes."""
+        if self.training:
+            raise RuntimeError("the native backend is for inference: call model.eval() first")
+        key = tuple((id(p), p._version) for p in self.parameters())
+        cached = self.__dict__.get("_native")
+        if cached is None or cached[0] != key:
+            first = self.layers[0]
+            nb = first.time_weights.numel() if first.time_weights is not None else 1
+            tower = hstu_native.NativeTower([la.weights() for la in self.layers], self.final_norm.weight,
+                                            self.final_norm.bias, first.cfg.num_heads, first.cfg.qk_dim,
+                                            first.cfg.v_dim, first.max_seq_len, nb, first.alpha)
+            cached = self.__dict__["_native"] = (key, tower)  # not a submodule: outside state_dict
+        return cached[1]
+
+    def _native_times(self, times: torch.Tensor | None, query: torch.Tensor | None) -> tuple:
+        """(query times, key times) for the kernel: None where the layers have no time bias."""
+        if self.layers[0].time_weights is None:
+            return None, None
+        if times is None or query is None:
+            raise ValueError("this tower has a time bias: pass timestamps and query times")
+        return query, times
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("_native", None)  # pointers into this process's memory: rebuilt on use
+        return state
+
+    def forward_padded(self, x: torch.Tensor, lengths: torch.Tensor, timestamps: torch.Tensor | None,
+                       query_times: torch.Tensor | None, num_targets: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, L, D], times [B, L] padded -> [B, L, D] (padded slots 0): the valid rows
+        through :meth:`forward` with the reference attention over the whole padded length L
+        (dense [B, L, L] scores), the naive formulation the training-speed benchmark times."""
+        n = x.shape[1]
+        valid = torch.arange(n, device=x.device)[None, :] < lengths[:, None]
+        pick = (lambda t: t[valid]) if timestamps is not None else (lambda t: None)  # noqa: E731
+        meta = JaggedMeta(lengths_to_offsets(lengths), n, pick(timestamps), pick(query_times), num_targets,
+                          attention_backend="reference")
+        out = x.new_zeros(x.shape)
+        out[valid] = self(x[valid], meta)
+        return out

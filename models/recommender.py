@@ -25,7 +25,7 @@ from genrec.embedding.collection import SparseArch
 from genrec.embedding.spec import EmbeddingConfig
 from genrec.kernels.jagged import jagged_index
 from genrec.models.dropout import Dropout
-from genrec.models.hstu import CachedHistory, HSTUConfig, HSTUTower, JaggedMeta
+from genrec.models.hstu import CachedHistory, HSTUConfig, HSTUTower, JaggedMeta, TowerBackend
 from genrec.models.inputs import SequenceBatch
 from genrec.models.ranking import RankingConfig, RankingHead
 from genrec.models.retrieval import RetrievalConfig, RetrievalHead
@@ -172,34 +172,54 @@ class GenerativeRecommender(nn.Module):
         h, tok = self.encode(batch)
         return torch.sigmoid(self.rank_logits(h, tok, batch).float())
 
-    def encode_history(self, batch: SequenceBatch) -> tuple[torch.Tensor, HistoryState]:
+    def encode_history(self, batch: SequenceBatch, backend: TowerBackend = "torch") -> tuple[torch.Tensor, HistoryState]:
         """Encodes histories once (``batch`` without candidates): the normalised user vectors
         [B, D] for retrieval, and the per-layer keys/values candidates are later scored
         against (:meth:`score_candidates`), so the history is never encoded twice."""
         x, tok = self._tokens(batch)
         meta = JaggedMeta(tok.offsets, tok.max_len, tok.timestamps, tok.query_times, tok.num_targets)
-        layers: list = []
-        h = self.tower(x, meta, cache=layers, last_only=True)  # [B, D]: each history's last row
-        hist = CachedHistory(layers, tok.offsets, tok.timestamps, tok.query_times[tok.last_rows])
         ctx = None
         if self.ranking is not None and self.ranking_context:
             if batch.context is None:
                 raise ValueError("this model ranks with context features; the batch has none")
             ctx = self.sparse.pooled(batch.context).values()
-        lengths = tok.offsets[1:] - tok.offsets[:-1]
-        return self.head.normalize(h.float()), HistoryState(hist, lengths, ctx)
+        return self.encode_history_tokens(x, meta, ctx, backend)
 
-    def score_candidates(self, state: HistoryState, items: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+    def encode_history_tokens(self, x: torch.Tensor, meta: JaggedMeta, context: torch.Tensor | None = None,
+                              backend: TowerBackend = "torch") -> tuple[torch.Tensor, HistoryState]:
+        """:meth:`encode_history` from the token inputs x [T, D] (:meth:`summed_tokens`, or a
+        serving kernel's gather of the same rows) of histories ``meta`` (no targets), with the
+        users' pooled ``context`` [B, E] when the ranking head reads it. ``backend``: how the
+        tower runs (``HSTUTower.encode_history``)."""
+        h, hist = self.tower.encode_history(x, meta, backend)  # [B, D]: each history's last row
+        lengths = meta.offsets[1:] - meta.offsets[:-1]
+        return self.head.normalize(h.float()), HistoryState(hist, lengths, context)
+
+    def summed_tokens(self, items: torch.Tensor, actions: torch.Tensor | None,
+                      positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token inputs of the summed encoding: (item rows, (item row + action row) * sqrt(D)
+        + position row), both [N, D], for item ids, action ids (None: no action table) and
+        positions [N]; what ``models.tokens`` makes of a batch, without the jagged layout."""
+        rows = self.sparse.lookup(items)
+        x = rows if actions is None else rows + self.sparse.lookup(actions, "action")
+        return rows, (x * self.scale).to(self.dense_dtype) + self.pos_emb(positions)
+
+    def extend(self, state: HistoryState, x: torch.Tensor, owner: torch.Tensor,
+               backend: TowerBackend = "torch") -> torch.Tensor:
+        """Candidates' tower outputs [C, D] from their token inputs x [C, D] (at position
+        ``state.lengths[owner]``), for users ``owner`` [C] of the encoded batch."""
+        return self.tower.extend(x, state.history, owner, backend)
+
+    def score_candidates(self, state: HistoryState, items: torch.Tensor, owner: torch.Tensor,
+                         backend: TowerBackend = "torch") -> torch.Tensor:
         """Task probabilities [C, tasks] of candidate ``items`` [C] for users ``owner`` [C]
         (indices into the encoded batch): equal to appending them as targets to the history."""
         if self.ranking is None:
             raise ValueError("this model has no ranking tasks (model.ranking.tasks)")
-        rows = self.sparse.lookup(items)
-        x = rows
-        if "action" in self.sparse.sequence_features and not self.interleaved:
-            x = x + self.sparse.lookup(torch.zeros_like(items), "action")  # unknown action
-        x = (x * self.scale).to(self.dense_dtype) + self.pos_emb(state.lengths[owner])
-        h = self.tower.forward_cached(x, state.history, owner)
+        has_action = "action" in self.sparse.sequence_features and not self.interleaved
+        rows, x = self.summed_tokens(items, torch.zeros_like(items) if has_action else None,  # unknown action
+                                     state.lengths[owner])
+        h = self.extend(state, x, owner, backend)
         ctx = state.context[owner] if state.context is not None else None
         return torch.sigmoid(self.ranking(h, rows, ctx).float())
 

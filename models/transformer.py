@@ -120,3 +120,21 @@ class TransformerTower(nn.Module):
         for layer, kv in zip(self.layers, hist.layers):
             x = layer.forward_cached(x, kv, hist, owner)
         return self.final_norm(x)
+
+    def encode_history(self, x: torch.Tensor, meta: JaggedMeta, backend: str = "torch") -> tuple[torch.Tensor, CachedHistory]:
+        """As :meth:`models.hstu.HSTUTower.encode_history` (PyTorch only)."""
+        if backend != "torch":
+            raise ValueError(f"the transformer tower runs in PyTorch only, not backend '{backend}'")
+        layers: list = []
+        h = self(x, meta, cache=layers, last_only=True)
+        request = meta.query_times[meta.offsets[1:] - 1] if meta.query_times is not None else None
+        return h, CachedHistory(layers, meta.offsets, meta.timestamps, request)
+
+    def extend(self, x: torch.Tensor, hist: CachedHistory, owner: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+        """As :meth:`models.hstu.HSTUTower.extend` (PyTorch only)."""
+        if backend != "torch":
+            raise ValueError(f"the transformer tower runs in PyTorch only, not backend '{backend}'")
+        return self.forward_cached(x, hist, owner)
+
+    def native_supported(self) -> bool:
+        return False

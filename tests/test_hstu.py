@@ -1,4 +1,6 @@
-"""HSTU attention and tower: jagged reference vs independent per-sequence math, padded vs jagged."""
+"""HSTU attention and tower: jagged reference vs independent per-sequence math, padded vs jagged.
+
+Every backend against the reference: tests/test_hstu_parity.py."""
 
 import pytest
 import torch
@@ -76,21 +78,22 @@ def test_inference_path_matches_loop_blocked_and_shares_its_plan(monkeypatch, he
     """The serving path (one bias code per pair, baddbmm) in query blocks, with the plan
     one layer built reused by another layer's weights: same numbers as the loop."""
     import genrec.kernels.hstu_attention as ha
+    import genrec.kernels.hstu_reference as hr
 
     if long:
-        monkeypatch.setattr(ha, "QUERY_BLOCK", 2)  # 11 > 2 * 2: blocks of QUERY_BLOCK = 2 query rows
+        monkeypatch.setattr(hr, "QUERY_BLOCK", 2)  # 11 > 2 * 2: blocks of QUERY_BLOCK = 2 query rows
     else:
-        monkeypatch.setattr(ha, "CAUSAL_BLOCK", 2)  # a short sequence: blocks of CAUSAL_BLOCK = 2 rows
+        monkeypatch.setattr(hr, "CAUSAL_BLOCK", 2)  # a short sequence: blocks of CAUSAL_BLOCK = 2 rows
     lengths = [11, 2, 9]
     nt = None if num_targets is None else torch.tensor(num_targets)
     q, k, v, lens, pos_w, time_w, ts, qt = random_case(lengths, heads=heads, seed=5)
-    plan: dict = {}
+    plan = ha.AttentionPlan()
     kw = dict(max_seq_len=MAX_SEQ_LEN, alpha=8**-0.5, timestamps=ts, query_times=qt, num_targets=nt, plan=plan)
     for pw, tw in ((pos_w, time_w), (pos_w.flip(0), time_w * 2)):
         out = ha.hstu_attention(q, k, v, lengths_to_offsets(lens), pos_weights=pw, time_weights=tw, **kw)
         torch.testing.assert_close(out, loop_attention(q, k, v, lens, pw, tw, ts, qt, nt))
-    assert len(plan) == 1
-    blocks = next(iter(plan.values()))[1]
+    assert plan.groups is None
+    blocks = plan.coded.blocks
     assert [r for r, _ in blocks] == [(s, min(s + 2, 11)) for s in range(0, 11, 2)]
 
 
@@ -99,11 +102,12 @@ def test_inference_path_matches_loop_blocked_and_shares_its_plan(monkeypatch, he
 @pytest.mark.parametrize("terms", ["both", "position", "time"])
 def test_training_path_gradients_match_the_loop(monkeypatch, heads, num_targets, terms):
     """Autograd through the training path (one bias code per pair, query blocks of 4 rows,
-    the hand-written backward of ``_CodedBlocks``): the loop's output and the loop's
+    the hand-written backward of ``_CodedAttention``): the loop's output and the loop's
     gradients for q, k, v and each bias table the layer has."""
     import genrec.kernels.hstu_attention as ha
+    import genrec.kernels.hstu_reference as hr
 
-    monkeypatch.setattr(ha, "CAUSAL_BLOCK", 4)  # 11 rows: blocks 0-4, 4-8, 8-11
+    monkeypatch.setattr(hr, "CAUSAL_BLOCK", 4)  # 11 rows: blocks 0-4, 4-8, 8-11
     lengths = [11, 2, 9]
     nt = None if num_targets is None else torch.tensor(num_targets)
     q, k, v, lens, pos_w, time_w, ts, qt = random_case(lengths, heads=heads, seed=7)
@@ -112,7 +116,7 @@ def test_training_path_gradients_match_the_loop(monkeypatch, heads, num_targets,
     pw = pos_w if terms != "time" else None
     tw = time_w if terms != "position" else None
     out = ha.hstu_attention(q, k, v, lengths_to_offsets(lens), max_seq_len=MAX_SEQ_LEN, alpha=8**-0.5, pos_weights=pw,
-                            time_weights=tw, timestamps=ts, query_times=qt, num_targets=nt, plan={})
+                            time_weights=tw, timestamps=ts, query_times=qt, num_targets=nt, plan=ha.AttentionPlan())
     ref = loop_attention(q, k, v, lens, pos_w if pw is not None else torch.zeros_like(pos_w),
                          time_w if tw is not None else torch.zeros_like(time_w), ts, qt, nt)
     torch.testing.assert_close(out, ref)
