@@ -7,9 +7,10 @@ requests (ML-1M HSTU; history up to 200, retrieve 100, rank 100, return 10):
 
 1. S(B): the engine's time for a batch of B requests (``TorchEngine.run``, the median of
    several batches of distinct random requests), for B from 1 to 16, and its linear fit
-   S(B) = fixed + per_request * B; for the engine's default path (the tower in native code,
-   ``serve.native``) and, side by side on the same batches in alternation, the padded PyTorch
-   path (``TorchEngine(native=False)``) and the model's jagged path (``TorchEngine(padded=False)``);
+   S(B) = fixed + per_request * B; for the engine's default path (the packed path with the
+   tower's native backend, ``kernels.hstu_native``) and, side by side on the same batches in
+   alternation, the packed path with the tower in PyTorch (``TorchEngine(native=False)``,
+   reported as "padded", its old name) and the model's batch path (``TorchEngine(padded=False)``);
 2. the open-loop latency the engine alone (the default path) would give: Poisson arrivals at each offered QPS,
    continuous batching (whatever queued while a batch ran forms the next, up to 32, as the
    server's ``--max-wait-ms 0``), each batch taking the measured S(B) (interpolated), p50 and
@@ -101,8 +102,8 @@ def main() -> None:
     peak = peak_gflops(1)
     engines = {"default": TorchEngine(artifact), "padded": TorchEngine(artifact, native=False),
                "jagged": TorchEngine(artifact, padded=False)}
-    if engines["default"].padded is None:
-        raise SystemExit("this artifact's model does not take the padded path (serve.padded.supports)")
+    if engines["default"].packed is None:
+        raise SystemExit("this artifact's model does not take the packed path (serve.packed.packed_supports)")
     works = [decode("recommend", p, engines["default"].schema, Limits()) for p in payloads[:500]]
     gc.collect()
     gc.freeze()  # as the server does once loaded

@@ -9,11 +9,15 @@ Flow of one batch (what ``TorchEngine.run`` does):
                (model.score_candidates) -> task probabilities
     order:     by the objective: retrieval score, a task, or eCPM = bid x prod(tasks)
 
-On CPU, an HSTU model with summed action tokens takes ``serve.native.NativeHSTU`` for the
-two model steps instead (same numbers: the tower's layers for the whole batch in one native
-call), or ``serve.padded.PaddedHSTU`` where the native library does not build or
-``GENREC_NATIVE=0`` (the batch padded to [B, L] once instead of the jagged bookkeeping);
-``TorchEngine(padded=False)`` keeps the model's own path.
+The engine selects a backend, never a model: on CPU, an HSTU model with summed action
+tokens takes the *packed* path (``serve.packed``: the histories laid out once in numpy,
+token inputs made without KeyedJaggedTensors, then the model's ``encode_history_tokens`` /
+``extend``) with
+the tower's ``backend="native"`` (its C++ kernel, ``kernels.hstu_native``) where the library
+builds, else ``backend="torch"`` (``GENREC_NATIVE=0``; path "padded", its old name); on the
+native path the served tables' gathers, the retrieval top-k and the ranking MLP run in
+``serve.native.ServeKernels``. ``TorchEngine(padded=False)`` keeps the batch path
+(``collate_users`` -> ``encode_history`` / ``score_candidates``).
 
 Engines share this interface so the server and the parity test treat them alike; the
 SGLang engine (``serve.sglang_engine``) runs the same tower inside SGLang.
@@ -34,8 +38,7 @@ from genrec.models.inputs import SequenceBatch
 from genrec.models.recommender import GenerativeRecommender
 from genrec.quant.artifact import Manifest
 from genrec.quant.load import load_model
-from genrec.serve import native as native_path
-from genrec.serve.padded import PaddedHSTU, context_kjt, supports
+from genrec.serve.packed import PackedPath, context_kjt, packed_supports  # noqa: F401 - re-exported
 from genrec.serve.requests import ModelSchema, UserInput, Work
 
 _NONE = np.zeros(0, np.int64)
@@ -117,11 +120,10 @@ class TorchEngine:
     def __init__(self, artifact: str | Path, device: str = "cpu", micro_batch: int = 4096,
                  objective_tasks: tuple[str, ...] | None = None, padded: bool | None = None,
                  native: bool | None = None) -> None:
-        """``padded``: run an HSTU model through :class:`serve.padded.PaddedHSTU` (same
-        numbers, about 30% fewer operator calls); default: on CPU, when the model is one it covers.
-        False keeps the model's jagged path (``encode_history`` / ``score_candidates``).
-        ``native``: on that path, the tower in native code (:class:`serve.native.NativeHSTU`);
-        default: where the model is one it covers and the library builds (``GENREC_NATIVE=0``: off)."""
+        """``padded``: run an HSTU model on the packed path (see the module docstring; default:
+        on CPU, when the model is one it covers); False keeps the batch path.
+        ``native``: on that path, the tower's native backend and the native lookups and heads
+        (default: where the tower is one it covers and the library builds; ``GENREC_NATIVE=0``: off)."""
         self.device = torch.device(device)
         self.model, self.manifest = load_model(artifact, self.device)
         self.artifact = str(artifact)
@@ -139,15 +141,15 @@ class TorchEngine:
         self.items_t = self.items.t().contiguous()
         self.version = version_of(self.manifest)
         if padded is None:
-            padded = self.device.type == "cpu" and supports(self.model)
+            padded = self.device.type == "cpu" and packed_supports(self.model)
         if native is None:
             native = bool(padded) and native_ok(self.model)
         self.stages: dict[str, float] = {}  # seconds spent per stage, summed over batches
-        # the native path adds its own, finer stages (lookups, tower, ranking head) to the same dict
-        self.padded = ((native_path.NativeHSTU(self.model, self.stages) if native else PaddedHSTU(self.model))
+        # the tower's backend on the packed path (the model's methods either way)
+        self.packed = (PackedPath(self.model, "native" if native else "torch", micro_batch, self.stages)
                        if padded else None)
-        self.path = ("native" if native else "padded") if padded else "jagged"  # how the tower runs
-        # the native path's retrieval reads the catalogue's columns padded to a whole 8-float vector
+        self.path = ("native" if native else "padded") if padded else "jagged"
+        # the native retrieval reads the catalogue's columns padded to a whole 8-float vector
         self.items_native = (torch.nn.functional.pad(self.items_t.float(), (0, -self.items_t.shape[1] % 8)).contiguous()
                              if native else None)
 
@@ -163,9 +165,9 @@ class TorchEngine:
     @torch.inference_mode()
     def run(self, works: list[Work]) -> list[Result]:
         t0 = t = time.perf_counter()
-        fine = self.path == "native"  # it marks its own steps
-        if self.padded is not None:  # lays the batch out itself
-            users, state = self.padded.encode([w.user for w in works])
+        fine = self.packed is not None  # it marks its own steps
+        if self.packed is not None:  # lays the batch out itself
+            users, state = self.packed.encode([w.user for w in works])
         else:
             batch = collate_users([w.user for w in works], self.model, self.device)
             t = self._mark("collate", t)
@@ -225,7 +227,7 @@ class TorchEngine:
         excluded = [w.excluded() for _, w in works]
         if self.items_native is not None:  # one native call: GEMM, exclusions masked, top-k
             exclude = [_NONE if e is None else e for e in excluded]
-            pos, vals = self.padded.retrieve(users, self.items_native, self.corpus_np, self.model.head.cfg.temperature,
+            pos, vals = self.packed.kernels.retrieve(users, self.items_native, self.corpus_np, self.model.head.cfg.temperature,
                                              exclude if any(e is not None for e in excluded) else None, k)
             return _top(self.corpus_np[pos], vals, works)
         # = model.head.scores(users, items): the same product and temperature, the items pre-transposed
@@ -247,8 +249,8 @@ class TorchEngine:
         if not to_rank:
             return {}
         keys = list(to_rank)
-        if self.padded is not None:  # the state is its encode()'s
-            return dict(zip(keys, self.padded.score(state, keys, [to_rank[i][0] for i in keys])))
+        if self.packed is not None:
+            return dict(zip(keys, self.packed.score(state, keys, [to_rank[i][0] for i in keys])))
         out = {i: np.zeros((0, len(self.schema.tasks)), np.float32) for i in keys}
         keys = [i for i in keys if to_rank[i][0].size]  # not those whose exclusions left nothing retrieved
         if not keys:
@@ -286,8 +288,9 @@ def _top(ids: np.ndarray, vals: np.ndarray, works: list[tuple[int, Work]]) -> di
 
 
 def native_ok(model: GenerativeRecommender) -> bool:
-    """Whether the native path computes this model here (it covers it and the library builds)."""
-    return native_path.supports(model) and native_path.library() is not None
+    """Whether the native path computes this model here (the packed path covers it, the
+    tower's native backend does, and the library builds)."""
+    return packed_supports(model) and model.tower.native_supported()
 
 
 def version_of(manifest: Manifest) -> str:

@@ -1,102 +1,38 @@
-"""The HSTU serving path in native code: the tower's layers for a whole batch in one call.
+"""Serving kernels around the tower: the embedding gathers, pooled context, top-k retrieval
+and ranking MLP of ``kernels/cpu/hstu_serve.cpp``, on a served artifact's tables.
 
-:class:`serve.padded.PaddedHSTU` cut the jagged bookkeeping, but each layer is still a dozen
-PyTorch operators and every batch a thousand of them; on a 2-core CPU their dispatch and the
-passes over [B, L, L] score tensors are most of the time (one ML-1M request: 44.8 MFLOP,
-~0.8 ms at the matmul peak, ~6-7 ms through the padded path). Here the token inputs and
-pooled context of an artifact's quantized tables (row gathers, dequantized in the same pass;
-one call per batch for the tokens and one for the context, from the histories packed without
-padding), everything between the token inputs and the tower's output, the final norm, the
-exact top-k retrieval over the catalogue (:meth:`NativeHSTU.retrieve`, one GEMM for the batch)
-and the ranking MLP run in ``kernels/cpu/hstu_serve.cpp``, so no PyTorch operator runs between
-a batch's steps (a cold process pays ~20-30 us for each one it dispatches): packed rows
-through the GEMMs (no padding at all), attention over the causal pairs only, in query blocks
-of 64 against a transposed key block, bias codes computed once per batch and shared by the
-layers, SiLU fused where the scores are made.
-
-Same numbers as the model, to float rounding (``tests/test_native_serving.py`` checks user
-vectors and candidate probabilities against ``encode_history`` / ``score_candidates``).
-Covers what :func:`supports` says: the padded path's models, with fp32 dense weights and
-model and value widths that are multiples of 8. The engine takes it by default where the
-library builds (``kernels.native``); ``GENREC_NATIVE=0`` keeps the padded path.
+The tower itself is the model's (``HSTUTower.encode_history`` / ``extend`` with
+``backend="native"``, a kernel of ``kernels.hstu_native``); what is here does the same
+work as the model's embedding lookups (:meth:`GenerativeRecommender.summed_tokens`, the
+pooled tables), the retrieval product and top-k, and the ranking head's MLP, on the
+quantized rows of an artifact without a PyTorch operator per table (row gathers dequantized
+in the same pass; the ranking MLP applies each user's context once, not per candidate).
+``tests/test_native_serving.py`` checks each against the PyTorch op it replaces.
 """
 
 from __future__ import annotations
 
 import ctypes
-import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from genrec.kernels import native
-from genrec.kernels.hstu_attention import time_bucket
+from genrec.kernels.hstu_native import library, ptr, time_thresholds  # noqa: F401 - re-exported
 from genrec.models.recommender import GenerativeRecommender
 from genrec.quant.embeddings import ServedRows
-from genrec.serve.padded import PaddedHSTU, relative
-from genrec.serve.padded import supports as padded_supports
 from genrec.serve.requests import UserInput
 
 _P = ctypes.c_void_p
-_I = ctypes.c_int
-_F = ctypes.c_float
-_L = ctypes.c_int64
-
-
-def supports(model: GenerativeRecommender) -> bool:
-    """Whether :class:`NativeHSTU` computes this model."""
-    if not padded_supports(model) or model.dense_dtype != torch.float32:
-        return False
-    c, dim = model.cfg.hstu, model.pos_emb.weight.shape[1]
-    layers = list(model.tower.layers)
-    # the GEMMs' column counts (D, Dv, the uvqk width) in whole 8-float vectors
-    fn = model.tower.final_norm
-    return (dim % 8 == 0 and c.v_dim % 8 == 0 and (2 * c.num_heads * (c.v_dim + c.qk_dim)) % 8 == 0
-            and all(la.norm.eps == 1e-5 and la.out_norm.eps == 1e-5 and la.uvqk.bias is not None
-                    and la.out.bias is not None for la in layers)
-            and isinstance(fn, torch.nn.LayerNorm) and fn.eps == 1e-5 and fn.weight is not None and fn.bias is not None)
-
-
-def library() -> ctypes.CDLL | None:
-    lib = native.library("hstu_serve")
-    if lib is not None and not hasattr(lib, "_genrec_typed"):
-        common = [_I, _P, _I, _I, _I, _I, _I, _I, _F, _P]
-        lib.genrec_hstu_encode.argtypes = [*common, _I, _P, _P, _P, _P, _P, _P, _P]
-        lib.genrec_hstu_score.argtypes = [*common, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P]
-        lib.genrec_rank_mlp.argtypes = [_I, _I, _P, _P, _I, _P, _P, _P, _I, _I, _P, _P, _P]
-        lib.genrec_gather_rows.argtypes = [_P, _L, _L, _I, _I, _P, _P, _L, _F, _I, _P, _L]
-        table = [_P, _L, _L, _I]
-        lib.genrec_tokens.argtypes = [*table, *table, *table, _I, _L, _P, _P, _P, _F, _P, _P]
-        lib.genrec_pooled.argtypes = [_I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I]
-        lib.genrec_final_norm.argtypes = [_I, _I, _P, _P, _P, _I]
-        lib.genrec_retrieve.argtypes = [_I, _I, _P, _I, _I, _P, _F, _P, _P, _P, _I, _P, _P]
-        lib.genrec_hstu_encode.restype = lib.genrec_hstu_score.restype = lib.genrec_rank_mlp.restype = _I
-        lib.genrec_gather_rows.restype = lib.genrec_tokens.restype = lib.genrec_pooled.restype = _I
-        lib.genrec_final_norm.restype = lib.genrec_retrieve.restype = _I
-        lib._genrec_typed = True
-    return lib
-
-
-def time_thresholds(num_buckets: int) -> np.ndarray:
-    """[nb] int64: the smallest time gap (>= 0) that :func:`time_bucket` puts in bucket b or
-    above (int64 max where none does). A binary search over the function itself, so the
-    native code's buckets are PyTorch's exactly (time_bucket is monotone in the gap)."""
-    target = torch.arange(num_buckets)
-    lo, hi = torch.zeros(num_buckets, dtype=torch.int64), torch.full((num_buckets,), 2**31 - 1, dtype=torch.int64)
-    while bool((lo < hi).any()):
-        mid = (lo + hi) // 2
-        ok = time_bucket(mid, num_buckets) >= target
-        hi, lo = torch.where(ok, mid, hi), torch.where(ok, lo, mid + 1)
-    never = time_bucket(hi, num_buckets) < target
-    return torch.where(never, torch.iinfo(torch.int64).max, hi).numpy().astype(np.int64)
-
-
+_ptr = ptr
 _NONE = np.zeros(0, np.int64)
 
 
-def _ptr(a: np.ndarray | torch.Tensor) -> int:
-    return a.ctypes.data if isinstance(a, np.ndarray) else a.data_ptr()
+def supports(model: GenerativeRecommender) -> bool:
+    """Whether the tower runs natively here (``HSTUTower.native_supported``) for a model the
+    engine's packed path covers (``serve.packed.packed_supports``)."""
+    from genrec.serve.packed import packed_supports  # (packed.py builds on this module)
+
+    return packed_supports(model) and model.tower.native_supported()
 
 
 class NativeRows:
@@ -131,70 +67,29 @@ class NativeRows:
             raise ValueError(f"an id outside the table's {self.nrows} rows")
 
 
-@dataclass
-class NativeHistory:
-    """Encoded histories of a batch: what candidates are scored against."""
+class ServeKernels:
+    """The native lookups and heads for one model (see the module docstring): ``tokens``,
+    ``context``, ``retrieve``, ``rank``. A piece the artifact does not allow (float tables in
+    PyTorch, an MLP of other layers) is None and the engine runs the model's op instead."""
 
-    k: torch.Tensor  # [layers, T, H * Dqk] every history row's keys, packed
-    v: torch.Tensor  # [layers, T, H * Dv]
-    offsets: np.ndarray  # [B + 1] int64: user b's rows are offsets[b]..offsets[b + 1] - 1
-    tq: np.ndarray  # [T] int64 query times (a history's last: the request time)
-    tk: np.ndarray  # [T] int64 event times
-    context: torch.Tensor | None  # [B, E] pooled context, when the ranking head reads it
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
-
-
-class NativeHSTU(PaddedHSTU):
-    """``encode(users)`` -> (user vectors [B, D], :class:`NativeHistory`);
-    ``score(history, users, candidates)`` -> task probabilities, as :class:`PaddedHSTU`."""
-
-    def __init__(self, model: GenerativeRecommender, stages: dict[str, float] | None = None) -> None:
-        if not supports(model):
-            raise ValueError("NativeHSTU needs what PaddedHSTU needs, fp32 dense weights and widths that are multiples of 8")
+    def __init__(self, model: GenerativeRecommender) -> None:
         lib = library()
         if lib is None:
-            raise RuntimeError("the native kernels did not build (kernels.native); use PaddedHSTU")
-        super().__init__(model)
-        self.lib = lib
-        c = model.cfg.hstu
-        self.dims = (model.pos_emb.weight.shape[1], c.num_heads, c.qk_dim, c.v_dim, self.n, self.nb)
-        self.alpha = float(self.layers[0].alpha)
-        with torch.no_grad():
-            keep = []  # per layer: LN w, b, uvqk W^T, b, out LN w, b, out W^T, b, bias table
-            for layer, table in zip(self.layers, self.tables):
-                keep += [t.detach().float().contiguous() for t in (
-                    layer.norm.weight, layer.norm.bias, layer.uvqk.weight.t(), layer.uvqk.bias,
-                    layer.out_norm.weight, layer.out_norm.bias, layer.out.weight.t(), layer.out.bias, table)]
-        fn = model.tower.final_norm
-        self.final = (fn.weight.detach().float().contiguous(), fn.bias.detach().float().contiguous())
-        self.l2 = int(bool(model.head.cfg.l2_norm))  # the retrieval head normalizes user vectors
-        self._keep = keep  # the pointers below point into these
-        self.params = (_P * len(keep))(*[t.data_ptr() for t in keep])
-        self.thr = time_thresholds(self.nb)
+            raise RuntimeError("the native kernels did not build (kernels.native)")
+        self.lib, self.model = lib, model
+        self.dim = model.pos_emb.weight.shape[1]
+        self.has_action = "action" in model.sparse.sequence_features
         self.mlp = self._mlp_params() if model.ranking is not None else None
-        # a served artifact's tables (quantized rows): token inputs and context gathered natively
         sp = model.sparse
         self.rows = ({f: NativeRows(lib, sp.rows[f]) for f in sp.sequence_features}
                      if all(f in sp.rows for f in sp.sequence_features) else None)
         pooled = list(model.embedding_cfg.pooled_features)
         self.pooled = ({f: NativeRows(lib, sp.pooled_rows[f]) for f in pooled}
                        if pooled and all(f in sp.pooled_rows for f in pooled) else None)
-        self.pos = NativeRows(lib, ServedRows({"weight": model.pos_emb.weight.detach().float()}, "fp32",
-                                              model.pos_emb.weight.shape[1]))
+        self.pos = NativeRows(lib, ServedRows({"weight": model.pos_emb.weight.detach().float()}, "fp32", self.dim))
         # token inputs in one native call per batch (genrec_tokens) where every table takes rows
         self.fused_tokens = self.rows is not None and all(r.table is not None for r in self.rows.values())
         self._pooled_args = self._pooled_plan()
-        # seconds per stage, summed over calls (the engine passes its own profile's dict):
-        # embedding lookups, the native tower, the ranking MLP
-        self.stages = stages if stages is not None else {}
-
-    def _mark(self, stage: str, t0: float) -> float:
-        now = time.perf_counter()
-        self.stages[stage] = self.stages.get(stage, 0.0) + now - t0
-        return now
 
     def _mlp_params(self) -> tuple | None:
         """The ranking MLP for the native call: (widths [nl + 1] int32, pointers, tensors kept
@@ -244,12 +139,12 @@ class NativeHSTU(PaddedHSTU):
                   np.array([c for _, c, _, _ in feats], np.int32))
         return [f for f, *_ in feats], width, arrays
 
-    # ---- token inputs and context, natively where the tables are a served artifact's ----------
-    def _tokens(self, items: np.ndarray, actions: np.ndarray | None, positions: np.ndarray,
+    def tokens(self, items: np.ndarray, actions: np.ndarray | None, positions: np.ndarray,
                 item_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """[N, D] (item row (+ action row)) * scale + position row, as the model makes them;
+        """[N, D] (item row (+ action row)) * scale + position row, as
+        :meth:`GenerativeRecommender.summed_tokens` makes them (needs ``self.rows``);
         ``item_rows`` [N, D] (when given) also gets the raw item rows."""
-        x = torch.empty(items.size, self.dims[0])
+        x = torch.empty(items.size, self.dim)
         scale = float(self.model.scale)
         if self.fused_tokens:  # one call: the same three passes as below
             items = np.ascontiguousarray(items, dtype=np.int64)
@@ -257,7 +152,7 @@ class NativeHSTU(PaddedHSTU):
             pos = np.ascontiguousarray(positions, dtype=np.int64)
             act_table = self.rows["action"].table if acts is not None else (None, 0, 0, 0)
             rc = self.lib.genrec_tokens(*self.rows[self.model.item_feature].table, *act_table, *self.pos.table,
-                                        self.dims[0], items.size, _ptr(items), None if acts is None else _ptr(acts),
+                                        self.dim, items.size, _ptr(items), None if acts is None else _ptr(acts),
                                         _ptr(pos), scale, _ptr(x), None if item_rows is None else _ptr(item_rows))
             if rc:
                 raise ValueError("an id outside its table's rows")
@@ -270,20 +165,8 @@ class NativeHSTU(PaddedHSTU):
             self.rows[self.model.item_feature].gather(items, item_rows)
         return x
 
-    def _candidate_tokens(self, cands: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.rows is None:
-            return super()._candidate_tokens(cands, positions)
-        ids = cands.numpy()
-        item_rows = torch.empty(ids.size, self.dims[0])
-        x = self._tokens(ids, np.zeros_like(ids) if self.has_action else None, positions.numpy(), item_rows)
-        return item_rows, x
-
-    def _context(self, users: list[UserInput]) -> torch.Tensor | None:
-        m = self.model
-        if m.ranking is None or not m.ranking_context:
-            return None
-        if self.pooled is None:
-            return super()._context(users)
+    def context(self, users: list[UserInput]) -> torch.Tensor:
+        """[B, E] the users' pooled context (needs ``self.pooled``)."""
         if self._pooled_args is not None:  # one native call for every feature and user
             feats, width, (tabs, nrows, row_bytes, bits, dims, mean, cols) = self._pooled_args
             ids = [u.context.get(f, _NONE) for f in feats for u in users]
@@ -307,36 +190,6 @@ class NativeHSTU(PaddedHSTU):
                 if mean:
                     out[:, column : column + dim] /= torch.from_numpy(np.maximum(counts, 1)).float()[:, None]
         return out
-
-    def _head(self) -> tuple:
-        return (len(self.layers), self.params, *self.dims, self.alpha, _ptr(self.thr))
-
-    @torch.inference_mode()
-    def encode(self, users: list[UserInput]) -> tuple[torch.Tensor, NativeHistory]:
-        t0 = time.perf_counter()
-        items, actions, tk, tq, positions, lens = self._packed(users)
-        base = tk.min()  # the padded path's relative times, so both bucket the same gaps
-        tk, tq = relative(tk, base).astype(np.int64), relative(tq, base).astype(np.int64)
-        b = lens.size
-        x = (self._history_tokens(items, actions, positions) if self.rows is None
-             else self._tokens(items, actions if self.has_action else None, positions))
-        x = x.contiguous()  # [T, D], overwritten by the call
-        offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-        t = x.shape[0]
-        layers, d, h, dqk, dv = len(self.layers), *self.dims[:4]
-        kc, vc, out = torch.empty(layers, t, h * dqk), torch.empty(layers, t, h * dv), torch.empty(b, d)
-        ctx = self._context(users)
-        t0 = self._mark("history_lookup", t0)
-        self.lib.genrec_hstu_encode(*self._head(), b, _ptr(offsets), _ptr(tq), _ptr(tk), _ptr(x), _ptr(kc), _ptr(vc),
-                                    _ptr(out))
-        self._final_norm(out, self.l2)  # = m.head.normalize(m.tower.final_norm(out))
-        self._mark("history_tower", t0)
-        return out, NativeHistory(kc, vc, offsets, tq, tk, ctx)
-
-    def _final_norm(self, x: torch.Tensor, l2: int = 0) -> None:
-        """The tower's final LayerNorm on x [N, D] in place (then, with ``l2``, F.normalize)."""
-        w, b = self.final
-        self.lib.genrec_final_norm(x.shape[0], x.shape[1], _ptr(x), _ptr(w), _ptr(b), l2)
 
     def retrieve(self, users: torch.Tensor, items_t: torch.Tensor, corpus: np.ndarray, temperature: float,
                  exclude: list[np.ndarray] | None, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -363,44 +216,19 @@ class NativeHSTU(PaddedHSTU):
             raise ValueError(f"retrieve: k={k} outside 0..{n}, or the catalogue's columns are not padded to 8")
         return pos, val
 
-    @torch.inference_mode()
-    def score(self, hist: NativeHistory, users: list[int], candidates: list[np.ndarray]) -> list[np.ndarray]:
-        """Task probabilities [c, tasks] of each ``candidates[i]`` (table rows) for batch user ``users[i]``."""
-        m = self.model
-        if m.ranking is None:
-            raise ValueError("this model has no ranking tasks (model.ranking.tasks)")
-        t0 = time.perf_counter()
-        counts = np.array([c.size for c in candidates], np.int64)
-        if counts.sum() == 0:
-            return [np.zeros((0, len(m.cfg.ranking.tasks)), np.float32) for _ in candidates]
-        owner = np.repeat(np.asarray(users, np.int64), counts)  # each candidate's batch user
-        cands = torch.from_numpy(np.concatenate(candidates).astype(np.int64))
-        item_rows, x = self._candidate_tokens(cands, torch.from_numpy(hist.lengths[owner]))  # [N, D]
-        x = x.contiguous()  # overwritten by the call
-        cand_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        user = np.asarray(users, np.int64)
-        t0 = self._mark("candidate_lookup", t0)
-        self.lib.genrec_hstu_score(*self._head(), _ptr(hist.offsets), _ptr(hist.tq), _ptr(hist.tk), _ptr(hist.k),
-                                   _ptr(hist.v), hist.k.shape[1], len(users), _ptr(cand_offsets), _ptr(user), _ptr(x))
-        self._final_norm(x)
-        h = x
-        t0 = self._mark("candidate_tower", t0)
-        tasks = len(m.cfg.ranking.tasks)
-        if self.mlp is not None:  # native: the context's share of the first layer once per user
-            widths, ptrs, _ = self.mlp
-            ctx = hist.context.float().contiguous() if hist.context is not None else None
-            e = ctx.shape[1] if ctx is not None else 0
-            if widths[0] != 3 * self.dims[0] + e:
-                raise ValueError(f"the ranking head takes {widths[0]} inputs, the candidates give {3 * self.dims[0] + e}")
-            logits = torch.empty(len(owner), int(widths[-1]))
-            h, rows = h.contiguous(), item_rows.float().contiguous()  # bound: the call reads them
-            self.lib.genrec_rank_mlp(len(owner), self.dims[0], _ptr(h), _ptr(rows), len(users), _ptr(cand_offsets),
-                                     _ptr(user), _ptr(ctx) if e else None, e, len(widths) - 1, _ptr(widths), ptrs,
-                                     _ptr(logits))
-            logits = logits[:, :tasks]
-        else:
-            ctx = hist.context[torch.from_numpy(owner)] if hist.context is not None else None
-            logits = m.ranking(h, item_rows, ctx)
-        probs = torch.sigmoid(logits.float()).numpy()
-        self._mark("ranking_head", t0)
-        return np.split(probs, cand_offsets[1:-1])
+    def rank(self, h: torch.Tensor, item_rows: torch.Tensor, context: torch.Tensor | None, cand_offsets: np.ndarray,
+             users: np.ndarray) -> torch.Tensor:
+        """The ranking head's logits [N, tasks] (needs ``self.mlp``) for candidates grouped by
+        user (``cand_offsets`` [U+1], ``users`` [U] rows of ``context`` [B, E]): h, item_rows [N, D]."""
+        widths, ptrs, _ = self.mlp
+        ctx = context.float().contiguous() if context is not None else None
+        e = ctx.shape[1] if ctx is not None else 0
+        if widths[0] != 3 * self.dim + e:
+            raise ValueError(f"the ranking head takes {widths[0]} inputs, the candidates give {3 * self.dim + e}")
+        n = h.shape[0]
+        logits = torch.empty(n, int(widths[-1]))
+        h, rows = h.float().contiguous(), item_rows.float().contiguous()  # bound: the call reads them
+        cand_offsets, users = np.ascontiguousarray(cand_offsets, np.int64), np.ascontiguousarray(users, np.int64)
+        self.lib.genrec_rank_mlp(n, self.dim, _ptr(h), _ptr(rows), users.size, _ptr(cand_offsets), _ptr(users),
+                                 _ptr(ctx) if e else None, e, len(widths) - 1, _ptr(widths), ptrs, _ptr(logits))
+        return logits[:, : len(self.model.cfg.ranking.tasks)]

@@ -1,4 +1,5 @@
-"""The native serving path (serve.native, kernels/cpu/hstu_serve.cpp) computes what the model's jagged path computes."""
+"""The native serving path (the tower's native backend, kernels/cpu/hstu_serve.cpp, and serve.native's
+lookups and heads) computes what the model's batch path computes."""
 
 import numpy as np
 import pytest
@@ -6,10 +7,12 @@ import torch
 
 from genrec.embedding.spec import EmbeddingConfig, TableConfig
 from genrec.kernels.hstu_attention import time_bucket
+from genrec.kernels.hstu_native import library, time_thresholds
 from genrec.models.hstu import HSTUConfig
 from genrec.models.ranking import RankingConfig
 from genrec.models.recommender import GenerativeRecommender, ModelConfig
-from genrec.serve.native import NativeHSTU, library, supports, time_thresholds
+from genrec.serve.native import supports
+from genrec.serve.packed import PackedPath, context_kjt
 from genrec.serve.requests import UserInput
 from tests.test_padded_serving import T0, TASKS, model, padded_scores, reference
 
@@ -37,7 +40,7 @@ def test_long_histories_odd_widths_and_several_query_blocks():
     cands = [(i, rng.integers(1, 300, k)) for i, k in ((2, 9), (0, 1), (3, 20), (5, 3), (4, 0), (1, 2), (6, 5))]
     vec, probs = reference(m, us, cands)
     assert supports(m)
-    path = NativeHSTU(m)
+    path = PackedPath(m, "native")
     nvec, hist = path.encode(us)
     torch.testing.assert_close(nvec, vec, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(padded_scores(path, hist, cands), probs, atol=2e-5, rtol=2e-5)
@@ -48,7 +51,7 @@ def test_native_retrieval_is_the_mm_and_topk_of_pytorch_with_history_excluded_an
     mm / temperature + topk with each user's history at -inf; equal scores (duplicated item
     vectors) come lowest position first; k = N returns the excluded items last, at -inf."""
     torch.manual_seed(2)
-    path = NativeHSTU(model())  # (retrieval reads only the vectors it is given)
+    path = PackedPath(model(), "native").kernels  # (retrieval reads only the vectors it is given)
     d, n = 24, 203
     items = torch.randn(n, d)
     items[50] = items[10]  # a tie in every user's scores
@@ -99,7 +102,7 @@ def test_only_models_it_computes_take_the_native_path():
     m.pos_emb.to(torch.bfloat16)
     assert not supports(m)
     with pytest.raises(ValueError, match="fp32 dense"):
-        NativeHSTU(m)
+        PackedPath(m, "native")
 
 
 def test_the_library_builds_into_an_empty_cache_and_a_missing_compiler_falls_back(tmp_path, monkeypatch):
@@ -131,7 +134,6 @@ def test_served_tables_gathered_natively_equal_the_pytorch_lookups(scheme):
     from dataclasses import replace
 
     from genrec.quant.embeddings import install, quantized_modules, served_rows, table_tensors
-    from genrec.serve.padded import PaddedHSTU
     from tests.test_padded_serving import CANDS, users
 
     m = model()
@@ -146,29 +148,31 @@ def test_served_tables_gathered_natively_equal_the_pytorch_lookups(scheme):
         u.context["topic"] = np.array([i % 9, (3 * i) % 9, 8])[: 3 - i % 3]
     del us[2].context["region"]
     us[5].context["topic"] = np.zeros(0, np.int64)
-    native, padded = NativeHSTU(m), PaddedHSTU(m)
+    path, padded = PackedPath(m, "native"), PackedPath(m, "torch")
+    native = path.kernels
     assert native.rows is not None and native.pooled is not None
-    torch.testing.assert_close(native._context(us), padded._context(us), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(native.context(us), m.sparse.pooled(context_kjt(us, list(cfg.pooled_features))).values(),
+                               rtol=1e-6, atol=1e-6)
     # one native call per batch (genrec_tokens, genrec_pooled) = a gather call per table, to the bit
     assert native.fused_tokens and native._pooled_args is not None
     ids, acts, pos = np.array([5, 1, 59, 7]), np.array([0, 3, 1, 2]), np.array([0, 1, 2, 9])
     rows = torch.empty(4, 16)
-    fused, ctx = native._tokens(ids, acts, pos, rows), native._context(us)
+    fused, ctx = native.tokens(ids, acts, pos, rows), native.context(us)
     native.fused_tokens, plan, native._pooled_args = False, native._pooled_args, None
     rows_each = torch.empty(4, 16)
-    assert torch.equal(native._tokens(ids, acts, pos, rows_each), fused) and torch.equal(rows_each, rows)
-    assert torch.equal(native._context(us), ctx)
+    assert torch.equal(native.tokens(ids, acts, pos, rows_each), fused) and torch.equal(rows_each, rows)
+    assert torch.equal(native.context(us), ctx)
     native.fused_tokens, native._pooled_args = True, plan
     with pytest.raises(ValueError, match="outside its table"):
-        native._tokens(np.array([3, 60]), np.array([0, 0]), np.array([0, 1]))
+        native.tokens(np.array([3, 60]), np.array([0, 0]), np.array([0, 1]))
     us[0].context["topic"] = np.array([9])
     with pytest.raises(ValueError, match="topic: an id outside"):
-        native._context(us)
+        native.context(us)
     us[0].context["topic"] = np.array([1])
-    nvec, nhist = native.encode(us)
+    nvec, nhist = path.encode(us)
     pvec, phist = padded.encode(us)
     torch.testing.assert_close(nvec, pvec, atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(padded_scores(native, nhist, CANDS), padded_scores(padded, phist, CANDS),
+    torch.testing.assert_close(padded_scores(path, nhist, CANDS), padded_scores(padded, phist, CANDS),
                                atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError, match="outside the table"):
         native.rows["item"].gather(np.array([3, 60]), torch.empty(2, 16))

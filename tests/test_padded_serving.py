@@ -1,17 +1,18 @@
-"""The padded serving path (serve.padded) computes what the model's jagged path computes."""
+"""The engine's packed path (serve.engine.PackedPath) on either tower backend computes what the
+model's batch path computes."""
 
 import numpy as np
 import pytest
 import torch
 
 from genrec.embedding.spec import EmbeddingConfig, TableConfig
+from genrec.kernels.hstu_native import library as native_library
 from genrec.models.hstu import HSTUConfig
 from genrec.models.ranking import RankingConfig, TaskConfig
 from genrec.models.recommender import GenerativeRecommender, ModelConfig
 from genrec.serve.engine import collate_users
-from genrec.serve.native import NativeHSTU
-from genrec.serve.native import library as native_library
-from genrec.serve.padded import PaddedHSTU, supports
+from genrec.serve.packed import PackedPath
+from genrec.serve.packed import packed_supports as supports
 from genrec.serve.requests import UserInput
 
 TASKS = (TaskConfig("click", ("click",)), TaskConfig("conversion", ("conversion",)))
@@ -66,54 +67,55 @@ CANDS = [(3, np.array([4, 9, 17])), (0, np.array([2])), (5, np.array([30, 31, 32
          (2, np.array([50, 51, 52, 53]))]
 
 
-@pytest.mark.parametrize("kind", ["padded", "native"])
+@pytest.mark.parametrize("kind", ["torch", "native"])
 @pytest.mark.parametrize("heads,time_bias,position_bias,layers", [
     (1, True, True, 2), (2, True, True, 3), (1, False, True, 2), (1, True, False, 1)])
-def test_serving_paths_equal_the_jagged_model_path(kind, heads, time_bias, position_bias, layers):
-    """The padded PyTorch path and the native one (serve.native) give the model's numbers."""
+def test_serving_paths_equal_the_jagged_model_path(monkeypatch, kind, heads, time_bias, position_bias, layers):
+    """The packed path on the tower's PyTorch and native backends gives the model's numbers."""
     if kind == "native" and native_library() is None:
         pytest.skip("no C++ compiler: the native kernels did not build")
     m = model(heads, time_bias, position_bias, layers)
     us = users()
     vec, probs = reference(m, us, CANDS)
-    path = PaddedHSTU(m) if kind == "padded" else NativeHSTU(m)
+    path = PackedPath(m, kind)
     pvec, hist = path.encode(us)
     torch.testing.assert_close(pvec, vec, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(padded_scores(path, hist, CANDS), probs, atol=1e-5, rtol=1e-5)
     if kind == "native":
         return
     # queries in blocks of 4 rows, candidates scored a user at a time: the same numbers
-    small = PaddedHSTU(m, query_block=4, max_scores=1)
+    monkeypatch.setattr("genrec.kernels.hstu_reference.CAUSAL_BLOCK", 4)
+    small = PackedPath(m, kind, micro_batch=1)
     pvec, hist = small.encode(us)
     torch.testing.assert_close(pvec, vec, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(padded_scores(small, hist, CANDS), probs, atol=1e-5, rtol=1e-5)
 
 
-def test_padded_path_in_bf16_matches_the_jagged_bf16_path():
+def test_packed_path_in_bf16_matches_the_jagged_bf16_path():
     m = model()
     for part in (m.tower, m.pos_emb, m.ranking):
         part.to(torch.bfloat16)
     us = users(1)
     vec, probs = reference(m, us, CANDS)
-    path = PaddedHSTU(m)
+    path = PackedPath(m)
     pvec, hist = path.encode(us)
     assert pvec.dtype == torch.float32
     torch.testing.assert_close(pvec, vec, atol=0.02, rtol=0.02)
     torch.testing.assert_close(padded_scores(path, hist, CANDS), probs, atol=0.01, rtol=0.01)
 
 
-def test_only_models_it_computes_take_the_padded_path():
+def test_only_models_it_computes_take_the_packed_path():
     assert supports(model())
     assert not supports(model(tower="transformer"))
     assert not supports(model(encoding="interleaved"))
     with pytest.raises(ValueError, match="summed action encoding"):
-        PaddedHSTU(model(encoding="interleaved"))
+        PackedPath(model(encoding="interleaved"))
     with pytest.raises(ValueError, match="at least one history event"):
-        PaddedHSTU(model()).encode([UserInput(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
+        PackedPath(model()).encode([UserInput(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
                                               True, T0)])
 
 
-@pytest.mark.parametrize("kind", ["padded", "native"])
+@pytest.mark.parametrize("kind", ["torch", "native"])
 def test_a_retrieval_only_model_without_actions_encodes_alike(kind):
     """The README's ML-1M serving artifact: item table only, no ranking tasks."""
     if kind == "native" and native_library() is None:
@@ -127,7 +129,7 @@ def test_a_retrieval_only_model_without_actions_encodes_alike(kind):
     us = users(2)
     with torch.inference_mode():
         vec, _ = m.encode_history(collate_users(us, m, torch.device("cpu")))
-    path = PaddedHSTU(m) if kind == "padded" else NativeHSTU(m)
+    path = PackedPath(m, kind)
     pvec, hist = path.encode(us)
     torch.testing.assert_close(pvec, vec, atol=1e-5, rtol=1e-5)
     assert hist.context is None
