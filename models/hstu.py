@@ -41,6 +41,7 @@ from genrec.models.dropout import Dropout
 # how the tower's serving methods run: its layers in PyTorch (each attention through
 # ``HSTUConfig.attention_backend``), or the whole tower in the C++ kernel (CPU inference)
 TowerBackend = Literal["torch", "native"]
+TOWER_BACKENDS: tuple[str, ...] = ("torch", "native")  # the parity test runs each against the reference
 
 
 @dataclass(frozen=True)
