@@ -42,8 +42,8 @@ from genrec.benchmarks.serving import artifact_and_requests
 from genrec.serve.loadtest import RESPONSES, run_step
 
 STEPS = [50, 100, 150, 200, 300, 400, 500, 600, 800]
-BATCHED = ["--max-batch", "32", "--max-wait-ms", "0", "--engine-poll-ms", "1000"]
-NO_ADMISSION = ["--max-queue-ms", "0", "--max-queue", "512", "--serve.connections.max_concurrent_rpcs=100000"]
+BATCHED = ["--serve.batch.max_batch=32", "--serve.batch.max_wait_ms=0", "--serve.process.poll_ms=1000"]
+NO_ADMISSION = ["--serve.batch.max_queue_ms=0", "--serve.batch.max_queue=512", "--serve.connections.max_concurrent_rpcs=100000"]
 
 
 class Server:
@@ -191,7 +191,7 @@ def engine_kill(artifact: Path, payloads: list[bytes], cap: float, seconds: floa
 
 
 def shutdown(artifact: Path, payloads: list[bytes], cap: float, seconds: float) -> dict:
-    srv = start(artifact, ["--grace-s", "10"])
+    srv = start(artifact, ["--serve.grace_s=10"])
     proc, target = srv.proc, srv.target
     calls: list = []
     began = threading.Event()

@@ -81,18 +81,18 @@ SWEEPS = {
 }
 # batched engines: continuous batching (no wait to fill a batch: whatever queued while the
 # previous batch ran forms the next one); the naive server takes one request at a time
-# the engine process on its own CPU busy-polls for the next batch (--engine-poll-ms) rather than
+# the engine process on its own CPU busy-polls for the next batch (serve.process.poll_ms) rather than
 # letting that CPU go idle; torch-blocking is the same server blocking on its pipe between batches
-BATCHED = ["--max-batch", "32", "--max-wait-ms", "0"]
+BATCHED = ["--serve.batch.max_batch=32", "--serve.batch.max_wait_ms=0"]
 # looser p99 budgets (ms) the same sweeps are also read against, beside --slo-p99-ms: where the
 # naive server meets none of the steps within the SLO, "x naive" is still defined at one of these
 BUDGETS = (25.0, 50.0)
-SERVER_ARGS = {"naive": ["--max-batch", "1"], "torch": [*BATCHED, "--engine-poll-ms", "1000"],
+SERVER_ARGS = {"naive": ["--serve.batch.max_batch=1"], "torch": [*BATCHED, "--serve.process.poll_ms=1000"],
                "sglang": BATCHED}
 SERVER_ARGS["torch-blocking"] = BATCHED
-SERVER_ARGS["torch-serial"] = [*SERVER_ARGS["torch"], "--max-inflight", "1"]
-SERVER_ARGS["torch-inproc"] = [*BATCHED, "--no-engine-process"]
-SERVER_ARGS["torch-replicas2"] = [*BATCHED, "--engine-replicas", "2"]  # (one replica shares the front-end's CPU)
+SERVER_ARGS["torch-serial"] = [*SERVER_ARGS["torch"], "--serve.batch.max_inflight=1"]
+SERVER_ARGS["torch-inproc"] = [*BATCHED, "--serve.engine_process=false"]
+SERVER_ARGS["torch-replicas2"] = [*BATCHED, "--serve.engine_replicas=2"]  # (one replica shares the front-end's CPU)
 SERVER_ARGS["torch-padded"] = SERVER_ARGS["torch"]
 ENGINE = {"torch-inproc": "torch", "torch-replicas2": "torch", "torch-padded": "torch",  # server variant -> --engine
           "torch-blocking": "torch", "torch-serial": "torch"}
@@ -185,7 +185,7 @@ def start_server(engine: str, artifact: Path, threads: int, profile_out: Path) -
     engine processes and front-end CPUs; empty lists when nothing is pinned)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "GENREC_PROFILE_OUT": str(profile_out), **ENV.get(engine, {})}
     cmd = [sys.executable, "-m", "genrec.cli", "serve", "--artifact", str(artifact), "--engine", ENGINE.get(engine, engine),
-           "--host", "127.0.0.1", "--port", "0", "--threads", str(threads), "--max-queue", "512",
+           "--host", "127.0.0.1", "--port", "0", "--threads", str(threads), "--serve.batch.max_queue=512",
            *SERVER_ARGS[engine]]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     layout: dict = {"engine_cpus": [], "front_end_cpus": []}

@@ -5,7 +5,7 @@
     genrec train --config FILE [--a.b=v ...]
     genrec eval --run DIR [--split test] [--baseline popular|transition --data DIR]
     genrec quantize --checkpoint RUN --out ARTIFACT [--embeddings int8] [--dense fp32]
-    genrec serve --artifact ARTIFACT --engine torch|sglang --port N
+    genrec serve --artifact ARTIFACT [--config FILE] [--port N] [--serve.a.b=v ...]
     genrec loadtest --target HOST:PORT --qps 50,100,200 --duration S --workload FILE
 
 Handlers import their layer lazily so ``--help`` answers at once. Each handler is thin:
@@ -55,7 +55,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
         description="Train a model. Any config value can be overridden: --train.optim.lr=3e-4 "
         "--data.path=data/ml1m --model.tower=transformer. The same command runs under torchrun.",
     )
-    p.add_argument("--config", help="job config (TOML), e.g. configs/ml1m.toml")
+    p.add_argument("--config", help="job config (TOML), e.g. configs/hstu.toml")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
@@ -95,73 +95,24 @@ def _quantize_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve an artifact over gRPC (genrec.v1.Recommender)",
-                       description="gRPC ranking service: Recommend / Retrieve / Rank, health, reflection, metrics.")
-    p.add_argument("--artifact", required=True, help="artifact directory written by 'genrec quantize'")
-    p.add_argument("--engine", choices=["torch", "sglang", "naive"], default="torch",
-                   help="torch: batched PyTorch engine; sglang: the tower inside SGLang; naive: one request at a "
-                   "time, history encoded twice (the load-test baseline)")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics HTTP port (0: off)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    p.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest",
-                   help="torch.set_float32_matmul_precision. highest (torch's default) for serving on CPU: "
-                   "medium hands fp32 GEMMs to oneDNN, which builds a kernel per new shape, and serving "
-                   "batches change shape every call (measured: 5.5 vs 2.5 ms for a one-request batch)")
-    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the torch / naive engine in its own process, so model work never waits for the "
-                   "gRPC front-end's GIL (the SGLang engine always runs in the server process)")
-    p.add_argument("--engine-replicas", type=int, default=1,
-                   help="engine processes of the model; each batch runs on a free one (--engine-process)")
-    p.add_argument("--engine-cpus", default="auto",
-                   help="CPUs of the engine process(es): auto (with --threads N: each replica owns N CPUs from the "
-                   "last one down, the front-end keeps any left; no pinning when they do not fit or one engine "
-                   "would own them all), none, or a list such as 1 or 2,3 (split between the replicas; the "
-                   "front-end takes the other CPUs)")
-    p.add_argument("--engine-poll-ms", type=float, default=0.0,
-                   help="after each batch the engine process polls for the next one this long before it blocks: "
-                   "on a CPU of its own (--engine-cpus) the next batch then finds it running instead of waking an "
-                   "idle CPU, at the price of that CPU's time (0: block at once)")
-    p.add_argument("--engine-hang-s", type=float, default=30.0,
-                   help="an engine process that has not answered a batch in this long is killed: its batches fail "
-                   "(INTERNAL) and the next one starts a new process")
-    p.add_argument("--engine-standby", action=argparse.BooleanOptionalAction, default=True,
-                   help="keep a warm standby engine process (loaded, idle, one more process's memory) that takes over "
-                   "at once when the engine process dies, its batches re-run there; a new standby then loads")
-    p.add_argument("--engine-start-timeout-s", type=float, default=120.0,
-                   help="an engine process that has not loaded the artifact in this long is killed and the start fails")
-    p.add_argument("--gil-switch-ms", type=float, default=0.5,
-                   help="sys.setswitchinterval: how long a thread may hold the GIL when another waits")
-    p.add_argument("--max-batch", type=int, default=32, help="requests per engine batch")
-    p.add_argument("--max-wait-ms", type=float, default=2.0, help="how long a batch waits to fill")
-    p.add_argument("--max-queue", type=int, default=256, help="queued requests before RESOURCE_EXHAUSTED")
-    p.add_argument("--max-inflight", type=int, default=0,
-                   help="batches in flight at once (0: three for one engine process, pipelined through its pipe; "
-                   "else one per engine replica)")
-    p.add_argument("--default-timeout-ms", type=float, default=1000.0, help="deadline of calls that set none")
-    p.add_argument("--grace-s", type=float, default=10.0, help="shutdown: time for calls in flight")
-    p.add_argument("--max-queue-ms", type=float, default=20.0,
-                   help="admission: refuse at once (RESOURCE_EXHAUSTED) a call predicted to wait longer than this "
-                   "for the engine; also refused: calls that could not finish before their deadline (0: deadline only)")
-    p.add_argument("--max-history", type=int, default=4096)
-    p.add_argument("--max-candidates", type=int, default=1024)
-    p.add_argument("--max-retrieve", type=int, default=1024)
-    s = p.add_argument_group("security", "TLS for the public port; Admin (LoadArtifact, GetModelInfo) on a listener "
-                             "of its own, off unless a token file is given")
-    s.add_argument("--tls-cert", default="", help="PEM certificate chain: the public port speaks TLS")
-    s.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
-    s.add_argument("--tls-client-ca", default="", help="PEM CA: clients must present a certificate it signed (mTLS)")
-    s.add_argument("--admin-host", default="127.0.0.1", help="Admin listener address (loopback: this host only)")
-    s.add_argument("--admin-port", type=int, default=0, help="Admin listener port (0: any free one, printed)")
-    s.add_argument("--admin-token-file", default="",
-                   help="file holding the Admin bearer token (>= 16 characters); callers send "
-                   "'authorization: Bearer <token>'. Without it Admin is off (SIGHUP still reloads)")
-    s.add_argument("--artifact-root", default="",
-                   help="LoadArtifact loads only below this folder (default: the folder holding --artifact)")
-    p.add_argument("--config", help="TOML file whose [serve] section (ServeConfig in serve/server.py) applies on "
-                   "top of these flags, as do --serve.key=value overrides, e.g. --serve.connections.max_concurrent_rpcs=256")
+    p = sub.add_parser(
+        "serve",
+        help="serve an artifact over gRPC (genrec.v1.Recommender)",
+        description="gRPC ranking service: Recommend / Retrieve / Rank, health, reflection, metrics. Configured by "
+        "the [serve] section of --config (ServeConfig in serve/server.py; configs/serve.toml lists every key with its "
+        "default); the flags below are aliases of keys, and any key can be overridden: --serve.metrics_port=9100 "
+        "--serve.batch.max_batch=16 --serve.admin.token_file=admin.token --serve.engine_cpus=[2,3]. "
+        "Order: file, flags, overrides.",
+    )
+    p.add_argument("--config", help="TOML file with a [serve] section, e.g. configs/serve.toml")
+    p.add_argument("--artifact", help="serve.artifact: artifact directory written by 'genrec quantize'")
+    p.add_argument("--engine", choices=["torch", "sglang", "naive"],
+                   help="serve.engine (default torch): torch: batched PyTorch engine; sglang: the tower inside SGLang; "
+                   "naive: one request at a time, history encoded twice (the load-test baseline)")
+    p.add_argument("--host", help="serve.host (default 0.0.0.0)")
+    p.add_argument("--port", type=int, help="serve.port (default 50051)")
+    p.add_argument("--threads", type=int, help="serve.process.threads: torch intra-op threads per engine (default 0: "
+                   "torch's); with N > 0 each engine process owns N CPUs when they fit (serve.engine_cpus = \"auto\")")
 
 
 def _loadtest_parser(sub: argparse._SubParsersAction) -> None:
@@ -225,6 +176,19 @@ def _handler(cmd: str) -> Handler:
     raise SystemExit(f"unknown command {cmd}")
 
 
+# errors a user can fix (a bad config, a missing or damaged file): a message and exit 2, no
+# traceback. Named by module, looked up only if loaded: an error of a module nobody imported
+# cannot have been raised, and `genrec serve` must not load training code to catch it.
+USER_ERRORS = {"genrec.config": ("ConfigError",), "genrec.embedding.spec": ("IdOutOfRange",),
+               "genrec.quant.artifact": ("ArtifactError",), "genrec.train.checkpoint": ("IncompatibleCheckpoint",),
+               "genrec.train.data.schema": ("DataFormatError",)}
+
+
+def _user_error(e: BaseException) -> bool:
+    kinds = [getattr(sys.modules[m], n) for m, names in USER_ERRORS.items() if m in sys.modules for n in names]
+    return isinstance(e, (FileNotFoundError, *kinds))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # `kill -USR1 <pid>` prints every thread's Python stack: how to see where a job hangs
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -234,19 +198,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)} (config overrides look like --section.key=value)")
     handler = _handler(args.cmd)
-    from genrec.config import ConfigError
-    from genrec.embedding.spec import IdOutOfRange
-    from genrec.quant.artifact import ArtifactError
-    from genrec.train.checkpoint import IncompatibleCheckpoint
-    from genrec.train.data.schema import DataFormatError
-
     try:
         return handler(args, rest)
-    except ConfigError as e:
-        print(f"genrec: config error: {e}", file=sys.stderr)
-        return 2
-    except (DataFormatError, IdOutOfRange, FileNotFoundError, ArtifactError, IncompatibleCheckpoint) as e:
-        print(f"genrec: error: {e}", file=sys.stderr)
+    except Exception as e:
+        if not _user_error(e):
+            raise
+        kind = "config error" if type(e).__name__ == "ConfigError" else "error"
+        print(f"genrec: {kind}: {e}", file=sys.stderr)
         return 2
 
 

@@ -111,7 +111,9 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
         kwargs[name] = _coerce(hints[name], value, f"{where}.{name}" if where else name)
     try:
         obj = cls(**kwargs)
-    except TypeError as e:
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:  # (ValueError: a __post_init__ check)
         raise ConfigError(f"{where or cls.__name__}: {e}") from e
     return obj
 
@@ -169,15 +171,20 @@ def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_config(
-    cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()
+    cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = (),
+    flags: dict[str, Any] | None = None,
 ) -> T:
-    """Reads ``path`` (TOML, optional), applies ``--a.b=v`` overrides, builds ``cls``."""
+    """Reads ``path`` (TOML, optional), merges ``flags`` (a nested dict: values of command-line
+    flags that are aliases of keys, e.g. ``{"serve": {"port": 50052}}``) over it, applies
+    ``--a.b=v`` overrides last, builds ``cls``. Unknown keys, the file's included, are errors."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
             data = tomllib.loads(Path(path).read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    if flags:
+        data = merge(data, flags)
     return from_dict(cls, apply_overrides(data, overrides))
 
 

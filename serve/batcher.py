@@ -50,7 +50,10 @@ class BatchConfig:
     max_batch: int = 32
     max_wait_ms: float = 2.0
     max_queue: int = 256
-    max_inflight: int = 1
+    # batches in flight at once; 0: the server chooses for its engine (serve.server.batch_inflight:
+    # three pipelined through one engine process, one per replica, one in-process), and a Batcher
+    # built on its own runs one at a time
+    max_inflight: int = 0
     # refuse a call predicted to wait longer than this for its batch to start (0: no limit but
     # the caller's deadline and max_queue); a fraction of the latency budget callers hold us to
     max_queue_ms: float = 20.0
@@ -105,8 +108,9 @@ class Batcher:
         self.engine_fn, self.cfg, self.on_batch = engine_fn, cfg, on_batch
         self.queue: collections.deque[tuple[Work, asyncio.Future]] = collections.deque()
         self.wakeup = asyncio.Event()
-        self.pool = ThreadPoolExecutor(max_workers=cfg.max_inflight, thread_name_prefix="engine")
-        self.slots = asyncio.Semaphore(cfg.max_inflight)
+        self.inflight = max(cfg.max_inflight, 1)
+        self.pool = ThreadPoolExecutor(max_workers=self.inflight, thread_name_prefix="engine")
+        self.slots = asyncio.Semaphore(self.inflight)
         self.closing = False
         self.running: set[asyncio.Task] = set()
         self.loop_task: asyncio.Task | None = None

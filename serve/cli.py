@@ -1,4 +1,10 @@
-"""Handler for ``genrec serve`` (parsing lives in ``genrec.cli``)."""
+"""Handler for ``genrec serve`` (parsing lives in ``genrec.cli``).
+
+The server is configured like every other component: a ``ServeConfig`` (serve/server.py) read
+from the ``[serve]`` section of ``--config FILE`` (configs/serve.toml lists every key), then the
+alias flags (``--artifact``, ``--engine``, ``--host``, ``--port``, ``--threads``), then dotted
+overrides (``--serve.batch.max_batch=16``) in that order; an unknown key is an error naming it.
+"""
 
 from __future__ import annotations
 
@@ -9,80 +15,55 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from genrec.config import ConfigError, apply_overrides, from_dict, merge, to_dict
-from genrec.serve.batcher import BatchConfig
-from genrec.serve.requests import Limits
-from genrec.serve.server import (
-    AdminConfig,
-    RecommenderServer,
-    ServeConfig,
-    TLSConfig,
-    kill_engine_processes,
-)
-from genrec.serve.worker import ProcessSettings, plan_cpus
+from genrec.config import ConfigError, load_config
+from genrec.serve.server import RecommenderServer, ServeConfig, kill_engine_processes
+from genrec.serve.worker import plan_cpus
+
+# sys.setswitchinterval in the front-end: the engine thread (or the gRPC threads) release the
+# GIL in every torch op / C call, and Python's default 5 ms interval lets the event loop hold it
+# that long before they get it back
+GIL_SWITCH_S = 0.5e-3
 
 
-def default_inflight(args: argparse.Namespace) -> int:
-    """Batches in flight when --max-inflight is 0: three for one engine process (the next ones
-    wait in its pipe while one computes, serve.worker.EngineProcess.run_async: a call that
-    arrives while two batches are out is sent at once instead of waiting for the front-end to
-    collect a reply), else one per engine replica (an in-process engine: one at a time)."""
-    if args.engine_process and args.engine != "sglang" and args.engine_replicas == 1:
-        return 3
-    return args.engine_replicas
+@dataclass(frozen=True)
+class ServeFile:
+    """What ``genrec serve --config`` reads: a ``[serve]`` section and nothing else."""
+
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
 
-def config_from_args(args: argparse.Namespace, cpus: list[tuple[int, ...]] | None = None) -> ServeConfig:
-    """``cpus``: each engine replica's CPUs (:func:`engine_cpus`)."""
-    return ServeConfig(
-        host=args.host, port=args.port, metrics_port=args.metrics_port, engine=args.engine, device=args.device,
-        default_timeout_ms=args.default_timeout_ms, grace_s=args.grace_s,
-        batch=BatchConfig(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
-                          max_inflight=args.max_inflight or default_inflight(args), max_queue_ms=args.max_queue_ms),
-        tls=TLSConfig(cert=args.tls_cert, key=args.tls_key, client_ca=args.tls_client_ca),
-        admin=AdminConfig(host=args.admin_host, port=args.admin_port, token_file=args.admin_token_file,
-                          artifact_root=args.artifact_root),
-        limits=Limits(max_history=args.max_history, max_candidates=args.max_candidates, max_retrieve=args.max_retrieve),
-        engine_process=args.engine_process, engine_replicas=args.engine_replicas,
-        process=ProcessSettings(threads=args.threads, matmul_precision=args.matmul_precision,
-                                poll_ms=args.engine_poll_ms, hang_s=args.engine_hang_s,
-                                standby=args.engine_standby, start_timeout_s=args.engine_start_timeout_s),
-        replica_cpus=tuple(cpus or ()),
-    )
-
-
-def engine_cpus(args: argparse.Namespace) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
-    """(each engine replica's CPUs, front-end CPUs); pinning applies only when the engines
-    have their own processes."""
-    if not args.engine_process or args.engine not in ("torch", "naive"):
-        return [], ()
-    return plan_cpus(args.engine_cpus, args.threads, tuple(sorted(os.sched_getaffinity(0))), args.engine_replicas)
-
-
-def with_config_file(cfg: ServeConfig, path: str | None, overrides: list[str]) -> ServeConfig:
-    """``cfg`` (from the flags) with a TOML file's ``[serve]`` section and ``--serve.a.b=v``
-    overrides applied on top, e.g. ``--serve.connections.max_concurrent_rpcs=256``."""
-    data: dict = {}
-    if path:
-        import tomllib
-
-        try:
-            doc = tomllib.loads(Path(path).read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: not valid TOML: {e}") from e
-        unknown = set(doc) - {"serve"}
-        if unknown:
-            raise ConfigError(f"{path}: genrec serve reads the [serve] section only; found [{sorted(unknown)[0]}]")
-        data = {"serve": doc.get("serve", {})}
+def serve_config(args: argparse.Namespace, overrides: list[str]) -> ServeConfig:
+    """The config from ``args.config`` (a TOML file), the alias flags given, then ``overrides``."""
     bad = [o for o in overrides if not o.startswith("--serve.")]
     if bad:
         raise ConfigError(f"genrec serve takes overrides of the [serve] section (--serve.key=value): {bad[0]}")
-    data = apply_overrides(data, overrides).get("serve", {})
-    return from_dict(ServeConfig, merge(to_dict(cfg), data), "serve") if data else cfg
+    flags: dict[str, Any] = {k: getattr(args, k) for k in ("artifact", "engine", "host", "port")
+                             if getattr(args, k, None) is not None}
+    if getattr(args, "threads", None) is not None:
+        flags["process"] = {"threads": args.threads}
+    cfg = load_config(ServeFile, args.config, overrides, {"serve": flags}).serve
+    if not cfg.artifact:
+        raise ConfigError("serve.artifact is not set: pass --artifact DIR or set artifact in the [serve] section")
+    return cfg
+
+
+def engine_cpus(cfg: ServeConfig, available: tuple[int, ...]) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
+    """(each engine replica's CPUs, front-end CPUs) from ``cfg.engine_cpus``; pinning applies only
+    when the engines have their own processes."""
+    if not cfg.engine_process or cfg.engine not in ("torch", "naive"):
+        return [], ()
+    spec = cfg.engine_cpus
+    spec = ",".join(map(str, spec)) if isinstance(spec, tuple) else str(spec)
+    try:
+        return plan_cpus(spec, cfg.process.threads, available, cfg.engine_replicas)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _on_reload_failure(task: asyncio.Task) -> None:
@@ -90,8 +71,8 @@ def _on_reload_failure(task: asyncio.Task) -> None:
         logging.getLogger("genrec.serve").error("SIGHUP reload failed: %s", task.exception())
 
 
-async def _serve(cfg: ServeConfig, artifact: str) -> None:
-    server = RecommenderServer(cfg, artifact)
+async def _serve(cfg: ServeConfig, replica_cpus: list[tuple[int, ...]]) -> None:
+    server = RecommenderServer(cfg, cfg.artifact, replica_cpus=replica_cpus)
     port = await server.start()
     path = getattr(server.engine, "path", None)  # the torch engine's tower: native, padded or jagged
     print(f"genrec serving {server.engine.version} ({cfg.engine}{f', {path} path' if path else ''}) on {cfg.host}:{port}",
@@ -99,7 +80,7 @@ async def _serve(cfg: ServeConfig, artifact: str) -> None:
     if server.admin_server:
         print(f"admin on {cfg.admin.host}:{server.admin_port} (bearer token of {cfg.admin.token_file})", flush=True)
     else:
-        print("admin off (no --admin-token-file); SIGHUP reloads the artifact", flush=True)
+        print("admin off (no serve.admin.token_file); SIGHUP reloads the artifact", flush=True)
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stopping.set)
@@ -128,19 +109,17 @@ def _exit_now() -> None:
 
 
 def cmd_serve(args: argparse.Namespace, overrides: list[str]) -> int:
+    cfg = serve_config(args, overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    engine, front = engine_cpus(args)
+    if cfg.process.threads:
+        torch.set_num_threads(cfg.process.threads)
+    engine, front = engine_cpus(cfg, tuple(sorted(os.sched_getaffinity(0))))
     if front:
         os.sched_setaffinity(0, front)
     if any(engine):
         print("engine processes on CPU " + " | ".join(",".join(map(str, c)) or "any" for c in engine)
               + "; front-end on CPU " + (",".join(map(str, front)) or "any"), flush=True)
-    torch.set_float32_matmul_precision(args.matmul_precision)
-    # The engine thread releases the GIL in every torch op; Python's default 5 ms switch
-    # interval then lets the event loop hold it that long before the engine gets it back.
-    sys.setswitchinterval(args.gil_switch_ms / 1e3)
-    cfg = with_config_file(config_from_args(args, engine), args.config, overrides)
-    asyncio.run(_serve(cfg, args.artifact))
+    torch.set_float32_matmul_precision(cfg.process.matmul_precision)
+    sys.setswitchinterval(GIL_SWITCH_S)
+    asyncio.run(_serve(cfg, engine))
     return 0

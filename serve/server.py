@@ -30,6 +30,7 @@ import logging
 import math
 import multiprocessing as mp
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
@@ -89,7 +90,7 @@ class ConnectionConfig:
 
     # calls being handled at once; gRPC refuses more at once with RESOURCE_EXHAUSTED, before any
     # of our Python runs for them (the cheapest refusal there is: the front-end's CPU stays with the
-    # calls it serves). Size it to max QPS x the latency budget with headroom (300/s x 15 ms = 5),
+    # calls it serves). Size it to max QPS x the latency budget with headroom (e.g. 300/s x 15 ms = 5),
     # plus health checks: beyond what admission control would admit anyway
     max_concurrent_rpcs: int = 64
     # a request larger than this is refused unread (RESOURCE_EXHAUSTED); 0: the largest request the
@@ -104,6 +105,12 @@ class ConnectionConfig:
 
 @dataclass(frozen=True)
 class ServeConfig:
+    """``genrec serve``'s config: the ``[serve]`` section of a TOML file (configs/serve.toml lists
+    every key with its default), ``--serve.a.b=v`` overrides, and a few flags that are aliases
+    of keys (``--artifact``, ``--engine``, ``--host``, ``--port``, ``--threads``: serve.process.threads).
+    The defaults are what ``genrec serve`` runs with no file and no flags."""
+
+    artifact: str = ""  # the artifact folder served at start (`genrec quantize --out`)
     host: str = "0.0.0.0"
     port: int = 50051
     metrics_port: int = 0  # Prometheus HTTP exposition; 0 = off
@@ -118,16 +125,40 @@ class ServeConfig:
     connections: ConnectionConfig = field(default_factory=ConnectionConfig)
     # run the torch / naive engine in its own process (serve.worker): no GIL shared with
     # the front-end; the SGLang engine always runs in the server process
-    engine_process: bool = False
+    engine_process: bool = True
     process: ProcessSettings = field(default_factory=ProcessSettings)
     engine_replicas: int = 1  # engine processes, each taking whole batches (needs engine_process)
-    replica_cpus: tuple[tuple[int, ...], ...] = ()  # CPUs of each replica (serve.worker.plan_cpus); () = any
+    # CPUs of the engine processes (serve.worker.plan_cpus): "auto" (with process.threads = N each
+    # replica owns N CPUs from the last one down, the front-end keeps the rest), "none", or CPU
+    # numbers ([2, 3], split between the replicas; the front-end takes the others). Applied by
+    # `genrec serve`, which owns the process's affinity; RecommenderServer takes the result.
+    engine_cpus: str | int | tuple[int, ...] = "auto"
+
+    def __post_init__(self) -> None:
+        # where each engine process runs is planned from engine_cpus, and its priority by the
+        # failover engine: the per-process fields would be overwritten without a word
+        if self.process.cpus or self.process.nice:
+            raise ValueError("serve.process.cpus / serve.process.nice are set per engine process by the "
+                             "server; choose the engine CPUs with serve.engine_cpus")
+        if self.engine_replicas < 1:
+            raise ValueError(f"serve.engine_replicas = {self.engine_replicas}; it must be at least 1")
 
 
-def open_engine(cfg: ServeConfig, artifact: str):  # noqa: ANN201 - an engine
-    """The engine the config asks for: in a child process, or in this one."""
+def batch_inflight(cfg: ServeConfig) -> int:
+    """Batches in flight at once: ``batch.max_inflight``, or where that is 0 three for one engine
+    process (the next ones wait in its pipe while one computes, serve.worker.EngineProcess.run_async:
+    a call that arrives while two batches are out is sent at once instead of waiting for the
+    front-end to collect a reply), else one per engine replica (an in-process engine: one)."""
+    if cfg.batch.max_inflight:
+        return cfg.batch.max_inflight
+    return 3 if cfg.engine_process and cfg.engine != "sglang" and cfg.engine_replicas == 1 else cfg.engine_replicas
+
+
+def open_engine(cfg: ServeConfig, artifact: str, replica_cpus: Sequence[tuple[int, ...]] = ()):  # noqa: ANN201
+    """The engine the config asks for: in child processes, or in this one. ``replica_cpus``: the
+    CPUs of each engine process (() for each: where the OS puts it)."""
     if cfg.engine_process and cfg.engine != "sglang":
-        cpus = cfg.replica_cpus or ((),) * cfg.engine_replicas
+        cpus = tuple(replica_cpus) or ((),) * cfg.engine_replicas
         if len(cpus) != cfg.engine_replicas:
             raise ValueError(f"replica_cpus names {len(cpus)} replicas, engine_replicas is {cfg.engine_replicas}")
         # each with a warm standby (ProcessSettings.standby): an engine that dies is replaced at once
@@ -138,7 +169,7 @@ def open_engine(cfg: ServeConfig, artifact: str):  # noqa: ANN201 - an engine
                    for c in cpus]
         return engines[0] if len(engines) == 1 else EnginePool(engines)
     if cfg.engine_replicas != 1:
-        raise ValueError("engine replicas need the engine in its own process (--engine-process)")
+        raise ValueError("serve.engine_replicas > 1 needs the engine in its own process (serve.engine_process = true)")
     return make_engine(cfg.engine, artifact, cfg.device)
 
 
@@ -230,9 +261,18 @@ def _server_options(c: ConnectionConfig, limits: Limits) -> list[tuple[str, int]
 
 
 class RecommenderServer:
-    def __init__(self, cfg: ServeConfig, artifact: str, engine=None) -> None:  # noqa: ANN001
-        self.cfg, self.artifact = cfg, artifact
-        self.engine = engine if engine is not None else open_engine(cfg, artifact)
+    """Serves ``artifact`` (default: ``cfg.artifact``) on the engine ``cfg`` asks for, or on
+    ``engine`` when one is handed in. ``replica_cpus``: the CPUs of each engine process, as
+    ``genrec serve`` planned them from ``cfg.engine_cpus`` (() for each: not pinned); reloads
+    keep them."""
+
+    def __init__(self, cfg: ServeConfig, artifact: str | Path | None = None, engine=None,  # noqa: ANN001
+                 replica_cpus: Sequence[tuple[int, ...]] = ()) -> None:
+        artifact = str(artifact or cfg.artifact)
+        if not artifact:
+            raise ValueError("serve.artifact is empty: name the artifact folder to serve")
+        self.cfg, self.artifact, self.replica_cpus = cfg, artifact, tuple(replica_cpus)
+        self.engine = engine if engine is not None else open_engine(cfg, artifact, self.replica_cpus)
         self.owns_engine = engine is None  # an engine handed in is closed by whoever made it
         self.metrics = ServerMetrics()
         self.metrics.model.labels(self.engine.version, self.engine.name).set(1)
@@ -250,7 +290,8 @@ class RecommenderServer:
 
     # ----- lifecycle ------------------------------------------------------------------------
     async def start(self) -> int:
-        self.batcher = Batcher(lambda: self.engine, self.cfg.batch, self.metrics.on_batch)
+        batch = replace(self.cfg.batch, max_inflight=batch_inflight(self.cfg))
+        self.batcher = Batcher(lambda: self.engine, batch, self.metrics.on_batch)
         self.batcher.start()
         conn = self.cfg.connections
         self.server = grpc.aio.server(options=_server_options(conn, self.cfg.limits),
@@ -335,7 +376,7 @@ class RecommenderServer:
             t0 = time.monotonic()
             loop = asyncio.get_running_loop()
             cfg = replace(self.cfg, engine=self.engine.name)
-            engine = await loop.run_in_executor(None, open_engine, cfg, path)
+            engine = await loop.run_in_executor(None, open_engine, cfg, path, self.replica_cpus)
             if self._stopping:
                 loop.run_in_executor(None, engine.close).add_done_callback(_log_failure)
                 raise ShuttingDown("the server is shutting down; the new artifact was not swapped in")

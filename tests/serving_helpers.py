@@ -60,6 +60,12 @@ def tiny_ranking_artifact(data: Path, out: Path, tower: str = "hstu", embeddings
 ADMIN_TOKEN = "test-admin-token-0123456789"
 
 
+def local_config(**kwargs) -> ServeConfig:  # noqa: ANN003
+    """A server on a free loopback port with the engine in the test's process (the default
+    engine process, with its standby, is what the tests that say ``engine_process=True`` check)."""
+    return ServeConfig(**{"host": "127.0.0.1", "port": 0, "engine_process": False, **kwargs})
+
+
 def admin_token_file() -> str:
     """A file holding ADMIN_TOKEN (readable by its owner only, as an operator would keep it)."""
     fd, path = tempfile.mkstemp(prefix="genrec-admin-token-")
@@ -73,7 +79,7 @@ class ThreadedServer:
     own loopback port, ``admin_target``, token ADMIN_TOKEN) unless the config sets a token file."""
 
     def __init__(self, artifact: Path, cfg: ServeConfig | None = None, engine=None) -> None:  # noqa: ANN001
-        cfg = cfg or ServeConfig(host="127.0.0.1", port=0)
+        cfg = cfg or local_config()
         if not cfg.admin.token_file:
             cfg = replace(cfg, admin=replace(cfg.admin, token_file=admin_token_file()))
         self.cfg = cfg

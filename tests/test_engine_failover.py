@@ -31,7 +31,7 @@ from genrec.serve.failover import FailoverEngine
 from genrec.serve.requests import Limits, Work, decode_user
 from genrec.serve.server import ServeConfig
 from genrec.serve.worker import EngineProcess, EngineProcessError, ProcessSettings
-from tests.serving_helpers import ThreadedServer, tiny_ranking_artifact
+from tests.serving_helpers import ThreadedServer, local_config, tiny_ranking_artifact
 
 ROOT = Path(__file__).resolve().parents[1]
 T0 = 1_700_000_000
@@ -254,7 +254,7 @@ def test_the_server_loses_no_call_when_its_engine_process_is_killed(failover, ar
     """The server takes the failover engine as it would an engine process: calls keep coming from
     two clients while the serving process is SIGKILLed, and every one is answered."""
     assert failover.wait_standby(60)
-    srv = ThreadedServer(artifact, ServeConfig(host="127.0.0.1", port=0, batch=BatchConfig(max_inflight=3)),
+    srv = ThreadedServer(artifact, local_config(batch=BatchConfig(max_inflight=3)),
                          engine=failover)
     client = RecommenderClient(srv.target, timeout_s=30)
     done, errors, stop = [0, 0], [], threading.Event()

@@ -17,8 +17,7 @@ from genrec.serve.batcher import BatchConfig
 from genrec.serve.client import user
 from genrec.serve.engine import NaiveTorchEngine, TorchEngine
 from genrec.serve.requests import MAX_DETAIL, InvalidRequest, Limits, decode
-from genrec.serve.server import ServeConfig
-from tests.serving_helpers import ThreadedServer, tiny_ranking_artifact
+from tests.serving_helpers import ThreadedServer, local_config, tiny_ranking_artifact
 
 T0 = 1_700_000_000
 CTX = {"region": [3]}
@@ -65,7 +64,7 @@ def test_errors_quote_a_request_string_briefly_and_are_capped(engine):
         assert msg.startswith(field) and len(msg) < 300 and msg.isascii() and "..." in msg, msg
     assert len(str(InvalidRequest("y" * 100_000))) == MAX_DETAIL
     assert str(InvalidRequest("\u2603")) == "\\u2603"  # ASCII: nothing for gRPC to percent-encode
-    srv = ThreadedServer(engine.artifact, ServeConfig(host="127.0.0.1", port=0), engine=engine)
+    srv = ThreadedServer(engine.artifact, local_config(), engine=engine)
     try:
         ch, rpc = calls(srv.target)
         for field, req in reqs.items():
@@ -232,7 +231,7 @@ def test_a_history_longer_than_the_window_is_served_on_its_latest_events_and_exc
     window = engine.schema.max_history
     long = [(i, 0 if j < 100 else t, a) for j, (i, t, a) in enumerate(events(400, seed=5))]
     assert len(long) > 10 * window
-    srv = ThreadedServer(artifact, ServeConfig(host="127.0.0.1", port=0), engine=engine)
+    srv = ThreadedServer(artifact, local_config(), engine=engine)
     try:
         ch, rpc = calls(srv.target)
         sent = {h for h, _, _ in long}
@@ -367,7 +366,7 @@ def test_fuzzed_requests_never_get_unknown_or_internal(artifact, engine):
     server stays up."""
     lim = Limits(max_history=64, max_candidates=32, max_exclude_items=1000)
     # (admission control off: the fuzz sends concurrently, and its refusals are not what this checks)
-    srv = ThreadedServer(artifact, ServeConfig(host="127.0.0.1", port=0, limits=lim,
+    srv = ThreadedServer(artifact, local_config(limits=lim,
                                                batch=BatchConfig(max_queue_ms=0)), engine=engine)
     try:
         ch, rpc = calls(srv.target)

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -29,6 +28,7 @@ from tests.serving_helpers import (
     ADMIN_TOKEN,
     ThreadedServer,
     admin_token_file,
+    local_config,
     tiny_ranking_artifact,
 )
 
@@ -50,7 +50,7 @@ def root(tiny_synth, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(root):
-    cfg = ServeConfig(host="127.0.0.1", port=0, admin=AdminConfig(token_file=admin_token_file()))
+    cfg = local_config(admin=AdminConfig(token_file=admin_token_file()))
     srv = ThreadedServer(root / "live", cfg)
     yield srv
     srv.stop()
@@ -91,7 +91,7 @@ def test_admin_is_off_without_a_token_file(root):
     from genrec.serve.server import RecommenderServer
 
     async def started() -> tuple[object, int]:
-        srv = RecommenderServer(ServeConfig(host="127.0.0.1", port=0), str(root / "live"))
+        srv = RecommenderServer(local_config(), str(root / "live"))
         await srv.start()
         await srv.stop(0)
         return srv.admin_server, srv.admin_port
@@ -232,7 +232,7 @@ def test_tls_and_mutual_tls_on_the_public_port(root, tmp_path):
     key, cert = _self_signed(tmp_path, "server")
     ckey, ccert = _self_signed(tmp_path, "client")
     u = user([(5, T0, 1), (9, T0 + 60, 1)], {"region": [2]})
-    srv = ThreadedServer(root / "live", ServeConfig(host="127.0.0.1", port=0, tls=TLSConfig(str(cert), str(key))))
+    srv = ThreadedServer(root / "live", local_config(tls=TLSConfig(str(cert), str(key))))
     try:
         creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
         assert len(RecommenderClient(srv.target, 10, credentials=creds).retrieve(u, k=3).items) == 3
@@ -246,7 +246,7 @@ def test_tls_and_mutual_tls_on_the_public_port(root, tmp_path):
     finally:
         srv.stop()
     mtls = TLSConfig(str(cert), str(key), client_ca=str(ccert))
-    srv = ThreadedServer(root / "live", ServeConfig(host="127.0.0.1", port=0, tls=mtls))
+    srv = ThreadedServer(root / "live", local_config(tls=mtls))
     try:
         anonymous = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
         with pytest.raises(grpc.RpcError) as e:
@@ -269,8 +269,8 @@ def test_sigterm_under_load_with_a_load_in_progress_answers_admitted_calls_and_e
     token = admin_token_file()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "genrec.cli", "serve", "--artifact", str(root / "live"),
-                             "--host", "127.0.0.1", "--port", "0", "--threads", "1", "--admin-token-file", token,
-                             "--grace-s", "5"],
+                             "--host", "127.0.0.1", "--port", "0", "--threads", "1", f"--serve.admin.token_file={token}",
+                             "--serve.grace_s=5"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         port = admin = None
@@ -332,22 +332,6 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
     except (FileNotFoundError, IndexError):
         return "zombie"
-
-
-def test_config_file_and_overrides_reach_the_server_config(tmp_path):
-    from genrec.cli import build_parser
-    from genrec.config import ConfigError
-    from genrec.serve.cli import config_from_args, with_config_file
-
-    args, _ = build_parser().parse_known_args(["serve", "--artifact", "a", "--admin-port", "7"])
-    f = tmp_path / "serve.toml"
-    f.write_text("[serve.connections]\nmax_concurrent_rpcs = 64\n[serve.batch]\nmax_queue_ms = 25.0\n")
-    cfg = with_config_file(config_from_args(args), str(f), ["--serve.admin.load_timeout_s=60"])
-    assert cfg.connections.max_concurrent_rpcs == 64 and cfg.batch.max_queue_ms == 25.0
-    assert cfg.admin.port == 7 and cfg.admin.load_timeout_s == 60
-    with pytest.raises(ConfigError, match="no_such_key"):
-        with_config_file(cfg, None, ["--serve.no_such_key=1"])
-    assert replace(cfg, port=1).port == 1
 
 
 def test_batch_cost_model_recovers_a_fixed_and_a_per_call_part():

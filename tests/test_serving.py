@@ -3,7 +3,6 @@ replicas, graceful shutdown. Tiny models; every call goes through grpcio."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import random
@@ -27,9 +26,9 @@ from genrec.serve.client import RecommenderClient, user
 from genrec.serve.engine import TorchEngine
 from genrec.serve.failover import EnginePool
 from genrec.serve.requests import Limits
-from genrec.serve.server import ServeConfig, open_engine
+from genrec.serve.server import ServeConfig, batch_inflight, open_engine
 from genrec.serve.worker import EngineProcess, ProcessSettings, plan_cpus
-from tests.serving_helpers import ThreadedServer, tiny_ranking_artifact
+from tests.serving_helpers import ThreadedServer, local_config, tiny_ranking_artifact
 
 ROOT = Path(__file__).resolve().parents[1]
 T0 = 1_700_000_000
@@ -99,7 +98,7 @@ def test_end_to_end_cli_server_over_a_real_port(artifacts):
             port = int(m.group(1)) if m else None
         assert port, "server did not start"
         cpus = sorted(os.sched_getaffinity(0))
-        if len(cpus) >= 2:  # --engine-cpus auto: the engine process owns the last CPU, the front-end the rest
+        if len(cpus) >= 2:  # serve.engine_cpus = "auto": the engine process owns the last CPU, the front-end the rest
             kids = [int(k) for k in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
             assert os.sched_getaffinity(proc.pid) == set(cpus[:-1])
             assert {cpus[-1]} in [os.sched_getaffinity(k) for k in kids]
@@ -177,7 +176,7 @@ def fuzz_cases(rng: random.Random, max_history: int) -> list[tuple[str, bytes, s
 
 def test_ten_thousand_fuzzed_requests_are_invalid_argument_and_the_server_stays_up(artifacts):
     limits = Limits(max_history=64)
-    srv = ThreadedServer(artifacts["hstu"], ServeConfig(host="127.0.0.1", port=0, limits=limits))
+    srv = ThreadedServer(artifacts["hstu"], local_config(limits=limits))
     try:
         ch = grpc.insecure_channel(srv.target)
         calls = {m: ch.unary_unary(f"/genrec.v1.Recommender/{m}") for m in ("Recommend", "Retrieve", "Rank")}
@@ -223,7 +222,7 @@ class SlowEngine:
 
 def test_overload_is_shed_quickly_memory_stays_bounded_and_service_recovers(artifacts):
     engine = SlowEngine(TorchEngine(artifacts["hstu"]), delay=0.05)
-    cfg = ServeConfig(host="127.0.0.1", port=0, batch=BatchConfig(max_batch=4, max_wait_ms=1, max_queue=8))
+    cfg = local_config(batch=BatchConfig(max_batch=4, max_wait_ms=1, max_queue=8))
     srv = ThreadedServer(artifacts["hstu"], cfg, engine=engine)
     try:
         c = RecommenderClient(srv.target, timeout_s=10)
@@ -263,7 +262,7 @@ def test_overload_is_shed_quickly_memory_stays_bounded_and_service_recovers(arti
 
 def test_expired_requests_get_deadline_exceeded_without_running(artifacts):
     engine = SlowEngine(TorchEngine(artifacts["hstu"]), delay=0.3)
-    cfg = ServeConfig(host="127.0.0.1", port=0, batch=BatchConfig(max_batch=1, max_wait_ms=0, max_queue=64))
+    cfg = local_config(batch=BatchConfig(max_batch=1, max_wait_ms=0, max_queue=64))
     srv = ThreadedServer(artifacts["hstu"], cfg, engine=engine)
     try:
         c = RecommenderClient(srv.target, timeout_s=0.1)
@@ -374,8 +373,7 @@ def test_engine_process_answers_like_the_in_process_engine_and_replaces_a_killed
 def test_batches_sent_from_the_loop_pipeline_through_one_engine_process(artifacts):
     """Three batches in flight at once: each sent before any reply is read, computed back to back
     in order, each answered with its own results; a child killed with two in flight fails both,
-    frees the pipe, and the next batch starts a new child. The CLI pipelines three by default."""
-    from genrec.serve.cli import default_inflight
+    frees the pipe, and the next batch starts a new child. The server pipelines three by default."""
     from genrec.serve.requests import Work, decode_user
     from genrec.serve.worker import EngineProcessError
 
@@ -409,10 +407,11 @@ def test_batches_sent_from_the_loop_pipeline_through_one_engine_process(artifact
         assert remote.restarts == 1
     finally:
         remote.close()
-    cli = {"engine_process": True, "engine": "torch", "engine_replicas": 1}
-    assert default_inflight(argparse.Namespace(**cli)) == 3
-    assert default_inflight(argparse.Namespace(**{**cli, "engine_replicas": 3})) == 3
-    assert default_inflight(argparse.Namespace(**{**cli, "engine_process": False})) == 1
+    assert batch_inflight(ServeConfig()) == 3
+    assert batch_inflight(ServeConfig(engine_replicas=3)) == 3
+    assert batch_inflight(ServeConfig(engine_process=False)) == 1
+    assert batch_inflight(ServeConfig(engine="sglang")) == 1
+    assert batch_inflight(ServeConfig(batch=BatchConfig(max_inflight=1))) == 1
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -572,7 +571,7 @@ def test_engine_pool_runs_batches_on_free_replicas_with_the_same_answers(artifac
         pool.close()
     assert not any(r.proc.is_alive() for r in pool.replicas)
     with pytest.raises(ValueError, match="own process"):
-        open_engine(ServeConfig(engine_replicas=2), str(artifacts["hstu"]))
+        open_engine(ServeConfig(engine_process=False, engine_replicas=2), str(artifacts["hstu"]))
 
 
 def test_server_with_engine_replicas_serves_batches_concurrently(artifacts):
@@ -608,7 +607,7 @@ def test_two_replicas_behind_client_side_round_robin(artifacts):
 
 def test_graceful_shutdown_finishes_calls_in_flight(artifacts):
     engine = SlowEngine(TorchEngine(artifacts["hstu"]), delay=0.4)
-    srv = ThreadedServer(artifacts["hstu"], ServeConfig(host="127.0.0.1", port=0), engine=engine)
+    srv = ThreadedServer(artifacts["hstu"], local_config(), engine=engine)
     c = RecommenderClient(srv.target, timeout_s=10)
     u = user(history(4), CTX)
     with ThreadPoolExecutor(4) as pool:
@@ -722,7 +721,7 @@ def test_history_as_columns_is_the_same_request_and_its_errors_name_the_column(a
     for message, u in bad.items():
         with pytest.raises(InvalidRequest, match=re.escape(message)):
             decode("retrieve", pb.RetrieveRequest(user=u).SerializeToString(), engine.schema, Limits())
-    srv = ThreadedServer(artifacts["hstu"], ServeConfig(host="127.0.0.1", port=0))
+    srv = ThreadedServer(artifacts["hstu"], local_config())
     try:
         c = RecommenderClient(srv.target)
         x, y = c.recommend(user(h, CTX), retrieve_k=20, top_k=5), c.recommend(user(h, CTX, columns=True), retrieve_k=20, top_k=5)

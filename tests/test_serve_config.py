@@ -1,0 +1,87 @@
+"""``genrec serve`` is configured by a [serve] section like every other component: file, alias
+flags, dotted overrides; unknown keys are errors; the CLI's defaults are ServeConfig's."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from genrec.cli import build_parser
+from genrec.config import ConfigError, dump_toml, load_config
+from genrec.serve.batcher import BatchConfig
+from genrec.serve.cli import ServeFile, engine_cpus, serve_config
+from genrec.serve.server import ServeConfig
+from genrec.serve.worker import ProcessSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cfg(*argv: str) -> ServeConfig:
+    args, rest = build_parser().parse_known_args(["serve", *argv])
+    return serve_config(args, rest)
+
+
+def test_the_cli_with_no_flags_runs_serveconfig_defaults():
+    assert _cfg("--artifact", "a") == ServeConfig(artifact="a")
+    # every serve flag is an alias of a key: none has a default of its own that could drift
+    args, _ = build_parser().parse_known_args(["serve"])
+    assert {k: v for k, v in vars(args).items() if k != "cmd"} == dict.fromkeys(
+        ("config", "artifact", "engine", "host", "port", "threads"))
+
+
+def test_a_serve_file_round_trips(tmp_path):
+    cfg = ServeConfig(artifact="runs/art", port=50100, engine="naive", engine_cpus=(2, 3), engine_replicas=2,
+                      batch=BatchConfig(max_batch=8, max_inflight=2), process=ProcessSettings(threads=1, poll_ms=5.0))
+    f = tmp_path / "serve.toml"
+    f.write_text(dump_toml(ServeFile(cfg)))
+    assert load_config(ServeFile, f).serve == cfg
+    assert _cfg("--config", str(f)) == cfg
+
+
+def test_the_example_config_lists_the_defaults():
+    assert load_config(ServeFile, ROOT / "configs" / "serve.toml").serve == ServeConfig()
+
+
+def test_flags_override_the_file_and_dotted_overrides_override_both(tmp_path):
+    f = tmp_path / "serve.toml"
+    f.write_text('[serve]\nartifact = "from-file"\nport = 1\n[serve.batch]\nmax_queue_ms = 25.0\n')
+    cfg = _cfg("--config", str(f), "--port", "2", "--threads", "1", "--serve.admin.load_timeout_s=60",
+               "--serve.engine_cpus=[1]")
+    assert (cfg.artifact, cfg.port, cfg.process.threads) == ("from-file", 2, 1)
+    assert cfg.batch.max_queue_ms == 25.0 and cfg.admin.load_timeout_s == 60.0 and cfg.engine_cpus == (1,)
+    assert _cfg("--config", str(f), "--port", "2", "--serve.port=3").port == 3
+    assert engine_cpus(cfg, (0, 1)) == ([(1,)], (0,))
+
+
+@pytest.mark.parametrize("argv, key", [
+    (["--serve.no_such_key=1"], "serve.no_such_key"),
+    (["--serve.batch.max_batchh=4"], "serve.batch.max_batchh"),
+    (["--serve.process.cpus=[1]"], "serve.engine_cpus"),  # set per process: the error says what to set
+    (["--serve.engine=tensorrt"], "tensorrt"),
+    (["--serve.limits.max_history=0"], "max_history"),
+    (["--train.lr=1"], "--train.lr"),
+])
+def test_unknown_keys_and_bad_values_are_errors_naming_them(argv, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        _cfg("--artifact", "a", *argv)
+
+
+def test_a_file_with_another_section_or_no_artifact_is_an_error(tmp_path):
+    f = tmp_path / "job.toml"
+    f.write_text('[serve]\nport = 1\n[model]\ntower = "hstu"\n')
+    with pytest.raises(ConfigError, match="'model'"):
+        _cfg("--config", str(f), "--artifact", "a")
+    with pytest.raises(ConfigError, match="serve.artifact"):
+        _cfg()
+
+
+def test_every_key_has_a_default():
+    """A key without a default would make a [serve] file that omits it an error."""
+    def walk(cls: type) -> None:
+        for f in dataclasses.fields(cls):
+            assert f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING, f.name
+            if dataclasses.is_dataclass(f.type if isinstance(f.type, type) else None):
+                walk(f.type)
+    walk(ServeConfig)
