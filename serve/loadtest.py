@@ -279,7 +279,7 @@ def sweep(target: str, qps_steps: list[float], duration: float, payloads: list[b
           timeout_s: float = 1.0, max_requests: int = 1_000_000, progress: bool = True,
           cooldown_s: float = 1.0, method: str = "Recommend", min_requests: int = 0) -> LoadTestResult:
     result = LoadTestResult(target, method, slo_ms)
-    # what is loaded now stays; a full collection over it would stall the sender ~0.1 s
+    # what is loaded now stays; a full collection over it would stall the sender mid-step
     # (serve.factory.quiet_gc has the same reason on the server side)
     gc.collect()
     gc.freeze()
