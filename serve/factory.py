@@ -1,8 +1,8 @@
 """Building an engine in this process, and readying a process that holds one.
 
 Both the server (an in-process engine) and an engine process (``serve.worker``'s child)
-build engines here, so neither imports the other: ``server -> worker -> factory`` and
-``server -> factory`` (tests/test_layering.py checks that ``serve/`` has no import cycle).
+build engines here, so neither imports the other: ``server -> failover -> worker -> factory``
+and ``server -> factory`` (tests/test_layering.py checks that ``serve/`` has no import cycle).
 """
 
 from __future__ import annotations
