@@ -1,7 +1,25 @@
-"""Shared fixtures: tiny seeded datasets and configs (the suite never reads ../shared/data)."""
+"""Shared fixtures: tiny seeded datasets and configs (the suite never reads ../shared/data),
+and the test tiers.
+
+Tiers: every test gets exactly one of these markers, here (``tier_of`` below), so nobody
+marks tests by hand. ``.ci/run`` runs them all; ``-m`` picks some.
+
+    unit     in one process, CPU, no model trained end to end: ``pytest -m unit`` is the
+             check before each commit (about a minute on 2 cores)
+    dist     training end to end: torchrun and multi-process gloo groups, and the
+             single-process training runs (resume, checkpoint choice, averaging, the CLI
+             round trip) the distributed ones are checked against
+    serving  starts a gRPC server, an engine process or ``genrec serve``, or trains and
+             quantizes the artifact they load
+    sglang   runs SGLang
+
+A test's tier is its file's (FILE_TIERS), else its own (TEST_TIERS), else the first of SIGNS
+found in its source or its fixtures' source, else unit.
+"""
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 
@@ -14,6 +32,77 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+TESTS = Path(__file__).resolve().parent
+TIERS = ("unit", "dist", "serving", "sglang")
+FILE_TIERS = {
+    "test_distributed.py": "dist", "test_checkpoint.py": "dist",
+    "test_serving.py": "serving", "test_serve_security.py": "serving", "test_engine_failover.py": "serving",
+    "test_request_limits.py": "serving", "test_loadtest.py": "serving",
+    "test_sglang.py": "sglang",
+}
+# file::test (without parameters) -> tier, for what SIGNS cannot see (a helper does the work)
+TEST_TIERS = {
+    "test_layering.py::test_serving_loads_no_training_code": "serving",  # a fresh interpreter
+    "test_layering.py::test_the_serving_check_sees_training_code_when_it_is_loaded": "serving",  # per check
+}
+# what a test or one of its fixtures does -> tier; the first match wins
+SIGNS = (
+    ("sglang", ("import sglang", "from sglang", "SGLangEngine", "sglang_engine")),
+    ("dist", ("torchrun", "TORCHRUN", "torch.distributed.run", "mp.spawn", "init_process_group")),
+    ("serving", ("ThreadedServer", "grpc.server(", "grpc.aio.server(", "EngineProcess(", "FailoverEngine(",
+                 "EnginePool(", '"genrec.cli", "serve"', "tiny_ranking_artifact(", "QuantizeConfig(")),
+    ("dist", ("run_training(", 'genrec("train"')),
+)
+
+def _ours(func: object) -> bool:
+    try:
+        return Path(inspect.getsourcefile(func) or "").parent == TESTS  # type: ignore[arg-type]
+    except TypeError:
+        return False
+
+
+def _sources(item: pytest.Item) -> str:
+    """The test function's source and that of every fixture it uses."""
+    funcs = [getattr(item, "function", None)]
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in (info.name2fixturedefs.values() if info else ()):
+        funcs += [d.func for d in defs if _ours(d.func)]
+    out = []
+    for f in funcs:
+        try:
+            out.append(inspect.getsource(f))
+        except (OSError, TypeError):
+            pass
+    return "\n".join(out)
+
+
+def tier_of(item: pytest.Item) -> str:
+    file = item.path.name
+    if file in FILE_TIERS:
+        return FILE_TIERS[file]
+    name = f"{file}::{getattr(item, 'originalname', item.name)}"
+    if name in TEST_TIERS:
+        return TEST_TIERS[name]
+    src = _sources(item)
+    for tier, signs in SIGNS:
+        if any(s in src for s in signs):
+            return tier
+    return "unit"
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects on the markers
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    bad = []
+    for item in items:
+        if not any(item.get_closest_marker(t) for t in TIERS):
+            item.add_marker(getattr(pytest.mark, tier_of(item)))
+        marks = {m.name for m in item.iter_markers() if m.name in TIERS}
+        if len(marks) != 1:
+            bad.append(f"{item.nodeid}: {sorted(marks)}")
+    if bad:
+        raise pytest.UsageError("each test needs exactly one tier marker of " + ", ".join(TIERS) + ":\n  "
+                                + "\n  ".join(bad))
 
 
 @pytest.fixture(scope="session")
