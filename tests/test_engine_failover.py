@@ -326,14 +326,16 @@ def test_health_is_not_serving_only_while_no_engine_process_can_answer(artifact)
     try:
         assert isinstance(engine, FailoverEngine) and engine.wait_standby(60)
         assert status() == serving
-        os.kill(engine.active.proc.pid, signal.SIGKILL)
-        assert wait_until(lambda: engine.restarts >= 1, 10)
+        killed = engine.active
+        os.kill(killed.proc.pid, signal.SIGKILL)
+        # the standby takes over at once (its replacement loads for seconds, longer on a busy machine)
+        assert wait_until(lambda: engine.active not in (None, killed), 10)
         assert status() == serving
-        assert engine.wait_standby(60)
+        assert engine.wait_standby(120) and engine.restarts == 1
         for e in (engine.active, engine.standby):
             os.kill(e.proc.pid, signal.SIGKILL)
         assert wait_until(lambda: status() == down, 10)
-        assert wait_until(lambda: status() == serving, 60)
+        assert wait_until(lambda: status() == serving, 120)
         assert len(RecommenderClient(srv.target, 10).retrieve(user(history(6, 0), {"region": [3]}), k=5).items) == 5
     finally:
         srv.stop()
