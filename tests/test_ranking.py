@@ -180,6 +180,7 @@ def test_ranking_reader_labels_and_time_split(tiny_synth):
     rk = RankingDataConfig(enabled=True, num_candidates=4, test_fraction=0.1)
     lo, hi = ranking_cutoffs(tiny_synth / "interactions.parquet", 0.1)
     kw = dict(embedding=e, max_seq_len=20, batch_size=16, ranking=rk, tasks=masks)
+    candidates = 0
     for b in SequenceReader(tiny_synth, "train", **kw):
         assert int(b.timestamps.max()) < lo and int(b.query_times.max()) < lo  # nothing held out is an input
         if b.num_targets is not None:
@@ -188,6 +189,10 @@ def test_ranking_reader_labels_and_time_split(tiny_synth):
             last = torch.cumsum(n, 0) - 1
             assert (acts[last[b.num_targets > 0]] == 0).all()  # candidates carry no action
             assert b.labels.shape == (int(b.num_targets.sum()), 2)
+            assert set(b.labels.unique().tolist()) <= {0.0, 1.0}
+            assert (b.labels[:, 1] <= b.labels[:, 0]).all()  # a conversion is a clicked candidate's
+            candidates += int(b.num_targets.sum())
+    assert candidates > 0  # the checks above ran
     seen = 0
     for b in SequenceReader(tiny_synth, "rank_test", **kw):
         starts = torch.cumsum(b.seq.lengths()[: b.batch_size], 0) - b.num_targets
