@@ -5,7 +5,7 @@ Tiers: every test gets exactly one of these markers, here (``tier_of`` below), s
 marks tests by hand. ``.ci/run`` runs them all; ``-m`` picks some.
 
     unit     in one process, CPU, no model trained end to end: ``pytest -m unit`` is the
-             check before each commit (about a minute on 2 cores)
+             check before each commit, and its budget is a minute on 2 cores
     dist     training end to end: torchrun and multi-process gloo groups, and the
              single-process training runs (resume, checkpoint choice, averaging, the CLI
              round trip) the distributed ones are checked against
@@ -54,6 +54,7 @@ SIGNS = (
                  "EnginePool(", '"genrec.cli", "serve"', "tiny_ranking_artifact(", "QuantizeConfig(")),
     ("dist", ("run_training(", 'genrec("train"')),
 )
+
 
 def _ours(func: object) -> bool:
     try:
