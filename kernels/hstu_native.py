@@ -55,7 +55,8 @@ def library() -> ctypes.CDLL | None:
 
 
 def ptr(a: np.ndarray | torch.Tensor) -> int:
-    return a.ctypes.data if isinstance(a, np.ndarray) else a.data_ptr()
+    """The address of an array's first element (numpy's ``.ctypes`` builds an object per call)."""
+    return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data_ptr()
 
 
 def time_thresholds(num_buckets: int) -> np.ndarray:
@@ -118,9 +119,11 @@ class NativeTower:
         self.dims = (final_w.shape[0], heads, qk_dim, v_dim, max_seq_len, num_buckets)
         self.alpha = float(alpha)
         self.thr = time_thresholds(num_buckets)
+        self._head = (self.num_layers, self.params, *self.dims, self.alpha, ptr(self.thr))
 
     def head(self) -> tuple:
-        return (self.num_layers, self.params, *self.dims, self.alpha, ptr(self.thr))
+        """The arguments every tower call starts with: layers, weights, shapes, alpha, time thresholds."""
+        return self._head
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         """The tower's final LayerNorm on x [N, D] in place."""
@@ -128,49 +131,72 @@ class NativeTower:
         return x
 
 
-def relative_times(times: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-    """int64 times from ``base``, clipped to the int32 range (as the PyTorch path buckets them)."""
-    return (times - base).clamp_(-(2**31) + 1, 2**31 - 1).contiguous()
+def relative_times(times: np.ndarray, base: int) -> np.ndarray:
+    """int64 times from ``base``, clipped to the int32 range (as the PyTorch path buckets
+    them); numpy, as is all of this backend's per-batch bookkeeping (a fraction of a torch
+    operator's dispatch on these small arrays)."""
+    out = times - base
+    return np.maximum(np.minimum(out, 2**31 - 1, out=out), -(2**31) + 1, out=out)  # (np.clip's wrapper costs more)
+
+
+@dataclass
+class NativeHistory:
+    """Encoded histories in the kernel's layout: what :func:`score` reads."""
+
+    k: torch.Tensor  # [layers, Th, H * Dqk] every history row's keys
+    v: torch.Tensor  # [layers, Th, H * Dv]
+    offsets: np.ndarray  # [B + 1] int64
+    tq: np.ndarray  # [Th] int64 query times from a base (a history's last: its request time)
+    tk: np.ndarray  # [Th] int64 event times from the same base
+    tower: NativeTower | None = None  # the weights that encoded it (candidates are scored with them)
+
+
+def history(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, times: torch.Tensor | None,
+            request_times: torch.Tensor | None) -> NativeHistory:
+    """A :class:`NativeHistory` of keys / values [layers, Th, H D] that the PyTorch layers
+    encoded (``times`` [Th], ``request_times`` [B]; None: no time bias)."""
+    offsets = np.ascontiguousarray(offsets.numpy(), dtype=np.int64)
+    th = k.shape[1]
+    tq = np.zeros(th, np.int64)
+    tk = tq
+    if times is not None and request_times is not None:
+        base = int(times.numpy().min()) if th else 0
+        tk = relative_times(times.numpy(), base)
+        tq[offsets[1:] - 1] = relative_times(request_times.numpy(), base)
+    return NativeHistory(k.float().contiguous(), v.float().contiguous(), offsets, tq, tk)
 
 
 def encode(tower: NativeTower, x: torch.Tensor, offsets: torch.Tensor, query_times: torch.Tensor | None,
-           timestamps: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           timestamps: torch.Tensor | None) -> tuple[torch.Tensor, NativeHistory, torch.Tensor | None]:
     """Histories through the tower: x [T, D] token inputs, offsets [B+1] (every history has a
     token), times [T] (None: no time bias) -> (each history's last row after the tower and its
-    final norm [B, D], keys [layers, T, H Dqk], values [layers, T, H Dv])."""
-    x = x.float().contiguous().clone()  # overwritten by the call
-    offsets = offsets.contiguous()
-    t, b = x.shape[0], offsets.numel() - 1
+    final norm [B, D], the keys / values every layer made of every row, each history's last
+    query time [B] or None)."""
+    x = x.float().clone(memory_format=torch.contiguous_format)  # overwritten by the call
+    offsets = np.ascontiguousarray(offsets.numpy(), dtype=np.int64)
+    t, b = x.shape[0], offsets.size - 1
     d, h, dqk, dv = tower.dims[:4]
+    request = None
     if timestamps is None or query_times is None:
-        tq = tk = torch.zeros(t, dtype=torch.int64)
+        tq = tk = np.zeros(t, np.int64)
     else:
-        base = timestamps.min()
-        tq, tk = relative_times(query_times, base), relative_times(timestamps, base)
+        q = query_times.numpy()
+        request = torch.from_numpy(q[offsets[1:] - 1])
+        base = int(timestamps.numpy().min()) if t else 0
+        tq, tk = relative_times(q, base), relative_times(timestamps.numpy(), base)
     kc, vc, out = torch.empty(tower.num_layers, t, h * dqk), torch.empty(tower.num_layers, t, h * dv), torch.empty(b, d)
     tower.lib.genrec_hstu_encode(*tower.head(), b, ptr(offsets), ptr(tq), ptr(tk), ptr(x), ptr(kc), ptr(vc), ptr(out))
-    return tower.final_norm(out), kc, vc
+    return tower.final_norm(out), NativeHistory(kc, vc, offsets, tq, tk, tower), request
 
 
-def score(tower: NativeTower, x: torch.Tensor, hist_offsets: torch.Tensor, hist_times: torch.Tensor | None,
-          request_times: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+def score(tower: NativeTower, x: torch.Tensor, hist: NativeHistory, owner: torch.Tensor) -> torch.Tensor:
     """Candidates through the tower against encoded histories: x [C, D] candidate inputs of
-    users ``owner`` [C] (runs of one user are scored together), k / v [layers, Th, H D] from
-    :func:`encode`, ``hist_times`` [Th] and ``request_times`` [B] (None: no time bias)
-    -> [C, D] after the final norm."""
-    x = x.float().contiguous().clone()  # overwritten by the call
-    users, counts = torch.unique_consecutive(owner, return_counts=True)
-    cand_offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
-    torch.cumsum(counts, 0, out=cand_offsets[1:])
-    users, hist_offsets = users.to(torch.int64).contiguous(), hist_offsets.contiguous()
-    th = k.shape[1]
-    tq = torch.zeros(th, dtype=torch.int64)
-    if hist_times is None or request_times is None:
-        tk = tq
-    else:  # the kernel reads a user's request time as its history's last query time
-        base = hist_times.min()
-        tk = relative_times(hist_times, base)
-        tq[hist_offsets[1:] - 1] = relative_times(request_times, base)
-    tower.lib.genrec_hstu_score(*tower.head(), ptr(hist_offsets), ptr(tq), ptr(tk), ptr(k), ptr(v), th, users.numel(),
-                                ptr(cand_offsets), ptr(users), ptr(x))
+    users ``owner`` [C] (runs of one user are scored together) -> [C, D] after the final norm."""
+    x = x.float().clone(memory_format=torch.contiguous_format)  # overwritten by the call
+    own = owner.numpy()
+    starts = np.flatnonzero(np.diff(own, prepend=-1)) if own.size else np.zeros(0, np.int64)  # runs of one user
+    users = np.ascontiguousarray(own[starts], dtype=np.int64)
+    cand_offsets = np.append(starts, own.size).astype(np.int64)
+    tower.lib.genrec_hstu_score(*tower.head(), ptr(hist.offsets), ptr(hist.tq), ptr(hist.tk), ptr(hist.k),
+                                ptr(hist.v), hist.k.shape[1], users.size, ptr(cand_offsets), ptr(users), ptr(x))
     return tower.final_norm(x)

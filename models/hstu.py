@@ -61,12 +61,12 @@ class HSTUConfig:
 class CachedHistory:
     """What candidates need of an encoded history: per-layer keys/values of its tokens."""
 
-    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v), [Th, H, D]
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v), [Th, H, D]; [] when only ``native``
     offsets: torch.Tensor  # [B+1] token offsets
     times: torch.Tensor  # [Th] token times (positions where users have no timestamps)
     request_times: torch.Tensor  # [B] the time candidates are scored at
-    # the same keys / values stacked [layers, Th, H * D] (the native backend's layout), when encoded there
-    stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+    # the same keys / values in the native backend's layout, when encoded there
+    native: hstu_native.NativeHistory | None = None
 
 
 @dataclass
@@ -175,6 +175,13 @@ class HSTULayer(nn.Module):
             bias_table(self.pos_weights, self.time_weights, self.max_seq_len, self.out.weight.dtype))
 
 
+def _unchanged(key: tuple[list[torch.Tensor], list[int], list[int]]) -> bool:
+    """Whether each parameter still has the storage and version it had (a replaced
+    Parameter object goes unseen: assign into the existing ones, as load_state_dict does)."""
+    params, ptrs, versions = key
+    return [p._version for p in params] == versions and [p.data_ptr() for p in params] == ptrs
+
+
 class HSTUTower(nn.Module):
     """A stack of HSTU layers on jagged rows: x [T, D] -> [T, D]."""
 
@@ -205,16 +212,15 @@ class HSTUTower(nn.Module):
         C++ kernel (CPU inference, :meth:`native_supported`)."""
         if meta.num_targets is not None:
             raise ValueError("encode_history takes histories without targets (score those with extend)")
-        request = meta.query_times[meta.offsets[1:] - 1] if meta.query_times is not None else None
         if backend == "native":
             times = self._native_times(meta.timestamps, meta.query_times)
-            out, k, v = hstu_native.encode(self.native_weights(), x, meta.offsets, *times)
-            c, t = self.layers[0].cfg, x.shape[0]
-            layers = [(k[i].view(t, c.num_heads, c.qk_dim), v[i].view(t, c.num_heads, c.v_dim))
-                      for i in range(len(self.layers))]
-            return out.to(x.dtype), CachedHistory(layers, meta.offsets, meta.timestamps, request, (k, v))
+            out, native, request = hstu_native.encode(self.native_weights(), x, meta.offsets, *times)
+            if out.dtype != x.dtype:
+                out = out.to(x.dtype)
+            return out, CachedHistory([], meta.offsets, meta.timestamps, request, native)
         if backend != "torch":
             raise ValueError(f"unknown tower backend '{backend}'; use 'torch' or 'native'")
+        request = meta.query_times[meta.offsets[1:] - 1] if meta.query_times is not None else None
         layers: list = []
         h = self(x, meta, cache=layers, last_only=True)
         return h, CachedHistory(layers, meta.offsets, meta.timestamps, request)
@@ -225,21 +231,31 @@ class HSTUTower(nn.Module):
         or ``forward(cache=)``) -> [C, D]: what the full pass gives them as targets appended
         to their user's history. Natively, runs of one user's candidates are scored together."""
         if backend == "native":
-            if hist.stacked is not None:
-                k, v = hist.stacked
-            else:  # encoded by the PyTorch layers: the kernel's layout
-                k, v = (torch.stack([kv[i].flatten(-2) for kv in hist.layers]).float().contiguous() for i in (0, 1))
-            times = self._native_times(hist.times, hist.request_times)
-            out = hstu_native.score(self.native_weights(), x, hist.offsets, *times[::-1], k, v, owner)
-            return out.to(x.dtype)
+            native = hist.native
+            if native is None:  # encoded by the PyTorch layers: the kernel's layout
+                k, v = (torch.stack([kv[i].flatten(-2) for kv in hist.layers]) for i in (0, 1))
+                request, times = self._native_times(hist.times, hist.request_times)
+                native = hstu_native.history(k, v, hist.offsets, times, request)
+            # with the weights that encoded the history (one weight check per request, not two)
+            out = hstu_native.score(native.tower or self.native_weights(), x, native, owner)
+            return out if out.dtype == x.dtype else out.to(x.dtype)
         if backend != "torch":
             raise ValueError(f"unknown tower backend '{backend}'; use 'torch' or 'native'")
         plan = AttentionPlan()  # the candidates' grouping and bias codes, built by the first layer
-        for layer, kv in zip(self.layers, hist.layers):
+        for layer, kv in zip(self.layers, self.cached_layers(hist)):
             x = layer.forward_cached(x, kv, hist, owner, plan)
         return self.final_norm(x)
 
     forward_cached = extend  # the name the transformer tower shares
+
+    def cached_layers(self, hist: CachedHistory) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k [Th, H, Dqk], v [Th, H, Dv]) of ``hist``, views of its native layout
+        when the native backend encoded it."""
+        if hist.layers or hist.native is None:
+            return hist.layers
+        c, k, v = self.layers[0].cfg, hist.native.k, hist.native.v
+        t = k.shape[1]
+        return [(k[i].view(t, c.num_heads, c.qk_dim), v[i].view(t, c.num_heads, c.v_dim)) for i in range(k.shape[0])]
 
     # ---- the native backend: this tower's weights for the kernel -----------------------------
     def native_supported(self) -> bool:
@@ -254,19 +270,22 @@ class HSTUTower(nn.Module):
                 and hstu_native.library() is not None)
 
     def native_weights(self) -> hstu_native.NativeTower:
-        """The layers' weights laid out for the kernel, rebuilt when a parameter changes."""
+        """The layers' weights laid out for the kernel, rebuilt when a parameter's storage or
+        version changes (an in-place update, ``load_state_dict``, ``.to()``)."""
         if self.training:
             raise RuntimeError("the native backend is for inference: call model.eval() first")
-        key = tuple((id(p), p._version) for p in self.parameters())
         cached = self.__dict__.get("_native")
-        if cached is None or cached[0] != key:
-            first = self.layers[0]
-            nb = first.time_weights.numel() if first.time_weights is not None else 1
-            tower = hstu_native.NativeTower([la.weights() for la in self.layers], self.final_norm.weight,
-                                            self.final_norm.bias, first.cfg.num_heads, first.cfg.qk_dim,
-                                            first.cfg.v_dim, first.max_seq_len, nb, first.alpha)
-            cached = self.__dict__["_native"] = (key, tower)  # not a submodule: outside state_dict
-        return cached[1]
+        if cached is not None and _unchanged(cached[0]):
+            return cached[1]
+        params = list(self.parameters())
+        key = (params, [p.data_ptr() for p in params], [p._version for p in params])
+        first = self.layers[0]
+        nb = first.time_weights.numel() if first.time_weights is not None else 1
+        tower = hstu_native.NativeTower([la.weights() for la in self.layers], self.final_norm.weight,
+                                        self.final_norm.bias, first.cfg.num_heads, first.cfg.qk_dim,
+                                        first.cfg.v_dim, first.max_seq_len, nb, first.alpha)
+        self.__dict__["_native"] = (key, tower)  # not a submodule: outside state_dict
+        return tower
 
     def _native_times(self, times: torch.Tensor | None, query: torch.Tensor | None) -> tuple:
         """(query times, key times) for the kernel: None where the layers have no time bias."""

@@ -192,8 +192,7 @@ class GenerativeRecommender(nn.Module):
         users' pooled ``context`` [B, E] when the ranking head reads it. ``backend``: how the
         tower runs (``HSTUTower.encode_history``)."""
         h, hist = self.tower.encode_history(x, meta, backend)  # [B, D]: each history's last row
-        lengths = meta.offsets[1:] - meta.offsets[:-1]
-        return self.head.normalize(h.float()), HistoryState(hist, lengths, context)
+        return self.head.normalize(h.float()), HistoryState(hist, torch.diff(meta.offsets), context)
 
     def summed_tokens(self, items: torch.Tensor, actions: torch.Tensor | None,
                       positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -76,7 +76,11 @@ class RetrievalHead(nn.Module):
         self.cfg = cfg
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        return F.normalize(x, dim=-1, eps=1e-6) if self.cfg.l2_norm else x
+        if not self.cfg.l2_norm:
+            return x
+        # = F.normalize(x, dim=-1, eps=1e-6), without torch.functional.norm's Python dispatch
+        # (serving normalizes one user vector per request, where that dispatch dominates)
+        return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-6)
 
     def scores(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
         """users [B, D], items [N, D] (both already normalised) -> logits [B, N]."""

@@ -27,14 +27,6 @@ _ptr = ptr
 _NONE = np.zeros(0, np.int64)
 
 
-def supports(model: GenerativeRecommender) -> bool:
-    """Whether the tower runs natively here (``HSTUTower.native_supported``) for a model the
-    engine's packed path covers (``serve.packed.packed_supports``)."""
-    from genrec.serve.packed import packed_supports  # (packed.py builds on this module)
-
-    return packed_supports(model) and model.tower.native_supported()
-
-
 class NativeRows:
     """One served table (:class:`quant.embeddings.ServedRows`) for ``genrec_gather_rows``:
     rows gathered, dequantized and summed into a float buffer in one call, where the

@@ -94,9 +94,11 @@ class PackedPath:
         self.stages[stage] = self.stages.get(stage, 0.0) + now - t0
         return now
 
-    @torch.inference_mode()
     def encode(self, users: list[UserInput]) -> tuple[torch.Tensor, HistoryState]:
         """User vectors [B, D] and the encoded histories, through ``model.encode_history_tokens``."""
+        if not torch.is_inference_mode_enabled():  # (the engine's run is in it already)
+            with torch.inference_mode():
+                return self.encode(users)
         t0 = time.perf_counter()
         m, k = self.model, self.kernels
         items, actions, tk, tq, positions, lens = pack_users(users, self.cap, self.has_action)
@@ -109,15 +111,15 @@ class PackedPath:
         if m.ranking is not None and m.ranking_context:
             ctx = (k.context(users) if k is not None and k.pooled is not None
                    else m.sparse.pooled(context_kjt(users, list(m.embedding_cfg.pooled_features))).values())
-        offsets = torch.zeros(lens.size + 1, dtype=torch.int64)
-        torch.cumsum(torch.from_numpy(lens), 0, out=offsets[1:])
+        offsets = np.zeros(lens.size + 1, np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        offsets = torch.from_numpy(offsets)
         meta = JaggedMeta(offsets, int(lens.max()), torch.from_numpy(tk), torch.from_numpy(tq), None)
         t0 = self._mark("history_lookup", t0)
         out = m.encode_history_tokens(x, meta, ctx, self.backend)
         self._mark("history_tower", t0)
         return out
 
-    @torch.inference_mode()
     def score(self, state: HistoryState, users: list[int], candidates: list[np.ndarray]) -> list[np.ndarray]:
         """Task probabilities [c, tasks] of each ``candidates[i]`` (table rows) for batch user
         ``users[i]``, through ``model.extend`` and the ranking head (in micro-batches of
@@ -125,6 +127,9 @@ class PackedPath:
         m, k = self.model, self.kernels
         if m.ranking is None:
             raise ValueError("this model has no ranking tasks (model.ranking.tasks)")
+        if not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                return self.score(state, users, candidates)
         counts = np.array([c.size for c in candidates], np.int64)
         tasks = len(m.cfg.ranking.tasks)
         if counts.sum() == 0:
@@ -148,13 +153,13 @@ class PackedPath:
         owner = np.repeat(users, counts)  # each candidate's batch user, grouped by user
         cands = np.concatenate(candidates).astype(np.int64, copy=False)
         owner_t = torch.from_numpy(owner)
-        positions = state.lengths[owner_t]
+        positions = state.lengths.numpy()[owner]  # each candidate sits right after its user's history
         if k is not None and k.rows is not None:
             rows = torch.empty(cands.size, k.dim)
-            x = k.tokens(cands, np.zeros_like(cands) if self.has_action else None, positions.numpy(), rows)
+            x = k.tokens(cands, np.zeros_like(cands) if self.has_action else None, positions, rows)
         else:
             c = torch.from_numpy(cands)
-            rows, x = m.summed_tokens(c, torch.zeros_like(c) if self.has_action else None, positions)
+            rows, x = m.summed_tokens(c, torch.zeros_like(c) if self.has_action else None, torch.from_numpy(positions))
         t0 = self._mark("candidate_lookup", t0)
         h = m.extend(state, x, owner_t, self.backend)
         t0 = self._mark("candidate_tower", t0)

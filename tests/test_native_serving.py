@@ -11,7 +11,7 @@ from genrec.kernels.hstu_native import library, time_thresholds
 from genrec.models.hstu import HSTUConfig
 from genrec.models.ranking import RankingConfig
 from genrec.models.recommender import GenerativeRecommender, ModelConfig
-from genrec.serve.native import supports
+from genrec.serve.engine import native_ok as supports
 from genrec.serve.packed import PackedPath, context_kjt
 from genrec.serve.requests import UserInput
 from tests.test_padded_serving import T0, TASKS, model, padded_scores, reference
