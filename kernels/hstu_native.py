@@ -166,13 +166,20 @@ def history(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, times: torc
     return NativeHistory(k.float().contiguous(), v.float().contiguous(), offsets, tq, tk)
 
 
+def _scratch(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous fp32 copy of x for the kernel to overwrite (made in numpy: cheaper than a
+    torch clone's dispatch on a serving batch's few rows)."""
+    x = x.detach() if x.requires_grad else x
+    return torch.from_numpy(np.array(x.float().numpy(), dtype=np.float32, order="C", copy=True))
+
+
 def encode(tower: NativeTower, x: torch.Tensor, offsets: torch.Tensor, query_times: torch.Tensor | None,
            timestamps: torch.Tensor | None) -> tuple[torch.Tensor, NativeHistory, torch.Tensor | None]:
     """Histories through the tower: x [T, D] token inputs, offsets [B+1] (every history has a
     token), times [T] (None: no time bias) -> (each history's last row after the tower and its
     final norm [B, D], the keys / values every layer made of every row, each history's last
     query time [B] or None)."""
-    x = x.float().clone(memory_format=torch.contiguous_format)  # overwritten by the call
+    x = _scratch(x)
     offsets = np.ascontiguousarray(offsets.numpy(), dtype=np.int64)
     t, b = x.shape[0], offsets.size - 1
     d, h, dqk, dv = tower.dims[:4]
@@ -192,11 +199,14 @@ def encode(tower: NativeTower, x: torch.Tensor, offsets: torch.Tensor, query_tim
 def score(tower: NativeTower, x: torch.Tensor, hist: NativeHistory, owner: torch.Tensor) -> torch.Tensor:
     """Candidates through the tower against encoded histories: x [C, D] candidate inputs of
     users ``owner`` [C] (runs of one user are scored together) -> [C, D] after the final norm."""
-    x = x.float().clone(memory_format=torch.contiguous_format)  # overwritten by the call
+    x = _scratch(x)
     own = owner.numpy()
-    starts = np.flatnonzero(np.diff(own, prepend=-1)) if own.size else np.zeros(0, np.int64)  # runs of one user
-    users = np.ascontiguousarray(own[starts], dtype=np.int64)
-    cand_offsets = np.append(starts, own.size).astype(np.int64)
+    cand_offsets = np.zeros(0, np.int64)
+    if own.size:  # runs of one user's candidates: [0, run starts..., C]
+        change = np.flatnonzero(own[1:] != own[:-1]) + 1
+        cand_offsets = np.empty(change.size + 2, np.int64)
+        cand_offsets[0], cand_offsets[1:-1], cand_offsets[-1] = 0, change, own.size
+    users = np.ascontiguousarray(own[cand_offsets[:-1]], dtype=np.int64)
     tower.lib.genrec_hstu_score(*tower.head(), ptr(hist.offsets), ptr(hist.tq), ptr(hist.tk), ptr(hist.k),
                                 ptr(hist.v), hist.k.shape[1], users.size, ptr(cand_offsets), ptr(users), ptr(x))
     return tower.final_norm(x)

@@ -20,6 +20,7 @@ against the reference.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -175,11 +176,14 @@ class HSTULayer(nn.Module):
             bias_table(self.pos_weights, self.time_weights, self.max_seq_len, self.out.weight.dtype))
 
 
+_version = operator.attrgetter("_version")
+
+
 def _unchanged(key: tuple[list[torch.Tensor], list[int], list[int]]) -> bool:
     """Whether each parameter still has the storage and version it had (a replaced
     Parameter object goes unseen: assign into the existing ones, as load_state_dict does)."""
     params, ptrs, versions = key
-    return [p._version for p in params] == versions and [p.data_ptr() for p in params] == ptrs
+    return list(map(_version, params)) == versions and list(map(torch.Tensor.data_ptr, params)) == ptrs
 
 
 class HSTUTower(nn.Module):
@@ -189,6 +193,7 @@ class HSTUTower(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(HSTULayer(cfg, dim, max_seq_len) for _ in range(cfg.num_layers))
         self.final_norm = nn.LayerNorm(dim)
+        self.time_bias = cfg.time_bias
 
     def forward(self, x: torch.Tensor, meta: JaggedMeta, cache: list | None = None,
                 last_only: bool = False) -> torch.Tensor:
@@ -289,7 +294,7 @@ class HSTUTower(nn.Module):
 
     def _native_times(self, times: torch.Tensor | None, query: torch.Tensor | None) -> tuple:
         """(query times, key times) for the kernel: None where the layers have no time bias."""
-        if self.layers[0].time_weights is None:
+        if not self.time_bias:
             return None, None
         if times is None or query is None:
             raise ValueError("this tower has a time bias: pass timestamps and query times")
