@@ -125,9 +125,10 @@ class NativeTower:
         """The arguments every tower call starts with: layers, weights, shapes, alpha, time thresholds."""
         return self._head
 
-    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        """The tower's final LayerNorm on x [N, D] in place."""
-        self.lib.genrec_final_norm(x.shape[0], x.shape[1], ptr(x), ptr(self.final[0]), ptr(self.final[1]), 0)
+    def final_norm(self, x: torch.Tensor, l2: bool = False) -> torch.Tensor:
+        """The tower's final LayerNorm on x [N, D] in place (then, with ``l2``, each row
+        divided by max(its L2 norm, 1e-6), as F.normalize)."""
+        self.lib.genrec_final_norm(x.shape[0], x.shape[1], ptr(x), ptr(self.final[0]), ptr(self.final[1]), int(l2))
         return x
 
 
@@ -174,11 +175,11 @@ def _scratch(x: torch.Tensor) -> torch.Tensor:
 
 
 def encode(tower: NativeTower, x: torch.Tensor, offsets: torch.Tensor, query_times: torch.Tensor | None,
-           timestamps: torch.Tensor | None) -> tuple[torch.Tensor, NativeHistory, torch.Tensor | None]:
+           timestamps: torch.Tensor | None, l2: bool = False) -> tuple[torch.Tensor, NativeHistory, torch.Tensor | None]:
     """Histories through the tower: x [T, D] token inputs, offsets [B+1] (every history has a
     token), times [T] (None: no time bias) -> (each history's last row after the tower and its
     final norm [B, D], the keys / values every layer made of every row, each history's last
-    query time [B] or None)."""
+    query time [B] or None). ``l2``: the rows also L2-normalized (:meth:`NativeTower.final_norm`)."""
     x = _scratch(x)
     offsets = np.ascontiguousarray(offsets.numpy(), dtype=np.int64)
     t, b = x.shape[0], offsets.size - 1
@@ -193,7 +194,7 @@ def encode(tower: NativeTower, x: torch.Tensor, offsets: torch.Tensor, query_tim
         tq, tk = relative_times(q, base), relative_times(timestamps.numpy(), base)
     kc, vc, out = torch.empty(tower.num_layers, t, h * dqk), torch.empty(tower.num_layers, t, h * dv), torch.empty(b, d)
     tower.lib.genrec_hstu_encode(*tower.head(), b, ptr(offsets), ptr(tq), ptr(tk), ptr(x), ptr(kc), ptr(vc), ptr(out))
-    return tower.final_norm(out), NativeHistory(kc, vc, offsets, tq, tk, tower), request
+    return tower.final_norm(out, l2), NativeHistory(kc, vc, offsets, tq, tk, tower), request
 
 
 def score(tower: NativeTower, x: torch.Tensor, hist: NativeHistory, owner: torch.Tensor) -> torch.Tensor:

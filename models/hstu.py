@@ -207,24 +207,27 @@ class HSTUTower(nn.Module):
             x = layer(x, meta, cache)
         return self.final_norm(x[meta.offsets[1:] - 1] if last_only else x)
 
-    def encode_history(self, x: torch.Tensor, meta: JaggedMeta,
-                       backend: TowerBackend = "torch") -> tuple[torch.Tensor, CachedHistory]:
+    def encode_history(self, x: torch.Tensor, meta: JaggedMeta, backend: TowerBackend = "torch",
+                       l2: bool = False) -> tuple[torch.Tensor, CachedHistory]:
         """Histories without candidates through the tower, read at their last rows.
 
         x [T, D] token inputs of B histories (``meta``; every history has a token) ->
         (each history's last row after the tower [B, D], the per-layer keys / values that
         candidates are then scored against with :meth:`extend`). ``backend="native"``: the
-        C++ kernel (CPU inference, :meth:`native_supported`)."""
+        C++ kernel (CPU inference, :meth:`native_supported`); there ``l2`` also L2-normalizes
+        the rows in the final norm's pass (eps 1e-6: a retrieval head's user vectors)."""
         if meta.num_targets is not None:
             raise ValueError("encode_history takes histories without targets (score those with extend)")
         if backend == "native":
             times = self._native_times(meta.timestamps, meta.query_times)
-            out, native, request = hstu_native.encode(self.native_weights(), x, meta.offsets, *times)
+            out, native, request = hstu_native.encode(self.native_weights(), x, meta.offsets, *times, l2=l2)
             if out.dtype != x.dtype:
                 out = out.to(x.dtype)
             return out, CachedHistory([], meta.offsets, meta.timestamps, request, native)
         if backend != "torch":
             raise ValueError(f"unknown tower backend '{backend}'; use 'torch' or 'native'")
+        if l2:
+            raise ValueError("l2 is the native backend's fused readout; normalize the rows yourself on 'torch'")
         request = meta.query_times[meta.offsets[1:] - 1] if meta.query_times is not None else None
         layers: list = []
         h = self(x, meta, cache=layers, last_only=True)

@@ -191,8 +191,10 @@ class GenerativeRecommender(nn.Module):
         serving kernel's gather of the same rows) of histories ``meta`` (no targets), with the
         users' pooled ``context`` [B, E] when the ranking head reads it. ``backend``: how the
         tower runs (``HSTUTower.encode_history``)."""
-        h, hist = self.tower.encode_history(x, meta, backend)  # [B, D]: each history's last row
-        return self.head.normalize(h.float()), HistoryState(hist, torch.diff(meta.offsets), context)
+        fused = backend == "native" and self.head.cfg.l2_norm  # the head's normalization in the kernel's pass
+        h, hist = self.tower.encode_history(x, meta, backend, l2=fused)  # [B, D]: each history's last row
+        users = h.float() if fused else self.head.normalize(h.float())
+        return users, HistoryState(hist, torch.diff(meta.offsets), context)
 
     def summed_tokens(self, items: torch.Tensor, actions: torch.Tensor | None,
                       positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -167,3 +167,7 @@ def test_tower_backend_matches_the_reference(backend, seed):
         torch.testing.assert_close(v, rv, atol=2e-5, rtol=1e-4, msg=lambda m, i=i: f"layer {i} values[{backend}]: {m}")
     torch.testing.assert_close(c, ref_c, atol=2e-5, rtol=1e-4, msg=lambda m: f"extend[{backend}]: {m}")
     torch.testing.assert_close(c_from_ref, ref_c, atol=2e-5, rtol=1e-4, msg=lambda m: f"extend[{backend}]: {m}")
+    if backend == "native":  # the retrieval readout fused into the final norm
+        with torch.inference_mode():
+            h2, _ = tower.encode_history(x, meta(), backend=backend, l2=True)
+        torch.testing.assert_close(h2, torch.nn.functional.normalize(ref_h, dim=-1, eps=1e-6), atol=2e-5, rtol=1e-4)
