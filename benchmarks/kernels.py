@@ -26,7 +26,11 @@ import numpy as np
 import torch
 
 from genrec.benchmarks.common import dataset, machine, today, update_results_md, write_json
-from genrec.kernels.hstu_attention import hstu_attention_coded, hstu_attention_reference
+from genrec.kernels.hstu_attention import (
+    AttentionPlan,
+    hstu_attention_coded,
+    hstu_attention_reference,
+)
 from genrec.kernels.jagged import lengths_to_offsets
 
 
@@ -79,7 +83,7 @@ def bench_attention(device: str, rounds: int, reps: int) -> dict:
         return run
 
     paths = {"reference": fwd_bwd(hstu_attention_reference), "compiled": fwd_bwd(compiled),
-             "coded": fwd_bwd(lambda *a, **k: hstu_attention_coded(*a, plan={}, **k))}
+             "coded": fwd_bwd(lambda *a, **k: hstu_attention_coded(*a, plan=AttentionPlan(), **k))}
     if device == "cuda":
         from genrec.kernels.triton_hstu import triton_hstu_attention
 

@@ -1,11 +1,8 @@
 """Dropout with the keep mask drawn as ``uniform >= p``.
 
-``nn.Dropout`` on CPU draws its mask with ``bernoulli_``, which samples element by element:
-on a [16k tokens, 64] activation, forward and backward, 8.6-10.5 ms against 5.4-6.5 ms here
-(one thread, AMD EPYC with AVX-512). The default ML-1M HSTU training step has seven of them:
-0.510 s/step with ``nn.Dropout`` against 0.466 s with this one (1.09x; median of six rounds
-of ten steps on the same batches, the order alternating; 2026-12-02).
-The same distribution (each element kept with probability 1 - p, scaled by 1 / (1 - p));
+``nn.Dropout`` on CPU draws its mask with ``bernoulli_``, which samples element by element;
+one vectorised ``uniform_`` and a comparison make the same mask in fewer passes (the default
+HSTU training step has seven dropouts). The same distribution (each element kept with probability 1 - p, scaled by 1 / (1 - p));
 a different random stream.
 """
 
