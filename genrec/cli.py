@@ -73,7 +73,7 @@ def _eval_parser(sub: argparse._SubParsersAction) -> None:
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="the embedded default: synthetic data -> train -> evaluate -> table")
     p.add_argument("--data", default="data/synthetic", help="where the synthetic dataset is (created if missing)")
-    p.add_argument("--config", default="configs/demo.toml")
+    p.add_argument("--config", default="demo", help="job config: a file, or the name of one shipped with genrec")
 
 
 def _quantize_parser(sub: argparse._SubParsersAction) -> None:

@@ -23,6 +23,7 @@ import tomllib
 import types
 import typing
 from collections.abc import Sequence
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
@@ -179,13 +180,29 @@ def load_config(
     ``--a.b=v`` overrides last, builds ``cls``. Unknown keys, the file's included, are errors."""
     data: dict[str, Any] = {}
     if path is not None:
+        path = config_path(path)
         try:
-            data = tomllib.loads(Path(path).read_text())
+            data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from e
     if flags:
         data = merge(data, flags)
     return from_dict(cls, apply_overrides(data, overrides))
+
+
+def config_path(path: str | Path) -> Path:
+    """``path`` itself when it exists, else the config of that name shipped with genrec
+    (``configs/`` of the repository, installed as ``genrec.configs``): ``demo``, ``hstu.toml``,
+    ``configs/hstu.toml`` all find it from any directory."""
+    path = Path(path)
+    if path.exists():
+        return path
+    name = path.name if path.suffix == ".toml" else path.name + ".toml"
+    bundled = Path(str(resources.files("genrec.configs") / name))
+    if bundled.is_file():
+        return bundled
+    raise ConfigError(f"{path}: no such config file (nor a config named '{name}' shipped with genrec: "
+                      f"{', '.join(sorted(p.name for p in Path(str(resources.files('genrec.configs'))).glob('*.toml')))})")
 
 
 def replace(obj: T, overrides: Sequence[str]) -> T:

@@ -93,3 +93,15 @@ def test_validation_interval_or_window_below_one_is_refused():
         load_job(None, ["--train.select_window=0"])
     with pytest.raises(ConfigError, match=r"train.select_within_se = -1.0: must be 0 or more"):
         load_job(None, ["--train.select_within_se=-1.0"])
+
+
+def test_a_shipped_config_is_found_by_name_from_any_directory(tmp_path, monkeypatch):
+    from genrec.config import config_path
+
+    monkeypatch.chdir(tmp_path)  # no configs/ here: `genrec demo` from a fresh directory
+    for name in ("demo", "demo.toml", "configs/demo.toml"):
+        assert config_path(name).read_text() == (Path(__file__).parents[1] / "configs" / "demo.toml").read_text()
+    (tmp_path / "demo.toml").write_text("[train]\n")  # a file of that name wins
+    assert config_path("demo.toml").resolve() == tmp_path / "demo.toml"
+    with pytest.raises(ConfigError, match=r"nope.toml.*hstu.toml"):
+        config_path("nope")
