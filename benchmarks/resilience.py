@@ -7,7 +7,7 @@ last CPU, the front-end and this load generator on the others), open-loop Poisso
   loads that stops once it answers less than 90% of what is offered (beside it, the highest
   step within the p99 budget, ``--slo-p99-ms``);
 * overload: 2x and 4x that capacity offered for ``--overload-s`` each, against the default
-  server (admission control on) and, side by side, one with it off (``--max-queue-ms 0``, no
+  server (admission control on) and, side by side, one with it off (``--serve.batch.max_queue_ms=0``, no
   cap on concurrent calls: the queue alone bounds the backlog, as before admission control).
   Goodput (answered calls per second, and those within 2x the budget), how fast refusals came
   back, the admitted calls' p99, the server's memory;

@@ -8,19 +8,19 @@ harness from this process:
 * (a) naive: one request at a time, eager, history encoded twice (``--engine naive``);
 * (b) torch: cross-request batching, history encoded once (``--engine torch``), up to three
   batches pipelined through the engine process (the default), which busy-polls its pipe between
-  batches (``--engine-poll-ms``);
+  batches (``serve.process.poll_ms``);
 * (b'') torch-blocking: (b) with the engine process blocking on its pipe between batches;
-  torch-serial: (b) with one batch in flight at a time (``--max-inflight 1``);
+  torch-serial: (b) with one batch in flight at a time (``--serve.batch.max_inflight=1``);
 * (b') torch-padded: (b) with the tower on the padded PyTorch path instead of native code
   (``GENREC_NATIVE=0``), the side-by-side for ``serve.native``;
 * (c) sglang: the tower inside SGLang (``--engine sglang``), when SGLang is installed.
 
 The naive and torch engines run in their own process behind the gRPC front-end (the
 default of ``genrec serve``), pinned to the last CPU with the front-end on the others
-(``--engine-cpus auto``); the load generator then keeps to the front-end's CPUs. For the
+(``serve.engine_cpus = "auto"``); the load generator then keeps to the front-end's CPUs. For the
 side-by-side: ``torch-inproc`` is (b) with the engine in the server's process
-(``--no-engine-process``, nothing pinned), ``torch-replicas2`` is (b) with two engine
-processes, one per CPU, each taking whole batches (``--engine-replicas 2``).
+(``--serve.engine_process=false``, nothing pinned), ``torch-replicas2`` is (b) with two engine
+processes, one per CPU, each taking whole batches (``--serve.engine_replicas=2``).
 
 Also measured in the same run: single-request latency (closed loop), the model's FLOPs per
 request (``torch.utils.flop_counter``), the machine's peak from a matmul micro-benchmark,
@@ -68,8 +68,8 @@ from genrec.serve.loadtest import (
 )
 
 SWEEPS = {
-    # steps down to 10 QPS: on this noisy 2-core VM the 15 ms budget can fall below 25 QPS
-    # for the naive server (a run of 2026-12-01), which left "x naive" undefined
+    # steps down to 10 QPS: the naive server can miss the budget at 25 QPS on a noisy 2-core
+    # machine, which would leave "x naive" undefined
     "naive": [10, 25, 50, 75, 100, 150, 200, 300],
     "torch": [10, 50, 100, 150, 200, 300, 400, 500, 600],
     "torch-serial": [10, 50, 100, 150, 200, 300, 400, 500, 600],
@@ -181,7 +181,7 @@ def decode_cost(artifact: Path, workload: Path, n: int = 300, reps: int = 5) -> 
 
 
 def start_server(engine: str, artifact: Path, threads: int, profile_out: Path) -> tuple[subprocess.Popen, str, dict]:
-    """The server process, its address, and the CPU layout it reports (``--engine-cpus auto``:
+    """The server process, its address, and the CPU layout it reports (``serve.engine_cpus = "auto"``:
     engine processes and front-end CPUs; empty lists when nothing is pinned)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "GENREC_PROFILE_OUT": str(profile_out), **ENV.get(engine, {})}
     cmd = [sys.executable, "-m", "genrec.cli", "serve", "--artifact", str(artifact), "--engine", ENGINE.get(engine, engine),
@@ -250,7 +250,7 @@ def main() -> None:
         for _ in range(args.repeats if engine == "torch" else 1):
             prof = out / f"profile-{engine}.json"
             proc, target, layout = start_server(engine, artifact, args.server_threads, prof)
-            # a pinned engine (--engine-cpus auto): the load generator stays beside the front-end,
+            # a pinned engine (serve.engine_cpus = "auto"): the load generator stays beside the front-end,
             # off the engine's CPU; otherwise it floats like the server
             os.sched_setaffinity(0, layout["front_end_cpus"] or all_cpus)
             try:
@@ -315,8 +315,8 @@ def render(p: dict) -> str:
              f"shared by the server (a gRPC front-end process and an engine process with {p['server_threads']} compute "
              "thread, pinned to the last CPU; the front-end and the load generator on the other) and the load generator; "
              "torch: the tower in native code (serve.native), up to three batches pipelined through the engine process (the "
-             "default), which busy-polls its pipe between batches (`--engine-poll-ms 1000`); torch-serial: the same "
-             "server with one batch in flight at a time (`--max-inflight 1`); torch-blocking: torch with the engine "
+             "default), which busy-polls its pipe between batches (`--serve.process.poll_ms=1000`); torch-serial: the same "
+             "server with one batch in flight at a time (`--serve.batch.max_inflight=1`); torch-blocking: torch with the engine "
              "blocking on its pipe; "
              "torch-padded: torch with the tower on the padded PyTorch path (GENREC_NATIVE=0); "
              "torch-inproc: the engine in the front-end's process, nothing pinned; torch-replicas2: two engine processes, "
