@@ -121,9 +121,10 @@ class TransformerTower(nn.Module):
             x = layer.forward_cached(x, kv, hist, owner)
         return self.final_norm(x)
 
-    def encode_history(self, x: torch.Tensor, meta: JaggedMeta, backend: str = "torch") -> tuple[torch.Tensor, CachedHistory]:
-        """As :meth:`models.hstu.HSTUTower.encode_history` (PyTorch only)."""
-        if backend != "torch":
+    def encode_history(self, x: torch.Tensor, meta: JaggedMeta, backend: str = "torch",
+                       l2: bool = False) -> tuple[torch.Tensor, CachedHistory]:
+        """As :meth:`models.hstu.HSTUTower.encode_history` (PyTorch only: no fused ``l2``)."""
+        if backend != "torch" or l2:
             raise ValueError(f"the transformer tower runs in PyTorch only, not backend '{backend}'")
         layers: list = []
         h = self(x, meta, cache=layers, last_only=True)
