@@ -78,7 +78,7 @@ class RecommenderClient:
 
     def _admin_stub(self) -> pb_grpc.AdminStub:
         if self.admin is None:
-            raise ValueError("no admin_target: Admin is served on its own listener (genrec serve --admin-port)")
+            raise ValueError("no admin_target: Admin is served on its own listener (serve.admin.port)")
         return self.admin
 
     def load_artifact(self, path: str) -> pb.LoadArtifactResponse:

@@ -304,7 +304,7 @@ class NaiveTorchEngine(TorchEngine):
 
     Retrieval encodes the history; ranking appends the candidates to the history and runs
     the whole tower again (``model.rank``). Same model, same scores, none of the serving
-    work: what a first deployment would do. Serve it with ``--max-batch 1``.
+    work: what a first deployment would do. Serve it with ``--serve.batch.max_batch=1``.
     """
 
     name = "naive"
