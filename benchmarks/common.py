@@ -60,18 +60,13 @@ def write_json(name: str, payload: Any) -> Path:
     return path
 
 
-def update_results_md(section: str, body: str) -> None:
-    """Regenerates RESULTS.md from every ``results/*.json`` (``benchmarks/report.py``).
-
-    Call it after ``write_json``. ``section`` and ``body`` are what the benchmark would have
-    written; the page is rendered from the JSON alone, so they are no longer used (kept so the
-    benchmark scripts need no change).
-    """
+def update_results_md() -> None:
+    """Regenerates RESULTS.md from every ``results/*.json`` (``benchmarks/report.py``, the one
+    renderer of the page). Call it after ``write_json``."""
     import fcntl
 
     from genrec.benchmarks import report
 
-    del section, body
     # benchmarks may run side by side (one per core): serialise the rewrite on RESULTS.lock
     with open(RESULTS_MD.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -101,24 +101,7 @@ def main() -> None:
     payload = {"date": today(), "machine": machine(), "config": CONFIG, "steps": args.steps, "users": args.users,
                "mean_tokens_per_sequence": mean_len, "dense_parameters": dense, "runs": runs}
     write_json("distributed", payload)
-    lines = ["## Distributed training (synthetic ads, 10^7 raw item ids)", "",
-             f"`python -m genrec.benchmarks.distributed` — {today()}, {payload['machine']['cpu']}, "
-             f"{payload['machine']['cores_usable']} of {payload['machine']['cores']} cores usable by all its ranks together; {args.steps} train-only steps of global batch 256 "
-             f"({mean_len:.0f} tokens per sequence on average).", "",
-             "| run | samples/s (global) | x 1 process | peak RSS per rank (MB) | comm per rank per step |",
-             "|---|---|---|---|---|"]
-    for name, r in runs.items():
-        mem = ", ".join(f"{m:.0f}" for m in r["peak_rss_mb_per_rank"])
-        c = r["comm_bytes_per_rank_step"]["total"] / 1e6
-        lines.append(f"| {name} | {r['samples_per_s']:.0f} | {r['vs_one_process']:.2f}x | {mem} | {c:.2f} MB |")
-    lines += ["", "Communication per rank and step = embedding all-to-alls (ids in, rows out, row gradients back; "
-              "the remote share of the sequence and negative lookups) + the DDP ring all-reduce of "
-              f"{dense:,} dense parameters. At 10 GB/s per rank, that volume costs "
-              f"{max(r['comm_bytes_per_rank_step']['total'] for r in runs.values()) / 1e10 * 1e3:.2f} ms per step.", "",
-              "What 2 cores can and cannot show: two ranks split the same cores one rank used, and gloo "
-              "moves tensors through loopback TCP, so samples/s can only fall; the runs check that sharded training "
-              "works and cost little extra, and give the memory and traffic a cluster estimate starts from."]
-    update_results_md("distributed", "\n".join(lines))
+    update_results_md()
 
 
 if __name__ == "__main__":

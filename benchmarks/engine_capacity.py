@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from genrec.benchmarks import report
 from genrec.benchmarks.common import machine, today, update_results_md, write_json
 from genrec.benchmarks.serving import artifact_and_requests, peak_gflops, serving_arguments
 
@@ -135,39 +136,8 @@ def main() -> None:
                "slo_p99_ms": args.slo_p99_ms, "steps": steps, "max_qps_within_slo": max(ok) if ok else 0,
                "goal_qps": args.goal_qps, "cost_factor_for_goal": None if scale is None else round(float(scale), 2)}
     write_json("engine_capacity", payload)
-    update_results_md("engine_capacity", render(payload))
-    print(render(payload))
-
-
-def render(p: dict) -> str:
-    m = p["machine"]
-    lines = ["## Engine capacity (the batched PyTorch engine alone, simulated open loop)", "",
-             f"`{p['command']}` — {p['date']}, {m['cpu']}, one core (CPU {p['cpu']}), 1 thread; "
-             f"fp32 matmul peak in the same run {p['peak_gflops']:.1f} GFLOP/s. Artifact `{p['artifact']}` and the "
-             "serving benchmark's requests (history up to 200, retrieve 100, rank 100, return 10).", "",
-             "| batch of B requests | " + " | ".join(p["batch_ms"]) + " |",
-             "|---|" + "---|" * len(p["batch_ms"]),
-             f"| engine ms (median), {p.get('default_path', 'padded')} path (the default) | "
-             + " | ".join(f"{v:.2f}" for v in p["batch_ms"].values()) + " |"]
-    names = {"padded": "the padded PyTorch path", "jagged": "the model's jagged path"}
-    alts = [a for a in names if p.get(f"{a}_batch_ms") and a != p.get("default_path", "padded")]
-    for a in alts:
-        ms = p[f"{a}_batch_ms"]
-        lines += [f"| {names[a]}, same batches alternately | " + " | ".join(f"{v:.2f}" for v in ms.values()) + " |",
-                  f"| {a} / default | " + " | ".join(f"{ms[k] / v:.2f}x" for k, v in p["batch_ms"].items()) + " |"]
-    fits = "; ".join(f"{a} path: {p[f'{a}_fit']['fixed_ms']:.2f} + {p[f'{a}_fit']['per_request_ms']:.2f} B" for a in alts)
-    lines += ["", f"Fit: S(B) = {p['fit']['fixed_ms']:.2f} + {p['fit']['per_request_ms']:.2f} B ms"
-              + (f" ({fits})" if fits else "") + ".", "",
-             "| offered QPS | p50 ms | p99 ms |", "|---|---|---|"]
-    lines += [f"| {s['offered_qps']:g} | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} |" for s in p["steps"]]
-    f = p["cost_factor_for_goal"]
-    need = (f"the engine alone meets it at {p['goal_qps']:g} QPS only at {f:.2f}x of this run's cost per batch"
-            if f is not None else f"no cost factor down to 0.05x meets it at {p['goal_qps']:g} QPS")
-    lines += ["", f"Highest offered QPS with the engine alone within p99 <= {p['slo_p99_ms']:g} ms: "
-              f"**{p['max_qps_within_slo']:g}**; {need}. Poisson arrivals, continuous batching up to 32, "
-              "each batch taking its median S(B): an optimistic bound, since real batches spread and the served p99 adds "
-              "the front-end, IPC and the load generator.", ""]
-    return "\n".join(lines)
+    update_results_md()
+    print("\n".join(report.renderer("engine_capacity")(payload)))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -162,25 +161,7 @@ def main() -> None:
     print("train step", step)
     result = {"date": today(), "machine": machine(), "device": args.device, "attention": att, "train_step": step}
     write_json("kernels" if args.device == "cpu" else f"kernels_{args.device}", result)
-    m = result["machine"]
-    rows = "\n".join(f"| {k} | {v:.2f} | {att['speedup_vs_reference'][k]:.2f}x |" for k, v in att["ms"].items())
-    update_results_md(f"kernels_{args.device}", "\n".join([
-        f"## Kernels ({args.device})", "",
-        f"`{' '.join(['python -m genrec.benchmarks.kernels', *sys.argv[1:]])}` — {today()}, {m['gpu'] or m['cpu']}, {m['threads']} threads, torch {m['torch']}.",
-        f"HSTU attention forward + backward, ML-1M-shaped batch ({att['shape']['batch']} users, "
-        f"{att['shape']['tokens']} tokens, longest {att['shape']['max_len']}, d=64):", "",
-        "| path | ms | vs reference |", "|---|---|---|", rows, "",
-        *([] if step is None else [
-            "Full training step (default ML-1M HSTU config, batch 128; warm-up: the first 3 steps, compilation included):", "",
-            "| tower | s/step | sequences/s | vs eager | warm-up s |", "|---|---|---|---|---|",
-            *[f"| {label} | {step[k]['s_per_step']:.3f} | {step[k]['sequences_per_s']:.0f} | "
-              f"{step['eager']['s_per_step'] / step[k]['s_per_step']:.2f}x | {step[k]['warmup_s']:.1f} |"
-              for k, label in (("eager", "eager (the default)"),
-                               ("eager_reference_attention", "eager, attention through the reference"),
-                               ("compiled", "torch.compile (attention eager, across a graph break)"))]]),
-        "" if args.device == "cuda" else "\nTriton kernels need a GPU to be timed; on CPU they run (and are tested) only "
-        "under the Triton interpreter. See `benchmarks/gpu_check.sh`.",
-    ]))
+    update_results_md()
 
 
 if __name__ == "__main__":

@@ -119,56 +119,8 @@ def key(record: dict) -> tuple:
     return record["dataset"], record["model"], record.get("processes", 1)
 
 
-def isa_of(record: dict) -> str:
-    """The widest vector ISA of the record's CPU (this VM's CPU changed under one name on
-    2026-12-01; records from before ``machine()`` named the ISA were on the AVX-512 one)."""
-    isa = record["machine"].get("isa")
-    if isa is None:
-        return "AVX-512" if record["date"] < "2026-12-01" else "?"
-    return "AVX-512" if any(f.startswith("avx512") for f in isa) else ("AVX2" if "avx2" in isa else "no AVX2")
 
 
-def last_of(record: dict) -> str:
-    last = record.get("test_last")
-    return f"{last['hr@10']:.4f} / {last['ndcg@10']:.4f}" if last else "-"
-
-
-def render(records: list[dict]) -> str:
-    lines = ["## Retrieval quality (leave-one-out, full-corpus ranking, test split)", "",
-             "`python -m genrec.benchmarks.quality` — every model trained with its shipped config "
-             "(`configs/hstu.toml`, `configs/transformer.toml`), only `data.path` changed. Items scored the same "
-             "as the target rank ahead of it (the baselines' counts tie; rows dated before 2026-12-01 counted ties "
-             "for the target, which moved the baselines by at most 0.0005 HR@10 and a float model's figures not at "
-             "all: a trained ML-1M HSTU read the same to six decimals under both rules).", ""]
-    for ds in ("ml1m", "beauty"):
-        rows = [r for r in records if r["dataset"] == ds]
-        if not rows:
-            continue
-        lines += [f"### {NAMES[ds]}", "",
-                  "| model | HR@10 | NDCG@10 | HR@50 | HR@200 | NDCG@200 | MRR | epochs | train time | validation users "
-                  "| last epoch's HR@10 / NDCG@10 | date |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in rows:
-            thr = r.get("threads") or r["machine"]["threads"]
-            procs = r.get("processes", 1)
-            on = f"{procs} processes x {thr} thread(s)" if procs > 1 else f"{thr} thread(s)"
-            t = f"{r['train_seconds'] / 60:.1f} min on {on}, {isa_of(r)}" if r["epochs"] else "-"
-            vu = f"{r.get('valid_users', 1.0):.0%}"
-            if r.get("select_window", 1) > 1:
-                vu += f", mean of {r['select_window']}"
-            if r.get("select_within_se"):
-                vu += f", within {r['select_within_se']:g} se"
-            label = r["model"] + (f" ({procs} processes, DDP)" if procs > 1 else "")
-            if r["epochs"] and any(o is not r and o["model"] == r["model"] and o["date"] > r["date"] for o in rows):
-                label += ", an earlier config (superseded by the newer row)"
-            lines.append(f"| {label} | {r['hr@10']:.4f} | {r['ndcg@10']:.4f} | {r['hr@50']:.4f} | "
-                         f"{r['hr@200']:.4f} | {r['ndcg@200']:.4f} | {r['mrr']:.4f} | {r['epochs'] or '-'} | {t} | {vu} | "
-                         f"{last_of(r)} | {r['date']} |")
-        for label, hr, ndcg in PUBLISHED[ds]:
-            lines.append(f"| *{label}* | {hr:.4f} | {ndcg:.4f} | | | | | | | | | published |")
-        cpus = sorted({f"{r['machine']['cpu']}, {r['machine']['cores']} cores, torch {r['machine']['torch']}" for r in rows})
-        lines += ["", VALID_NOTE, "", "Machines (the train time names each row's vector ISA): " + "; ".join(cpus) + ".", ""]
-    return "\n".join(lines)
 
 
 def main() -> None:
@@ -200,7 +152,7 @@ def main() -> None:
         order = {"popular baseline": 0, "transition baseline": 1, "transformer": 2, "hstu": 3}
         records.sort(key=lambda r: (r["dataset"] != "ml1m", order.get(r["model"], 9), r.get("processes", 1)))
         write_json("quality", {"protocol": "leave-one-out, full corpus, history excluded", "records": records})
-        update_results_md("quality", render(records))
+        update_results_md()
 
 
 if __name__ == "__main__":

@@ -93,24 +93,7 @@ def main() -> None:
         r["ndcg_rel_loss"] = 1 - r["test_ndcg@10"] / base["test_ndcg@10"]
     qat = qat_rows(data, args.qat_budget_min, out, args.threads) if args.qat_budget_min else []
     write_json("quant", {"date": today(), "machine": machine(), "run": str(run), "rows": rows, "qat": qat})
-    lines = ["## Quantization (ML-1M HSTU, serving artifacts)", "",
-             f"`python -m genrec.benchmarks.quant` — {today()}; model: `{run}` (test split, full-corpus ranking).", "",
-             "| tables | dense | tables (bytes) | x fp32 | artifact (bytes) | x fp32 | HR@10 | NDCG@10 | NDCG@10 loss |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['embeddings']} | {r['dense']} | {r['table_bytes']:,} | {r['table_ratio']:.3f} | "
-                     f"{r['artifact_bytes']:,} | {r['artifact_ratio']:.3f} | {r['test_hr@10']:.4f} | "
-                     f"{r['test_ndcg@10']:.4f} | {100 * r['ndcg_rel_loss']:+.2f}% |")
-    lines += ["", "Goals: int8 tables <= 0.30x fp32 with <= 1% relative NDCG@10 loss; int4 <= 0.17x with <= 3%.",
-              "Table bytes are the artifact's codes plus per-row fp16 scale and bias (fbgemm's row-wise format)."]
-    if qat:
-        lines += ["", f"Quantization-aware training (same config, {args.qat_budget_min:g} min budget each):", "",
-                  "| training | served tables | float NDCG@10 | served NDCG@10 | loss from quantization |",
-                  "|---|---|---|---|---|"]
-        for r in qat:
-            lines.append(f"| {'QAT ' + r['qat'] if r['qat'] != 'none' else 'float'} | {r['embeddings']} | "
-                         f"{r['float_test_ndcg@10']:.4f} | {r['quantized_test_ndcg@10']:.4f} | {100 * r['relative_loss']:+.2f}% |")
-    update_results_md("quant", "\n".join(lines))
+    update_results_md()
 
 
 if __name__ == "__main__":

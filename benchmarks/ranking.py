@@ -60,40 +60,6 @@ def run_variant(name: str, data: Path, variant: str, budget: float | None, out_d
             "train_seconds": res["train_seconds"], "run_dir": str(run_dir), "test": res["test"]}
 
 
-def render(records: list[dict]) -> str:
-    lines = ["## Ranking (multi-task, target-aware candidates, held-out time split)", "",
-             "`python -m genrec.benchmarks.ranking` — joint model = `configs/ranking_<dataset>.toml`; "
-             "retrieval-only = the same without tasks; DLRM = pooled-embedding baseline on the same batches.", ""]
-    for ds in ("synthetic", "ml1m"):
-        recs = {r["variant"]: r for r in records if r["dataset"] == ds}
-        if not recs:
-            continue
-        tasks = sorted({k.split("/")[0] for r in recs.values() for k in r["test"] if "/" in k})
-        lines += [f"### {ds}", "", "| model | task | AUC | GAUC | NE | logloss | positives | examples |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for v in ("joint", "dlrm"):
-            for t in tasks:
-                m = recs.get(v, {}).get("test", {})
-                if f"{t}/auc" in m:
-                    lines.append(f"| {v} | {t} | {m[f'{t}/auc']:.4f} | {m[f'{t}/gauc']:.4f} | {m[f'{t}/ne']:.4f} | "
-                                 f"{m[f'{t}/logloss']:.4f} | {m[f'{t}/positive_rate']:.3f} | {m[f'{t}/examples']} |")
-        for t in tasks:
-            m = recs.get("joint", {}).get("test", {})
-            if f"{t}/oracle_auc" in m:
-                lines.append(f"| *oracle (true probabilities)* | {t} | {m[f'{t}/oracle_auc']:.4f} | "
-                             f"{m[f'{t}/oracle_gauc']:.4f} | | | | |")
-        lines += ["", "| model | retrieval HR@10 | NDCG@10 | HR@50 | MRR | epochs | train time |", "|---|---|---|---|---|---|---|"]
-        for v in ("joint", "retrieval-only"):
-            r = recs.get(v)
-            if r and "hr@10" in r["test"]:
-                m = r["test"]
-                lines.append(f"| {v} | {m['hr@10']:.4f} | {m['ndcg@10']:.4f} | {m['hr@50']:.4f} | {m['mrr']:.4f} | "
-                             f"{r['epochs']} | {r['train_seconds'] / 60:.1f} min |")
-        any_rec = next(iter(recs.values()))
-        lines += ["", f"{any_rec['date']}, {any_rec['machine']['cpu']}, {any_rec['machine']['threads']} threads.", ""]
-    return "\n".join(lines)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--datasets", default="synthetic,ml1m")
@@ -112,7 +78,7 @@ def main() -> None:
             records = [r for r in records if (r["dataset"], r["variant"]) != (name, variant)]
             records.append(rec)
             write_json("ranking", {"records": records})
-            update_results_md("ranking", render(records))
+            update_results_md()
 
 
 if __name__ == "__main__":

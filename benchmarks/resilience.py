@@ -217,39 +217,6 @@ def shutdown(artifact: Path, payloads: list[bytes], cap: float, seconds: float) 
     return out
 
 
-def render(p: dict) -> str:
-    slo = p["slo_p99_ms"]
-    lines = ["## Resilience (overload, engine crash, shutdown)", "",
-             f"{p['date']}, {p['machine'].get('cpu', '?')}; artifact `{Path(p['artifact']).name}`; "
-             f"`python -m genrec.benchmarks.resilience`. Capacity: the most calls per second the default server answered "
-             f"in a sweep, {p['capacity_qps']:.0f}/s (within a p99 of {slo:g} ms: {p['capacity_within_slo_qps']:g} "
-             f"QPS); 2x and 4x of it offered to each server.", "",
-             "| server | offered | goodput /s (x capacity) | within 2x budget /s | admitted p99 ms "
-             "| refused p50 / p99 ms | errors | front-end RSS MB |",
-             "|---|---|---|---|---|---|---|---|"]
-    cap = p["capacity_qps"]
-    for name, s in p["servers"].items():
-        for r in s["overload"]:
-            errs = ", ".join(f"{k} {v}" for k, v in sorted(r["errors"].items())) or "none"
-            lines.append(f"| {name} | {r['offered_qps']:.0f} ({r['multiple']}x) | {r['goodput']:.0f} "
-                         f"({r['goodput'] / cap:.2f}) | {r['goodput_within_2x']:.0f} | {r['p99_ms']:.1f} | "
-                         f"{r['refused_p50_ms']:.2f} / {r['refused_p99_ms']:.2f} | {errs} | "
-                         f"{r['rss_before_mb']:.0f} -> {r['rss_after_mb']:.0f} |")
-    k = p.get("engine_kill")
-    if k:
-        last = k["last_failure_after_kill_s"]
-        when = "none failed" if last is None else f"the last {last:.2f} s after the kill"
-        lines += ["", f"Engine process SIGKILLed at {k['offered_qps']:g} QPS (50% of capacity): {k['failed']} of "
-                  f"{k['sent']} calls failed ({k['failed_pct']:.2f}%), {when}; engine processes "
-                  f"{k['engine_processes_before']} before, {k['engine_processes_after']} after."]
-    s = p.get("shutdown")
-    if s:
-        lines += ["", f"SIGTERM at 50% of capacity: exit code {s['exit_code']} after {s['exit_s']:.2f} s (grace "
-                  f"{s['grace_s']} s); calls sent before the signal {s['codes_sent_before']}, after it "
-                  f"{s['codes_sent_after']}; engine processes left {s['engine_processes_left']}."]
-    return "\n".join(lines)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--artifact", help="the artifact to serve (default: the serving benchmark's)")
@@ -279,7 +246,7 @@ def main() -> None:
                "servers": servers, "engine_kill": engine_kill(artifact, payloads, cap, 15.0),
                "shutdown": shutdown(artifact, payloads, cap, 12.0)}
     write_json("resilience", payload)
-    update_results_md("resilience", render(payload))
+    update_results_md()
     print(json.dumps({k: v for k, v in payload.items() if k != "servers"}, indent=1, default=str)[:2000])
 
 

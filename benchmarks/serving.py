@@ -292,7 +292,7 @@ def main() -> None:
                "peak_gflops": peak, "flops_per_request": flops, "server_threads": args.server_threads,
                "engines": results}
     write_json("serving", payload)
-    update_results_md("serving", render(payload))
+    update_results_md()
 
 
 def _median(values: list[float]) -> float:
@@ -300,120 +300,6 @@ def _median(values: list[float]) -> float:
     return sorted(values)[(len(values) - 1) // 2]
 
 
-def _cell(step: dict | None) -> str:
-    if step is None:
-        return ""
-    if step["ok"] < 0.95 * step["sent"]:
-        return f"failing ({step['achieved_qps']:.0f}/s)"
-    p99 = f"{step['p99_ms']:.1f}"
-    return p99 if step["ok"] == step["sent"] else f"{p99} ({step['sent'] - step['ok']} failed)"
-
-
-def render(p: dict) -> str:
-    lines = ["## Serving (ML-1M HSTU artifact, open-loop load test)", "",
-             f"`python -m genrec.benchmarks.serving` — {p['date']}, {p['machine']['cpu']}, {p['machine']['cores']} cores "
-             f"shared by the server (a gRPC front-end process and an engine process with {p['server_threads']} compute "
-             "thread, pinned to the last CPU; the front-end and the load generator on the other) and the load generator; "
-             "torch: the tower in native code (serve.native), up to three batches pipelined through the engine process (the "
-             "default), which busy-polls its pipe between batches (`--serve.process.poll_ms=1000`); torch-serial: the same "
-             "server with one batch in flight at a time (`--serve.batch.max_inflight=1`); torch-blocking: torch with the engine "
-             "blocking on its pipe; "
-             "torch-padded: torch with the tower on the padded PyTorch path (GENREC_NATIVE=0); "
-             "torch-inproc: the engine in the front-end's process, nothing pinned; torch-replicas2: two engine processes, "
-             "one per CPU. Requests: history up to 200, retrieve 100 from the catalogue, rank 100, return 10. "
-             f"Steps of {p.get('step_seconds', 10):g} s, lengthened to send at least "
-             f"{p.get('min_requests_per_step', 0)} calls (so a low step's p99 is not its maximum). Max QPS: the highest "
-             "offered QPS up to which every step met the budget (failures counted as infinitely slow); the highest "
-             "step within it can lie above a step that missed it. torch: the median of "
-             f"{len(p['engines'].get('torch', {}).get('repeats', [])) or 1} sweeps, each against a fresh server (every "
-             "sweep in the table below); the others: one sweep. The load generator sleeps to each Poisson send time "
-             "on its own thread and starts the call without waiting for it (gRPC futures); latency runs from the "
-             "scheduled time.", "",
-             f"| server | max QPS with p99 <= {p['slo_p99_ms']:g} ms | x naive | highest step within it | "
-             "single request p50 / p99 ms | FLOP utilization at max |", "|---|---|---|---|---|---|"]
-    for name, r in p["engines"].items():
-        if "skipped" in r:
-            lines.append(f"| {name} | skipped: {r['skipped']} | | | | |")
-            continue
-        vs = f"{r['vs_naive']:.2f}x" if r.get("vs_naive") else "-"
-        s = r["single_request"]
-        lines.append(f"| {name} | {r['max_qps_within_slo']:g} | {vs} | {r['highest_passing_qps']:g} | "
-                     f"{s['p50_ms']:.2f} / {s['p99_ms']:.2f} | "
-                     f"{100 * r['utilization_at_max']:.1f}% |")
-    lines += ["", f"Model FLOPs per request: {p['flops_per_request'] / 1e6:.1f} MFLOP (the mean over 50 requests, counted "
-              f"on the padded PyTorch path); machine peak (fp32 matmul, "
-              f"{p['server_threads']} thread): {p['peak_gflops']:.1f} GFLOP/s.", ""]
-    if "decode_ms" in p:
-        d = p["decode_ms"]
-        lines += [f"The load generator sends each history as `User.history_columns` (packed arrays); decoding a request "
-                  f"costs the server {d['columns']:.3f} ms that way against {d['events']:.3f} ms as `Event` messages "
-                  f"({d['events'] / d['columns']:.2f}x; one thread, the workload's first 300 requests).", ""]
-    budgets = next((list(r["max_qps_by_budget"]) for r in p["engines"].values() if "max_qps_by_budget" in r), [])
-    if budgets:
-        naive = p["engines"].get("naive", {}).get("max_qps_by_budget", {})
-        lines += ["Max QPS (x naive) against other p99 budgets, from the same sweeps (torch: the median over its "
-                  "sweeps), so the batched servers compare with the naive one where it has a figure:", "",
-                  "| server | " + " | ".join(f"p99 <= {b} ms" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
-
-        def by_budget(r: dict, b: str) -> str:
-            q, n = r["max_qps_by_budget"][b], naive.get(b)
-            return f"{q:g} ({q / n:.1f}x)" if n else f"{q:g}"
-
-        lines += [f"| {name} | " + " | ".join(by_budget(r, b) for b in budgets) + " |"
-                  for name, r in p["engines"].items() if "max_qps_by_budget" in r]
-        lines.append("")
-    lines += ["Sweeps: p99 of the answered calls, ms, at each offered QPS (failing: under 95% of the calls answered; "
-              "answers/s there); then the hypervisor's steal during each step (% of the machine's CPU time):", ""]
-    qps = sorted({st["offered_qps"] for r in p["engines"].values() for st in r.get("sweep", {}).get("steps", [])})
-    lines += ["| server | " + " | ".join(f"{q:g}" for q in qps) + " |", "|---|" + "---|" * len(qps)]
-    rows = []  # (label, steps) of every sweep
-    for name, r in p["engines"].items():
-        repeats = r.get("repeats", [])
-        rows += ([(f"{name} (sweep {i + 1}: max {rep['max_qps_within_slo']:g})", rep["steps"])
-                  for i, rep in enumerate(repeats)] if len(repeats) > 1
-                 else [(name, r.get("sweep", {}).get("steps", []))])
-    for label, steps in rows:
-        by = {st["offered_qps"]: st for st in steps}
-        if by:
-            lines.append(f"| {label} | " + " | ".join(_cell(by.get(q)) for q in qps) + " |")
-    if any("steal_pct" in st for _, steps in rows for st in steps):
-        lines += ["", "| steal % | " + " | ".join(f"{q:g}" for q in qps) + " |", "|---|" + "---|" * len(qps)]
-        for label, steps in rows:
-            by = {st["offered_qps"]: st.get("steal_pct", float("nan")) for st in steps}
-            if by:
-                lines.append(f"| {label} | " + " | ".join(f"{by[q]:.1f}" if q in by else "" for q in qps) + " |")
-    steps = p["engines"].get("torch", {}).get("sweep", {}).get("steps", [])
-    if steps and "server_p99_ms" in steps[0]:
-        lines += ["", "Where a call's latency goes (the batched server, torch, the sweep in the table): in server = the "
-                  "response's own timing (from the handler's start to the result), of which: decode (parse, validate), "
-                  "wait (until the engine began its batch: queued behind the batches before it, in the front-end and "
-                  "in the engine's pipe, and the trip there), hand-off (the results' trip back from the end of the "
-                  "engine's compute: pickling, the pipe, the front-end's wake-up) and its engine batch "
-                  "(the batch the call rode in, as the engine timed it); outside = the rest (the load generator's "
-                  "lateness, both gRPC stacks, the transport, wake-ups); percentiles of each part separately, so they "
-                  "do not add up.", "",
-                  "| offered QPS | p50 / p99 ms | in server p50 / p99 | decode | wait | hand-off | its engine batch "
-                  "| outside | send late p99 | mean batch | machine busy / steal % |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-
-        def pair(st: dict, key: str) -> str:
-            return f"{st.get(key + '_p50_ms', float('nan')):.2f} / {st.get(key + '_p99_ms', float('nan')):.2f}"
-
-        lines += [f"| {st['offered_qps']:g} | {st['p50_ms']:.2f} / {st['p99_ms']:.2f} | {pair(st, 'server')} | "
-                  f"{pair(st, 'decode')} | {pair(st, 'wait')} | {pair(st, 'handoff')} | {pair(st, 'compute')} | "
-                  f"{pair(st, 'outside')} | {st['send_late_p99_ms']:.2f} | {st['mean_batch']:.1f} | "
-                  f"{st.get('cpu_busy_pct', float('nan')):.0f} / {st.get('steal_pct', float('nan')):.1f} |"
-                  for st in steps]
-    lines += ["", "Where the batched server's time goes at load (share of server time, front-end and engine process):", ""]
-    prof = p["engines"].get("torch", {}).get("profile", {})
-    stages = prof.get("stages_s", {})
-    total = sum(stages.values()) or 1.0
-    served = prof.get("served") or 0
-    lines += ["| stage | share | ms per request served |", "|---|---|---|"] + [
-        f"| {k} | {100 * v / total:.1f}% | {1e3 * v / served:.2f} |" if served else f"| {k} | {100 * v / total:.1f}% | - |"
-        for k, v in sorted(stages.items(), key=lambda kv: -kv[1])]
-    lines += ["", "![latency vs load](results/serving_latency.png)"]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -115,26 +115,7 @@ def main() -> None:
                "artifact_bytes": sum(sizes.get("files", {}).values()) if sizes else None,
                "request": {"retrieve_k": 100, "rank": 100, "top_k": 10}, "engines": results}
     write_json("serving_scale", payload)
-    update_results_md("serving_scale", render(payload))
-
-
-def render(p: dict) -> str:
-    m = p["machine"]
-    lines = ["## Serving at scale (10^6-item catalogue, long histories)", "",
-             f"`python -m genrec.benchmarks.serving_scale` — {p['date']}, {m['cpu']}, {m['cores']} cores, server on "
-             f"{p['server_threads']} threads. An HSTU (2 layers, d 64, max_seq_len 4096) over "
-             f"{p['catalogue_size']:,} catalogue items (int8 tables), one request at a time: retrieve 100 from the "
-             "whole catalogue (exact top-k), rank the 100, return 10.", "",
-             "| engine | history | p50 ms | p99 ms | server RSS |", "|---|---|---|---|---|"]
-    for name, r in p["engines"].items():
-        if "skipped" in r:
-            lines.append(f"| {name} | skipped: {r['skipped']} | | | |")
-            continue
-        for h, s in r["latency_by_history"].items():
-            lines.append(f"| {name} | {h} | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} | {r['server_rss_mb']:.0f} MB |")
-    if p.get("artifact_bytes"):
-        lines += ["", f"Artifact: {p['artifact_bytes'] / 1e6:.0f} MB on disk."]
-    return "\n".join(lines)
+    update_results_md()
 
 
 if __name__ == "__main__":

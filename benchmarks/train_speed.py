@@ -188,39 +188,7 @@ def main() -> None:
               "steps_per_round": args.steps, "rounds": args.rounds, "variants": res, "loss_error_vs_fp64": err,
               "speedup": next(iter(res.values()))["speedup"], "goal": 3.0}
     write_json("train_speed", result)
-    m = result["machine"]
-    lines = [
-        "## Training throughput (ML-1M HSTU step)",
-        "",
-        f"`python -m genrec.benchmarks.train_speed` — {today()}, {m['cpu']}, {m['threads']} threads, torch {m['torch']}.",
-        "Same model, loss and optimizer in both paths; batches of 128 real ML-1M sequences; median of "
-        f"{args.rounds} interleaved rounds of {args.steps} steps. Naive: padded to 200, dense masked attention, "
-        "eager. Default: the shipped config's path (length-sorted windows, jagged rows, the HSTU attention's "
-        + ("compiled tower" if shipped.train.compile else "coded path with its hand-written backward, eager")
-        + ", chunked loss).",
-        "",
-        "| head | naive s/step | default s/step | naive seq/s | default seq/s | speed-up | loss share of default step "
-        "| naive at the default's matmul precision | speed-up vs that |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for k, r in res.items():
-        same = r.get("naive_same_matmul_precision")
-        lines.append(f"| {k} | {r['naive_padded_eager']['s_per_step']:.3f} | {r['default']['s_per_step']:.3f} | "
-                     f"{r['naive_padded_eager']['sequences_per_s']:.0f} | {r['default']['sequences_per_s']:.0f} | "
-                     f"**{r['speedup']:.2f}x** | {100 * r['loss_share_of_default_step']:.0f}% | "
-                     + (f"{same['s_per_step']:.3f} | {r['speedup_same_matmul_precision']:.2f}x |" if same else "- | - |"))
-    prec = shipped.train.matmul_precision
-    lines += ["", "Goal: 3x or more. Loss share: the default path's retrieval loss alone (forward + backward "
-              "of the logits of every real token against the catalogue, or the sampled negatives) over its "
-              "whole step.", "",
-              f"Matmul precision: the naive path runs with torch's defaults (fp32 GEMMs at `highest`, MKL); the "
-              f"default path with the config's `train.matmul_precision = \"{prec}\"`, which lets torch route fp32 "
-              "GEMMs to oneDNN. Its error, measured in the same run on an ML-1M-sized loss (13.8k tokens x 3,706 "
-              f"items, d 64, vs fp64): relative gradient error {err[prec]['grad_rel_err']:.1e} "
-              f"(`highest`: {err['highest']['grad_rel_err']:.1e}), loss error {err[prec]['loss_abs_err']:.1e} "
-              f"({err['highest']['loss_abs_err']:.1e}). The last two columns time the naive path under the same "
-              "setting: the part of the speed-up that is the formulation alone."]
-    update_results_md("train_speed", "\n".join(lines))
+    update_results_md()
     for k, r in res.items():
         print(f"{k}: speedup {r['speedup']:.2f}x, loss share {100 * r['loss_share_of_default_step']:.0f}%")
 

@@ -76,6 +76,6 @@ def test_update_results_md_regenerates_the_page(tmp_path: Path, monkeypatch) -> 
     page.write_text("# old hand-made page\n")
     monkeypatch.setattr(common, "RESULTS", results)
     monkeypatch.setattr(common, "RESULTS_MD", page)
-    common.update_results_md("kernels_cpu", "ignored body")
+    common.update_results_md()
     assert page.read_text() == report.render(results)
     assert "ignored body" not in page.read_text()
