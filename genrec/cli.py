@@ -203,7 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         if not _user_error(e):
             raise
-        kind = "config error" if type(e).__name__ == "ConfigError" else "error"
+        from genrec.config import ConfigError  # (light: no layer is imported with it)
+
+        kind = "config error" if isinstance(e, ConfigError) else "error"
         print(f"genrec: {kind}: {e}", file=sys.stderr)
         return 2
 

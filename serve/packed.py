@@ -37,8 +37,6 @@ def packed_supports(model: GenerativeRecommender) -> bool:
             and feats <= {model.item_feature, "action"})
 
 
-
-
 def pack_users(users: list[UserInput], cap: int, has_action: bool) -> tuple[np.ndarray, ...]:
     """The batch's history rows packed (user by user, each cut to the last ``cap`` events):
     items, actions (0 without an action table), event and query times (int64, as sent),
