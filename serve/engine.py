@@ -39,7 +39,7 @@ from genrec.models.recommender import GenerativeRecommender
 from genrec.quant.artifact import Manifest
 from genrec.quant.load import load_model
 from genrec.serve.packed import PackedPath, context_kjt, packed_supports  # noqa: F401 - re-exported
-from genrec.serve.requests import ModelSchema, UserInput, Work
+from genrec.serve.requests import ModelSchema, UserInput, Work, history_window
 
 _NONE = np.zeros(0, np.int64)
 
@@ -78,12 +78,12 @@ def schema_of(model: GenerativeRecommender) -> ModelSchema:
 
 
 def collate_users(users: list[UserInput], model: GenerativeRecommender, device: torch.device,
-                  candidates: list[np.ndarray] | None = None) -> SequenceBatch:
-    """Histories (each cut to the tower's capacity) -> a SequenceBatch; with ``candidates``
-    (one array per user) they are appended as targets, seen at the request time."""
+                  candidates: list[np.ndarray] | None = None, window_block: int = 1) -> SequenceBatch:
+    """Histories (each cut to the tower's window, :func:`history_window`) -> a SequenceBatch;
+    with ``candidates`` (one array per user) they are appended as targets, seen at the request time."""
     cap = schema_of(model).max_history
     cands = candidates or [np.zeros(0, np.int64)] * len(users)
-    cut = [slice(max(0, u.items.size - cap), None) for u in users]
+    cut = [slice(history_window(u.items.size, cap, window_block), None) for u in users]
     items = [np.concatenate([u.items[c], k]) for u, c, k in zip(users, cut, cands)]
     lengths = [x.size for x in items]
     keys, values, lens = [model.item_feature], [np.concatenate(items)], list(lengths)

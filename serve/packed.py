@@ -19,7 +19,7 @@ from torchrec import KeyedJaggedTensor
 from genrec.models.hstu import JaggedMeta
 from genrec.models.recommender import GenerativeRecommender, HistoryState
 from genrec.serve.native import ServeKernels
-from genrec.serve.requests import UserInput
+from genrec.serve.requests import UserInput, history_window
 
 
 def context_kjt(users: list[UserInput], names: list[str]) -> KeyedJaggedTensor:
@@ -37,13 +37,14 @@ def packed_supports(model: GenerativeRecommender) -> bool:
             and feats <= {model.item_feature, "action"})
 
 
-def pack_users(users: list[UserInput], cap: int, has_action: bool) -> tuple[np.ndarray, ...]:
-    """The batch's history rows packed (user by user, each cut to the last ``cap`` events):
+def pack_users(users: list[UserInput], cap: int, has_action: bool, block: int = 1) -> tuple[np.ndarray, ...]:
+    """The batch's history rows packed (user by user, each cut to its window of at most ``cap``
+    events moving in steps of ``block``, :func:`history_window`):
     items, actions (0 without an action table), event and query times (int64, as sent),
     positions [T], and lengths [B]. Users without timestamps use positions as times (event
     j at j, queried at j + 1), as ``models.tokens`` does; a history's last row is queried at
     the request time."""
-    cuts = [max(0, u.items.size - cap) for u in users]
+    cuts = [history_window(u.items.size, cap, block) for u in users]
     lengths = np.array([u.items.size - c for u, c in zip(users, cuts)], np.int64)
     if lengths.size == 0 or lengths.min() < 1:
         raise ValueError("every user needs at least one history event")

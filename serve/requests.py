@@ -73,6 +73,7 @@ _ID_BYTES = 11  # a tagged int64 (EventColumns, ContextFeature.ids, exclude_item
 _CANDIDATE_BYTES = 3 + 11 + 9  # tag + length, item_id, bid
 _NAME_BYTES = 256  # a context feature's name or an objective, counted at this length at most
 _FIXED_BYTES = 1024  # the scalars and the nested messages' headers
+MAX_USER_ID_BYTES = 128  # User.user_id (counted in the fixed bytes above)
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ class Limits:
         if self.max_request_bytes:
             return self.max_request_bytes
         context = self.max_context_features * (6 + _NAME_BYTES + self.max_context_ids * _ID_BYTES)
-        return (_FIXED_BYTES + 2 * _NAME_BYTES + self.max_history * _EVENT_BYTES + context
+        return (_FIXED_BYTES + MAX_USER_ID_BYTES + 2 * _NAME_BYTES + self.max_history * _EVENT_BYTES + context
                 + self.max_candidates * _CANDIDATE_BYTES + self.max_exclude_items * _ID_BYTES)
 
 
@@ -114,6 +115,7 @@ class UserInput:
     has_time: bool
     request_time: int
     context: dict[str, np.ndarray] = field(default_factory=dict)
+    user_id: str = ""  # the key engines cache its encoded history under ("": not cached)
 
 
 @dataclass
@@ -261,7 +263,26 @@ def decode_user(user: pb.User, schema: ModelSchema, limits: Limits) -> UserInput
     # as for a request of the model's window alone (what the engines give it)
     has_time = bool((times[-schema.max_history :] > 0).all())
     request_time = user.request_time or (int(times[-1]) if has_time else 0)
-    return UserInput(items, times, actions, has_time, request_time, _context(user, schema))
+    if len(user.user_id.encode()) > MAX_USER_ID_BYTES:
+        raise InvalidRequest(f"user.user_id: is longer than {MAX_USER_ID_BYTES} bytes")
+    return UserInput(items, times, actions, has_time, request_time, _context(user, schema), user.user_id)
+
+
+def history_window(n: int, cap: int, block: int = 1) -> int:
+    """The first of ``n`` events that a tower of ``cap`` history positions reads.
+
+    The window over a long history moves in steps of ``block`` events: it starts at the
+    smallest multiple of ``block`` that leaves at most ``cap`` events, so between steps a
+    growing history keeps its first event (and every cached key and value after it) and
+    the tower sees between ``cap - block + 1`` and ``cap`` events. ``block = 1``: the last
+    ``cap`` events, a window that slides with every new event.
+
+    >>> history_window(10, 8), history_window(10, 8, 4), history_window(13, 8, 4)
+    (2, 4, 8)
+    """
+    if not 1 <= block <= cap:
+        raise ValueError(f"the history window's block ({block}) must be between 1 and the window ({cap})")
+    return 0 if n <= cap else -(-(n - cap) // block) * block
 
 
 def _candidates(cands, schema: ModelSchema) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # noqa: ANN001

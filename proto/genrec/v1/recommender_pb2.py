@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bgenrec/v1/recommender.proto\x12\tgenrec.v1\"<\n\x05\x45vent\x12\x0f\n\x07item_id\x18\x01 \x01(\x03\x12\x11\n\ttimestamp\x18\x02 \x01(\x03\x12\x0f\n\x07\x61\x63tions\x18\x03 \x01(\r\"+\n\x0e\x43ontextFeature\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x03(\x03\")\n\tCandidate\x12\x0f\n\x07item_id\x18\x01 \x01(\x03\x12\x0b\n\x03\x62id\x18\x02 \x01(\x01\"E\n\x0c\x45ventColumns\x12\x10\n\x08item_ids\x18\x01 \x03(\x03\x12\x12\n\ntimestamps\x18\x02 \x03(\x03\x12\x0f\n\x07\x61\x63tions\x18\x03 \x03(\r\"\x9d\x01\n\x04User\x12!\n\x07history\x18\x01 \x03(\x0b\x32\x10.genrec.v1.Event\x12*\n\x07\x63ontext\x18\x02 \x03(\x0b\x32\x19.genrec.v1.ContextFeature\x12\x14\n\x0crequest_time\x18\x03 \x01(\x03\x12\x30\n\x0fhistory_columns\x18\x04 \x01(\x0b\x32\x17.genrec.v1.EventColumns\"\xda\x01\n\x10RecommendRequest\x12\x1d\n\x04user\x18\x01 \x01(\x0b\x32\x0f.genrec.v1.User\x12\x12\n\nretrieve_k\x18\x02 \x01(\r\x12\r\n\x05top_k\x18\x03 \x01(\r\x12(\n\ncandidates\x18\x04 \x03(\x0b\x32\x14.genrec.v1.Candidate\x12\x1c\n\x0f\x65xclude_history\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12\x11\n\tobjective\x18\x06 \x01(\t\x12\x15\n\rexclude_items\x18\x07 \x03(\x03\x42\x12\n\x10_exclude_history\"\xa4\x01\n\nScoredItem\x12\x0f\n\x07item_id\x18\x01 \x01(\x03\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x17\n\x0fretrieval_score\x18\x03 \x01(\x02\x12/\n\x05tasks\x18\x04 \x03(\x0b\x32 .genrec.v1.ScoredItem.TasksEntry\x1a,\n\nTasksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"z\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x02\x12\x12\n\ncompute_ms\x18\x02 \x01(\x02\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x11\n\tdecode_ms\x18\x04 \x01(\x02\x12\x0f\n\x07wait_ms\x18\x05 \x01(\x02\x12\x12\n\nhandoff_ms\x18\x06 \x01(\x02\"s\n\x11RecommendResponse\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.genrec.v1.ScoredItem\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12!\n\x06timing\x18\x03 \x01(\x0b\x32\x11.genrec.v1.Timing\"\x84\x01\n\x0fRetrieveRequest\x12\x1d\n\x04user\x18\x01 \x01(\x0b\x32\x0f.genrec.v1.User\x12\t\n\x01k\x18\x02 \x01(\r\x12\x1c\n\x0f\x65xclude_history\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x15\n\rexclude_items\x18\x04 \x03(\x03\x42\x12\n\x10_exclude_history\"r\n\x10RetrieveResponse\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.genrec.v1.ScoredItem\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12!\n\x06timing\x18\x03 \x01(\x0b\x32\x11.genrec.v1.Timing\"i\n\x0bRankRequest\x12\x1d\n\x04user\x18\x01 \x01(\x0b\x32\x0f.genrec.v1.User\x12(\n\ncandidates\x18\x02 \x03(\x0b\x32\x14.genrec.v1.Candidate\x12\x11\n\tobjective\x18\x03 \x01(\t\"n\n\x0cRankResponse\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.genrec.v1.ScoredItem\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12!\n\x06timing\x18\x03 \x01(\x0b\x32\x11.genrec.v1.Timing\"#\n\x13LoadArtifactRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"C\n\x14LoadArtifactResponse\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x14\n\x0cload_seconds\x18\x02 \x01(\x02\"\x15\n\x13GetModelInfoRequest\"\xe2\x01\n\tModelInfo\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x15\n\rartifact_path\x18\x02 \x01(\t\x12\r\n\x05tower\x18\x03 \x01(\t\x12\r\n\x05tasks\x18\x04 \x03(\t\x12\x0f\n\x07\x61\x63tions\x18\x05 \x03(\t\x12\x18\n\x10\x63ontext_features\x18\x06 \x03(\t\x12\x16\n\x0e\x63\x61talogue_size\x18\x07 \x01(\x04\x12\x13\n\x0bmax_history\x18\x08 \x01(\r\x12\x0e\n\x06\x65ngine\x18\t \x01(\t\x12\x12\n\nembeddings\x18\n \x01(\t\x12\r\n\x05\x64\x65nse\x18\x0b \x01(\t2\xd3\x01\n\x0bRecommender\x12\x46\n\tRecommend\x12\x1b.genrec.v1.RecommendRequest\x1a\x1c.genrec.v1.RecommendResponse\x12\x43\n\x08Retrieve\x12\x1a.genrec.v1.RetrieveRequest\x1a\x1b.genrec.v1.RetrieveResponse\x12\x37\n\x04Rank\x12\x16.genrec.v1.RankRequest\x1a\x17.genrec.v1.RankResponse2\x9e\x01\n\x05\x41\x64min\x12O\n\x0cLoadArtifact\x12\x1e.genrec.v1.LoadArtifactRequest\x1a\x1f.genrec.v1.LoadArtifactResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.genrec.v1.GetModelInfoRequest\x1a\x14.genrec.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bgenrec/v1/recommender.proto\x12\tgenrec.v1\"<\n\x05\x45vent\x12\x0f\n\x07item_id\x18\x01 \x01(\x03\x12\x11\n\ttimestamp\x18\x02 \x01(\x03\x12\x0f\n\x07\x61\x63tions\x18\x03 \x01(\r\"+\n\x0e\x43ontextFeature\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x03(\x03\")\n\tCandidate\x12\x0f\n\x07item_id\x18\x01 \x01(\x03\x12\x0b\n\x03\x62id\x18\x02 \x01(\x01\"E\n\x0c\x45ventColumns\x12\x10\n\x08item_ids\x18\x01 \x03(\x03\x12\x12\n\ntimestamps\x18\x02 \x03(\x03\x12\x0f\n\x07\x61\x63tions\x18\x03 \x03(\r\"\xae\x01\n\x04User\x12!\n\x07history\x18\x01 \x03(\x0b\x32\x10.genrec.v1.Event\x12*\n\x07\x63ontext\x18\x02 \x03(\x0b\x32\x19.genrec.v1.ContextFeature\x12\x14\n\x0crequest_time\x18\x03 \x01(\x03\x12\x30\n\x0fhistory_columns\x18\x04 \x01(\x0b\x32\x17.genrec.v1.EventColumns\x12\x0f\n\x07user_id\x18\x05 \x01(\t\"\xda\x01\n\x10RecommendRequest\x12\x1d\n\x04user\x18\x01 \x01(\x0b\x32\x0f.genrec.v1.User\x12\x12\n\nretrieve_k\x18\x02 \x01(\r\x12\r\n\x05top_k\x18\x03 \x01(\r\x12(\n\ncandidates\x18\x04 \x03(\x0b\x32\x14.genrec.v1.Candidate\x12\x1c\n\x0f\x65xclude_history\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12\x11\n\tobjective\x18\x06 \x01(\t\x12\x15\n\rexclude_items\x18\x07 \x03(\x03\x42\x12\n\x10_exclude_history\"\xa4\x01\n\nScoredItem\x12\x0f\n\x07item_id\x18\x01 \x01(\x03\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x17\n\x0fretrieval_score\x18\x03 \x01(\x02\x12/\n\x05tasks\x18\x04 \x03(\x0b\x32 .genrec.v1.ScoredItem.TasksEntry\x1a,\n\nTasksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"z\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x02\x12\x12\n\ncompute_ms\x18\x02 \x01(\x02\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x11\n\tdecode_ms\x18\x04 \x01(\x02\x12\x0f\n\x07wait_ms\x18\x05 \x01(\x02\x12\x12\n\nhandoff_ms\x18\x06 \x01(\x02\"s\n\x11RecommendResponse\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.genrec.v1.ScoredItem\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12!\n\x06timing\x18\x03 \x01(\x0b\x32\x11.genrec.v1.Timing\"\x84\x01\n\x0fRetrieveRequest\x12\x1d\n\x04user\x18\x01 \x01(\x0b\x32\x0f.genrec.v1.User\x12\t\n\x01k\x18\x02 \x01(\r\x12\x1c\n\x0f\x65xclude_history\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x15\n\rexclude_items\x18\x04 \x03(\x03\x42\x12\n\x10_exclude_history\"r\n\x10RetrieveResponse\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.genrec.v1.ScoredItem\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12!\n\x06timing\x18\x03 \x01(\x0b\x32\x11.genrec.v1.Timing\"i\n\x0bRankRequest\x12\x1d\n\x04user\x18\x01 \x01(\x0b\x32\x0f.genrec.v1.User\x12(\n\ncandidates\x18\x02 \x03(\x0b\x32\x14.genrec.v1.Candidate\x12\x11\n\tobjective\x18\x03 \x01(\t\"n\n\x0cRankResponse\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.genrec.v1.ScoredItem\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12!\n\x06timing\x18\x03 \x01(\x0b\x32\x11.genrec.v1.Timing\"#\n\x13LoadArtifactRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"C\n\x14LoadArtifactResponse\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x14\n\x0cload_seconds\x18\x02 \x01(\x02\"\x15\n\x13GetModelInfoRequest\"\xe2\x01\n\tModelInfo\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x15\n\rartifact_path\x18\x02 \x01(\t\x12\r\n\x05tower\x18\x03 \x01(\t\x12\r\n\x05tasks\x18\x04 \x03(\t\x12\x0f\n\x07\x61\x63tions\x18\x05 \x03(\t\x12\x18\n\x10\x63ontext_features\x18\x06 \x03(\t\x12\x16\n\x0e\x63\x61talogue_size\x18\x07 \x01(\x04\x12\x13\n\x0bmax_history\x18\x08 \x01(\r\x12\x0e\n\x06\x65ngine\x18\t \x01(\t\x12\x12\n\nembeddings\x18\n \x01(\t\x12\r\n\x05\x64\x65nse\x18\x0b \x01(\t2\xd3\x01\n\x0bRecommender\x12\x46\n\tRecommend\x12\x1b.genrec.v1.RecommendRequest\x1a\x1c.genrec.v1.RecommendResponse\x12\x43\n\x08Retrieve\x12\x1a.genrec.v1.RetrieveRequest\x1a\x1b.genrec.v1.RetrieveResponse\x12\x37\n\x04Rank\x12\x16.genrec.v1.RankRequest\x1a\x17.genrec.v1.RankResponse2\x9e\x01\n\x05\x41\x64min\x12O\n\x0cLoadArtifact\x12\x1e.genrec.v1.LoadArtifactRequest\x1a\x1f.genrec.v1.LoadArtifactResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.genrec.v1.GetModelInfoRequest\x1a\x14.genrec.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,35 +42,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EVENTCOLUMNS']._serialized_start=192
   _globals['_EVENTCOLUMNS']._serialized_end=261
   _globals['_USER']._serialized_start=264
-  _globals['_USER']._serialized_end=421
-  _globals['_RECOMMENDREQUEST']._serialized_start=424
-  _globals['_RECOMMENDREQUEST']._serialized_end=642
-  _globals['_SCOREDITEM']._serialized_start=645
-  _globals['_SCOREDITEM']._serialized_end=809
-  _globals['_SCOREDITEM_TASKSENTRY']._serialized_start=765
-  _globals['_SCOREDITEM_TASKSENTRY']._serialized_end=809
-  _globals['_TIMING']._serialized_start=811
-  _globals['_TIMING']._serialized_end=933
-  _globals['_RECOMMENDRESPONSE']._serialized_start=935
-  _globals['_RECOMMENDRESPONSE']._serialized_end=1050
-  _globals['_RETRIEVEREQUEST']._serialized_start=1053
-  _globals['_RETRIEVEREQUEST']._serialized_end=1185
-  _globals['_RETRIEVERESPONSE']._serialized_start=1187
-  _globals['_RETRIEVERESPONSE']._serialized_end=1301
-  _globals['_RANKREQUEST']._serialized_start=1303
-  _globals['_RANKREQUEST']._serialized_end=1408
-  _globals['_RANKRESPONSE']._serialized_start=1410
-  _globals['_RANKRESPONSE']._serialized_end=1520
-  _globals['_LOADARTIFACTREQUEST']._serialized_start=1522
-  _globals['_LOADARTIFACTREQUEST']._serialized_end=1557
-  _globals['_LOADARTIFACTRESPONSE']._serialized_start=1559
-  _globals['_LOADARTIFACTRESPONSE']._serialized_end=1626
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1628
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1649
-  _globals['_MODELINFO']._serialized_start=1652
-  _globals['_MODELINFO']._serialized_end=1878
-  _globals['_RECOMMENDER']._serialized_start=1881
-  _globals['_RECOMMENDER']._serialized_end=2092
-  _globals['_ADMIN']._serialized_start=2095
-  _globals['_ADMIN']._serialized_end=2253
+  _globals['_USER']._serialized_end=438
+  _globals['_RECOMMENDREQUEST']._serialized_start=441
+  _globals['_RECOMMENDREQUEST']._serialized_end=659
+  _globals['_SCOREDITEM']._serialized_start=662
+  _globals['_SCOREDITEM']._serialized_end=826
+  _globals['_SCOREDITEM_TASKSENTRY']._serialized_start=782
+  _globals['_SCOREDITEM_TASKSENTRY']._serialized_end=826
+  _globals['_TIMING']._serialized_start=828
+  _globals['_TIMING']._serialized_end=950
+  _globals['_RECOMMENDRESPONSE']._serialized_start=952
+  _globals['_RECOMMENDRESPONSE']._serialized_end=1067
+  _globals['_RETRIEVEREQUEST']._serialized_start=1070
+  _globals['_RETRIEVEREQUEST']._serialized_end=1202
+  _globals['_RETRIEVERESPONSE']._serialized_start=1204
+  _globals['_RETRIEVERESPONSE']._serialized_end=1318
+  _globals['_RANKREQUEST']._serialized_start=1320
+  _globals['_RANKREQUEST']._serialized_end=1425
+  _globals['_RANKRESPONSE']._serialized_start=1427
+  _globals['_RANKRESPONSE']._serialized_end=1537
+  _globals['_LOADARTIFACTREQUEST']._serialized_start=1539
+  _globals['_LOADARTIFACTREQUEST']._serialized_end=1574
+  _globals['_LOADARTIFACTRESPONSE']._serialized_start=1576
+  _globals['_LOADARTIFACTRESPONSE']._serialized_end=1643
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1645
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1666
+  _globals['_MODELINFO']._serialized_start=1669
+  _globals['_MODELINFO']._serialized_end=1895
+  _globals['_RECOMMENDER']._serialized_start=1898
+  _globals['_RECOMMENDER']._serialized_end=2109
+  _globals['_ADMIN']._serialized_start=2112
+  _globals['_ADMIN']._serialized_end=2270
 # @@protoc_insertion_point(module_scope)

@@ -43,16 +43,18 @@ class EventColumns(_message.Message):
     def __init__(self, item_ids: _Optional[_Iterable[int]] = ..., timestamps: _Optional[_Iterable[int]] = ..., actions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class User(_message.Message):
-    __slots__ = ("history", "context", "request_time", "history_columns")
+    __slots__ = ("history", "context", "request_time", "history_columns", "user_id")
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_TIME_FIELD_NUMBER: _ClassVar[int]
     HISTORY_COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    USER_ID_FIELD_NUMBER: _ClassVar[int]
     history: _containers.RepeatedCompositeFieldContainer[Event]
     context: _containers.RepeatedCompositeFieldContainer[ContextFeature]
     request_time: int
     history_columns: EventColumns
-    def __init__(self, history: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., context: _Optional[_Iterable[_Union[ContextFeature, _Mapping]]] = ..., request_time: _Optional[int] = ..., history_columns: _Optional[_Union[EventColumns, _Mapping]] = ...) -> None: ...
+    user_id: str
+    def __init__(self, history: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., context: _Optional[_Iterable[_Union[ContextFeature, _Mapping]]] = ..., request_time: _Optional[int] = ..., history_columns: _Optional[_Union[EventColumns, _Mapping]] = ..., user_id: _Optional[str] = ...) -> None: ...
 
 class RecommendRequest(_message.Message):
     __slots__ = ("user", "retrieve_k", "top_k", "candidates", "exclude_history", "objective", "exclude_items")
