@@ -21,6 +21,7 @@ against the reference.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -36,6 +37,7 @@ from genrec.kernels.hstu_attention import (
     hstu_cached_attention,
     hstu_last_row_attention,
 )
+from genrec.kernels.hstu_paged import hstu_paged_attention
 from genrec.kernels.jagged import lengths_to_offsets
 from genrec.models.dropout import Dropout
 
@@ -81,6 +83,24 @@ class JaggedMeta:
     num_targets: torch.Tensor | None  # [B]
     plan: AttentionPlan = field(default_factory=AttentionPlan)  # what every layer's attention shares
     attention_backend: str | None = None  # this call's, instead of the layers' configured one
+
+
+@dataclass
+class PagedMeta:
+    """New tokens of B sequences whose earlier tokens' keys and values sit in a cache
+    (:meth:`HSTUTower.extend_paged`); token ``index[i]`` of sequence ``seq[i]`` for each new row."""
+
+    seq: torch.Tensor  # [Tq] int64
+    index: torch.Tensor  # [Tq] int64, its position in its sequence
+    lengths: torch.Tensor  # [B] tokens of each sequence after this call (cached + new)
+    key_times: torch.Tensor | None  # [B, L] every token's time (cached and new); None: no time bias
+    query_times: torch.Tensor | None  # [Tq]
+    hist_lengths: torch.Tensor | None = None  # [B] tokens before the candidates; None: no candidates
+
+
+# (layer, new keys [Tq, H, Dqk], new values [Tq, H, Dv]) -> that layer's keys and values of
+# every sequence, [B, L, H, D], the new ones written at their (seq, index): an engine's cache
+KVStore = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class HSTULayer(nn.Module):
@@ -161,6 +181,17 @@ class HSTULayer(nn.Module):
             q, k, v, kv[0], kv[1], hist.offsets, owner, max_seq_len=self.max_seq_len, alpha=self.alpha, pos_weights=self.pos_weights,
             time_weights=self.time_weights, hist_times=hist.times, request_times=hist.request_times,
             backend=self._backend(), plan=plan)
+        return self._gate(x, u, attn)
+
+    def forward_paged(self, x: torch.Tensor, meta: PagedMeta, store: KVStore, index: int) -> torch.Tensor:
+        """New rows x [Tq, D] against their sequences' cached keys / values -> [Tq, D]; this
+        layer's new keys and values go to ``store`` (as layer ``index``) first."""
+        u, v, q, k = self._split(x)
+        keys, values = store(index, k, v)
+        attn = hstu_paged_attention(
+            q, keys, values, meta.seq, meta.index, meta.lengths, max_seq_len=self.max_seq_len, alpha=self.alpha,
+            pos_weights=self.pos_weights, time_weights=self.time_weights, key_times=meta.key_times,
+            query_times=meta.query_times, hist_lengths=meta.hist_lengths)
         return self._gate(x, u, attn)
 
     def _backend(self, override: str | None = None) -> str:
@@ -255,6 +286,15 @@ class HSTUTower(nn.Module):
         return self.final_norm(x)
 
     forward_cached = extend  # the name the transformer tower shares
+
+    def extend_paged(self, x: torch.Tensor, meta: PagedMeta, store: KVStore) -> torch.Tensor:
+        """New tokens x [Tq, D] of sequences whose earlier tokens' keys / values are cached ->
+        [Tq, D], what the full pass over each whole sequence gives these rows; each layer
+        writes its new keys / values through ``store`` before attending (``kernels.hstu_paged``).
+        Incremental encoding of a grown history (and its candidates, ``meta.hist_lengths``)."""
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_paged(x, meta, store, i)
+        return self.final_norm(x)
 
     def cached_layers(self, hist: CachedHistory) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k [Th, H, Dqk], v [Th, H, Dv]) of ``hist``, views of its native layout

@@ -1,0 +1,98 @@
+"""HSTU attention for new tokens over keys and values that already sit in a cache.
+
+The op behind incremental encoding (a user's history grows by a few events; a serving
+engine keeps the earlier events' keys and values): queries are only the *new* tokens, keys
+and values are each sequence's whole cache (the earlier tokens and the new ones, written
+there before the call), laid out per sequence ``[B, L, H, D]`` (an engine gathers them from
+its pool, e.g. SGLang's paged KV pool through its request-to-token map).
+
+Query ``i`` is token ``index[i]`` of sequence ``seq[i]``. It sees key ``j`` of its sequence
+when ``j <= index[i]`` and, where the sequence has candidates after its first
+``hist_lengths[b]`` tokens, ``j < hist_lengths[b]`` or ``j == index[i]``: the masks, the
+relative position bias (positions ``min(j, hist_lengths[b])``: candidates share the first
+position after the history) and the time bias (``query_times[i] - key_times[b, j]``) of the
+jagged op (``kernels.hstu_reference``), so appending tokens here gives what one full pass
+over the whole sequence gives them. ``tests/test_hstu_paged.py`` checks that.
+
+Shapes: q [Tq, H, Dqk]; k [B, L, H, Dqk]; v [B, L, H, Dv]; seq, index [Tq] int64;
+lengths [B] (valid keys per sequence, at least ``index + 1`` of each of its queries);
+key_times [B, L]; query_times [Tq]. Output [Tq, H, Dv].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from genrec.kernels.hstu_reference import QUERY_BLOCK, lookup, time_bucket
+
+
+def hstu_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq: torch.Tensor,
+    index: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    max_seq_len: int,
+    alpha: float,
+    pos_weights: torch.Tensor | None = None,
+    time_weights: torch.Tensor | None = None,
+    key_times: torch.Tensor | None = None,
+    query_times: torch.Tensor | None = None,
+    hist_lengths: torch.Tensor | None = None,
+    query_block: int = QUERY_BLOCK,
+) -> torch.Tensor:
+    """New tokens' attention over their sequences' cached keys and values (module docstring).
+
+    Example: B=2 users, one with 5 cached tokens and 1 new, one with 3 cached and 2 new:
+    ``k`` is [2, 6, H, D] (the second sequence's 6th slot unused, ``lengths`` = [6, 5]),
+    ``seq`` = [0, 1, 1], ``index`` = [5, 3, 4].
+    """
+    tq, b = q.shape[0], k.shape[0]
+    out = v.new_zeros(tq, v.shape[2], v.shape[3])
+    if tq == 0:
+        return out
+    if time_weights is not None and (key_times is None or query_times is None):
+        raise ValueError("time_weights needs key_times and query_times")
+    # the queries laid out per sequence: [B, Qmax] slots, rank r of each query in its sequence
+    order = torch.argsort(seq, stable=True)
+    counts = torch.bincount(seq, minlength=b)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(seq)
+    rank[order] = torch.arange(tq, device=seq.device) - starts[seq[order]]
+    qmax = int(counts.max())
+    qidx = torch.full((b, qmax), -1, dtype=torch.int64, device=q.device)  # each slot's query row, -1: none
+    qidx[seq, rank] = torch.arange(tq, device=q.device)
+    hist = hist_lengths if hist_lengths is not None else lengths
+    for s in range(0, qmax, query_block):
+        e = min(s + query_block, qmax)
+        act = torch.nonzero(counts > s).flatten()  # sequences with queries in this block
+        rows = qidx[act, s:e]  # [b', e - s]
+        real = rows >= 0
+        r = rows.clamp(min=0)
+        pos_q = torch.where(real, index[r], -1)  # [b', e - s] token index of each query (-1: none)
+        keys = int(pos_q.max()) + 1  # no query of the block sees a later key
+        kk, vv = k[act, :keys].transpose(1, 2), v[act, :keys].transpose(1, 2)  # [b', H, L', D]
+        qq = q[r].transpose(1, 2)  # [b', H, e - s, D]
+        scores = torch.matmul(qq, kk.transpose(-1, -2)) * alpha  # [b', H, e - s, L']
+        j = torch.arange(keys, device=q.device)
+        h = hist[act][:, None, None]
+        qi = pos_q[:, :, None]
+        mask = (j[None, None] <= qi) & ((j[None, None] < h) | (j[None, None] == qi))
+        mask &= j[None, None] < lengths[act][:, None, None]
+        bias = None
+        if pos_weights is not None:
+            dist = (torch.minimum(qi, h) - torch.minimum(j[None, None], h)).clamp_(0, max_seq_len - 1)
+            bias = lookup(pos_weights, dist.to(torch.int32))
+        if time_weights is not None:
+            dt = query_times[r][:, :, None] - key_times[act, None, :keys]
+            tb = lookup(time_weights, time_bucket(dt, time_weights.numel()))
+            bias = tb if bias is None else bias + tb
+        if bias is not None:
+            scores = scores + bias[:, None].to(scores.dtype)
+        attn = F.silu(scores) * (mask[:, None].to(scores.dtype) / max_seq_len)
+        res = torch.matmul(attn, vv).transpose(1, 2)  # [b', e - s, H, Dv]
+        out[rows[real]] = res[real]
+    return out
