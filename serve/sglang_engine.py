@@ -1,26 +1,37 @@
-"""The SGLang engine: genrec's tower runs inside SGLang; everything else as in TorchEngine.
+"""The SGLang engine: users' encoded histories live in SGLang's KV pool and radix cache.
 
 The only module of serve/ that imports SGLang. What happens where:
 
-    outside SGLang (this process)            inside SGLang (its scheduler process)
-    ---------------------------------        -------------------------------------------
-    validate, collate histories (+ cands)
-    quantized TorchRec lookups, positions,
-    time features -> one fp64 row per token  -> GenRecTower: the tower from models/ over
-      (positional_embed_overrides)              each request's ragged slice; candidates
-                                                (placeholder id 2) are targets: they see
-                                                the history and themselves only
-    user vectors, exact top-k, ranking head <- final hidden state of every position
-    and the objective
+    this process (SGLangEngine)                SGLang's scheduler process (GenRecHSTU)
+    ----------------------------------------   --------------------------------------------
+    validate; each work's history window       the radix cache matches the longest cached
+    -> one token id per event (a hash of         prefix of the user's tokens (extra key =
+       item, action, its time, the next          user id); only the rest is prefilled, in
+       event's time) + the events and the        chunks, with the batch's other requests
+       work as the request's custom params     per new token: the artifact's (quantized)
+       (one request per work, all in flight)     lookups, then each HSTU layer writes its
+                                                 K/V to the pool (slot time beside it) and
+                                                 attends over the request's slots
+                                               at a request's last token: its user vector,
+                                                 retrieval (exact top-k, exclusions), and
+                                                 the candidates (given or retrieved) scored
+                                                 against the history's K/V in the pool
+    order by the objective                  <- retrieved positions and scores, task
+                                                 probabilities: one float row per request
 
-One prefill per user and pass: candidates ride in the same request as the history, so the
-history is encoded once for all of them. (SGLang's prefix cache would be the other way to
-share it, but requests that carry embedding overrides are never matched against or added
-to the radix cache in SGLang 0.5.23, so it is disabled here.) Recommend without given
-candidates makes two passes: history -> retrieval, then history + retrieved -> ranking.
+Why the ids mean "the same history": token j's keys and values depend on events 0..j and on
+its query time (the next event's time; the last event's is the request time), all of which
+its id and its place in the radix path pin down. SGLang always prefills a request's last
+token, so the last event (queried at the request time) is recomputed on every call and its
+row gives the user vector. Candidates never enter the pool: they are scored in the same
+forward against the history's pooled keys / values (each sees the history and itself), so
+they cost no pool slots and cannot be matched by a later call.
 
-Rows travel as fp64: SGLang casts overrides to the dtype of the model's embedding table,
-and fp64 keeps the relative timestamps exact (they feed HSTU's time buckets).
+Custom params are SGLang's per-request payload for custom logit processors (a no-op one is
+attached so they reach the forward batch); they carry the events the model embeds itself
+(no per-token float rows through IPC). The model owns its attention: SGLang's attention
+backend and ``RadixAttention`` are not used; the pool is shaped to the tower (layers, heads,
+qk and v dims) and read through the request-to-token map.
 """
 
 from __future__ import annotations
@@ -30,8 +41,9 @@ import json
 import logging
 import os
 import tempfile
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +53,8 @@ from torch import nn
 
 from genrec.serve import sglang_shim
 
-HIST_ID, CAND_ID, VOCAB = 1, 2, 4
 log = logging.getLogger("genrec.serve.sglang")
+PAYLOAD = "genrec"  # the custom params' key
 
 
 def _prepare_environment() -> None:
@@ -61,182 +73,321 @@ _prepare_environment()
 
 import sglang as sgl  # noqa: E402
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput  # noqa: E402
-from sglang.srt.managers.embed_types import PositionalEmbeds  # noqa: E402
 from sglang.srt.managers.io_struct import GenerateReqInput  # noqa: E402
+from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool  # noqa: E402
+from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor  # noqa: E402
 
-from genrec.config import from_dict, to_dict  # noqa: E402
-from genrec.kernels.jagged import lengths_to_offsets  # noqa: E402
-from genrec.models.hstu import JaggedMeta  # noqa: E402
-from genrec.models.recommender import ModelConfig, build_tower  # noqa: E402
-from genrec.serve.engine import Result, TorchEngine, collate_users  # noqa: E402
-from genrec.serve.requests import Work  # noqa: E402
+from genrec.models.hstu import CachedHistory, PagedMeta  # noqa: E402
+from genrec.models.recommender import HistoryState  # noqa: E402
+from genrec.serve.engine import Result, TorchEngine  # noqa: E402
+from genrec.serve.packed import pack_users, packed_supports  # noqa: E402
+from genrec.serve.requests import UserInput, Work  # noqa: E402
+
+VOCAB = 4  # the dummy logits' width (nothing is decoded)
+_MASK63 = np.uint64((1 << 63) - 1)
 
 
-class GenRecTower(nn.Module):
-    """SGLang model (EntryClass): the tower of ``models/`` over ragged prefill batches.
+def event_token_ids(items: np.ndarray, actions: np.ndarray, times: np.ndarray, query_times: np.ndarray) -> np.ndarray:
+    """[n] int64 token ids (63-bit hashes) of events: equal ids <=> equal (item, action,
+    time, query time), up to hash collisions (about 2^-63 per compared pair)."""
+    with np.errstate(over="ignore"):
+        h = np.zeros(items.shape, np.uint64)
+        for col, mult in ((items, 0x9E3779B97F4A7C15), (actions, 0xC2B2AE3D27D4EB4F), (times, 0x165667B19E3779F9),
+                          (query_times, 0xD6E8FEB86659FD93)):
+            h = (h ^ col.astype(np.int64).view(np.uint64)) * np.uint64(mult)
+            h ^= h >> np.uint64(29)
+        h ^= h >> np.uint64(32)
+    return (h & _MASK63).astype(np.int64)
 
-    Per token it receives [D tower-input dims, event time, query time] (relative seconds)
-    and returns the tower's output for every prompt position as SGLang's hidden states.
+
+class KeepLogits(CustomLogitProcessor):
+    """A no-op custom logit processor: attached to every request so that SGLang hands the
+    requests' custom params (our payload) to the forward batch."""
+
+    def __call__(self, logits, custom_param_list=None):  # noqa: ANN001, ANN204
+        return logits
+
+
+class _Retrieval:
+    """What ``TorchEngine.retrieve`` reads of a work: k and the excluded rows."""
+
+    def __init__(self, k: int, excluded: np.ndarray | None) -> None:
+        self.retrieve_k, self._excluded = k, excluded
+
+    def excluded(self) -> np.ndarray | None:
+        return self._excluded
+
+
+class GenRecHSTU(nn.Module):
+    """SGLang model (EntryClass): a genrec artifact's HSTU model over SGLang's KV pool.
+
+    ``config.genrec_artifact`` names the artifact; the model loads it itself (its quantized
+    tables, tower and heads) through a ``TorchEngine`` whose lookups, retrieval and ranking
+    it reuses. Each forward returns one float row per request (``hidden_states``, capture
+    mode "last"): [n retrieved, n scored, retrieved catalogue positions, their scores,
+    task probabilities (n scored x tasks)], zeros for a chunk that does not end its request.
     """
 
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:  # noqa: ANN001
         super().__init__()
-        self.cfg = from_dict(ModelConfig, config.genrec_model)
-        self.dim = int(config.genrec_dim)
-        self.tower = build_tower(self.cfg, self.dim)
-        self.embed_tokens = nn.Embedding(VOCAB, self.dim + 2, dtype=torch.float64)
+        torch.set_num_threads(int(getattr(config, "genrec_threads", 0)) or torch.get_num_threads())
+        self.engine = TorchEngine(config.genrec_artifact)
+        self.model = self.engine.model.eval()
+        self.width = int(config.hidden_size)
+        self.tasks = len(self.engine.schema.tasks)
+        self.slot_times: torch.Tensor | None = None  # [pool slots] each slot's event time
         self.vocab = VOCAB
+        self._dummy = nn.Parameter(torch.zeros(1), requires_grad=False)  # SGLang loads one weight file
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embed_tokens
+    def get_input_embeddings(self) -> nn.Module:
+        return nn.Identity()
 
+    def load_weights(self, weights) -> None:  # noqa: ANN001
+        for name, _ in weights:  # the artifact is loaded in __init__; the checkpoint holds a placeholder
+            if name != "_dummy":
+                raise KeyError(f"GenRecHSTU: unexpected weight {name}")
+
+    # ----- the forward pass over one SGLang batch ----------------------------------------
     @torch.no_grad()
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, get_embedding=False, **kw):  # noqa: ANN001, ANN201
         fb = forward_batch
-        x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
-        lengths = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64, device=x.device)
-        if any(fb.extend_prefix_lens_cpu):
-            # An exception here would take the whole engine down; the caller checks shapes.
-            log.error("GenRecTower got a chunked or cached prefill; run with the radix cache off and no chunking")
-        offsets = lengths_to_offsets(lengths)
-        seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=x.device), lengths)
-        n_cand = torch.zeros(lengths.numel(), dtype=torch.int64, device=x.device).index_add_(
-            0, seg, (input_ids == CAND_ID).long())
-        meta = JaggedMeta(offsets, int(lengths.max()), x[:, -2], x[:, -1], n_cand if bool(n_cand.any()) else None)
-        h = self.tower(x[:, : self.dim].float(), meta)
-        mode = getattr(fb, "capture_hidden_mode", None)
-        if mode is not None and mode.is_full():
-            hidden = h
-        elif mode is not None and mode.is_last():
-            hidden = h[offsets[1:] - 1]
+        b = fb.batch_size
+        rows = torch.zeros(b, self.width)
+        logits = torch.zeros(b, self.vocab)
+        params = fb.sampling_info.custom_params if fb.sampling_info is not None else None
+        if not fb.forward_mode.is_extend() or params is None or any(p is None or PAYLOAD not in p for p in params):
+            if fb.forward_mode.is_extend() and b:
+                log.error("GenRecHSTU: a request without genrec's payload; send requests through SGLangEngine")
+            return LogitsProcessorOutput(next_token_logits=logits, hidden_states=rows)
+        payloads = [p[PAYLOAD] for p in params]
+        pre, ext = list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu)
+        h, kv = self._extend(fb, payloads, pre, ext, positions)
+        done = [i for i in range(b) if pre[i] + ext[i] == len(payloads[i]["items"])]
+        if done:
+            self._finish(done, payloads, pre, ext, h, kv, rows)
+        return LogitsProcessorOutput(next_token_logits=logits, hidden_states=rows)
+
+    def _extend(self, fb, payloads: list[dict], pre: list[int], ext: list[int], positions: torch.Tensor):  # noqa: ANN001, ANN202
+        """The batch's new tokens through the tower over the pool -> (their outputs [T, D],
+        (slot map [B, L], the pool, each request's tokens after this pass [B]))."""
+        m = self.model
+        cols = {key: np.concatenate([np.asarray(p[key][s : s + e], np.int64) for p, s, e in zip(payloads, pre, ext)])
+                for key in ("items", "actions", "times", "qtimes")}
+        pos = positions.to(torch.int64)
+        k = self.engine.packed.kernels if self.engine.packed is not None else None
+        if k is not None and k.rows is not None:
+            x = k.tokens(cols["items"], cols["actions"] if self._has_action else None, pos.numpy())
         else:
-            hidden = None
-        logits = torch.zeros(lengths.numel(), self.vocab, device=x.device)
-        return LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden)
+            acts = torch.from_numpy(cols["actions"]) if self._has_action else None
+            x = m.summed_tokens(torch.from_numpy(cols["items"]), acts, pos)[1]
+        pool, r2t = get_token_to_kv_pool(), get_req_to_token_pool().req_to_token
+        if self.slot_times is None or self.slot_times.numel() < pool.size + pool.page_size:
+            self.slot_times = torch.zeros(pool.size + pool.page_size, dtype=torch.int64)
+        loc = fb.out_cache_loc.to(torch.int64)
+        self.slot_times[loc] = torch.from_numpy(cols["times"])
+        lengths = torch.tensor([s + e for s, e in zip(pre, ext)], dtype=torch.int64)
+        slots = r2t[fb.req_pool_indices.to(torch.int64), : int(lengths.max())].to(torch.int64)  # [B, L]
+        seq = torch.repeat_interleave(torch.arange(len(pre)), torch.tensor(ext))
 
-    def load_weights(self, weights) -> None:  # noqa: ANN001
-        params = dict(self.named_parameters())
-        for name, tensor in weights:
-            if name not in params:
-                raise KeyError(f"GenRecTower: unexpected weight {name}")
-            params[name].data.copy_(tensor.to(params[name].dtype))
+        def store(layer: int, kk: torch.Tensor, vv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            kb, vb = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
+            kb[loc], vb[loc] = kk.to(kb.dtype), vv.to(vb.dtype)
+            return kb[slots], vb[slots]
+
+        meta = PagedMeta(seq, pos, lengths, self.slot_times[slots] if m.tower.time_bias else None,
+                         torch.from_numpy(cols["qtimes"]) if m.tower.time_bias else None)
+        return m.tower.extend_paged(x, meta, store), (slots, pool, lengths)
+
+    @property
+    def _has_action(self) -> bool:
+        return "action" in self.model.sparse.sequence_features
+
+    def _finish(self, done: list[int], payloads: list[dict], pre: list[int], ext: list[int], h: torch.Tensor,
+                kv, rows: torch.Tensor) -> None:  # noqa: ANN001
+        """Requests whose last token was in this pass: retrieval and ranking, into ``rows``."""
+        eng, m = self.engine, self.model
+        slots, pool, lengths = kv
+        ends = np.cumsum(ext) - 1
+        users = m.head.normalize(h[torch.as_tensor(ends[done])].float())  # [d, D]
+        # the requests' histories as the candidates' extend reads them: jagged K/V from the pool
+        flat = torch.cat([slots[i, : int(lengths[i])] for i in done])
+        offsets = torch.zeros(len(done) + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(lengths[done], 0)
+        c = m.tower.layers[0].cfg
+        layers = [(pool.get_key_buffer(i)[flat].to(users.dtype).view(-1, c.num_heads, c.qk_dim),
+                   pool.get_value_buffer(i)[flat].to(users.dtype).view(-1, c.num_heads, c.v_dim))
+                  for i in range(len(m.tower.layers))]
+        request = torch.tensor([payloads[i]["qtimes"][-1] for i in done], dtype=torch.int64)
+        times = self.slot_times[flat] if m.tower.time_bias else None
+        ctx = None
+        if m.ranking is not None and m.ranking_context:
+            us = [UserInput(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), True, 0,
+                            {n: np.asarray(v, np.int64) for n, v in payloads[i]["context"].items()}) for i in done]
+            ctx = eng.packed.kernels.context(us) if eng.packed is not None and eng.packed.kernels is not None \
+                and eng.packed.kernels.pooled is not None else self._context(us)
+        state = HistoryState(CachedHistory(layers, offsets, times, request if m.tower.time_bias else None),
+                             lengths[done].clone(), ctx)
+        need = [(j, _Retrieval(payloads[i]["k"], _array(payloads[i]["excluded"])))
+                for j, i in enumerate(done) if payloads[i]["k"]]
+        found = eng.retrieve(users, need) if need else {}
+        to_rank = {}
+        for j, i in enumerate(done):
+            p = payloads[i]
+            if p["rank"] == "given":
+                to_rank[j] = (np.asarray(p["candidates"], np.int64),)
+            elif p["rank"] == "retrieved":
+                to_rank[j] = (found[j][0],)
+        probs = eng.score(state, to_rank) if to_rank else {}
+        for j, i in enumerate(done):
+            ids, scores = found.get(j, (np.zeros(0, np.int64), np.zeros(0, np.float32)))
+            pr = probs.get(j, np.zeros((0, self.tasks), np.float32))
+            pos = np.searchsorted(eng.corpus_np, ids)  # catalogue positions: exact in fp32 below 2^24
+            row = np.concatenate([[ids.size, pr.shape[0]], pos, scores, pr.reshape(-1)]).astype(np.float32)
+            if row.size > self.width:
+                raise RuntimeError("GenRecHSTU: a request asked for more results than the engine was started for")
+            rows[i, : row.size] = torch.from_numpy(row)
+
+    def _context(self, users: list[UserInput]) -> torch.Tensor:
+        from genrec.serve.packed import context_kjt
+
+        m = self.model
+        return m.sparse.pooled(context_kjt(users, list(m.embedding_cfg.pooled_features))).values()
 
 
-def _float_state(module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
-    """fp32 weights of a served tower, whatever its dense scheme (quantized layers dequantized)."""
-    out = {}
-    for name, sub in module.named_modules():
-        full = f"{prefix}{name}." if name else prefix
-        if hasattr(sub, "weight") and callable(getattr(sub, "weight", None)):  # torch.ao dynamic int8 Linear
-            w, b = sub.weight().dequantize(), sub.bias()
-            out[f"{full}weight"] = w
-            if b is not None:
-                out[f"{full}bias"] = b.detach()
-        elif hasattr(sub, "codes") and hasattr(sub, "scale"):  # fp8 weight-only Linear
-            out[f"{full}weight"] = sub.codes.float() * sub.scale[:, None]
-            if sub.bias is not None:
-                out[f"{full}bias"] = sub.bias.detach()
-    for name, t in module.state_dict().items():
-        if "_packed_params" in name or name.endswith((".codes", ".scale", ".zero_point", ".scale_")):
-            continue
-        out.setdefault(prefix + name, t.detach())
-    return {k: v.float().contiguous() for k, v in out.items()}
+def _array(values: list | None) -> np.ndarray | None:
+    return None if values is None else np.asarray(values, np.int64)
 
 
 class SGLangEngine(TorchEngine):
-    """Same interface and answers as TorchEngine; the tower's forward runs inside SGLang."""
+    """Same interface and answers as TorchEngine; histories cached in SGLang's KV pool.
+
+    ``pool_tokens``: the KV pool's size in tokens (size it for the active users' histories:
+    bytes per token = layers x heads x (qk + v dims) x 4); ``window_block``: the history
+    window's step (``serve.requests.history_window``); ``chunk_tokens``: chunked prefill's
+    chunk; ``max_results``: the most retrieved or ranked items one request returns."""
 
     name = "sglang"
 
-    def __init__(self, artifact: str | Path, device: str = "cpu", max_tokens: int = 65536) -> None:
+    def __init__(self, artifact: str | Path, device: str = "cpu", pool_tokens: int = 262144, window_block: int = 1,
+                 chunk_tokens: int = 4096, max_results: int = 1024, max_running: int = 64, threads: int = 0) -> None:
         super().__init__(artifact, device=device)
+        if not packed_supports(self.model):
+            raise ValueError("the SGLang engine serves HSTU models with the summed action encoding; "
+                             "serve this model with engine = \"torch\"")
+        c = self.model.tower.layers[0].cfg
+        self.window_block, self.max_results = window_block, max_results
+        self.cap = self.schema.max_history
+        self.bytes_per_token = len(self.model.tower.layers) * c.num_heads * (c.qk_dim + c.v_dim) * 4
+        self.pool_tokens = pool_tokens
+        self.has_action = "action" in self.model.sparse.sequence_features
+        self._stats = {"hits": 0, "misses": 0, "history_tokens": 0, "cached_tokens": 0}
+        self._lock = threading.Lock()
         self.ckpt = Path(tempfile.mkdtemp(prefix="genrec-sglang-"))
-        dim = self.model.embedding_cfg.dim
-        cfg = {"architectures": ["GenRecTower"], "model_type": "llama", "hidden_size": dim + 2,
-               "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": dim + 2, "num_hidden_layers": 1,
-               "intermediate_size": dim, "vocab_size": VOCAB, "max_position_embeddings": max_tokens,
-               "torch_dtype": "float32", "genrec_model": to_dict(self.model.cfg), "genrec_dim": dim}
+        width = 2 + 2 * max_results + max_results * max(1, len(self.schema.tasks))
+        cfg = {"architectures": ["GenRecHSTU"], "model_type": "llama", "hidden_size": width,
+               "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_heads, "head_dim": c.qk_dim,
+               "v_head_dim": c.v_dim, "num_hidden_layers": len(self.model.tower.layers), "intermediate_size": 1,
+               "vocab_size": VOCAB, "max_position_embeddings": self.model.cfg.max_seq_len + 16,  # SGLang keeps a few positions back
+               "torch_dtype": "float32", "genrec_artifact": str(Path(artifact).resolve()), "genrec_threads": threads}
         (self.ckpt / "config.json").write_text(json.dumps(cfg))
-        weights = _float_state(self.model.tower, "tower.")
-        weights["embed_tokens.weight"] = torch.zeros(VOCAB, dim + 2, dtype=torch.float64)
-        save_file(weights, str(self.ckpt / "model.safetensors"))
-        # SGLang's Engine owns an asyncio loop; it lives on one private thread.
-        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang")
-        self.engine = self.thread.submit(self._start, device, max_tokens).result()
+        save_file({"_dummy": torch.zeros(1)}, str(self.ckpt / "model.safetensors"))
+        self.processor = KeepLogits.to_str()
+        # SGLang's Engine and its client tasks live on one asyncio loop, on a thread of its own;
+        # run() submits to it from any thread, so several batches are in flight at once.
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="sglang-loop", daemon=True)
+        self.thread.start()
+        self.engine = asyncio.run_coroutine_threadsafe(
+            self._start(device, pool_tokens, chunk_tokens, max_running), self.loop).result()
 
-    def _start(self, device: str, max_tokens: int):  # noqa: ANN202
-        asyncio.set_event_loop(asyncio.new_event_loop())
+    async def _start(self, device: str, pool_tokens: int, chunk: int, max_running: int):  # noqa: ANN202
         return sgl.Engine(model_path=str(self.ckpt), device=device, dtype="float32", skip_tokenizer_init=True,
-                          attention_backend="torch_native", disable_cuda_graph=True, disable_radix_cache=True,
-                          chunked_prefill_size=-1, max_prefill_tokens=max_tokens, max_total_tokens=max_tokens + 4096,
-                          mem_fraction_static=0.3, enable_return_hidden_states=True, log_level="warning")
+                          attention_backend="torch_native", disable_cuda_graph=True, chunked_prefill_size=chunk,
+                          max_prefill_tokens=chunk, max_total_tokens=pool_tokens, max_running_requests=max_running,
+                          mem_fraction_static=0.3, enable_custom_logit_processor=True,
+                          return_hidden_states_mode="last", sleep_on_idle=True, log_level="warning")
 
     def close(self) -> None:
         """Stops SGLang's processes and the loop its client tasks live on."""
 
-        def stop() -> None:
+        async def stop() -> None:
             self.engine.shutdown()
-            loop = asyncio.get_event_loop()
-            pending = list(asyncio.all_tasks(loop))
+            pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for task in pending:
                 task.cancel()
-            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            loop.close()
+            await asyncio.gather(*pending, return_exceptions=True)
 
-        self.thread.submit(stop).result()
-        self.thread.shutdown()
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
 
-    # ----- the tower inside SGLang -------------------------------------------------------
-    def _tower(self, batch) -> tuple[torch.Tensor, object]:  # noqa: ANN001
-        """Tower outputs for every token of ``batch`` (history, + candidates as targets)."""
-        x, tok = self.model._tokens(batch)
-        lengths = (tok.offsets[1:] - tok.offsets[:-1]).tolist()
-        hist = (tok.offsets[1:] - tok.offsets[:-1]) - (tok.num_targets if tok.num_targets is not None else 0)
-        base = tok.query_times[tok.last_rows].to(torch.float64)  # any per-user constant: times are relative
-        rows, ids, start = [], [], 0
-        for b, n in enumerate(lengths):
-            sl = slice(start, start + n)
-            feats = torch.stack([tok.timestamps[sl].to(torch.float64) - base[b],
-                                 tok.query_times[sl].to(torch.float64) - base[b]], 1)
-            rows.append(torch.cat([x[sl].to(torch.float64), feats], 1))
-            h = int(hist[b])
-            ids.append([HIST_ID] * h + [CAND_ID] * (n - h))
-            start += n
-        outs = self.thread.submit(self._generate, ids, rows).result()
-        hidden = [torch.tensor(o["meta_info"]["hidden_states"][0], dtype=torch.float32) for o in outs]
-        for n, h in zip(lengths, hidden):
-            if h.shape[0] != n:
-                raise RuntimeError(f"SGLang returned {h.shape[0]} hidden rows for a {n}-token request")
-        return torch.cat(hidden), tok
+    def cache_stats(self) -> dict:
+        """Counters since start: calls that reused cached tokens (hits) or none (misses),
+        history tokens and how many of them came from the radix cache; the pool's capacity."""
+        with self._lock:
+            out = dict(self._stats)
+        out.update(capacity_tokens=self.pool_tokens, bytes_per_token=self.bytes_per_token)
+        return out
 
-    def _generate(self, ids: list[list[int]], rows: list[torch.Tensor]) -> list[dict]:
+    # ----- one request per work -----------------------------------------------------------
+    def _request(self, w: Work) -> tuple[list[int], dict, str]:
+        items, actions, tk, tq, _, _ = pack_users([w.user], self.cap, self.has_action, self.window_block)
+        ids = event_token_ids(items, actions, tk, tq).tolist()
+        retrieve = w.kind == "retrieve" or w.candidates is None
+        # as plan_ranking decides: Rank and Recommend rank, unless retrieval alone orders the result
+        ranks = (w.kind != "retrieve" and not (retrieve and (not self.schema.tasks or w.objective == "retrieval"))
+                 and bool(self.schema.tasks))
+        excluded = w.excluded() if retrieve else None
+        payload = {"items": items.tolist(), "actions": actions.tolist(), "times": tk.tolist(), "qtimes": tq.tolist(),
+                   "k": int(w.retrieve_k) if retrieve else 0,
+                   "excluded": None if excluded is None else excluded.tolist(),
+                   "rank": ("retrieved" if retrieve else "given") if ranks else "none",
+                   "candidates": w.candidates.tolist() if (ranks and not retrieve) else None,
+                   "context": {k: v.tolist() for k, v in w.user.context.items()}}
+        if retrieve and w.retrieve_k > self.max_results or (w.candidates is not None and w.candidates.size > self.max_results):
+            raise ValueError(f"the SGLang engine returns at most {self.max_results} items per request (max_results)")
+        # a user's entries are matched only against its own; no id: a key of its own, shared with nobody
+        key = f"u:{w.user.user_id}" if w.user.user_id else f"anon:{uuid.uuid4().hex}"
+        return ids, payload, key
+
+    async def _generate(self, reqs: list[tuple[list[int], dict, str]]) -> list[dict]:
         obj = GenerateReqInput(
-            input_ids=ids, sampling_params={"max_new_tokens": 1}, return_hidden_states=True,
-            positional_embed_overrides=[PositionalEmbeds(embeds=r, positions=list(range(r.shape[0]))) for r in rows])
-        loop = asyncio.get_event_loop()
-        out = loop.run_until_complete(self.engine.tokenizer_manager.generate_request(obj, None).__anext__())
+            input_ids=[r[0] for r in reqs],
+            sampling_params=[{"max_new_tokens": 1, "custom_params": {PAYLOAD: r[1]}} for r in reqs],
+            custom_logit_processor=[self.processor] * len(reqs), return_hidden_states="last",
+            extra_key=[r[2] for r in reqs])
+        out = await self.engine.tokenizer_manager.generate_request(obj, None).__anext__()
         return out if isinstance(out, list) else [out]
 
     @torch.inference_mode()
     def run(self, works: list[Work]) -> list[Result]:
         t0 = time.perf_counter()
-        retrieved = {}
-        need = [(i, w) for i, w in enumerate(works) if w.kind == "retrieve" or w.candidates is None]
-        if need:
-            batch = collate_users([w.user for _, w in need], self.model, self.device)
-            h, tok = self._tower(batch)
-            users = self.model.head.normalize(h[tok.last_rows])
-            found = self.retrieve(users, [(j, w) for j, (_, w) in enumerate(need)])
-            retrieved = {i: found[j] for j, (i, _) in enumerate(need)}
+        reqs = [self._request(w) for w in works]
+        outs = asyncio.run_coroutine_threadsafe(self._generate(reqs), self.loop).result()
+        retrieved, probs = {}, {}
+        tasks = len(self.schema.tasks)
+        hist = cached = hits = 0
+        for i, (o, r) in enumerate(zip(outs, reqs)):
+            hs = o["meta_info"]["hidden_states"]  # the "last" row (a list of rows on some paths: the last)
+            row = np.asarray(hs[-1] if hs and isinstance(hs[0], list) else hs, np.float32)
+            n_ret, n_prob = int(row[0]), int(row[1])
+            pos = row[2 : 2 + n_ret].astype(np.int64)
+            if n_ret or r[1]["k"]:
+                retrieved[i] = (self.corpus_np[pos], row[2 + n_ret : 2 + 2 * n_ret].copy())
+            if r[1]["rank"] != "none":
+                probs[i] = row[2 + 2 * n_ret : 2 + 2 * n_ret + n_prob * tasks].reshape(n_prob, tasks)
+            n, c = len(r[0]), int(o["meta_info"].get("cached_tokens", 0))
+            hist, cached, hits = hist + n, cached + c, hits + (c > 0)
+        with self._lock:
+            s = self._stats
+            s["hits"] += hits
+            s["misses"] += len(works) - hits
+            s["history_tokens"] += hist
+            s["cached_tokens"] += cached
         to_rank = self.plan_ranking(works, retrieved)
-        probs = {i: np.zeros((0, len(self.schema.tasks)), np.float32) for i in to_rank}
-        keys = [i for i in to_rank if to_rank[i][0].size]  # not those whose exclusions left nothing retrieved
-        if keys:
-            batch = collate_users([works[i].user for i in keys], self.model, self.device,
-                                  candidates=[to_rank[i][0] for i in keys])
-            h, tok = self._tower(batch)
-            p = torch.sigmoid(self.model.rank_logits(h, tok, batch).float()).numpy()
-            splits = np.cumsum([to_rank[i][0].size for i in keys])[:-1]
-            probs.update(zip(keys, np.split(p, splits)))
-        return self.finish(works, retrieved, to_rank, probs, t0)
-
+        for i in to_rank:  # a model without tasks ranks nothing: its candidates keep their order
+            probs.setdefault(i, np.zeros((to_rank[i][0].size, tasks), np.float32))
+        results = self.finish(works, retrieved, to_rank, probs, t0)
+        for r, o, q in zip(results, outs, reqs):
+            r.history_tokens, r.cached_tokens = len(q[0]), int(o["meta_info"].get("cached_tokens", 0))
+        return results

@@ -1,3 +1,3 @@
-"""Registers genrec's tower with SGLang (see the package docstring)."""
+"""Registers genrec's HSTU model with SGLang (see the package docstring)."""
 
-from genrec.serve.sglang_engine import GenRecTower as EntryClass  # noqa: F401
+from genrec.serve.sglang_engine import GenRecHSTU as EntryClass  # noqa: F401
