@@ -118,13 +118,19 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 def _loadtest_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("loadtest", help="open-loop QPS sweep against a live server: percentiles, errors, max QPS",
                        description="Open-loop (Poisson) load test of genrec.v1.Recommender/Recommend. Latency is "
-                       "measured from each request's scheduled send time. Only --target is ever contacted.")
+                       "measured from each request's scheduled send time. Only --target is ever contacted. "
+                       "--workload repeated: users who come back with growing histories (Rank or Recommend), "
+                       "set by --repeated.KEY=VALUE overrides (RepeatedUsers in serve/loadtest.py), e.g. "
+                       "--repeated.catalogue=ARTIFACT --repeated.history=4000 --repeated.zipf=1.2 "
+                       "--repeated.candidates=[100,500].")
     p.add_argument("--target", help="HOST:PORT of the server under test")
     p.add_argument("--qps", default="50,100,200", help="offered load steps, comma separated")
     p.add_argument("--duration", type=float, default=10.0, help="seconds per step")
     p.add_argument("--min-requests", type=int, default=0, help="lengthen a step until it sends this many (a p99 "
                    "needs several hundred calls to be more than their maximum; 600 at 10 QPS: 60 s)")
-    p.add_argument("--workload", help="JSONL requests (see --make-workload)")
+    p.add_argument("--workload", help="JSONL requests (see --make-workload), or 'repeated' (see above)")
+    p.add_argument("--metrics-url", help="the server's Prometheus endpoint (http://HOST:PORT/metrics, serve."
+                   "metrics_port): each step then reports the cache's hit rate and memory")
     p.add_argument("--slo-p99-ms", type=float, default=15.0, help="p99 budget; failures count as over budget")
     p.add_argument("--timeout-ms", type=float, default=1000.0, help="per-call deadline")
     p.add_argument("--max-requests", type=int, default=1_000_000, help="stop the whole run after this many")

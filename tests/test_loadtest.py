@@ -1,6 +1,7 @@
 """The load-test harness against a tiny live server with a known delay and failure rate."""
 
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -8,11 +9,14 @@ import threading
 import time
 
 import grpc
+import numpy as np
 import pytest
 
 from genrec.proto.v1 import recommender_pb2 as pb
 from genrec.serve.hdr import Histogram
 from genrec.serve.loadtest import (
+    RepeatedUsers,
+    RepeatedUserWorkload,
     cpu_shares,
     cpu_times,
     load_workload,
@@ -140,3 +144,198 @@ def test_a_missed_step_caps_the_max_qps_even_when_a_higher_step_met_the_budget()
     assert qps_within(steps, 15.0) == (50, 200)
     assert qps_within([step(10, 16.0), step(50, 14.0)], 15.0) == (0.0, 50)
     assert qps_within([], 15.0) == (0.0, 0.0)
+
+
+# ----- the repeated-user workload ---------------------------------------------------------------
+def repeated(**kw) -> RepeatedUserWorkload:  # noqa: ANN003
+    return RepeatedUserWorkload(RepeatedUsers(**kw), np.arange(1, 2001))
+
+
+def by_view(calls: list) -> list[list]:
+    """Calls grouped by page view (consecutive calls of one user and view)."""
+    views: list[list] = []
+    for c in calls:
+        if views and (views[-1][0].user, views[-1][0].view) == (c.user, c.view):
+            views[-1].append(c)
+        else:
+            views.append([c])
+    return views
+
+
+def test_page_views_follow_zipf_popularity():
+    w = repeated(users=50, zipf=1.1)
+    counts = np.bincount([u for u, _, _ in itertools.islice(w.views(), 40_000)], minlength=50)
+    assert counts[0] / counts[1] == pytest.approx(2**1.1, rel=0.1)  # rank 1 against rank 2
+    slope = np.polyfit(np.log(np.arange(1, 11)), np.log(counts[:10]), 1)[0]
+    assert slope == pytest.approx(-1.1, abs=0.1)
+    assert 0.5 * np.abs(counts / counts.sum() - w.popularity).sum() < 0.02  # total variation
+    flat = np.bincount([u for u, _, _ in itertools.islice(repeated(users=50, zipf=0.0).views(), 40_000)])
+    assert flat.max() / flat.min() < 1.5  # zipf 0: every user alike
+
+
+def test_a_page_view_is_3_to_5_calls_with_one_history_and_request_time():
+    w = repeated(users=30, history=40, candidates=(100, 500))
+    views = by_view(list(itertools.islice(w.calls(), 600)))[:-1]  # (the last may be cut)
+    assert {len(v) for v in views} == {3, 4, 5}
+    for v in views:
+        reqs = [pb.RankRequest.FromString(c.payload) for c in v]
+        assert [c.index for c in v] == list(range(len(v)))
+        assert all(r.user == reqs[0].user for r in reqs) and reqs[0].user.user_id == f"h40s0u{v[0].user}"
+        for r in reqs:
+            ids = [x.item_id for x in r.candidates]
+            assert 100 <= len(ids) <= 500 and len(set(ids)) == len(ids) and set(ids) <= set(range(1, 2001))
+    sizes = [c.candidates for v in views for c in v]
+    assert min(sizes) < 200 and max(sizes) > 400  # drawn over the whole range
+
+
+def test_histories_grow_by_1_to_5_later_events_between_a_users_page_views():
+    w = repeated(users=5, history=30)
+    last: dict[int, pb.User] = {}
+    grown = 0
+    for v in by_view(list(itertools.islice(w.calls(), 400))):
+        u = pb.RankRequest.FromString(v[0].payload).user
+        items, times = list(u.history_columns.item_ids), list(u.history_columns.timestamps)
+        assert len(items) == len(times) == v[0].history and times == sorted(times) and u.request_time > times[-1]
+        prev = last.get(v[0].user)
+        if prev is None:
+            assert v[0].view == 0 and len(items) == 30
+        else:
+            old = list(prev.history_columns.item_ids)
+            assert items[:len(old)] == old and 1 <= len(items) - len(old) <= 5  # the old history is a prefix
+            assert min(times[len(old):]) > prev.request_time  # the new events came after the last request
+            grown += 1
+        last[v[0].user] = u
+    assert grown > 20
+
+
+def test_the_workload_is_deterministic_under_its_seed():
+    def first(seed: int) -> list[bytes]:
+        return [c.payload for c in itertools.islice(repeated(users=100, history=50, seed=seed).calls(), 300)]
+
+    assert first(1) == first(1) and first(1) != first(2)
+    # the page views do not depend on the candidates drawn: one seed, one sequence of users and histories
+    a = [(c.user, c.view, c.history) for c in itertools.islice(repeated(users=100, seed=1).calls(), 300)]
+    b = [(c.user, c.view, c.history) for c in itertools.islice(repeated(users=100, seed=1, candidates=(200, 200)).calls(), 300)]
+    assert a == b
+
+
+def test_the_workload_is_built_as_it_is_read():
+    import tracemalloc
+
+    w = repeated(users=1_000_000, history=8000)  # 10^6 users of 8,000 events: nothing built up front
+    calls = w.calls()
+    tracemalloc.start()
+    try:
+        sizes = [len(c.payload) for c in itertools.islice(calls, 100)]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert sum(sizes) > 5e6 and peak < 3e6  # 100 requests of ~60 kB streamed, not held
+    visitors = calls.gi_frame.f_locals["visitors"]
+    assert sum(len(v.items) for v in visitors.values()) < 5 * 100  # kept per user: the events appended
+
+
+def test_the_plan_counts_what_the_calls_touch():
+    w = repeated(users=200, history=100)
+    calls = list(itertools.islice(w.calls(), 500))
+    plan = w.plan(500)
+    last = {c.user: c.history for c in calls}
+    assert plan["users"] == len(last) and plan["max_history"] == max(last.values())
+    assert plan["tokens"] == sum(last.values()) and plan["calls"] >= 500
+
+
+def test_the_serving_shape_recommends_and_a_bad_range_names_its_key():
+    c = next(repeated(method="Recommend").calls())
+    r = pb.RecommendRequest.FromString(c.payload)
+    assert (r.retrieve_k, r.top_k, len(r.candidates), c.candidates) == (100, 10, 0, 0) and r.user.user_id
+    with pytest.raises(ValueError, match="calls_per_view"):
+        RepeatedUsers(calls_per_view=(5, 3))
+
+
+def test_the_cli_builds_the_repeated_workload_from_overrides(tiny_synth):
+    from argparse import Namespace
+
+    from genrec.config import ConfigError
+    from genrec.serve.loadtest import workload_of
+
+    args = Namespace(workload="repeated", event_messages=False)
+    payloads, method, described = workload_of(args, [f'--repeated.catalogue="{tiny_synth}"', "--repeated.history=20",
+                                                     "--repeated.candidates=[5,9]", "--repeated.zipf=1.2"])
+    r = pb.RankRequest.FromString(next(payloads))
+    assert method == "Rank" and len(r.user.history_columns.item_ids) == 20 and 5 <= len(r.candidates) <= 9
+    assert '"zipf": 1.2' in described
+    with pytest.raises(ConfigError, match="repeated.zipff"):
+        workload_of(args, [f'--repeated.catalogue="{tiny_synth}"', "--repeated.zipff=1.2"])
+    with pytest.raises(ConfigError, match="catalogue"):
+        workload_of(args, [])
+
+
+# ----- the server's cache, from /metrics ---------------------------------------------------------
+METRICS = """# HELP genrec_cache_history_tokens_total History tokens of cached-engine calls
+# TYPE genrec_cache_history_tokens_total counter
+genrec_cache_history_tokens_total{{replica="0"}} {hist0}
+genrec_cache_history_tokens_total{{replica="1"}} {hist1}
+genrec_cache_history_tokens_created{{replica="0"}} 1.7e9
+genrec_cache_cached_tokens_total {cached}
+genrec_cache_hits_total 12.0
+genrec_cache_misses_total 3.0
+genrec_cache_evicted_tokens_total 0.0
+# TYPE genrec_cache_bytes gauge
+genrec_cache_bytes 1048576.0
+genrec_cache_users 8.0
+genrec_requests_total{{method="Rank",code="OK"}} 15.0
+"""
+
+
+def test_the_hit_rate_is_cached_over_history_tokens_between_two_scrapes():
+    from genrec.serve.loadtest import cache_figures, parse_metrics
+
+    before = parse_metrics(METRICS.format(hist0=1000, hist1=0, cached=200))
+    after = parse_metrics(METRICS.format(hist0=2500, hist1=500, cached=1700))
+    assert before["genrec_cache_history_tokens_total"] == 1000 and after["genrec_requests_total"] == 15
+    f = cache_figures(before, after)
+    assert f["hit_rate"] == pytest.approx(1500 / 2000) and f["cache_history_tokens"] == 2000
+    assert (f["cache_hits"], f["cache_evicted_tokens"], f["cache_bytes"], f["cache_users"]) == (0, 0, 2**20, 8)
+    assert f["cache_used_tokens"] is None and f["cache_capacity_tokens"] is None  # not exported: None
+    assert cache_figures(after, before)["hit_rate"] is None  # counters went back: a restarted server
+    assert cache_figures(before, before)["hit_rate"] is None  # no calls with history
+    plain = parse_metrics('genrec_requests_total{method="Rank",code="OK"} 3\n')
+    assert set(cache_figures(plain, plain).values()) == {None}  # a server without a cache
+    assert set(cache_figures(None, None).values()) == {None}
+
+
+def test_a_sweep_reads_a_stream_on_through_its_steps_and_reports_the_cache(tmp_path):
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    srv = KnownServer()
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # 10 history tokens a call, 7 of them cached
+            body = (f"genrec_cache_history_tokens_total {10 * srv.calls}\ngenrec_cache_cached_tokens_total "
+                    f"{7 * srv.calls}\ngenrec_cache_bytes 4096\n").encode()
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a) -> None:  # noqa: ANN002
+            pass
+
+    http = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    taken = []
+
+    def stream():  # noqa: ANN202
+        for i in itertools.count():
+            taken.append(i)
+            yield pb.RecommendRequest(top_k=1).SerializeToString()
+
+    try:
+        res = sweep(f"127.0.0.1:{srv.port}", [30.0, 30.0], 1.0, stream(), slo_ms=30.0, progress=False,
+                    cooldown_s=0.1, warmup=3, metrics_url=f"http://127.0.0.1:{http.server_port}/metrics")
+        assert len(taken) == 3 + sum(s.sent for s in res.steps) == srv.calls  # one stream, never restarted
+        assert all(s.hit_rate == pytest.approx(0.7) and s.cache_bytes == 4096 for s in res.steps)
+        assert res.steps[0].cache_history_tokens == 10 * res.steps[0].sent and res.steps[0].cache_users is None
+        assert "cache hit rate" in markdown(res)
+    finally:
+        http.shutdown()
+        srv.stop()
