@@ -19,12 +19,18 @@ native path the served tables' gathers, the retrieval top-k and the ranking MLP 
 ``serve.native.ServeKernels``. ``TorchEngine(padded=False)`` keeps the batch path
 (``collate_users`` -> ``encode_history`` / ``score_candidates``).
 
+With ``kv_cache_mb`` (the packed path), calls that carry a ``user_id`` keep their encoded
+history in a per-user K/V cache (``serve.kvcache``); the user's next call encodes only the
+events past the longest prefix it shares with the cached window (``tower.extend_paged``), then
+everything downstream runs as above. Every result reports its history and cached tokens.
+
 Engines share this interface so the server and the parity test treat them alike; the
 SGLang engine (``serve.sglang_engine``) runs the same tower inside SGLang.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -38,10 +44,12 @@ from genrec.models.inputs import SequenceBatch
 from genrec.models.recommender import GenerativeRecommender
 from genrec.quant.artifact import Manifest
 from genrec.quant.load import load_model
+from genrec.serve.kvcache import KVCache, token_bytes
 from genrec.serve.packed import PackedPath, context_kjt, packed_supports  # noqa: F401 - re-exported
 from genrec.serve.requests import ModelSchema, UserInput, Work, history_window
 
 _NONE = np.zeros(0, np.int64)
+log = logging.getLogger("genrec.serve")
 
 
 @dataclass
@@ -57,6 +65,14 @@ class Result:
     sent: float = 0.0
     started: float = 0.0
     back: float = 0.0
+    # the per-user K/V cache (serve.kvcache): the request's history tokens (its window), those
+    # reused from the cache, those of other users evicted to keep its own, and whether it was
+    # looked up (a user_id, the cache on); ``cache_gauges``: the cache after its batch (KVCache.gauges)
+    history_tokens: int = 0
+    cached_tokens: int = 0
+    evicted_tokens: int = 0
+    cache_lookup: bool = False
+    cache_gauges: dict[str, int] | None = None
 
 
 def run_stamped(engine, works: list[Work]) -> list[Result]:  # noqa: ANN001 - any engine
@@ -119,16 +135,24 @@ class TorchEngine:
 
     def __init__(self, artifact: str | Path, device: str = "cpu", micro_batch: int = 4096,
                  objective_tasks: tuple[str, ...] | None = None, padded: bool | None = None,
-                 native: bool | None = None) -> None:
+                 native: bool | None = None, kv_cache_mb: float = 0.0, window_block: int = 1) -> None:
         """``padded``: run an HSTU model on the packed path (see the module docstring; default:
         on CPU, when the model is one it covers); False keeps the batch path.
         ``native``: on that path, the tower's native backend and the native lookups and heads
-        (default: where the tower is one it covers and the library builds; ``GENREC_NATIVE=0``: off)."""
+        (default: where the tower is one it covers and the library builds; ``GENREC_NATIVE=0``: off).
+        ``kv_cache_mb``: keep the encoded histories of calls with a ``user_id`` in a per-user K/V
+        cache of this many MiB (``serve.kvcache``; the packed path only; 0: off).
+        ``window_block``: the window over long histories moves in steps of this many events
+        (``serve.requests.history_window``; ``[serve.cache]``)."""
         self.device = torch.device(device)
         self.model, self.manifest = load_model(artifact, self.device)
         self.artifact = str(artifact)
         self.micro_batch = micro_batch
         self.schema = schema_of(self.model)
+        if not 1 <= window_block <= self.schema.max_history:
+            raise ValueError(f"serve.cache.window_block = {window_block}; it must be between 1 and the model's "
+                             f"history window ({self.schema.max_history} events)")
+        self.window_block = window_block
         # eCPM multiplies the predictions of these tasks (default: all, e.g. pCTR x pCVR)
         self.objective_tasks = objective_tasks or self.schema.tasks
         with torch.inference_mode():
@@ -146,8 +170,17 @@ class TorchEngine:
             native = bool(padded) and native_ok(self.model)
         self.stages: dict[str, float] = {}  # seconds spent per stage, summed over batches
         # the tower's backend on the packed path (the model's methods either way)
-        self.packed = (PackedPath(self.model, "native" if native else "torch", micro_batch, self.stages)
+        self.packed = (PackedPath(self.model, "native" if native else "torch", micro_batch, self.stages, window_block)
                        if padded else None)
+        if kv_cache_mb and self.packed is None:  # (extend_paged is the HSTU tower's, on the packed layout)
+            log.warning("serve.cache.kv_cache_mb: the K/V cache runs on the packed path (an HSTU tower with summed "
+                        "actions, on CPU); this engine runs the jagged path, without a cache")
+            kv_cache_mb = 0
+        per_token = 1
+        if self.packed is not None:
+            c, layers = self.model.tower.layers[0].cfg, len(self.model.tower.layers)
+            per_token = token_bytes(layers, c.num_heads * c.qk_dim, c.num_heads * c.v_dim, self.model.dense_dtype.itemsize)
+        self.cache = KVCache(int(kv_cache_mb * 2**20), per_token)  # (0 MiB: keeps nothing, counts history tokens)
         self.path = ("native" if native else "padded") if padded else "jagged"
         # the native retrieval reads the catalogue's columns padded to a whole 8-float vector
         self.items_native = (torch.nn.functional.pad(self.items_t.float(), (0, -self.items_t.shape[1] % 8)).contiguous()
@@ -166,10 +199,13 @@ class TorchEngine:
     def run(self, works: list[Work]) -> list[Result]:
         t0 = t = time.perf_counter()
         fine = self.packed is not None  # it marks its own steps
-        if self.packed is not None:  # lays the batch out itself
+        cached = evicted = None
+        if self.packed is not None and self.cache.enabled:
+            users, state, cached, evicted = self.packed.encode_cached([w.user for w in works], self.cache)
+        elif self.packed is not None:  # lays the batch out itself
             users, state = self.packed.encode([w.user for w in works])
         else:
-            batch = collate_users([w.user for w in works], self.model, self.device)
+            batch = collate_users([w.user for w in works], self.model, self.device, window_block=self.window_block)
             t = self._mark("collate", t)
             users, state = self.model.encode_history(batch)  # embedding lookups + tower
         t = time.perf_counter() if fine else self._mark("encode_history", t)
@@ -179,7 +215,30 @@ class TorchEngine:
         to_rank = self.plan_ranking(works, retrieved)
         probs = self.score(state, to_rank)
         t = time.perf_counter() if fine else self._mark("rank_candidates", t)
-        return self.finish(works, retrieved, to_rank, probs, t0)
+        return self.account(works, self.finish(works, retrieved, to_rank, probs, t0), cached, evicted)
+
+    def history_tokens(self, user: UserInput) -> int:
+        """The tokens of ``user``'s history the tower reads (its window)."""
+        n = user.items.size
+        return n - history_window(n, self.schema.max_history, self.window_block)
+
+    def account(self, works: list[Work], results: list[Result], cached: np.ndarray | None,
+                evicted: np.ndarray | None) -> list[Result]:
+        """Each result's history / cached / evicted tokens, and the cache's gauges after the batch."""
+        gauges = self.cache.gauges() if cached is not None else None
+        if cached is None:  # (encode_cached counted the batch's history tokens itself)
+            self.cache.count_history(sum(self.history_tokens(w.user) for w in works))
+        for i, (w, r) in enumerate(zip(works, results)):
+            r.history_tokens = self.history_tokens(w.user)
+            if cached is not None:
+                r.cached_tokens, r.evicted_tokens = int(cached[i]), int(evicted[i])
+                r.cache_lookup, r.cache_gauges = bool(w.user.user_id), gauges
+        return results
+
+    def cache_stats(self) -> dict[str, int]:
+        """The K/V cache's counters and gauges (``serve.kvcache.KVCache.stats``): hits, misses,
+        history_tokens, cached_tokens, evicted_tokens, users, used_tokens, capacity_tokens, bytes."""
+        return self.cache.stats()
 
     def plan_ranking(self, works: list[Work], retrieved: dict) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """What each work ranks: (table rows, ids to return, bids) -- its given candidates or
@@ -314,11 +373,11 @@ class NaiveTorchEngine(TorchEngine):
 
     @torch.inference_mode()
     def run(self, works: list[Work]) -> list[Result]:
-        return [self._one(w) for w in works]
+        return self.account(works, [self._one(w) for w in works], None, None)
 
     def _one(self, w: Work) -> Result:
         t0 = time.perf_counter()
-        batch = collate_users([w.user], self.model, self.device)
+        batch = collate_users([w.user], self.model, self.device, window_block=self.window_block)
         users = self.model.user_embeddings(batch)
         retrieved = self.retrieve(users, [(0, w)]) if w.kind == "retrieve" or w.candidates is None else {}
         if w.kind == "retrieve" or not self.schema.tasks or w.objective == "retrieval":
@@ -329,7 +388,7 @@ class NaiveTorchEngine(TorchEngine):
         else:
             cands = out_ids = retrieved[0][0]
             bids = np.ones(cands.size)
-        batch = collate_users([w.user], self.model, self.device, candidates=[cands])
+        batch = collate_users([w.user], self.model, self.device, candidates=[cands], window_block=self.window_block)
         probs = self.model.rank(batch).float().cpu().numpy()
         tasks = {t: probs[:, j] for j, t in enumerate(self.schema.tasks)}
         rs = retrieved[0][1] if retrieved else None

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+if TYPE_CHECKING:
+    from genrec.serve.engine import Result
 
 LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
@@ -24,10 +29,40 @@ class ServerMetrics:
         self.engine_available = Gauge("genrec_engine_available", "1 while some engine process can answer",
                                       registry=r)
         self.model = Gauge("genrec_model_info", "The served artifact (value 1)", ["version", "engine"], registry=r)
+        # the engine's per-user K/V cache (serve.kvcache): counted from each call's result, the
+        # gauges from the cache's state after the call's batch (in the engine's process)
+        self.cache_history = Counter("genrec_cache_history_tokens", "History tokens of the calls served", registry=r)
+        self.cache_cached = Counter("genrec_cache_cached_tokens", "History tokens reused from the K/V cache",
+                                    registry=r)
+        self.cache_evicted = Counter("genrec_cache_evicted_tokens", "Cached tokens evicted (least recently used "
+                                     "users) to keep newer ones", registry=r)
+        self.cache_hits = Counter("genrec_cache_hits", "Calls that reused >= 1 cached token", registry=r)
+        self.cache_misses = Counter("genrec_cache_misses", "Calls with a user_id that reused no cached token",
+                                    registry=r)
+        self.cache_used = Gauge("genrec_cache_used_tokens", "Tokens in the K/V cache", registry=r)
+        self.cache_capacity = Gauge("genrec_cache_capacity_tokens", "Tokens the K/V cache's budget holds", registry=r)
+        self.cache_users = Gauge("genrec_cache_users", "Users in the K/V cache", registry=r)
+        self.cache_bytes = Gauge("genrec_cache_bytes", "Bytes of keys, values and events in the K/V cache",
+                                 registry=r)
 
     def on_batch(self, size: int, depth: int) -> None:
         self.batch_size.observe(size)
         self.queue_depth.set(depth)
+
+    def on_result(self, result: Result) -> None:
+        """One call's cache accounting (``serve.engine.Result``)."""
+        self.cache_history.inc(result.history_tokens)
+        if result.cache_lookup:
+            (self.cache_hits if result.cached_tokens else self.cache_misses).inc()
+            self.cache_cached.inc(result.cached_tokens)
+        if result.evicted_tokens:
+            self.cache_evicted.inc(result.evicted_tokens)
+        g = result.cache_gauges
+        if g is not None:
+            self.cache_used.set(g["used_tokens"])
+            self.cache_capacity.set(g["capacity_tokens"])
+            self.cache_users.set(g["users"])
+            self.cache_bytes.set(g["bytes"])
 
     def serve_http(self, port: int, host: str = "0.0.0.0") -> None:
         start_http_server(port, addr=host, registry=self.registry)

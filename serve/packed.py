@@ -16,8 +16,10 @@ import numpy as np
 import torch
 from torchrec import KeyedJaggedTensor
 
-from genrec.models.hstu import JaggedMeta
+from genrec.kernels import hstu_native
+from genrec.models.hstu import CachedHistory, HSTUTower, JaggedMeta, PagedMeta
 from genrec.models.recommender import GenerativeRecommender, HistoryState
+from genrec.serve.kvcache import Entry, KVCache
 from genrec.serve.native import ServeKernels
 from genrec.serve.requests import UserInput, history_window
 
@@ -70,10 +72,12 @@ class PackedPath:
     HistoryState), ``score(state, users, candidates)`` -> task probabilities per user. The
     histories are laid out once in numpy (no KeyedJaggedTensor), the token inputs made by
     ``model.summed_tokens`` or the native gathers, the tower run by the model's own
-    ``encode_history_tokens`` / ``extend`` on ``backend`` ("torch" or "native")."""
+    ``encode_history_tokens`` / ``extend`` on ``backend`` ("torch" or "native").
+    ``window_block``: the window over long histories moves in steps of this many events
+    (:func:`history_window`). :meth:`encode_cached` encodes with a per-user K/V cache."""
 
     def __init__(self, model: GenerativeRecommender, backend: str = "torch", micro_batch: int = 4096,
-                 stages: dict[str, float] | None = None) -> None:
+                 stages: dict[str, float] | None = None, window_block: int = 1) -> None:
         if not packed_supports(model):
             raise ValueError("the packed path needs an HSTU tower with summed action encoding and no other "
                              "sequence features")
@@ -85,6 +89,8 @@ class PackedPath:
         if backend == "native":  # the weights laid out for the kernel now, not on the first request
             model.tower.native_weights()
         self.cap = model.cfg.max_seq_len - 1  # one position stays free for the candidates (serve.engine.schema_of)
+        history_window(self.cap, self.cap, window_block)  # (a block outside 1..cap: the error names it)
+        self.block = window_block
         self.has_action = "action" in model.sparse.sequence_features
         self.stages = stages if stages is not None else {}  # seconds per stage, summed over calls
 
@@ -99,25 +105,136 @@ class PackedPath:
             with torch.inference_mode():
                 return self.encode(users)
         t0 = time.perf_counter()
-        m, k = self.model, self.kernels
-        items, actions, tk, tq, positions, lens = pack_users(users, self.cap, self.has_action)
-        if k is not None and k.rows is not None:
-            x = k.tokens(items, actions if self.has_action else None, positions)
-        else:
-            x = m.summed_tokens(torch.from_numpy(items), torch.from_numpy(actions) if self.has_action else None,
-                                torch.from_numpy(positions))[1]
-        ctx = None
-        if m.ranking is not None and m.ranking_context:
-            ctx = (k.context(users) if k is not None and k.pooled is not None
-                   else m.sparse.pooled(context_kjt(users, list(m.embedding_cfg.pooled_features))).values())
-        offsets = np.zeros(lens.size + 1, np.int64)
-        np.cumsum(lens, out=offsets[1:])
-        offsets = torch.from_numpy(offsets)
-        meta = JaggedMeta(offsets, int(lens.max()), torch.from_numpy(tk), torch.from_numpy(tq), None)
+        items, actions, tk, tq, positions, lens = pack_users(users, self.cap, self.has_action, self.block)
+        x = self._tokens(items, actions, positions)
+        ctx = self._context(users)
         t0 = self._mark("history_lookup", t0)
-        out = m.encode_history_tokens(x, meta, ctx, self.backend)
+        out = self._encode(x, lens, tk, tq, ctx)
         self._mark("history_tower", t0)
         return out
+
+    def _tokens(self, items: np.ndarray, actions: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """Token inputs [N, D] of events at window positions (the native gathers where there are)."""
+        k = self.kernels
+        if k is not None and k.rows is not None:
+            return k.tokens(items, actions if self.has_action else None, positions)
+        return self.model.summed_tokens(torch.from_numpy(items), torch.from_numpy(actions) if self.has_action else None,
+                                        torch.from_numpy(positions))[1]
+
+    def _context(self, users: list[UserInput]) -> torch.Tensor | None:
+        """The users' pooled context [B, E] when the ranking head reads it."""
+        m, k = self.model, self.kernels
+        if m.ranking is None or not m.ranking_context:
+            return None
+        return (k.context(users) if k is not None and k.pooled is not None
+                else m.sparse.pooled(context_kjt(users, list(m.embedding_cfg.pooled_features))).values())
+
+    def _encode(self, x: torch.Tensor, lens: np.ndarray, tk: np.ndarray, tq: np.ndarray,
+                ctx: torch.Tensor | None) -> tuple[torch.Tensor, HistoryState]:
+        offsets = np.zeros(lens.size + 1, np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        meta = JaggedMeta(torch.from_numpy(offsets), int(lens.max()), torch.from_numpy(tk), torch.from_numpy(tq), None)
+        return self.model.encode_history_tokens(x, meta, ctx, self.backend)
+
+    def encode_cached(self, users: list[UserInput], cache: KVCache) -> tuple[torch.Tensor, HistoryState, np.ndarray,
+                                                                            np.ndarray]:
+        """:meth:`encode` with ``cache``: (user vectors [B, D], the encoded histories, tokens
+        reused per user [B], tokens evicted per user [B]). A user with a ``user_id`` whose cached
+        window shares a prefix with this one (``serve.kvcache``) encodes only the rest, through
+        ``tower.extend_paged`` over the prefix's keys / values (such users of the batch together);
+        the others through ``encode_history_tokens`` as :meth:`encode`. Users with an id are kept
+        in the cache afterwards. The state is one packed history as :meth:`encode` gives, so
+        candidates are scored the same way."""
+        t0 = time.perf_counter()
+        items, actions, tk, tq, positions, lens = pack_users(users, self.cap, self.has_action, self.block)
+        b = lens.size
+        offsets = np.zeros(b + 1, np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        entries: list[Entry | None] = [None] * b
+        prefix = np.zeros(b, np.int64)
+        for i, u in enumerate(users):
+            if u.user_id:
+                s, e = offsets[i], offsets[i + 1]
+                entries[i], prefix[i] = cache.lookup(u.user_id, (items[s:e], actions[s:e], tk[s:e], tq[s:e]))
+        cache.count_history(int(lens.sum()))
+        keep = positions >= np.repeat(prefix, lens)  # the rows to encode: all but the reused prefixes
+        x = self._tokens(items[keep], actions[keep], positions[keep])
+        ctx = self._context(users)
+        t0 = self._mark("history_lookup", t0)
+        warm = np.flatnonzero(prefix > 0)
+        if warm.size == 0:  # (today's encode, then its keys / values kept)
+            vec, state = self._encode(x, lens, tk, tq, ctx)
+            kv = _split_kv(self.model.tower, state.history, offsets, [bool(u.user_id) for u in users])
+        else:
+            vec, state, kv = self._encode_warm(x, keep, warm, entries, prefix, lens, offsets, tk, tq, ctx)
+        t0 = self._mark("history_tower", t0)
+        evicted = np.zeros(b, np.int64)
+        for i, u in enumerate(users):
+            if u.user_id:
+                s, e = offsets[i], offsets[i + 1]
+                evicted[i] = cache.put(u.user_id, Entry(items[s:e].copy(), actions[s:e].copy(), tk[s:e].copy(),
+                                                        tq[s:e].copy(), *kv[i]))
+        self._mark("cache_update", t0)
+        return vec, state, prefix, evicted
+
+    def _encode_warm(self, x: torch.Tensor, keep: np.ndarray, warm: np.ndarray, entries: list[Entry | None],
+                     prefix: np.ndarray, lens: np.ndarray, offsets: np.ndarray, tk: np.ndarray, tq: np.ndarray,
+                     ctx: torch.Tensor | None) -> tuple[torch.Tensor, HistoryState, list]:
+        """A batch with cached prefixes: the cold users through the encode, the warm ones' new
+        tokens through ``tower.extend_paged``; (vectors, one packed state, each user's k / v)."""
+        m, b = self.model, lens.size
+        cold = np.flatnonzero(prefix == 0)
+        owner = np.repeat(np.arange(b), lens)[keep]  # each row of x: its user
+        kv: list = [None] * b
+        vec = torch.empty(b, m.pos_emb.weight.shape[1])
+        if cold.size:
+            rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in cold])
+            vec_c, state_c = self._encode(x[torch.from_numpy(np.isin(owner, cold))], lens[cold], tk[rows], tq[rows], None)
+            vec[torch.from_numpy(cold)] = vec_c
+            cold_offsets = np.concatenate([[0], np.cumsum(lens[cold])])
+            for j, (k, v) in zip(cold, _split_kv(m.tower, state_c.history, cold_offsets, [True] * cold.size)):
+                kv[j] = (k, v)
+        new = np.isin(owner, warm)
+        vec_w, kv_w = self._extend(x[torch.from_numpy(new)], [entries[i] for i in warm], prefix[warm], lens[warm],
+                                   tk, tq, offsets[warm])
+        vec[torch.from_numpy(warm)] = vec_w
+        for j, pair in zip(warm, kv_w):
+            kv[j] = pair
+        return vec, HistoryState(_packed_history(m.tower, kv, offsets, tk, tq, self.backend),
+                                 torch.from_numpy(lens), ctx), kv
+
+    def _extend(self, x: torch.Tensor, entries: list[Entry], prefix: np.ndarray, lens: np.ndarray, tk: np.ndarray,
+                tq: np.ndarray, starts: np.ndarray) -> tuple[torch.Tensor, list]:
+        """Warm users' new tokens x (rows ``prefix[i]..lens[i]-1`` of each, in order) over their
+        cached prefixes: (user vectors [W, D], each user's k / v [layers, n, H D] afterwards)."""
+        tower, w, big = self.model.tower, lens.size, int(lens.max())
+        c = tower.layers[0].cfg
+        layers, kw, vw = len(tower.layers), c.num_heads * c.qk_dim, c.num_heads * c.v_dim
+        dtype = x.dtype
+        kp, vp = torch.empty(layers, w, big, kw, dtype=dtype), torch.empty(layers, w, big, vw, dtype=dtype)
+        for i, (e, p, n) in enumerate(zip(entries, prefix, lens)):
+            kp[:, i, :p], vp[:, i, :p] = e.k[:, :p], e.v[:, :p]
+            if n < big:  # padding the op reads (masked, so it must be finite)
+                kp[:, i, n:], vp[:, i, n:] = 0, 0
+        seq = torch.from_numpy(np.repeat(np.arange(w), lens - prefix))
+        index = torch.from_numpy(np.concatenate([np.arange(p, n) for p, n in zip(prefix, lens)]))
+        rows = np.concatenate([np.arange(s + p, s + n) for s, p, n in zip(starts, prefix, lens)])
+        key_times = torch.zeros(w, big, dtype=torch.int64)
+        for i, (s, n) in enumerate(zip(starts, lens)):
+            key_times[i, :n] = torch.from_numpy(tk[s : s + n])
+        meta = PagedMeta(seq, index, torch.from_numpy(lens), key_times, torch.from_numpy(tq[rows]))
+
+        def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            keys, values = kp[layer].view(w, big, c.num_heads, c.qk_dim), vp[layer].view(w, big, c.num_heads, c.v_dim)
+            keys[seq, index], values[seq, index] = k, v
+            return keys, values
+
+        h = tower.extend_paged(x, meta, store)  # [new rows, D]
+        last = torch.from_numpy(np.cumsum(lens - prefix) - 1)
+        vec = self.model.head.normalize(h[last].float())
+        if w == 1:  # [layers, 1, n, .] is one history's layout already
+            return vec, [(kp[:, 0], vp[:, 0])]
+        return vec, [(kp[:, i, :n].contiguous(), vp[:, i, :n].contiguous()) for i, n in enumerate(lens)]
 
     def score(self, state: HistoryState, users: list[int], candidates: list[np.ndarray]) -> list[np.ndarray]:
         """Task probabilities [c, tasks] of each ``candidates[i]`` (table rows) for batch user
@@ -170,3 +287,34 @@ class PackedPath:
         probs = torch.sigmoid(logits.float()).numpy()
         self._mark("ranking_head", t0)
         return probs
+
+
+def _split_kv(tower: HSTUTower, hist: CachedHistory, offsets: np.ndarray,
+              wanted: list[bool]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Each history's keys / values [layers, n, H D] of an encoded batch (copies: the cache
+    must not hold the batch's buffers), None where not ``wanted``."""
+    if not any(wanted):
+        return [None] * len(wanted)
+    if hist.native is not None:
+        k, v = hist.native.k, hist.native.v
+    else:
+        k, v = (torch.stack([kv[i].flatten(-2) for kv in tower.cached_layers(hist)]) for i in (0, 1))
+    return [(k[:, s:e].clone(), v[:, s:e].clone()) if want else None
+            for s, e, want in zip(offsets[:-1], offsets[1:], wanted)]
+
+
+def _packed_history(tower: HSTUTower, kv: list[tuple[torch.Tensor, torch.Tensor]], offsets: np.ndarray,
+                    tk: np.ndarray, tq: np.ndarray, backend: str) -> CachedHistory:
+    """One packed history of the batch from each user's keys / values [layers, n, H D]: what
+    ``encode_history`` gives on ``backend``, for ``tower.extend`` to score candidates against."""
+    k = kv[0][0] if len(kv) == 1 else torch.cat([p[0] for p in kv], dim=1)
+    v = kv[0][1] if len(kv) == 1 else torch.cat([p[1] for p in kv], dim=1)
+    off = torch.from_numpy(offsets)
+    times, request = torch.from_numpy(tk), torch.from_numpy(tq[offsets[1:] - 1])
+    if backend == "native":
+        timed = tower.time_bias
+        native = hstu_native.history(k, v, off, times if timed else None, request if timed else None)
+        return CachedHistory([], off, times, request, native)
+    c, t = tower.layers[0].cfg, k.shape[1]
+    layers = [(k[i].view(t, c.num_heads, c.qk_dim), v[i].view(t, c.num_heads, c.v_dim)) for i in range(k.shape[0])]
+    return CachedHistory(layers, off, times, request)

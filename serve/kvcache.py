@@ -1,0 +1,166 @@
+"""Users' encoded histories kept between calls: user id -> the window's events and every layer's
+keys / values of its tokens, least recently used users evicted under a byte budget.
+
+What a cached token is worth (HSTU): token j's keys / values at every layer depend on the
+window's events 0..j (item, action, time, position in the window) and on token j's query time,
+the next event's time (the last event's: the request time). A cached token is reused when
+item, action, time and query time of every token up to it equal the request's: the longest
+common prefix of the two windows (a window that moved has other events at each position, so
+nothing matches). It is capped at n - 1: a call always encodes its last event again, at its
+request time, and reads the user vector there. Histories that grow by a few events between
+calls (the ads pipeline: 3-5 calls per page view) then encode only the new events.
+
+An entry holds its user's keys k [layers, n, H * Dqk] and values v [layers, n, H * Dv] in the
+layout of one history of the native backend (``kernels.hstu_native.NativeHistory``; the
+PyTorch layers read views of it, [n, H, D] per layer) and the window's events as int64 arrays.
+Entries are never written in place: a call copies a reused prefix out and puts a new entry
+back, so a failed call (or the same user twice in one batch) leaves the cache consistent.
+
+The torch engine owns one (``TorchEngine(kv_cache_mb=)``); the SGLang engine keeps the same
+prefixes in its radix cache (``pool_tokens``).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:  # (the config is read by processes that have not imported torch yet: serve.worker)
+    import torch
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """``[serve.cache]``: the engines' per-user K/V caches and the history window they rely on.
+
+    ``kv_cache_mb`` defaults to on: a call without ``User.user_id`` is untouched by it, a call
+    with one gets the same answer (within float rounding) for less tower work, and memory is
+    bounded by the budget. ``window_block``: the window over histories longer than the model's
+    moves in steps of this many events (``serve.requests.history_window``) so that a cached
+    prefix survives new events; 1 slides it with every event (the tower always sees its last
+    ``max_history`` events, but a long history's cache is then invalid after each new event)."""
+
+    kv_cache_mb: float = 1024.0  # the torch engine's cache budget per engine process (MiB); 0: off
+    window_block: int = 1  # events the window over a long history moves by (both engines)
+    # the SGLang engine's KV pool (its radix cache and the batch being encoded), in tokens: about
+    # what kv_cache_mb holds of a 2-layer tower of 64 + 64 wide heads (1 KiB a token)
+    pool_tokens: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_mb < 0:
+            raise ValueError(f"serve.cache.kv_cache_mb = {self.kv_cache_mb}; it must be >= 0 (0: no cache)")
+        if self.window_block < 1:
+            raise ValueError(f"serve.cache.window_block = {self.window_block}; it must be at least 1")
+        if self.pool_tokens < 1:
+            raise ValueError(f"serve.cache.pool_tokens = {self.pool_tokens}; it must be at least 1")
+
+
+@dataclass
+class Entry:
+    """One user's encoded window: its events [n] (int64) and keys / values of its n tokens."""
+
+    items: np.ndarray
+    actions: np.ndarray
+    times: np.ndarray  # event times as the tower read them (positions where the user sent none)
+    query_times: np.ndarray  # each token's query time (the next event's; the last: the request's)
+    k: torch.Tensor  # [layers, n, H * Dqk]
+    v: torch.Tensor  # [layers, n, H * Dv]
+
+    @property
+    def tokens(self) -> int:
+        return int(self.items.size)
+
+
+# the events an entry matches on, in Entry's order
+EVENT_FIELDS = ("items", "actions", "times", "query_times")
+
+
+def common_prefix(entry: Entry, events: tuple[np.ndarray, ...]) -> int:
+    """How many leading tokens of a window of ``events`` (items, actions, times, query times,
+    [n] each) ``entry`` has encoded: its longest common prefix with the entry, at most n - 1."""
+    n = events[0].size
+    m = min(n - 1, entry.tokens)
+    if m <= 0:
+        return 0
+    same = np.ones(m, bool)
+    for name, new in zip(EVENT_FIELDS, events):
+        same &= getattr(entry, name)[:m] == new[:m]
+    return m if same.all() else int(np.argmin(same))
+
+
+class KVCache:
+    """user id -> :class:`Entry`, least recently used first out, under ``budget_bytes``.
+
+    Every token costs ``token_bytes`` (its keys and values in every layer, and its four event
+    fields), so the budget holds ``capacity_tokens`` tokens; an entry larger than that is not
+    kept. Counters (:meth:`stats`): ``hits`` (lookups that reused >= 1 token), ``misses``,
+    ``history_tokens`` (of every call the engine ran, cached or not), ``cached_tokens``
+    (reused), ``evicted_tokens``; gauges ``users``, ``used_tokens``, ``capacity_tokens``,
+    ``bytes``. ``budget_bytes = 0``: a cache that keeps nothing (``enabled`` False)."""
+
+    def __init__(self, budget_bytes: int, token_bytes: int) -> None:
+        if token_bytes < 1:
+            raise ValueError("token_bytes must be at least 1")
+        self.token_bytes = int(token_bytes)
+        self.capacity_tokens = max(int(budget_bytes), 0) // self.token_bytes
+        self.entries: collections.OrderedDict[str, Entry] = collections.OrderedDict()  # oldest use first
+        self.used_tokens = 0
+        self.counts = dict.fromkeys(("hits", "misses", "history_tokens", "cached_tokens", "evicted_tokens"), 0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity_tokens > 0
+
+    def lookup(self, user_id: str, events: tuple[np.ndarray, ...]) -> tuple[Entry | None, int]:
+        """(the user's entry, how many leading tokens of the window ``events`` it has encoded:
+        :func:`common_prefix`); (None, 0) for a user not cached. Counts a hit or a miss and
+        makes the user the most recently used."""
+        entry = self.entries.get(user_id)
+        prefix = 0
+        if entry is not None:
+            self.entries.move_to_end(user_id)
+            prefix = common_prefix(entry, events)
+        self.counts["hits" if prefix else "misses"] += 1
+        self.counts["cached_tokens"] += prefix
+        return (entry if prefix else None), prefix
+
+    def count_history(self, tokens: int) -> None:
+        """A call's history tokens (every call the engine runs, whether or not it is cached)."""
+        self.counts["history_tokens"] += int(tokens)
+
+    def put(self, user_id: str, entry: Entry) -> int:
+        """Keeps ``entry`` as the user's (most recently used), replacing the user's last one,
+        evicting the least recently used users until it fits; an entry larger than the budget
+        is not kept (nor is the user's last one). Returns the tokens evicted (of other users)."""
+        old = self.entries.pop(user_id, None)
+        if old is not None:
+            self.used_tokens -= old.tokens
+        if entry.tokens > self.capacity_tokens:
+            return 0
+        evicted = 0
+        while self.used_tokens + entry.tokens > self.capacity_tokens:
+            _, gone = self.entries.popitem(last=False)
+            self.used_tokens -= gone.tokens
+            evicted += gone.tokens
+        self.entries[user_id] = entry
+        self.used_tokens += entry.tokens
+        self.counts["evicted_tokens"] += evicted
+        return evicted
+
+    def gauges(self) -> dict[str, int]:
+        """users, used_tokens, capacity_tokens and bytes (used_tokens x token_bytes) now."""
+        return {"users": len(self.entries), "used_tokens": self.used_tokens, "capacity_tokens": self.capacity_tokens,
+                "bytes": self.used_tokens * self.token_bytes}
+
+    def stats(self) -> dict[str, int]:
+        """The counters and the gauges (class docstring)."""
+        return {**self.counts, **self.gauges()}
+
+
+def token_bytes(layers: int, key_width: int, value_width: int, element_bytes: int) -> int:
+    """Bytes one cached token costs: keys and values of every layer (``element_bytes`` each),
+    and its four int64 event fields."""
+    return layers * (key_width + value_width) * element_bytes + 8 * len(EVENT_FIELDS)
