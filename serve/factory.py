@@ -9,17 +9,26 @@ from __future__ import annotations
 
 import gc
 
+from genrec.serve.kvcache import CacheConfig
 
-def make_engine(kind: str, artifact: str, device: str):  # noqa: ANN201 - an engine
-    """The engine ``kind`` (torch, naive or sglang) for ``artifact``, in this process. Engines
-    are imported lazily: the SGLang one pulls in SGLang, which only that engine needs."""
+
+def make_engine(kind: str, artifact: str, device: str, cache: CacheConfig | None = None):  # noqa: ANN201
+    """The engine ``kind`` (torch, naive or sglang) for ``artifact``, in this process, with the
+    K/V cache and history window of ``cache`` ([serve.cache]; None: each engine's own defaults).
+    Engines are imported lazily: the SGLang one pulls in SGLang, which only that engine needs."""
     if kind == "sglang":
         from genrec.serve.sglang_engine import SGLangEngine
 
-        return SGLangEngine(artifact, device=device)
+        if cache is None:
+            return SGLangEngine(artifact, device=device)
+        return SGLangEngine(artifact, device=device, pool_tokens=cache.pool_tokens, window_block=cache.window_block)
     from genrec.serve.engine import NaiveTorchEngine, TorchEngine
 
-    return (NaiveTorchEngine if kind == "naive" else TorchEngine)(artifact, device=device)
+    if cache is None:
+        return (NaiveTorchEngine if kind == "naive" else TorchEngine)(artifact, device=device)
+    if kind == "naive":  # the baseline: the same window, no cache
+        return NaiveTorchEngine(artifact, device=device, window_block=cache.window_block)
+    return TorchEngine(artifact, device=device, kv_cache_mb=cache.kv_cache_mb, window_block=cache.window_block)
 
 
 def quiet_gc() -> None:

@@ -45,6 +45,7 @@ from genrec.serve.batcher import BatchConfig, Batcher, DeadlineExceeded, Overloa
 from genrec.serve.engine import Result
 from genrec.serve.factory import make_engine, quiet_gc
 from genrec.serve.failover import EnginePool, open_engine_process
+from genrec.serve.kvcache import CacheConfig
 from genrec.serve.metrics import ServerMetrics
 from genrec.serve.requests import MAX_DETAIL, InvalidRequest, Kind, Limits, decode, parse
 from genrec.serve.worker import EngineProcessError, ProcessSettings
@@ -123,6 +124,8 @@ class ServeConfig:
     tls: TLSConfig = field(default_factory=TLSConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
     connections: ConnectionConfig = field(default_factory=ConnectionConfig)
+    # the engines' per-user K/V cache and the history window it relies on (serve.kvcache)
+    cache: CacheConfig = field(default_factory=CacheConfig)
     # run the torch / naive engine in its own process (serve.worker): no GIL shared with
     # the front-end; the SGLang engine always runs in the server process
     engine_process: bool = True
@@ -140,6 +143,9 @@ class ServeConfig:
         if self.process.cpus or self.process.nice:
             raise ValueError("serve.process.cpus / serve.process.nice are set per engine process by the "
                              "server; choose the engine CPUs with serve.engine_cpus")
+        if self.process.cache != CacheConfig():
+            raise ValueError("serve.process.cache is set per engine process by the server; set the cache in "
+                             "[serve.cache]")
         if self.engine_replicas < 1:
             raise ValueError(f"serve.engine_replicas = {self.engine_replicas}; it must be at least 1")
 
@@ -165,12 +171,13 @@ def open_engine(cfg: ServeConfig, artifact: str, replica_cpus: Sequence[tuple[in
         # (replicas stand in for each other: no standby each)
         single = cfg.engine_replicas == 1
         engines = [open_engine_process(cfg.engine, artifact, cfg.device,
-                                       replace(cfg.process, cpus=c, standby=cfg.process.standby and single))
+                                       replace(cfg.process, cpus=c, standby=cfg.process.standby and single,
+                                               cache=cfg.cache))
                    for c in cpus]
         return engines[0] if len(engines) == 1 else EnginePool(engines)
     if cfg.engine_replicas != 1:
         raise ValueError("serve.engine_replicas > 1 needs the engine in its own process (serve.engine_process = true)")
-    return make_engine(cfg.engine, artifact, cfg.device)
+    return make_engine(cfg.engine, artifact, cfg.device, cfg.cache)
 
 
 def kill_engine_processes() -> None:
@@ -438,6 +445,7 @@ class RecommenderServer:
                            decode_ms=(decoded - t0) * 1e3, wait_ms=max(started - decoded, 0.0) * 1e3,
                            handoff_ms=max((result.back - started) * 1e3 - result.compute_ms, 0.0))
         self.metrics.compute.observe(result.compute_ms / 1e3)
+        self.metrics.on_result(result)
         t1 = time.monotonic()
         items = _scored(result, engine.schema.tasks)
         cls = {"recommend": pb.RecommendResponse, "retrieve": pb.RetrieveResponse, "rank": pb.RankResponse}[kind]

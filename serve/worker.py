@@ -32,12 +32,13 @@ import multiprocessing as mp
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_handles
 from typing import Any, Literal
 
 from genrec.quant.artifact import Manifest
+from genrec.serve.kvcache import CacheConfig
 from genrec.serve.requests import ModelSchema, Work
 
 log = logging.getLogger("genrec.serve")
@@ -67,6 +68,8 @@ class ProcessSettings:
     # nonzero: the process starts at idle priority (SCHED_IDLE; a standby loading beside a serving
     # engine, so its load does not slow the calls being served); back to normal when it takes over
     nice: int = 0
+    # the engine's K/V cache and history window ([serve.cache], set per process by the server like cpus)
+    cache: CacheConfig = field(default_factory=CacheConfig)
 
 
 def plan_cpus(spec: str, threads: int, available: tuple[int, ...],
@@ -164,7 +167,7 @@ def _child(conn: Connection, kind: str, artifact: str, device: str, settings: Pr
         torch.set_num_threads(settings.threads)
     torch.set_float32_matmul_precision(settings.matmul_precision)
     try:
-        engine = make_engine(kind, artifact, device)
+        engine = make_engine(kind, artifact, device, settings.cache)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", e))
         return

@@ -12,7 +12,8 @@ from genrec.cli import build_parser
 from genrec.config import ConfigError, dump_toml, load_config
 from genrec.serve.batcher import BatchConfig
 from genrec.serve.cli import ServeFile, engine_cpus, serve_config
-from genrec.serve.server import ServeConfig
+from genrec.serve.kvcache import CacheConfig
+from genrec.serve.server import ServeConfig, open_engine
 from genrec.serve.worker import ProcessSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +34,8 @@ def test_the_cli_with_no_flags_runs_serveconfig_defaults():
 
 def test_a_serve_file_round_trips(tmp_path):
     cfg = ServeConfig(artifact="runs/art", port=50100, engine="naive", engine_cpus=(2, 3), engine_replicas=2,
-                      batch=BatchConfig(max_batch=8, max_inflight=2), process=ProcessSettings(threads=1, poll_ms=5.0))
+                      batch=BatchConfig(max_batch=8, max_inflight=2), process=ProcessSettings(threads=1, poll_ms=5.0),
+                      cache=CacheConfig(kv_cache_mb=64.0, window_block=16, pool_tokens=4096))
     f = tmp_path / "serve.toml"
     f.write_text(dump_toml(ServeFile(cfg)))
     assert load_config(ServeFile, f).serve == cfg
@@ -59,6 +61,9 @@ def test_flags_override_the_file_and_dotted_overrides_override_both(tmp_path):
     (["--serve.no_such_key=1"], "serve.no_such_key"),
     (["--serve.batch.max_batchh=4"], "serve.batch.max_batchh"),
     (["--serve.process.cpus=[1]"], "serve.engine_cpus"),  # set per process: the error says what to set
+    (["--serve.process.cache.kv_cache_mb=1"], "serve.process.cache"),  # set per process too
+    (["--serve.cache.window_block=0"], "window_block"),
+    (["--serve.cache.kv_cache_mb=-1"], "kv_cache_mb"),
     (["--serve.engine=tensorrt"], "tensorrt"),
     (["--serve.limits.max_history=0"], "max_history"),
     (["--train.lr=1"], "--train.lr"),
@@ -85,3 +90,17 @@ def test_every_key_has_a_default():
             if dataclasses.is_dataclass(f.type if isinstance(f.type, type) else None):
                 walk(f.type)
     walk(ServeConfig)
+
+
+def test_the_cache_section_reaches_the_engine_in_process_and_in_an_engine_process(monkeypatch):
+    """[serve.cache] is what make_engine gets: directly in-process, through each engine
+    process's ProcessSettings (the child builds its engine from those) otherwise."""
+    import genrec.serve.server as server
+
+    cache = CacheConfig(kv_cache_mb=8.0, window_block=4, pool_tokens=512)
+    seen = []
+    monkeypatch.setattr(server, "make_engine", lambda kind, art, device, c: seen.append(c) or "engine")
+    monkeypatch.setattr(server, "open_engine_process", lambda kind, art, device, settings: seen.append(settings) or "proc")
+    assert open_engine(ServeConfig(engine_process=False, cache=cache), "a") == "engine"
+    assert open_engine(ServeConfig(cache=cache), "a") == "proc"
+    assert seen[0] == cache and seen[1].cache == cache and seen[1].standby
