@@ -135,7 +135,8 @@ class TorchEngine:
 
     def __init__(self, artifact: str | Path, device: str = "cpu", micro_batch: int = 4096,
                  objective_tasks: tuple[str, ...] | None = None, padded: bool | None = None,
-                 native: bool | None = None, kv_cache_mb: float = 0.0, window_block: int = 1) -> None:
+                 native: bool | None = None, kv_cache_mb: float = 0.0, window_block: int = 1,
+                 cache_reuse: str = "auto") -> None:
         """``padded``: run an HSTU model on the packed path (see the module docstring; default:
         on CPU, when the model is one it covers); False keeps the batch path.
         ``native``: on that path, the tower's native backend and the native lookups and heads
@@ -143,7 +144,8 @@ class TorchEngine:
         ``kv_cache_mb``: keep the encoded histories of calls with a ``user_id`` in a per-user K/V
         cache of this many MiB (``serve.kvcache``; the packed path only; 0: off).
         ``window_block``: the window over long histories moves in steps of this many events
-        (``serve.requests.history_window``; ``[serve.cache]``)."""
+        (``serve.requests.history_window``; ``[serve.cache]``). ``cache_reuse``: which cached
+        prefixes are worth reusing (``PackedPath.min_prefix``: "auto", or "always")."""
         self.device = torch.device(device)
         self.model, self.manifest = load_model(artifact, self.device)
         self.artifact = str(artifact)
@@ -170,8 +172,8 @@ class TorchEngine:
             native = bool(padded) and native_ok(self.model)
         self.stages: dict[str, float] = {}  # seconds spent per stage, summed over batches
         # the tower's backend on the packed path (the model's methods either way)
-        self.packed = (PackedPath(self.model, "native" if native else "torch", micro_batch, self.stages, window_block)
-                       if padded else None)
+        self.packed = (PackedPath(self.model, "native" if native else "torch", micro_batch, self.stages, window_block,
+                                  cache_reuse) if padded else None)
         if kv_cache_mb and self.packed is None:  # (extend_paged is the HSTU tower's, on the packed layout)
             log.warning("serve.cache.kv_cache_mb: the K/V cache runs on the packed path (an HSTU tower with summed "
                         "actions, on CPU); this engine runs the jagged path, without a cache")

@@ -23,6 +23,7 @@ prefixes in its radix cache (``pool_tokens``).
 from __future__ import annotations
 
 import collections
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -108,56 +109,66 @@ class KVCache:
         self.capacity_tokens = max(int(budget_bytes), 0) // self.token_bytes
         self.entries: collections.OrderedDict[str, Entry] = collections.OrderedDict()  # oldest use first
         self.used_tokens = 0
+        self.lock = threading.Lock()  # (an in-process engine may run batches in several threads)
         self.counts = dict.fromkeys(("hits", "misses", "history_tokens", "cached_tokens", "evicted_tokens"), 0)
 
     @property
     def enabled(self) -> bool:
         return self.capacity_tokens > 0
 
-    def lookup(self, user_id: str, events: tuple[np.ndarray, ...]) -> tuple[Entry | None, int]:
+    def lookup(self, user_id: str, events: tuple[np.ndarray, ...], min_prefix: int = 1) -> tuple[Entry | None, int]:
         """(the user's entry, how many leading tokens of the window ``events`` it has encoded:
-        :func:`common_prefix`); (None, 0) for a user not cached. Counts a hit or a miss and
-        makes the user the most recently used."""
-        entry = self.entries.get(user_id)
-        prefix = 0
-        if entry is not None:
-            self.entries.move_to_end(user_id)
-            prefix = common_prefix(entry, events)
-        self.counts["hits" if prefix else "misses"] += 1
-        self.counts["cached_tokens"] += prefix
+        :func:`common_prefix`); (None, 0) for a user not cached, or a prefix shorter than
+        ``min_prefix`` (not worth reusing). Counts a hit or a miss and makes the user the most
+        recently used."""
+        with self.lock:
+            entry = self.entries.get(user_id)
+            prefix = 0
+            if entry is not None:
+                self.entries.move_to_end(user_id)
+                prefix = common_prefix(entry, events)
+                prefix = prefix if prefix >= max(min_prefix, 1) else 0
+            self.counts["hits" if prefix else "misses"] += 1
+            self.counts["cached_tokens"] += prefix
         return (entry if prefix else None), prefix
 
     def count_history(self, tokens: int) -> None:
         """A call's history tokens (every call the engine runs, whether or not it is cached)."""
-        self.counts["history_tokens"] += int(tokens)
+        with self.lock:
+            self.counts["history_tokens"] += int(tokens)
 
     def put(self, user_id: str, entry: Entry) -> int:
         """Keeps ``entry`` as the user's (most recently used), replacing the user's last one,
         evicting the least recently used users until it fits; an entry larger than the budget
         is not kept (nor is the user's last one). Returns the tokens evicted (of other users)."""
-        old = self.entries.pop(user_id, None)
-        if old is not None:
-            self.used_tokens -= old.tokens
-        if entry.tokens > self.capacity_tokens:
-            return 0
-        evicted = 0
-        while self.used_tokens + entry.tokens > self.capacity_tokens:
-            _, gone = self.entries.popitem(last=False)
-            self.used_tokens -= gone.tokens
-            evicted += gone.tokens
-        self.entries[user_id] = entry
-        self.used_tokens += entry.tokens
-        self.counts["evicted_tokens"] += evicted
+        with self.lock:
+            old = self.entries.pop(user_id, None)
+            if old is not None:
+                self.used_tokens -= old.tokens
+            if entry.tokens > self.capacity_tokens:
+                return 0
+            evicted = 0
+            while self.used_tokens + entry.tokens > self.capacity_tokens:
+                _, gone = self.entries.popitem(last=False)
+                self.used_tokens -= gone.tokens
+                evicted += gone.tokens
+            self.entries[user_id] = entry
+            self.used_tokens += entry.tokens
+            self.counts["evicted_tokens"] += evicted
         return evicted
 
     def gauges(self) -> dict[str, int]:
         """users, used_tokens, capacity_tokens and bytes (used_tokens x token_bytes) now."""
-        return {"users": len(self.entries), "used_tokens": self.used_tokens, "capacity_tokens": self.capacity_tokens,
-                "bytes": self.used_tokens * self.token_bytes}
+        with self.lock:
+            users, used = len(self.entries), self.used_tokens
+        return {"users": users, "used_tokens": used, "capacity_tokens": self.capacity_tokens,
+                "bytes": used * self.token_bytes}
 
     def stats(self) -> dict[str, int]:
         """The counters and the gauges (class docstring)."""
-        return {**self.counts, **self.gauges()}
+        with self.lock:
+            counts = dict(self.counts)
+        return {**counts, **self.gauges()}
 
 
 def token_bytes(layers: int, key_width: int, value_width: int, element_bytes: int) -> int:

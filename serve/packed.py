@@ -67,6 +67,13 @@ def pack_users(users: list[UserInput], cap: int, has_action: bool, block: int = 
             positions, lengths)
 
 
+# cache_reuse="auto" on the native backend (PackedPath.min_prefix): below this window the
+# extend's fixed cost of PyTorch ops exceeds the native encode of the whole window, and past
+# this share of new tokens their per-token cost does (both on CPU, measured when chosen)
+NATIVE_REUSE_TOKENS = 512
+NATIVE_NEW_SHARE = 1 / 8
+
+
 class PackedPath:
     """The engine's packed path for one model: ``encode(users)`` -> (user vectors [B, D],
     HistoryState), ``score(state, users, candidates)`` -> task probabilities per user. The
@@ -74,10 +81,11 @@ class PackedPath:
     ``model.summed_tokens`` or the native gathers, the tower run by the model's own
     ``encode_history_tokens`` / ``extend`` on ``backend`` ("torch" or "native").
     ``window_block``: the window over long histories moves in steps of this many events
-    (:func:`history_window`). :meth:`encode_cached` encodes with a per-user K/V cache."""
+    (:func:`history_window`). :meth:`encode_cached` encodes with a per-user K/V cache, reusing
+    the prefixes :meth:`min_prefix` allows (``cache_reuse``)."""
 
     def __init__(self, model: GenerativeRecommender, backend: str = "torch", micro_batch: int = 4096,
-                 stages: dict[str, float] | None = None, window_block: int = 1) -> None:
+                 stages: dict[str, float] | None = None, window_block: int = 1, cache_reuse: str = "auto") -> None:
         if not packed_supports(model):
             raise ValueError("the packed path needs an HSTU tower with summed action encoding and no other "
                              "sequence features")
@@ -91,6 +99,9 @@ class PackedPath:
         self.cap = model.cfg.max_seq_len - 1  # one position stays free for the candidates (serve.engine.schema_of)
         history_window(self.cap, self.cap, window_block)  # (a block outside 1..cap: the error names it)
         self.block = window_block
+        if cache_reuse not in ("auto", "always"):
+            raise ValueError(f"cache_reuse: '{cache_reuse}'; use 'auto' or 'always'")
+        self.cache_reuse = cache_reuse
         self.has_action = "action" in model.sparse.sequence_features
         self.stages = stages if stages is not None else {}  # seconds per stage, summed over calls
 
@@ -155,7 +166,8 @@ class PackedPath:
         for i, u in enumerate(users):
             if u.user_id:
                 s, e = offsets[i], offsets[i + 1]
-                entries[i], prefix[i] = cache.lookup(u.user_id, (items[s:e], actions[s:e], tk[s:e], tq[s:e]))
+                entries[i], prefix[i] = cache.lookup(u.user_id, (items[s:e], actions[s:e], tk[s:e], tq[s:e]),
+                                                     self.min_prefix(int(e - s)))
         cache.count_history(int(lens.sum()))
         keep = positions >= np.repeat(prefix, lens)  # the rows to encode: all but the reused prefixes
         x = self._tokens(items[keep], actions[keep], positions[keep])
@@ -176,6 +188,20 @@ class PackedPath:
                                                         tq[s:e].copy(), *kv[i]))
         self._mark("cache_update", t0)
         return vec, state, prefix, evicted
+
+    def min_prefix(self, n: int) -> int:
+        """The shortest cached prefix of a window of n tokens worth reusing. The new tokens go
+        through ``tower.extend_paged``, PyTorch ops: on the "torch" backend that is the encode's
+        own attention over fewer queries, so any prefix pays. The "native" backend's encode is
+        the C++ kernel, several times cheaper per token and without the ops' fixed dispatch cost:
+        ``cache_reuse="auto"`` reuses a prefix only on windows of at least ``NATIVE_REUSE_TOKENS``
+        with at most ``NATIVE_NEW_SHARE`` of them new (a changed action early in a history
+        re-encodes it natively); "always": any prefix (the parity tests)."""
+        if self.backend != "native" or self.cache_reuse == "always":
+            return 1
+        if n < NATIVE_REUSE_TOKENS:
+            return n  # (more than a prefix can be: none reused)
+        return n - int(n * NATIVE_NEW_SHARE)
 
     def _encode_warm(self, x: torch.Tensor, keep: np.ndarray, warm: np.ndarray, entries: list[Entry | None],
                      prefix: np.ndarray, lens: np.ndarray, offsets: np.ndarray, tk: np.ndarray, tq: np.ndarray,

@@ -62,7 +62,8 @@ def _engines(artifact: Path, backend: str, mb: float = 64.0, block: int = 1) -> 
         pytest.skip("no C++ compiler: the native kernels did not build")
     native = backend == "native"
     ref = TorchEngine(artifact, native=native, window_block=block)
-    cached = TorchEngine(artifact, native=native, kv_cache_mb=mb, window_block=block)
+    # (on the native backend, "auto" reuses no prefix of windows this short: test_reuse_policy)
+    cached = TorchEngine(artifact, native=native, kv_cache_mb=mb, window_block=block, cache_reuse="always")
     assert cached.path == ref.path == ("native" if native else "padded")
     return ref, cached
 
@@ -237,6 +238,23 @@ def test_eviction_under_a_tiny_budget_keeps_results_equal_and_memory_bounded(art
     assert big.cache_stats()["users"] == 0 and got[1].cached_tokens == 0
 
 
+def test_reuse_policy_native_encodes_short_windows_and_mostly_new_ones_whole(artifact):
+    """On the native backend, "auto" reuses prefixes only where extending them is the cheaper
+    path: long windows, few new tokens; the torch backend reuses any."""
+    if native_library() is None:
+        pytest.skip("no C++ compiler: the native kernels did not build")
+    ref, auto = TorchEngine(artifact), TorchEngine(artifact, kv_cache_mb=1)
+    assert auto.path == "native" and auto.packed.min_prefix(4000) == 3500 and auto.packed.min_prefix(511) == 511
+    assert TorchEngine(artifact, native=False).packed.min_prefix(8) == 1
+    u = named(history(30, 1), "short")
+    for _ in range(2):  # (the second call: a full cached prefix, not worth it here)
+        got = auto.run(works([u])[:1])
+        assert_same(got, ref.run(works([u])[:1]))
+        assert (got[0].cached_tokens, got[0].cache_lookup) == (0, True)
+    s = auto.cache_stats()
+    assert (s["hits"], s["misses"], s["users"]) == (0, 2, 1)
+
+
 def test_lru_evicts_the_least_recently_used_user():
     def entry(n: int) -> Entry:
         z = np.arange(n)
@@ -284,7 +302,7 @@ def test_no_cache_and_calls_without_user_id_are_todays_engine(artifact):
 
 
 def test_the_metrics_count_the_results_and_show_the_gauges(artifact):
-    engine = TorchEngine(artifact, kv_cache_mb=1)
+    engine = TorchEngine(artifact, kv_cache_mb=1, cache_reuse="always")
     u = named(history(10, 1), "m")
     metrics = ServerMetrics()
     for _ in range(3):
@@ -305,3 +323,20 @@ def test_the_cache_config_is_checked():
         CacheConfig(kv_cache_mb=-1)
     with pytest.raises(ValueError, match="window_block"):
         CacheConfig(window_block=0)
+
+
+def test_an_engine_process_caches_with_the_config_it_was_given(artifact, monkeypatch):
+    """[serve.cache] crosses into the engine process (ProcessSettings.cache), and each batch's
+    cache accounting crosses back with its results."""
+    from genrec.serve.worker import EngineProcess, ProcessSettings
+
+    monkeypatch.setenv("GENREC_NATIVE", "0")  # the torch backend: it reuses the short window's prefix
+
+    engine = EngineProcess("torch", str(artifact), settings=ProcessSettings(threads=1, cache=CacheConfig(kv_cache_mb=1)))
+    try:
+        u = named(history(10, 1), "p")
+        first, again = engine.run(works([u])[:1])[0], engine.run(works([u])[:1])[0]
+    finally:
+        engine.close()
+    assert (first.cached_tokens, again.cached_tokens, again.history_tokens) == (0, 9, 10)
+    assert again.cache_gauges["users"] == 1 and again.cache_gauges["capacity_tokens"] > 0
