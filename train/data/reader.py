@@ -14,7 +14,9 @@ so a resumed job sees exactly the samples it had not seen.
 
 Splits (leave-one-out, as in SASRec / HSTU): ``train`` uses events[:-2] with every position
 predicting the next; ``valid`` predicts events[-2] from events[:-2]; ``test`` predicts
-events[-1] from events[:-1]. Histories keep their last ``max_seq_len`` events.
+events[-1] from events[:-1]. Histories keep their last ``max_seq_len`` events; with
+``data.eval_window_block`` > 1 the valid / test window starts at a multiple of the block, as
+a server that caches encoded histories cuts them (``samples.window_start``).
 
 ``valid_users`` (default 1: every user) is the share of users whose events[-2] is held out
 for validation, picked by a fixed hash of the user id; the others train on events[:-1].
@@ -62,6 +64,10 @@ class DataConfig:
     batch_size: int = 128
     eval_batch_size: int = 256
     train_window: Literal["last", "random"] = "last"
+    # valid / test: the history window starts at a multiple of this many events (a server's
+    # ``window_block``, which keeps a cached prefix while a history grows), so evaluation reads
+    # what that server reads; 1: the last max_seq_len events
+    eval_window_block: int = 1
     sort_window: int = 16  # batches per length-sorting window; 0 keeps the shuffled order
     context_features: bool = False  # read ctx_* columns into batch.context
     # share of users whose events[-2] is held out for validation (hash of the user id);
@@ -118,9 +124,14 @@ class SequenceReader:
         tasks: dict[str, int] | None = None,
         tokens_per_event: int = 1,
         valid_users: float = 1.0,
+        window_block: int = 1,
     ) -> None:
         if not 0.0 <= valid_users <= 1.0:
             raise ValueError(f"data.valid_users must be in [0, 1], got {valid_users}")
+        if not 1 <= window_block <= max(max_seq_len // tokens_per_event, 1):
+            raise ValueError(f"data.eval_window_block must be between 1 and the events the tower reads "
+                             f"({max_seq_len // tokens_per_event}), got {window_block}")
+        self.window_block = window_block
         self.valid_users = valid_users
         self.path = Path(path)
         self.info = read_info(self.path)
@@ -266,7 +277,7 @@ class SequenceReader:
         if self.split == "valid" and not holds_valid(ev.user, self.valid_users):
             return None
         if self.split in ("valid", "test"):
-            return loo_eval(ev, ev.items.size - (2 if self.split == "valid" else 1), msl)
+            return loo_eval(ev, ev.items.size - (2 if self.split == "valid" else 1), msl, self.window_block)
         labelled = ev.actions is not None and ev.times is not None
         if self.split in ("rank_valid", "rank_test"):
             if not labelled:
@@ -373,4 +384,5 @@ def make_reader(cfg: DataConfig, split: Split, embedding: EmbeddingConfig, max_s
         tasks=tasks,
         tokens_per_event=tokens_per_event,
         valid_users=cfg.valid_users,
+        window_block=cfg.eval_window_block,
     )
