@@ -16,13 +16,16 @@ Losses:
 ``exclude_history`` (full softmax): each position's softmax leaves out the items of the
 history up to it (its own target excepted). Evaluation and serving never recommend an item
 the user already has (full-corpus ranking with the history removed), so the loss need not
-spend the model's capacity pushing those items below the target at every position.
+spend the model's capacity pushing those items below the target at every position. A
+history of L events has L (L + 1) / 2 such (position, earlier event) pairs, ~40 bytes each
+to list: 32M at 8k events, so the rows go through the loss in runs of at most
+``EXCLUDE_CHUNK_PAIRS`` pairs (one run, the same single call, for histories of a few hundred).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,6 +35,10 @@ from torch import nn
 
 from genrec.kernels.jagged import jagged_index, lengths_to_offsets
 from genrec.kernels.softmax_ce import softmax_cross_entropy
+
+# the most (position, earlier event) pairs of exclude_history listed at once (~40 bytes each
+# while they are built): longer runs of rows go through the loss in pieces
+EXCLUDE_CHUNK_PAIRS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -49,21 +56,24 @@ class RetrievalConfig:
             raise ValueError("retrieval.exclude_history needs loss = \"full_softmax\"")
 
 
-def prefix_pairs(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def prefix_pairs(lengths: torch.Tensor, pos: torch.Tensor | None = None, first: int = 0,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every (event, earlier-or-same event) pair of jagged sequences of ``lengths`` [B]:
     rows and columns index the concatenated events; rows ascending. Lengths [2, 1] ->
-    rows [0, 1, 1, 2], cols [0, 0, 1, 2]."""
-    offsets = lengths_to_offsets(lengths)
-    total = int(offsets[-1])
-    _, pos = jagged_index(offsets, total)
+    rows [0, 1, 1, 2], cols [0, 0, 1, 2]. With ``pos`` (positions in their sequences of the
+    rows ``first ..``, a slice of the batch's): those rows' pairs only, rows counted from
+    ``first``, columns from the batch's first event."""
+    if pos is None:
+        offsets = lengths_to_offsets(lengths)
+        _, pos = jagged_index(offsets, int(offsets[-1]))
     counts = pos + 1
     n_pairs = int(counts.sum())
-    rows = torch.repeat_interleave(torch.arange(total, device=lengths.device), counts, output_size=n_pairs)
-    # pair k of row r is event (r - pos[r]) + (k - first pair of r), and the first pair of
-    # r is cumsum(counts)[r] - counts[r]: so event = k + shift[r], shift = r + 1 - cumsum
-    shift = torch.arange(1, total + 1, device=lengths.device).sub_(torch.cumsum(counts, 0))
-    cols = torch.arange(n_pairs, device=lengths.device).add_(shift[rows])
-    return rows, cols
+    local = torch.arange(pos.numel(), device=pos.device)
+    rows = torch.repeat_interleave(local, counts, output_size=n_pairs)
+    # pair k of row r is event (first + r - pos[r]) + (k - first pair of r), and the first
+    # pair of r is cumsum(counts)[r] - counts[r]: so event = k + shift[r]
+    shift = local.add_(first).sub_(pos).sub_(torch.cumsum(counts, 0).sub_(counts))
+    return rows, torch.arange(n_pairs, device=pos.device).add_(shift[rows])
 
 
 class RetrievalHead(nn.Module):
@@ -102,15 +112,22 @@ class RetrievalHead(nn.Module):
         if self.cfg.loss == "full_softmax":
             items = self.normalize(lookup(corpus_ids))
             index = torch.searchsorted(corpus_ids, targets)
-            exclude = None
+            scale = 1.0 / self.cfg.temperature
             if self.cfg.exclude_history:
                 if history is None:
                     raise ValueError("retrieval.exclude_history needs the batch's history items")
-                if history[0].numel() != users.shape[0]:
-                    raise ValueError(f"history of {history[0].numel()} events for {users.shape[0]} rows")
-                exclude = self._seen(history, corpus_ids)
+                t = users.shape[0]
+                if history[0].numel() != t:
+                    raise ValueError(f"history of {history[0].numel()} events for {t} rows")
+                total = None
+                for a, b, ex in self._seen(history, corpus_ids):  # each run's mean, weighted by its rows
+                    part = softmax_cross_entropy(users[a:b], items, index[a:b], scale, exclude=ex)
+                    part = part if b - a == t else part * ((b - a) / t)
+                    total = part if total is None else total + part
+                if total is not None:
+                    return total
             # = F.cross_entropy(self.scores(users, items), index), without the [T, N] logits
-            return softmax_cross_entropy(users, items, index, 1.0 / self.cfg.temperature, exclude=exclude)
+            return softmax_cross_entropy(users, items, index, scale)
         neg_ids, log_q = self._sample(targets, corpus_ids)
         rows = self.normalize(lookup(torch.cat([targets, neg_ids])))
         pos_rows, neg_rows = rows[: targets.numel()], rows[targets.numel() :]
@@ -123,18 +140,33 @@ class RetrievalHead(nn.Module):
         return F.cross_entropy(logits, torch.zeros_like(targets))
 
     @staticmethod
-    def _seen(history: tuple[torch.Tensor, torch.Tensor], corpus_ids: torch.Tensor) -> torch.Tensor:
-        """Flat indices ``row * N + item row`` of each row's history so far (ids outside
-        the catalogue left out), for :func:`softmax_cross_entropy`'s ``exclude``."""
+    def _seen(history: tuple[torch.Tensor, torch.Tensor], corpus_ids: torch.Tensor,
+              ) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """Runs of rows (a, b), each with the flat indices ``(row - a) * N + item row`` of its
+        rows' histories so far (ids outside the catalogue left out), for
+        :func:`softmax_cross_entropy`'s ``exclude``: at most ``EXCLUDE_CHUNK_PAIRS`` pairs a
+        run (one run for all rows when they fit), a run listed only once the last is used."""
         ids, lengths = history
         n = corpus_ids.numel()
         if int(lengths.sum()) != ids.numel():
             raise ValueError(f"history of {ids.numel()} events, lengths sum to {int(lengths.sum())}")
         col = torch.searchsorted(corpus_ids, ids).clamp_(max=max(n - 1, 0))
         known = corpus_ids[col] == ids
-        rows, events = prefix_pairs(lengths)
-        flat = rows.mul_(n).add_(col[events])
-        return flat if bool(known.all()) else flat[known[events]]
+        every = bool(known.all())
+        t = ids.numel()
+        _, pos = jagged_index(lengths_to_offsets(lengths), t)
+        ends = torch.cumsum(pos + 1, 0)  # pairs of rows 0..r
+        a = 0
+        while a < t:
+            done = int(ends[a - 1]) if a else 0
+            b = max(int(torch.searchsorted(ends, done + EXCLUDE_CHUNK_PAIRS, right=True)), a + 1)
+            rows, events = prefix_pairs(lengths, pos[a:b], a)
+            flat = rows.mul_(n).add_(col[events])
+            flat = flat if every else flat[known[events]]
+            # grouped by row, ascending, which is what the kernel reads; it checks first <= last,
+            # which a run of two rows or more meets (its first row's indices are all below N)
+            yield a, b, flat.sort().values if b - a == 1 else flat
+            a = b
 
     def _sample(
         self, targets: torch.Tensor, corpus_ids: torch.Tensor
