@@ -175,7 +175,7 @@ class TorchEngine:
         self.packed = (PackedPath(self.model, "native" if native else "torch", micro_batch, self.stages, window_block,
                                   cache_reuse) if padded else None)
         if kv_cache_mb and self.packed is None:  # (extend_paged is the HSTU tower's, on the packed layout)
-            log.warning("serve.cache.kv_cache_mb: the K/V cache runs on the packed path (an HSTU tower with summed "
+            log.info("serve.cache.kv_cache_mb: the K/V cache runs on the packed path (an HSTU tower with summed "
                         "actions, on CPU); this engine runs the jagged path, without a cache")
             kv_cache_mb = 0
         per_token = 1

@@ -299,6 +299,11 @@ def test_no_cache_and_calls_without_user_id_are_todays_engine(artifact):
         assert (y.cached_tokens, y.cache_lookup) == (0, False)
     assert a[0].cache_gauges is None and b[0].cache_gauges == on.cache.gauges()
     assert on.cache_stats()["users"] == 0 and off.cache_stats()["history_tokens"] == 2 * (10 + 40)
+    jagged = TorchEngine(artifact, padded=False, kv_cache_mb=1)  # the batch path has no cache: runs without
+    named_users = [named(u, f"j{i}") for i, u in enumerate(users)]
+    for x, y in zip(jagged.run(works(named_users)), jagged.run(works(named_users))):
+        assert (x.cached_tokens, y.cached_tokens, y.cache_lookup) == (0, 0, False)
+    assert not jagged.cache.enabled and jagged.cache_stats()["history_tokens"] == 4 * (10 + 40)
 
 
 def test_the_metrics_count_the_results_and_show_the_gauges(artifact):
