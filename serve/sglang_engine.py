@@ -37,6 +37,7 @@ qk and v dims) and read through the request-to-token map.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -47,6 +48,7 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 from safetensors.torch import save_file
 from torch import nn
@@ -55,6 +57,7 @@ from genrec.serve import sglang_shim
 
 log = logging.getLogger("genrec.serve.sglang")
 PAYLOAD = "genrec"  # the custom params' key
+_START_LOCK = threading.Lock()  # one engine starts at a time: each knows its own processes
 
 
 def _prepare_environment() -> None:
@@ -124,13 +127,14 @@ class GenRecHSTU(nn.Module):
     ``config.genrec_artifact`` names the artifact; the model loads it itself (its quantized
     tables, tower and heads) through a ``TorchEngine`` whose lookups, retrieval and ranking
     it reuses. Each forward returns one float row per request (``hidden_states``, capture
-    mode "last"): [n retrieved, n scored, retrieved catalogue positions, their scores,
-    task probabilities (n scored x tasks)], zeros for a chunk that does not end its request.
+    mode "last"): [n retrieved, n scored, tokens this pass computed for it, retrieved catalogue
+    positions, their scores, task probabilities (n scored x tasks)], zeros for a chunk that
+    does not end its request.
     """
 
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:  # noqa: ANN001
         super().__init__()
-        torch.set_num_threads(int(getattr(config, "genrec_threads", 0)) or torch.get_num_threads())
+        torch.set_num_threads(int(getattr(config, "genrec_threads", 1)) or torch.get_num_threads())
         self.engine = TorchEngine(config.genrec_artifact)
         self.model = self.engine.model.eval()
         self.width = int(config.hidden_size)
@@ -242,7 +246,7 @@ class GenRecHSTU(nn.Module):
             ids, scores = found.get(j, (np.zeros(0, np.int64), np.zeros(0, np.float32)))
             pr = probs.get(j, np.zeros((0, self.tasks), np.float32))
             pos = np.searchsorted(eng.corpus_np, ids)  # catalogue positions: exact in fp32 below 2^24
-            row = np.concatenate([[ids.size, pr.shape[0]], pos, scores, pr.reshape(-1)]).astype(np.float32)
+            row = np.concatenate([[ids.size, pr.shape[0], ext[i]], pos, scores, pr.reshape(-1)]).astype(np.float32)
             if row.size > self.width:
                 raise RuntimeError("GenRecHSTU: a request asked for more results than the engine was started for")
             rows[i, : row.size] = torch.from_numpy(row)
@@ -264,12 +268,14 @@ class SGLangEngine(TorchEngine):
     ``pool_tokens``: the KV pool's size in tokens (size it for the active users' histories:
     bytes per token = layers x heads x (qk + v dims) x 4); ``window_block``: the history
     window's step (``serve.requests.history_window``); ``chunk_tokens``: chunked prefill's
-    chunk; ``max_results``: the most retrieved or ranked items one request returns."""
+    chunk; ``max_results``: the most retrieved or ranked items one request returns;
+    ``threads``: the model's intra-op threads in SGLang's scheduler (one: its many small ops
+    stall on an OpenMP barrier whenever a core is busy elsewhere; 0: torch's default)."""
 
     name = "sglang"
 
     def __init__(self, artifact: str | Path, device: str = "cpu", pool_tokens: int = 262144, window_block: int = 1,
-                 chunk_tokens: int = 4096, max_results: int = 1024, max_running: int = 64, threads: int = 0) -> None:
+                 chunk_tokens: int = 4096, max_results: int = 1024, max_running: int = 64, threads: int = 1) -> None:
         super().__init__(artifact, device=device)
         if not packed_supports(self.model):
             raise ValueError("the SGLang engine serves HSTU models with the summed action encoding; "
@@ -283,7 +289,7 @@ class SGLangEngine(TorchEngine):
         self._stats = {"hits": 0, "misses": 0, "history_tokens": 0, "cached_tokens": 0}
         self._lock = threading.Lock()
         self.ckpt = Path(tempfile.mkdtemp(prefix="genrec-sglang-"))
-        width = 2 + 2 * max_results + max_results * max(1, len(self.schema.tasks))
+        width = 3 + 2 * max_results + max_results * max(1, len(self.schema.tasks))
         cfg = {"architectures": ["GenRecHSTU"], "model_type": "llama", "hidden_size": width,
                "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_heads, "head_dim": c.qk_dim,
                "v_head_dim": c.v_dim, "num_hidden_layers": len(self.model.tower.layers), "intermediate_size": 1,
@@ -301,6 +307,15 @@ class SGLangEngine(TorchEngine):
             self._start(device, pool_tokens, chunk_tokens, max_running), self.loop).result()
 
     async def _start(self, device: str, pool_tokens: int, chunk: int, max_running: int):  # noqa: ANN202
+        # the processes this engine starts are the ones close() stops (SGLang's own shutdown
+        # kills every child process of ours: another engine's, an engine worker's)
+        with _START_LOCK:
+            before = {p.pid for p in psutil.Process().children(recursive=True)}
+            engine = self._engine(device, pool_tokens, chunk, max_running)
+            self.procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        return engine
+
+    def _engine(self, device: str, pool_tokens: int, chunk: int, max_running: int):  # noqa: ANN202
         return sgl.Engine(model_path=str(self.ckpt), device=device, dtype="float32", skip_tokenizer_init=True,
                           attention_backend="torch_native", disable_cuda_graph=True, chunked_prefill_size=chunk,
                           max_prefill_tokens=chunk, max_total_tokens=pool_tokens, max_running_requests=max_running,
@@ -311,7 +326,16 @@ class SGLangEngine(TorchEngine):
         """Stops SGLang's processes and the loop its client tasks live on."""
 
         async def stop() -> None:
-            self.engine.shutdown()
+            watchdog = getattr(self.engine.tokenizer_manager, "_subprocess_watchdog", None)
+            if watchdog is not None:  # it would signal this process when our scheduler exits
+                watchdog.stop()
+            for p in self.procs:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.terminate()
+            _, alive = psutil.wait_procs(self.procs, timeout=10)
+            for p in alive:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
             pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for task in pending:
                 task.cancel()
@@ -364,18 +388,18 @@ class SGLangEngine(TorchEngine):
         t0 = time.perf_counter()
         reqs = [self._request(w) for w in works]
         outs = asyncio.run_coroutine_threadsafe(self._generate(reqs), self.loop).result()
-        retrieved, probs = {}, {}
+        retrieved, probs, computed = {}, {}, {}
         tasks = len(self.schema.tasks)
         hist = cached = hits = 0
         for i, (o, r) in enumerate(zip(outs, reqs)):
             hs = o["meta_info"]["hidden_states"]  # the "last" row (a list of rows on some paths: the last)
             row = np.asarray(hs[-1] if hs and isinstance(hs[0], list) else hs, np.float32)
-            n_ret, n_prob = int(row[0]), int(row[1])
-            pos = row[2 : 2 + n_ret].astype(np.int64)
+            n_ret, n_prob, computed[i] = int(row[0]), int(row[1]), int(row[2])
+            pos = row[3 : 3 + n_ret].astype(np.int64)
             if n_ret or r[1]["k"]:
-                retrieved[i] = (self.corpus_np[pos], row[2 + n_ret : 2 + 2 * n_ret].copy())
+                retrieved[i] = (self.corpus_np[pos], row[3 + n_ret : 3 + 2 * n_ret].copy())
             if r[1]["rank"] != "none":
-                probs[i] = row[2 + 2 * n_ret : 2 + 2 * n_ret + n_prob * tasks].reshape(n_prob, tasks)
+                probs[i] = row[3 + 2 * n_ret : 3 + 2 * n_ret + n_prob * tasks].reshape(n_prob, tasks)
             n, c = len(r[0]), int(o["meta_info"].get("cached_tokens", 0))
             hist, cached, hits = hist + n, cached + c, hits + (c > 0)
         with self._lock:
@@ -388,6 +412,7 @@ class SGLangEngine(TorchEngine):
         for i in to_rank:  # a model without tasks ranks nothing: its candidates keep their order
             probs.setdefault(i, np.zeros((to_rank[i][0].size, tasks), np.float32))
         results = self.finish(works, retrieved, to_rank, probs, t0)
-        for r, o, q in zip(results, outs, reqs):
+        for i, (r, o, q) in enumerate(zip(results, outs, reqs)):
             r.history_tokens, r.cached_tokens = len(q[0]), int(o["meta_info"].get("cached_tokens", 0))
+            r.prefilled_tokens = computed[i]  # by the pass that ended the request (all of them, unchunked)
         return results

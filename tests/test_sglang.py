@@ -1,6 +1,7 @@
-"""The SGLang engine against the PyTorch engine: same artifact, same requests, same answers.
+"""The SGLang engine against the PyTorch engine: same artifact, same requests, same answers,
+with users' histories cached in SGLang's KV pool (radix cache on) between calls.
 
-Runs in CI on CPU (SGLang's torch-native path); SGLang is part of the set-up (.ci/setup).
+Runs in CI on CPU (SGLang's CPU engine); SGLang is part of the set-up (.ci/setup).
 """
 
 from __future__ import annotations
@@ -9,69 +10,169 @@ import numpy as np
 import pytest
 
 from genrec.proto.v1 import recommender_pb2 as pb
+from genrec.quant.convert import QuantizeConfig, export
 from genrec.serve.client import user
 from genrec.serve.engine import TorchEngine
 from genrec.serve.requests import Limits, decode
-from tests.serving_helpers import ThreadedServer, tiny_ranking_artifact
+from genrec.train.job import load_job
+from genrec.train.run import run_training
+from tests.conftest import tiny_job_overrides
+from tests.serving_helpers import RANKING_TOML, ThreadedServer
 
-TOL = 1e-5  # the towers run the same fp32 code; differences are summation order only
+TOL = 1e-5  # the same fp32 tower; differences are summation order only
+T0 = 1_700_000_000
 
 
 @pytest.fixture(scope="module")
-def artifacts(tiny_synth, tmp_path_factory):
+def artifact(tiny_synth, tmp_path_factory):
+    """A tiny HSTU ranking artifact with room for 95 history events (appending 50 fits)."""
     out = tmp_path_factory.mktemp("sgl")
-    return {t: tiny_ranking_artifact(tiny_synth, out, tower=t) for t in ("hstu", "transformer")}
+    cfg = out / "rank.toml"
+    cfg.write_text(RANKING_TOML)
+    job = load_job(cfg, tiny_job_overrides(tiny_synth, out / "runs") + ["--train.max_epochs=1", "--model.max_seq_len=96"])
+    run_dir, _ = run_training(job)
+    art = out / "artifact"
+    export(run_dir, art, QuantizeConfig(embeddings="int8"), progress=False)
+    return art
 
 
-def works(schema, seed: int = 0) -> list:
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(6):
-        n = int(rng.integers(1, 25))
-        hist = [(int(rng.integers(1, 600)), 1_700_000_000 + 90 * j, int(rng.choice([1, 3, 7]))) for j in range(n)]
-        u = user(hist, {"region": [i % 5]})
-        if i % 3 == 0:
-            req, kind = pb.RecommendRequest(user=u, retrieve_k=25, top_k=8), "recommend"
-        elif i % 3 == 1:
-            cands = [pb.Candidate(item_id=int(c), bid=float(b)) for c, b in zip(rng.integers(1, 600, 12), rng.random(12))]
-            req, kind = pb.RankRequest(user=u, candidates=cands, objective="ecpm"), "rank"
-        else:
-            req, kind = pb.RetrieveRequest(user=u, k=15), "retrieve"
-        out.append(decode(kind, req.SerializeToString(), schema, Limits()))
-    return out
-
-
-@pytest.mark.parametrize("tower", ["hstu", "transformer"])
-def test_sglang_and_torch_engines_return_the_same_scores(artifacts, tower):
+@pytest.fixture(scope="module")
+def engines(artifact):
     from genrec.serve.sglang_engine import SGLangEngine
 
-    torch_engine = TorchEngine(artifacts[tower])
-    sgl_engine = SGLangEngine(artifacts[tower])
+    sgl = SGLangEngine(artifact, pool_tokens=8192, threads=1)
     try:
-        batch = works(torch_engine.schema, seed=1)
-        for a, b in zip(torch_engine.run(batch), sgl_engine.run(batch)):
+        yield TorchEngine(artifact), sgl
+    finally:
+        sgl.close()
+
+
+def history(n: int, seed: int, start: int = 0) -> list[tuple[int, int, int]]:
+    rng = np.random.default_rng(seed)
+    return [(int(rng.integers(1, 600)), T0 + 90 * (start + j), int(rng.choice([1, 3, 7]))) for j in range(n)]
+
+
+def work(schema, hist, kind: str, uid: str = "", request_time: int = 0, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    u = user(hist, {"region": [seed % 5]})
+    u.user_id, u.request_time = uid, request_time
+    if kind == "recommend":
+        req = pb.RecommendRequest(user=u, retrieve_k=25, top_k=8)
+    elif kind == "rank":
+        cands = [pb.Candidate(item_id=int(c), bid=float(b)) for c, b in zip(rng.integers(1, 600, 12), rng.random(12))]
+        req = pb.RankRequest(user=u, candidates=cands, objective="ecpm")
+    else:
+        req = pb.RetrieveRequest(user=u, k=15)
+    return decode(kind, req.SerializeToString(), schema, Limits())
+
+
+def same(torch_engine, sgl_engine, works) -> list:
+    """Runs ``works`` on both engines, checks the answers agree, returns SGLang's results."""
+    got = sgl_engine.run(works)
+    for a, b in zip(torch_engine.run(works), got):
+        np.testing.assert_array_equal(a.item_ids, b.item_ids)
+        np.testing.assert_allclose(a.scores, b.scores, rtol=TOL, atol=TOL)
+        for t in a.tasks:
+            np.testing.assert_allclose(a.tasks[t], b.tasks[t], rtol=TOL, atol=TOL)
+    return got
+
+
+KINDS = ("recommend", "rank", "retrieve")
+
+
+def test_cold_then_warm_calls_match_and_reuse_all_but_the_last_event(engines):
+    te, se = engines
+    works = [work(te.schema, history(int(n), seed=i), KINDS[i % 3], uid=f"cold{i}", seed=i)
+             for i, n in enumerate([1, 7, 30, 60, 95, 12])]
+    cold = same(te, se, works)
+    assert [r.cached_tokens for r in cold] == [0] * len(works)
+    warm = same(te, se, works)  # the same calls again: every token but the last from the pool
+    assert [r.history_tokens for r in warm] == [1, 7, 30, 60, 95, 12]
+    assert [r.cached_tokens for r in warm] == [0, 6, 29, 59, 94, 11]
+    assert [r.prefilled_tokens for r in warm] == [1, 1, 1, 1, 1, 1]  # what the model's forward computed
+
+
+@pytest.mark.parametrize("appended", [1, 5, 50])
+def test_a_grown_history_prefills_only_its_new_events(engines, appended):
+    te, se = engines
+    uid = f"grow{appended}"
+    base = history(40, seed=appended)
+    first = same(te, se, [work(te.schema, base, "rank", uid=uid, seed=1)])[0]
+    assert first.prefilled_tokens == 40
+    grown = base + history(appended, seed=100 + appended, start=40)
+    r = same(te, se, [work(te.schema, grown, "recommend", uid=uid, seed=2)])[0]
+    # the old last event was queried at the old request time: it is recomputed with the new events
+    assert r.cached_tokens == 39 and r.prefilled_tokens == appended + 1
+
+
+def test_a_changed_request_time_recomputes_only_the_last_event(engines):
+    te, se = engines
+    hist = history(30, seed=7)
+    same(te, se, [work(te.schema, hist, "rank", uid="time", seed=3)])
+    for rt in (T0 + 90 * 29 + 5, T0 + 10**6):
+        r = same(te, se, [work(te.schema, hist, "rank", uid="time", request_time=rt, seed=3)])[0]
+        assert r.cached_tokens == 29 and r.prefilled_tokens == 1
+
+
+def test_users_do_not_share_entries_and_calls_without_an_id_are_not_reused(engines):
+    te, se = engines
+    hist = history(20, seed=11)
+    same(te, se, [work(te.schema, hist, "rank", uid="alice", seed=4)])
+    assert same(te, se, [work(te.schema, hist, "rank", uid="bob", seed=4)])[0].cached_tokens == 0
+    same(te, se, [work(te.schema, hist, "rank", seed=4)])
+    assert same(te, se, [work(te.schema, hist, "rank", seed=4)])[0].cached_tokens == 0
+
+
+def test_a_tiny_pool_evicts_and_recomputes_without_errors(artifact):
+    from genrec.serve.sglang_engine import SGLangEngine
+
+    te = TorchEngine(artifact)
+    se = SGLangEngine(artifact, pool_tokens=256, threads=1)  # room for ~3 users of 90 events
+    try:
+        users = [history(90, seed=200 + i) for i in range(8)]
+        for rnd in range(2):  # every user again: most entries were evicted in between
+            for i, h in enumerate(users):
+                same(te, se, [work(te.schema, h, KINDS[i % 3], uid=f"tiny{i}", seed=i)])
+        stats = se.cache_stats()
+        assert stats["capacity_tokens"] == 256 and stats["misses"] > 8
+    finally:
+        se.close()
+
+
+def test_several_batches_in_flight(engines):
+    """run() from several threads at once: SGLang batches the requests of all of them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    te, se = engines
+    batches = [[work(te.schema, history(25, seed=300 + 4 * b + i), KINDS[i % 3], uid=f"fl{b}-{i}", seed=i)
+                for i in range(4)] for b in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(se.run, batches))
+    for batch, got in zip(batches, results):
+        for a, b in zip(te.run(batch), got):
             np.testing.assert_array_equal(a.item_ids, b.item_ids)
             np.testing.assert_allclose(a.scores, b.scores, rtol=TOL, atol=TOL)
-            for t in a.tasks:
-                np.testing.assert_allclose(a.tasks[t], b.tasks[t], rtol=TOL, atol=TOL)
-    finally:
-        sgl_engine.close()
 
 
-def test_sglang_engine_behind_the_grpc_server(artifacts):
+def test_models_it_does_not_serve_are_refused_with_the_fix(tiny_synth, tmp_path):
     from genrec.serve.sglang_engine import SGLangEngine
+    from tests.serving_helpers import tiny_ranking_artifact
 
-    engine = SGLangEngine(artifacts["hstu"])
-    srv = ThreadedServer(artifacts["hstu"], engine=engine)
+    art = tiny_ranking_artifact(tiny_synth, tmp_path, tower="transformer")
+    with pytest.raises(ValueError, match='engine = "torch"'):
+        SGLangEngine(art)
+
+
+def test_sglang_engine_behind_the_grpc_server(artifact, engines):
+    te, engine = engines
+    srv = ThreadedServer(artifact, engine=engine)
     try:
         c = srv.client(timeout_s=30)
-        u = user([(5, 1_700_000_000, 3), (9, 1_700_000_060, 1)], {"region": [2]})
+        u = user([(5, T0, 3), (9, T0 + 60, 1)], {"region": [2]})
         rec = c.recommend(u, retrieve_k=20, top_k=5)
         assert len(rec.items) == 5 and c.info().engine == "sglang"
-        ref = TorchEngine(artifacts["hstu"]).run(
-            [decode("recommend", pb.RecommendRequest(user=u, retrieve_k=20, top_k=5).SerializeToString(),
-                    engine.schema, Limits())])[0]
+        ref = te.run([decode("recommend", pb.RecommendRequest(user=u, retrieve_k=20, top_k=5).SerializeToString(),
+                             engine.schema, Limits())])[0]
         assert [i.item_id for i in rec.items] == ref.item_ids.tolist()
     finally:
-        srv.stop()
-        engine.close()
+        srv.stop()  # (the engine is the module's: closed by its fixture)
