@@ -378,11 +378,24 @@ def resilience_summary(d: dict) -> tuple[str, str]:
             ">= 0.9x; <= 1%")
 
 
+def _lazy(module: str, name: str) -> Callable[[dict], Any]:
+    """A renderer that lives beside its benchmark (imported on use: it imports this module)."""
+
+    def call(d: dict) -> Any:
+        import importlib
+
+        return getattr(importlib.import_module(f"genrec.benchmarks.{module}"), name)(d)
+
+    return call
+
+
 SUMMARIES: dict[str, Callable[[dict], tuple[str, str]]] = {
     "quality": quality_summary, "train_speed": train_speed_summary, "kernels": kernels_summary,
     "ranking": ranking_summary, "distributed": distributed_summary, "quant": quant_summary,
     "serving": serving_summary, "engine_capacity": engine_capacity_summary,
     "serving_scale": serving_scale_summary, "resilience": resilience_summary,
+    "serving_cache": _lazy("serving_cache", "serving_cache_summary"),
+    "long_history": _lazy("long_history", "long_history_summary"),
 }
 
 
@@ -390,6 +403,7 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "quality": quality, "train_speed": train_speed, "kernels": kernels, "ranking": ranking,
     "distributed": distributed, "quant": quant, "serving": serving, "engine_capacity": engine_capacity,
     "serving_scale": serving_scale, "resilience": resilience,
+    "serving_cache": _lazy("serving_cache", "serving_cache"), "long_history": _lazy("long_history", "long_history"),
 }
 
 
