@@ -46,9 +46,10 @@ class CacheConfig:
 
     kv_cache_mb: float = 1024.0  # the torch engine's cache budget per engine process (MiB); 0: off
     window_block: int = 1  # events the window over a long history moves by (both engines)
-    # the SGLang engine's KV pool (its radix cache and the batch being encoded), in tokens: about
-    # what kv_cache_mb holds of a 2-layer tower of 64 + 64 wide heads (1 KiB a token)
-    pool_tokens: int = 1 << 20
+    # the SGLang engine's KV pool (its radix cache and the batch being encoded), in tokens, as
+    # SGLangEngine's own default: SGLang allocates the whole pool when it starts (a 2-layer tower
+    # of 64 + 64 wide heads: 1 KiB a token), where the torch engine's budget is only an upper bound
+    pool_tokens: int = 262144
 
     def __post_init__(self) -> None:
         if self.kv_cache_mb < 0:
