@@ -52,9 +52,11 @@ class ServerMetrics:
     def on_result(self, result: Result) -> None:
         """One call's cache accounting (``serve.engine.Result``)."""
         self.cache_history.inc(result.history_tokens)
-        if result.cache_lookup:
-            (self.cache_hits if result.cached_tokens else self.cache_misses).inc()
-            self.cache_cached.inc(result.cached_tokens)
+        self.cache_cached.inc(result.cached_tokens)
+        if result.cached_tokens:  # (an engine that reports reuse but not its lookups still counts hits)
+            self.cache_hits.inc()
+        elif result.cache_lookup:
+            self.cache_misses.inc()
         if result.evicted_tokens:
             self.cache_evicted.inc(result.evicted_tokens)
         g = result.cache_gauges

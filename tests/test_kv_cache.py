@@ -345,3 +345,12 @@ def test_an_engine_process_caches_with_the_config_it_was_given(artifact, monkeyp
         engine.close()
     assert (first.cached_tokens, again.cached_tokens, again.history_tokens) == (0, 9, 10)
     assert again.cache_gauges["users"] == 1 and again.cache_gauges["capacity_tokens"] > 0
+
+
+def test_metrics_count_hits_of_an_engine_that_reports_only_its_tokens():
+    metrics = ServerMetrics()
+    metrics.on_result(Result(np.zeros(0), np.zeros(0), history_tokens=10, cached_tokens=9))
+    metrics.on_result(Result(np.zeros(0), np.zeros(0), history_tokens=10))  # not looked up: no miss
+    text = generate_latest(metrics.registry).decode()
+    assert "genrec_cache_hits_total 1.0" in text and "genrec_cache_misses_total 0.0" in text
+    assert "genrec_cache_cached_tokens_total 9.0" in text and "genrec_cache_history_tokens_total 20.0" in text
