@@ -74,7 +74,9 @@ def hstu_paged_attention(
         r = rows.clamp(min=0)
         pos_q = torch.where(real, index[r], -1)  # [b', e - s] token index of each query (-1: none)
         keys = int(pos_q.max()) + 1  # no query of the block sees a later key
-        kk, vv = k[act, :keys].transpose(1, 2), v[act, :keys].transpose(1, 2)  # [b', H, L', D]
+        every = act.numel() == b  # (then views, not copies, of the keys and values)
+        kk = (k[:, :keys] if every else k[act, :keys]).transpose(1, 2)  # [b', H, L', D]
+        vv = (v[:, :keys] if every else v[act, :keys]).transpose(1, 2)
         qq = q[r].transpose(1, 2)  # [b', H, e - s, D]
         scores = torch.matmul(qq, kk.transpose(-1, -2)) * alpha  # [b', H, e - s, L']
         j = torch.arange(keys, device=q.device)

@@ -73,6 +73,7 @@ class Result:
     evicted_tokens: int = 0
     cache_lookup: bool = False
     cache_gauges: dict[str, int] | None = None
+    prefilled_tokens: int = 0  # history tokens the tower computed for it (SGLang: in the pass that ended it)
 
 
 def run_stamped(engine, works: list[Work]) -> list[Result]:  # noqa: ANN001 - any engine

@@ -60,11 +60,11 @@ class ServerMetrics:
         if result.evicted_tokens:
             self.cache_evicted.inc(result.evicted_tokens)
         g = result.cache_gauges
-        if g is not None:
-            self.cache_used.set(g["used_tokens"])
-            self.cache_capacity.set(g["capacity_tokens"])
-            self.cache_users.set(g["users"])
-            self.cache_bytes.set(g["bytes"])
+        if g is not None:  # (an engine sets those it can see: SGLang's pool hides its use and its users)
+            for key, gauge in (("used_tokens", self.cache_used), ("capacity_tokens", self.cache_capacity),
+                               ("users", self.cache_users), ("bytes", self.cache_bytes)):
+                if key in g:
+                    gauge.set(g[key])
 
     def serve_http(self, port: int, host: str = "0.0.0.0") -> None:
         start_http_server(port, addr=host, registry=self.registry)

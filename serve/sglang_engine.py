@@ -87,6 +87,7 @@ from genrec.serve.packed import pack_users, packed_supports  # noqa: E402
 from genrec.serve.requests import UserInput, Work  # noqa: E402
 
 VOCAB = 4  # the dummy logits' width (nothing is decoded)
+_EMPTY = torch.zeros(3)  # the row of a request this pass does not finish (a chunk of it)
 _MASK63 = np.uint64((1 << 63) - 1)
 
 
@@ -137,7 +138,6 @@ class GenRecHSTU(nn.Module):
         torch.set_num_threads(int(getattr(config, "genrec_threads", 1)) or torch.get_num_threads())
         self.engine = TorchEngine(config.genrec_artifact)
         self.model = self.engine.model.eval()
-        self.width = int(config.hidden_size)
         self.tasks = len(self.engine.schema.tasks)
         self.slot_times: torch.Tensor | None = None  # [pool slots] each slot's event time
         self.vocab = VOCAB
@@ -156,20 +156,20 @@ class GenRecHSTU(nn.Module):
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, get_embedding=False, **kw):  # noqa: ANN001, ANN201
         fb = forward_batch
         b = fb.batch_size
-        rows = torch.zeros(b, self.width)
+        rows = [_EMPTY] * b  # one row per request; padded to the batch's longest
         logits = torch.zeros(b, self.vocab)
         params = fb.sampling_info.custom_params if fb.sampling_info is not None else None
         if not fb.forward_mode.is_extend() or params is None or any(p is None or PAYLOAD not in p for p in params):
             if fb.forward_mode.is_extend() and b:
                 log.error("GenRecHSTU: a request without genrec's payload; send requests through SGLangEngine")
-            return LogitsProcessorOutput(next_token_logits=logits, hidden_states=rows)
+            return LogitsProcessorOutput(next_token_logits=logits, hidden_states=_stack(rows))
         payloads = [p[PAYLOAD] for p in params]
         pre, ext = list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu)
         h, kv = self._extend(fb, payloads, pre, ext, positions)
         done = [i for i in range(b) if pre[i] + ext[i] == len(payloads[i]["items"])]
         if done:
             self._finish(done, payloads, pre, ext, h, kv, rows)
-        return LogitsProcessorOutput(next_token_logits=logits, hidden_states=rows)
+        return LogitsProcessorOutput(next_token_logits=logits, hidden_states=_stack(rows))
 
     def _extend(self, fb, payloads: list[dict], pre: list[int], ext: list[int], positions: torch.Tensor):  # noqa: ANN001, ANN202
         """The batch's new tokens through the tower over the pool -> (their outputs [T, D],
@@ -207,7 +207,7 @@ class GenRecHSTU(nn.Module):
         return "action" in self.model.sparse.sequence_features
 
     def _finish(self, done: list[int], payloads: list[dict], pre: list[int], ext: list[int], h: torch.Tensor,
-                kv, rows: torch.Tensor) -> None:  # noqa: ANN001
+                kv, rows: list[torch.Tensor]) -> None:  # noqa: ANN001
         """Requests whose last token was in this pass: retrieval and ranking, into ``rows``."""
         eng, m = self.engine, self.model
         slots, pool, lengths = kv
@@ -246,16 +246,19 @@ class GenRecHSTU(nn.Module):
             ids, scores = found.get(j, (np.zeros(0, np.int64), np.zeros(0, np.float32)))
             pr = probs.get(j, np.zeros((0, self.tasks), np.float32))
             pos = np.searchsorted(eng.corpus_np, ids)  # catalogue positions: exact in fp32 below 2^24
-            row = np.concatenate([[ids.size, pr.shape[0], ext[i]], pos, scores, pr.reshape(-1)]).astype(np.float32)
-            if row.size > self.width:
-                raise RuntimeError("GenRecHSTU: a request asked for more results than the engine was started for")
-            rows[i, : row.size] = torch.from_numpy(row)
+            rows[i] = torch.from_numpy(np.concatenate([[ids.size, pr.shape[0], ext[i]], pos, scores,
+                                                       pr.reshape(-1)]).astype(np.float32))
 
     def _context(self, users: list[UserInput]) -> torch.Tensor:
         from genrec.serve.packed import context_kjt
 
         m = self.model
         return m.sparse.pooled(context_kjt(users, list(m.embedding_cfg.pooled_features))).values()
+
+
+def _stack(rows: list[torch.Tensor]) -> torch.Tensor:
+    """[B, longest row] (the output rows, zero-padded: each row's header says what it holds)."""
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True) if rows else torch.zeros(0, 3)
 
 
 def _array(values: list | None) -> np.ndarray | None:
@@ -268,20 +271,19 @@ class SGLangEngine(TorchEngine):
     ``pool_tokens``: the KV pool's size in tokens (size it for the active users' histories:
     bytes per token = layers x heads x (qk + v dims) x 4); ``window_block``: the history
     window's step (``serve.requests.history_window``); ``chunk_tokens``: chunked prefill's
-    chunk; ``max_results``: the most retrieved or ranked items one request returns;
-    ``threads``: the model's intra-op threads in SGLang's scheduler (one: its many small ops
+    chunk; ``threads``: the model's intra-op threads in SGLang's scheduler (one: its many small ops
     stall on an OpenMP barrier whenever a core is busy elsewhere; 0: torch's default)."""
 
     name = "sglang"
 
     def __init__(self, artifact: str | Path, device: str = "cpu", pool_tokens: int = 262144, window_block: int = 1,
-                 chunk_tokens: int = 4096, max_results: int = 1024, max_running: int = 64, threads: int = 1) -> None:
+                 chunk_tokens: int = 4096, max_running: int = 64, threads: int = 1) -> None:
         super().__init__(artifact, device=device)
         if not packed_supports(self.model):
             raise ValueError("the SGLang engine serves HSTU models with the summed action encoding; "
                              "serve this model with engine = \"torch\"")
         c = self.model.tower.layers[0].cfg
-        self.window_block, self.max_results = window_block, max_results
+        self.window_block = window_block
         self.cap = self.schema.max_history
         self.bytes_per_token = len(self.model.tower.layers) * c.num_heads * (c.qk_dim + c.v_dim) * 4
         self.pool_tokens = pool_tokens
@@ -289,8 +291,7 @@ class SGLangEngine(TorchEngine):
         self._stats = {"hits": 0, "misses": 0, "history_tokens": 0, "cached_tokens": 0}
         self._lock = threading.Lock()
         self.ckpt = Path(tempfile.mkdtemp(prefix="genrec-sglang-"))
-        width = 3 + 2 * max_results + max_results * max(1, len(self.schema.tasks))
-        cfg = {"architectures": ["GenRecHSTU"], "model_type": "llama", "hidden_size": width,
+        cfg = {"architectures": ["GenRecHSTU"], "model_type": "llama", "hidden_size": self.model.embedding_cfg.dim,
                "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_heads, "head_dim": c.qk_dim,
                "v_head_dim": c.v_dim, "num_hidden_layers": len(self.model.tower.layers), "intermediate_size": 1,
                "vocab_size": VOCAB, "max_position_embeddings": self.model.cfg.max_seq_len + 16,  # SGLang keeps a few positions back
@@ -347,7 +348,8 @@ class SGLangEngine(TorchEngine):
 
     def cache_stats(self) -> dict:
         """Counters since start: calls that reused cached tokens (hits) or none (misses),
-        history tokens and how many of them came from the radix cache; the pool's capacity."""
+        history tokens and how many of them came from the radix cache; the pool's capacity.
+        (SGLang's radix cache does not report its evictions or use to the client.)"""
         with self._lock:
             out = dict(self._stats)
         out.update(capacity_tokens=self.pool_tokens, bytes_per_token=self.bytes_per_token)
@@ -368,8 +370,6 @@ class SGLangEngine(TorchEngine):
                    "rank": ("retrieved" if retrieve else "given") if ranks else "none",
                    "candidates": w.candidates.tolist() if (ranks and not retrieve) else None,
                    "context": {k: v.tolist() for k, v in w.user.context.items()}}
-        if retrieve and w.retrieve_k > self.max_results or (w.candidates is not None and w.candidates.size > self.max_results):
-            raise ValueError(f"the SGLang engine returns at most {self.max_results} items per request (max_results)")
         # a user's entries are matched only against its own; no id: a key of its own, shared with nobody
         key = f"u:{w.user.user_id}" if w.user.user_id else f"anon:{uuid.uuid4().hex}"
         return ids, payload, key
@@ -412,7 +412,9 @@ class SGLangEngine(TorchEngine):
         for i in to_rank:  # a model without tasks ranks nothing: its candidates keep their order
             probs.setdefault(i, np.zeros((to_rank[i][0].size, tasks), np.float32))
         results = self.finish(works, retrieved, to_rank, probs, t0)
-        for i, (r, o, q) in enumerate(zip(results, outs, reqs)):
+        gauges = {"capacity_tokens": self.pool_tokens, "bytes": self.pool_tokens * self.bytes_per_token}
+        for i, (r, o, q, w) in enumerate(zip(results, outs, reqs, works)):
             r.history_tokens, r.cached_tokens = len(q[0]), int(o["meta_info"].get("cached_tokens", 0))
             r.prefilled_tokens = computed[i]  # by the pass that ended the request (all of them, unchunked)
+            r.cache_lookup, r.cache_gauges = bool(w.user.user_id), gauges
         return results
