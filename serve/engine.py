@@ -145,17 +145,17 @@ class TorchEngine:
         ``kv_cache_mb``: keep the encoded histories of calls with a ``user_id`` in a per-user K/V
         cache of this many MiB (``serve.kvcache``; the packed path only; 0: off).
         ``window_block``: the window over long histories moves in steps of this many events
-        (``serve.requests.history_window``; ``[serve.cache]``). ``cache_reuse``: which cached
+        (``serve.requests.history_window``; ``[serve.cache]``; a block larger than the model's
+        window is the window). ``cache_reuse``: which cached
         prefixes are worth reusing (``PackedPath.min_prefix``: "auto", or "always")."""
         self.device = torch.device(device)
         self.model, self.manifest = load_model(artifact, self.device)
         self.artifact = str(artifact)
         self.micro_batch = micro_batch
         self.schema = schema_of(self.model)
-        if not 1 <= window_block <= self.schema.max_history:
-            raise ValueError(f"serve.cache.window_block = {window_block}; it must be between 1 and the model's "
-                             f"history window ({self.schema.max_history} events)")
-        self.window_block = window_block
+        if window_block < 1:
+            raise ValueError(f"serve.cache.window_block = {window_block}; it must be at least 1")
+        self.window_block = min(window_block, self.schema.max_history)  # at most the window itself
         # eCPM multiplies the predictions of these tasks (default: all, e.g. pCTR x pCVR)
         self.objective_tasks = objective_tasks or self.schema.tasks
         with torch.inference_mode():

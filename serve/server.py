@@ -150,13 +150,19 @@ class ServeConfig:
             raise ValueError(f"serve.engine_replicas = {self.engine_replicas}; it must be at least 1")
 
 
+SGLANG_INFLIGHT = 4  # batches handed to the SGLang engine at once (serve.batch.max_inflight = 0)
+
+
 def batch_inflight(cfg: ServeConfig) -> int:
     """Batches in flight at once: ``batch.max_inflight``, or where that is 0 three for one engine
     process (the next ones wait in its pipe while one computes, serve.worker.EngineProcess.run_async:
     a call that arrives while two batches are out is sent at once instead of waiting for the
-    front-end to collect a reply), else one per engine replica (an in-process engine: one)."""
+    front-end to collect a reply), four for SGLang (its scheduler batches the requests of all
+    of them: continuous batching), else one per engine replica (an in-process engine: one)."""
     if cfg.batch.max_inflight:
         return cfg.batch.max_inflight
+    if cfg.engine == "sglang":
+        return SGLANG_INFLIGHT
     return 3 if cfg.engine_process and cfg.engine != "sglang" and cfg.engine_replicas == 1 else cfg.engine_replicas
 
 

@@ -276,15 +276,17 @@ class SGLangEngine(TorchEngine):
 
     name = "sglang"
 
-    def __init__(self, artifact: str | Path, device: str = "cpu", pool_tokens: int = 262144, window_block: int = 1,
+    def __init__(self, artifact: str | Path, device: str = "cpu", pool_tokens: int = 262144, window_block: int = 32,
                  chunk_tokens: int = 4096, max_running: int = 64, threads: int = 1) -> None:
         super().__init__(artifact, device=device)
         if not packed_supports(self.model):
             raise ValueError("the SGLang engine serves HSTU models with the summed action encoding; "
                              "serve this model with engine = \"torch\"")
         c = self.model.tower.layers[0].cfg
-        self.window_block = window_block
+        if window_block < 1:
+            raise ValueError(f"serve.cache.window_block = {window_block}; it must be at least 1")
         self.cap = self.schema.max_history
+        self.window_block = min(window_block, self.cap)  # at most the window itself
         self.bytes_per_token = len(self.model.tower.layers) * c.num_heads * (c.qk_dim + c.v_dim) * 4
         self.pool_tokens = pool_tokens
         self.has_action = "action" in self.model.sparse.sequence_features
