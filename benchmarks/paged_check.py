@@ -1,0 +1,104 @@
+"""Incremental HSTU encoding over a paged K/V pool on a device: bf16 pool vs fp32, and time.
+
+What the SGLang model does per forward, without SGLang: a pool of per-layer keys / values
+([slots, H, D], fp32 or bf16) and per-slot times; B users whose histories are cached in
+scattered slots; a few new events each, written to fresh slots, then attended over the
+user's slots through a slot map (``HSTUTower.extend_paged``, ``kernels.hstu_paged``), then
+candidates scored against the gathered history (``HSTUTower.extend``). Checks the bf16
+pool against the fp32 one and times both.
+
+    python -m genrec.benchmarks.paged_check --device cuda     # benchmarks/gpu_check_sglang.sh
+    python -m genrec.benchmarks.paged_check --device cpu --users 4 --history 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from genrec.models.hstu import CachedHistory, HSTUConfig, HSTUTower, JaggedMeta, PagedMeta
+
+
+def run(device: str, users: int, history: int, new: int, candidates: int, pool_dtype: torch.dtype,
+        reps: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(new tokens' outputs, candidates' outputs, ms per step) with a pool of ``pool_dtype``."""
+    torch.manual_seed(0)
+    dev = torch.device(device)
+    cfg = HSTUConfig(num_layers=2, num_heads=2, qk_dim=64, v_dim=64, dropout=0.0)
+    tower = HSTUTower(cfg, 128, max_seq_len=history + new + 1).to(dev).eval()
+    n = history + new
+    lengths = torch.full((users,), n, device=dev)
+    x = torch.randn(users * n, 128, device=dev)
+    times = (torch.arange(n, device=dev) * 60 + 1_700_000_000).repeat(users)
+    qtimes = times + 60
+    offsets = torch.arange(users + 1, device=dev) * n
+    with torch.no_grad():
+        layers: list = []
+        tower(x, JaggedMeta(offsets, n, times, qtimes, None), cache=layers)  # the prefix's K/V, as cached
+        slots_total = users * n + 1
+        perm = torch.randperm(slots_total - 1, device=dev)[: users * n].view(users, n) + 1  # scattered slots
+        pool = [(torch.zeros(slots_total, cfg.num_heads, cfg.qk_dim, device=dev, dtype=pool_dtype),
+                 torch.zeros(slots_total, cfg.num_heads, cfg.v_dim, device=dev, dtype=pool_dtype)) for _ in layers]
+        slot_time = torch.zeros(slots_total, dtype=torch.int64, device=dev)
+        cached = torch.arange(history, device=dev)
+        rows = (torch.arange(users, device=dev)[:, None] * n + cached).flatten()
+        for (k, v), (kb, vb) in zip(layers, pool):
+            kb[perm[:, :history].flatten()] = k[rows].to(pool_dtype)
+            vb[perm[:, :history].flatten()] = v[rows].to(pool_dtype)
+        slot_time[perm.flatten()] = times
+        new_rows = (torch.arange(users, device=dev)[:, None] * n + torch.arange(history, n, device=dev)).flatten()
+        loc = perm[:, history:].flatten()
+        seq = torch.arange(users, device=dev).repeat_interleave(new)
+        meta = PagedMeta(seq, torch.arange(history, n, device=dev).repeat(users), lengths, slot_time[perm],
+                         qtimes[new_rows])
+
+        def store(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            kb, vb = pool[i]
+            kb[loc], vb[loc] = k.to(kb.dtype), v.to(vb.dtype)
+            return kb[perm].to(k.dtype), vb[perm].to(v.dtype)
+
+        cands = torch.randn(users * candidates, 128, device=dev)
+        owner = torch.arange(users, device=dev).repeat_interleave(candidates)
+
+        def step() -> tuple[torch.Tensor, torch.Tensor]:
+            h = tower.extend_paged(x[new_rows], meta, store)
+            flat = perm.flatten()
+            hist = CachedHistory([(kb[flat].float(), vb[flat].float()) for kb, vb in pool], offsets, slot_time[flat],
+                                 qtimes[offsets[1:] - 1])
+            return h, tower.extend(cands, hist, owner)
+
+        out = step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return out[0], out[1], (time.perf_counter() - t) / reps * 1e3
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--users", type=int, default=64)
+    p.add_argument("--history", type=int, default=4000)
+    p.add_argument("--new", type=int, default=3)
+    p.add_argument("--candidates", type=int, default=200)
+    p.add_argument("--reps", type=int, default=10)
+    a = p.parse_args(argv)
+    shape = (a.device, a.users, a.history, a.new, a.candidates)
+    h32, c32, ms32 = run(*shape, torch.float32, a.reps)
+    h16, c16, ms16 = run(*shape, torch.bfloat16, a.reps)
+    rel = lambda x, y: float((x - y).abs().max() / y.abs().max())  # noqa: E731
+    print(json.dumps({"device": torch.cuda.get_device_name(0) if a.device == "cuda" else a.device,
+                      "users": a.users, "history": a.history, "new": a.new, "candidates": a.candidates,
+                      "ms_fp32_pool": round(ms32, 3), "ms_bf16_pool": round(ms16, 3),
+                      "bf16_vs_fp32_rel_err_new": rel(h16, h32), "bf16_vs_fp32_rel_err_candidates": rel(c16, c32)}))
+
+
+if __name__ == "__main__":
+    main()
