@@ -135,7 +135,12 @@ class Batcher:
 
     @property
     def parallel(self) -> int:
-        return max(len(getattr(self.engine_fn(), "replicas", ())), 1)
+        """Batches the engine computes side by side: one per replica, or every batch in flight
+        for an engine that merges them (``batches_together``: SGLang's continuous batching)."""
+        engine = self.engine_fn()
+        if getattr(engine, "batches_together", False):
+            return self.inflight
+        return max(len(getattr(engine, "replicas", ())), 1)
 
     def admit(self, deadline: float) -> None:
         """Raises ``Overloaded`` (or ``ShuttingDown``) at once for a call that would not start in

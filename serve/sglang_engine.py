@@ -275,6 +275,7 @@ class SGLangEngine(TorchEngine):
     stall on an OpenMP barrier whenever a core is busy elsewhere; 0: torch's default)."""
 
     name = "sglang"
+    batches_together = True  # the batches in flight merge in SGLang's scheduler (serve.batcher admission)
 
     def __init__(self, artifact: str | Path, device: str = "cpu", pool_tokens: int = 262144, window_block: int = 32,
                  chunk_tokens: int = 4096, max_running: int = 64, threads: int = 1) -> None:

@@ -348,6 +348,27 @@ def test_batch_cost_model_recovers_a_fixed_and_a_per_call_part():
     assert cost.wait(2, 10) == pytest.approx(2 * a + 10 * c)
 
 
+def test_admission_spreads_the_wait_over_batches_an_engine_runs_together():
+    """SGLang merges the batches in flight into its own: a call does not wait for them one by one."""
+    from types import SimpleNamespace
+
+    from genrec.serve.batcher import BatchConfig, Batcher
+
+    async def waits() -> tuple[float, float]:
+        out = []
+        for together in (False, True):
+            engine = SimpleNamespace(batches_together=together)
+            b = Batcher(lambda e=engine: e, BatchConfig(max_batch=4, max_queue=100, max_queue_ms=10, max_inflight=4))
+            for _ in range(20):
+                b.cost.observe(1, 0.015)  # 15 ms a call (fitted as a batch's fixed cost)
+            b.inflight_calls, b.running = 2, {1, 2}
+            out.append(b.predicted_wait())
+        return out[0], out[1]
+
+    serial, together = asyncio.run(waits())
+    assert together == pytest.approx(serial / 4)
+
+
 def test_admission_refuses_at_once_what_could_not_start_in_time():
     from genrec.serve.batcher import BatchConfig, Batcher, Overloaded
 
