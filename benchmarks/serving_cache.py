@@ -283,15 +283,22 @@ def plan(shape: Shape, streams: dict[str, Any], args: argparse.Namespace) -> dic
 
 
 def measure(server: Server, shape: Shape, streams: dict[str, Any], args: argparse.Namespace,
-            steps: list[float] | None = None) -> tuple[dict, Any]:
-    """One workload against one server: single requests, then the sweep (the shape's steps, or ``steps``)."""
+            steps: list[float] | None = None, prime: bool = False) -> tuple[dict, Any]:
+    """One workload against one server: single requests, then the sweep (the shape's steps, or
+    ``steps``); ``prime``: first one call per user the sweep visits, so its hit rate is a warm
+    cache's (the misses left are new events and evictions, not users never seen)."""
     from genrec.serve.loadtest import sweep
 
     t0 = time.perf_counter()
     single_requests(server, shape.method, streams["warmup"].calls(), args.warmup)
     single = single_requests(server, shape.method, streams["single"].calls(), args.single)
+    steps = steps or steps_of(shape, args)
+    primed = None
+    if prime:  # every user the sweep will visit, once, at its first-view history (not measured)
+        users = streams["load"].users_of(int(sum(steps) * args.duration * 1.5) + args.warmup)
+        primed = single_requests(server, shape.method, streams["load"].first_calls(users), len(users), timeout_s=120)
     before_sweep = server.memory()
-    res = sweep(server.target, steps or steps_of(shape, args), args.duration, streams["load"].payloads(), SLO_MS,
+    res = sweep(server.target, steps, args.duration, streams["load"].payloads(), SLO_MS,
                 timeout_s=args.timeout_s, progress=not args.no_progress, method=shape.method, warmup=args.warmup,
                 metrics_url=server.metrics_url)
     hist = sum(s.cache_history_tokens or 0 for s in res.steps)
@@ -299,11 +306,14 @@ def measure(server: Server, shape: Shape, streams: dict[str, Any], args: argpars
     last = res.steps[-1] if res.steps else None
     per_token = (last.cache_bytes / last.cache_used_tokens
                  if last and last.cache_bytes is not None and last.cache_used_tokens else None)
+    if per_token is None and last and last.cache_bytes and last.cache_capacity_tokens:
+        per_token = last.cache_bytes / last.cache_capacity_tokens  # a pool allocated whole (SGLang's)
     row = {"single": single, "max_qps_within_slo": res.max_qps_within_slo,
            "highest_passing_qps": res.highest_passing_qps,
            "hit_rate": sum(cached) / hist if cached and hist else None,
            "cache": {k: getattr(last, f"cache_{k}") if last else None
                      for k in ("bytes", "users", "used_tokens", "capacity_tokens")},
+           "primed_users": primed["n"] if primed else 0,
            "cache_bytes_per_token": per_token, "server_before_sweep": before_sweep, "server": server.memory(),
            "steps": [dataclasses.asdict(s) for s in res.steps], "seconds": round(time.perf_counter() - t0, 1)}
     return row, res
@@ -352,7 +362,8 @@ def run_engine(name: str, server_args: list[str], shapes: list[Shape], items: An
         os.sched_setaffinity(0, server.front_end_cpus or all_cpus)  # off a pinned engine's CPU
         try:
             for shape in shapes:
-                row, res = measure(server, shape, workloads(shape, items, args), args)
+                row, res = measure(server, shape, workloads(shape, items, args), args,
+                                   prime=ENGINES[name][1] is not None)
                 record["shapes"][shape.name] = row
                 sweeps[shape.name] = res
                 print(name, shape.name, json.dumps({k: row[k] for k in ("single", "max_qps_within_slo", "hit_rate")}),
@@ -370,7 +381,7 @@ def small_pool(name: str, server_args: list[str], shape: Shape, items: Any, art:
     qps = steps_of(shape, args)[0]
     with Server(ENGINES[name][0], art, server_args, args.server_threads) as server:
         start = server.memory()
-        row, _ = measure(server, shape, workloads(shape, items, args), args, steps=[qps])
+        row, _ = measure(server, shape, workloads(shape, items, args), args, steps=[qps], prime=True)
     steps = row["steps"]
     errors = collections.Counter(row["single"]["errors"])
     for s in steps:
@@ -562,7 +573,9 @@ def serving_cache(d: dict) -> list[str]:
            f"{'-'.join(map(str, w.get('appended', [])))} events appended between a user's views; Rank of "
            f"{'-'.join(map(str, w.get('candidates', [])))} given candidates (single requests: "
            f"{num(w.get('single_candidates'), 'd')}). Warm: the calls of a page view after its first. Hit rate: "
-           "cached / history tokens over the sweep (the server's counters). MB per cached user: the cache's bytes "
+           "cached / history tokens over the sweep (the server's counters), the caching engines primed with one "
+           "call per user the sweep visits (so a miss is a new event or an eviction, not a user never seen). "
+           "MB per cached user: the cache's bytes "
            "per token times the workload's mean history.", "",
            *table(["workload", "engine", "single p50 ms", "warm p50 ms (x torch)",
                    "p50 / p99 ms by offered QPS (failures: inf)", f"max QPS, p99 <= {slo} ms", "hit rate",

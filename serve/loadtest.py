@@ -303,6 +303,32 @@ class RepeatedUserWorkload:
     def payloads(self) -> Iterator[bytes]:
         return (c.payload for c in self.calls())
 
+    def users_of(self, n_calls: int) -> list[int]:
+        """The users the first ``n_calls`` calls visit, in order of their first visit."""
+        seen: dict[int, None] = {}
+        calls = 0
+        for user, n, _ in self.views():
+            if calls >= n_calls:
+                break
+            seen.setdefault(user, None)
+            calls += n
+        return list(seen)
+
+    def first_calls(self, users: list[int]) -> Iterator[Call]:
+        """A call carrying each user's first-view history, as the stream first sends it (a
+        Rank of one candidate, or the Recommend): a cache primed with these holds every active
+        user, so what the stream then measures is the steady state of a warm cache."""
+        cfg = self.cfg
+        for user in users:
+            items, times, request = self.first_history(user)
+            u = pb.User(history_columns=pb.EventColumns(item_ids=items.tolist(), timestamps=times.tolist()),
+                        request_time=request, user_id=f"{self.prefix}{user}")
+            if cfg.method == "Rank":
+                req = pb.RankRequest(user=u, candidates=[pb.Candidate(item_id=int(self.items[0]), bid=1.0)])
+            else:
+                req = pb.RecommendRequest(user=u, retrieve_k=cfg.retrieve_k, top_k=cfg.top_k)
+            yield Call(req.SerializeToString(), user, 0, 0, cfg.history, 1 if cfg.method == "Rank" else 0)
+
     def plan(self, n_calls: int) -> dict[str, int]:
         """What the first ``n_calls`` calls touch, without building them: distinct users, page
         views, and the users' history events at their last view (what a cache holding every
