@@ -123,18 +123,30 @@ def test_users_do_not_share_entries_and_calls_without_an_id_are_not_reused(engin
     assert same(te, se, [work(te.schema, hist, "rank", seed=4)])[0].cached_tokens == 0
 
 
-def test_a_tiny_pool_evicts_and_recomputes_without_errors(artifact):
+def test_a_tiny_pool_evicts_and_chunks_and_recomputes_without_errors(artifact):
+    """A pool for ~3 users of 90 events and prefill chunks of 32 tokens: entries are evicted
+    and recomputed, long prefills go in chunks (a request's last chunk answers it)."""
     from genrec.serve.sglang_engine import SGLangEngine
 
     te = TorchEngine(artifact)
-    se = SGLangEngine(artifact, pool_tokens=256, threads=1)  # room for ~3 users of 90 events
+    se = SGLangEngine(artifact, pool_tokens=256, chunk_tokens=32, threads=1)
     try:
         users = [history(90, seed=200 + i) for i in range(8)]
         for rnd in range(2):  # every user again: most entries were evicted in between
             for i, h in enumerate(users):
-                same(te, se, [work(te.schema, h, KINDS[i % 3], uid=f"tiny{i}", seed=i)])
+                r = same(te, se, [work(te.schema, h, KINDS[i % 3], uid=f"tiny{i}", seed=i)])[0]
+                assert r.prefilled_tokens <= 32  # the pass that ended it computed one chunk at most
         stats = se.cache_stats()
         assert stats["capacity_tokens"] == 256 and stats["misses"] > 8
+        # several users' chunks in one batch, from several threads
+        from concurrent.futures import ThreadPoolExecutor
+
+        batches = [[work(te.schema, users[2 * b + i], "rank", uid=f"tiny{2 * b + i}", seed=i) for i in range(2)]
+                   for b in range(3)]
+        with ThreadPoolExecutor(3) as pool:
+            for batch, got in zip(batches, pool.map(se.run, batches)):
+                for a, b in zip(te.run(batch), got):
+                    np.testing.assert_allclose(a.scores, b.scores, rtol=TOL, atol=TOL)
     finally:
         se.close()
 
