@@ -72,3 +72,22 @@ class SequenceBatch:
                 v = v.pin_memory()
             kw[f.name] = v
         return SequenceBatch(**kw)
+
+
+def history_window(n: int, cap: int, block: int = 1) -> int:
+    """The first of ``n`` history events a tower of ``cap`` history positions reads.
+
+    The window over a long history moves in steps of ``block`` events: it starts at the
+    smallest multiple of ``block`` that leaves at most ``cap`` events, so between steps a
+    growing history keeps its first event (and every cached key and value after it) and
+    the tower sees between ``cap - block + 1`` and ``cap`` events. ``block = 1``: the last
+    ``cap`` events, a window that slides with every new event. Evaluation
+    (``train.data.samples.loo_eval``) and serving (``serve.engine``, ``serve.packed``, the
+    SGLang engine) cut histories with this one function.
+
+    >>> history_window(10, 8), history_window(10, 8, 4), history_window(13, 8, 4)
+    (2, 4, 8)
+    """
+    if not 1 <= block <= cap:
+        raise ValueError(f"the history window's block ({block}) must be between 1 and the window ({cap})")
+    return 0 if n <= cap else -(-(n - cap) // block) * block

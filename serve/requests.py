@@ -37,6 +37,7 @@ from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from genrec.embedding.spec import EmbeddingConfig, IdOutOfRange, prepare_ids
+from genrec.models.inputs import history_window  # noqa: F401 - the engines cut histories with it
 from genrec.proto.v1 import recommender_pb2 as pb
 
 Kind = Literal["recommend", "retrieve", "rank"]
@@ -266,23 +267,6 @@ def decode_user(user: pb.User, schema: ModelSchema, limits: Limits) -> UserInput
     if len(user.user_id.encode()) > MAX_USER_ID_BYTES:
         raise InvalidRequest(f"user.user_id: is longer than {MAX_USER_ID_BYTES} bytes")
     return UserInput(items, times, actions, has_time, request_time, _context(user, schema), user.user_id)
-
-
-def history_window(n: int, cap: int, block: int = 1) -> int:
-    """The first of ``n`` events that a tower of ``cap`` history positions reads.
-
-    The window over a long history moves in steps of ``block`` events: it starts at the
-    smallest multiple of ``block`` that leaves at most ``cap`` events, so between steps a
-    growing history keeps its first event (and every cached key and value after it) and
-    the tower sees between ``cap - block + 1`` and ``cap`` events. ``block = 1``: the last
-    ``cap`` events, a window that slides with every new event.
-
-    >>> history_window(10, 8), history_window(10, 8, 4), history_window(13, 8, 4)
-    (2, 4, 8)
-    """
-    if not 1 <= block <= cap:
-        raise ValueError(f"the history window's block ({block}) must be between 1 and the window ({cap})")
-    return 0 if n <= cap else -(-(n - cap) // block) * block
 
 
 def _candidates(cands, schema: ModelSchema) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # noqa: ANN001

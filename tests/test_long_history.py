@@ -1,7 +1,7 @@
 """Long histories end to end (issue 32): a model with ``max_seq_len`` 8192 trains on a history
 of ~8000 events and serves one, and the history window that moves in blocks keeps its start
-between block boundaries, in serving (``serve.requests.history_window``) and in evaluation
-(``train.data.samples.window_start``) alike."""
+between block boundaries (``models.inputs.history_window``, which serving and evaluation
+both cut with)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from genrec.models.inputs import SequenceBatch
 from genrec.models.ranking import RankingConfig, TaskConfig
 from genrec.models.recommender import GenerativeRecommender, ModelConfig
 from genrec.models.retrieval import RetrievalConfig, RetrievalHead
-from genrec.serve.requests import history_window
-from genrec.train.data.samples import UserEvents, loo_eval, window_start
+from genrec.models.inputs import history_window
+from genrec.train.data.samples import UserEvents, loo_eval
 
 LONG, EVENTS, ITEMS, T0 = 8192, 8000, 8192, 1_700_000_000
 
@@ -139,16 +139,14 @@ def test_the_window_moves_only_in_steps_of_its_block(cap, block):
     for n, s in enumerate(starts, 1):
         assert s % block == 0 and s >= 0
         assert (n - s == n) if n <= cap else (cap - block + 1 <= n - s <= cap)
-        assert s == window_start(n, cap, block)  # evaluation cuts as serving does
     # a growing history keeps its start until the window would pass cap events: then it moves by one block
     for prev, nxt in zip(starts, starts[1:]):
         assert nxt in (prev, prev + block)
     if block == 1:
         assert starts == [max(0, n - cap) for n in range(1, len(starts) + 1)]
     for bad in (0, cap + 1):
-        for fn in (history_window, window_start):
-            with pytest.raises(ValueError, match="block"):
-                fn(10, cap, bad)
+        with pytest.raises(ValueError, match="block"):
+            history_window(10, cap, bad)
 
 
 def test_evaluation_reads_the_window_a_block_leaves():

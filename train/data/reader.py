@@ -16,7 +16,7 @@ Splits (leave-one-out, as in SASRec / HSTU): ``train`` uses events[:-2] with eve
 predicting the next; ``valid`` predicts events[-2] from events[:-2]; ``test`` predicts
 events[-1] from events[:-1]. Histories keep their last ``max_seq_len`` events; with
 ``data.eval_window_block`` > 1 the valid / test window starts at a multiple of the block, as
-a server that caches encoded histories cuts them (``samples.window_start``).
+a server that caches encoded histories cuts them (``models.inputs.history_window``).
 
 ``valid_users`` (default 1: every user) is the share of users whose events[-2] is held out
 for validation, picked by a fixed hash of the user id; the others train on events[:-1].

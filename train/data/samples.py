@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torchrec import KeyedJaggedTensor
 
-from genrec.models.inputs import SequenceBatch
+from genrec.models.inputs import SequenceBatch, history_window
 
 Split = Literal["train", "valid", "test", "rank_valid", "rank_test"]
 
@@ -88,26 +88,10 @@ def retrieval_window(ev: UserEvents, end: int, span: int, rng: np.random.Generat
                   actions=_actions(ev, s, e - 1))
 
 
-def window_start(n: int, cap: int, block: int = 1) -> int:
-    """The first of ``n`` history events a window of at most ``cap`` events reads, the window
-    moving in steps of ``block``: the smallest multiple of ``block`` that leaves at most ``cap``
-    events (between ``cap - block + 1`` and ``cap`` of them once ``n > cap``). ``block = 1``:
-    the last ``cap`` events. Serving cuts its histories the same way
-    (``genrec.serve.requests.history_window``, which training may not import; a test checks
-    that the two agree), so evaluation can read what a server with that block reads.
-
-    >>> window_start(10, 8), window_start(10, 8, 4), window_start(13, 8, 4)
-    (2, 4, 8)
-    """
-    if not 1 <= block <= cap:
-        raise ValueError(f"the history window's block ({block}) must be between 1 and the window ({cap})")
-    return 0 if n <= cap else -(-(n - cap) // block) * block
-
-
 def loo_eval(ev: UserEvents, end: int, max_len: int, block: int = 1) -> Sample:
     """History events[:end] (its last ``max_len`` events, the window's start a multiple of
-    ``block``: :func:`window_start`), target events[end]; ``seen``: all of events[:end]."""
-    s = window_start(end, max_len, block)
+    ``block``: ``models.inputs.history_window``), target events[end]; ``seen``: all of events[:end]."""
+    s = history_window(end, max_len, block)
     t, q = _times(ev, s, end, end)
     return Sample(ev.user, ev.items[s:end], t, q, ev.times is not None, ev.items[end : end + 1],
                   actions=_actions(ev, s, end), seen=ev.items[:end])
