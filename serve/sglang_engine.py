@@ -80,7 +80,7 @@ from sglang.srt.managers.io_struct import GenerateReqInput  # noqa: E402
 from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool  # noqa: E402
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor  # noqa: E402
 
-from genrec.models.hstu import CachedHistory, PagedMeta  # noqa: E402
+from genrec.models.hstu import CachedHistory, JaggedMeta, PagedMeta  # noqa: E402
 from genrec.models.recommender import HistoryState  # noqa: E402
 from genrec.serve.engine import Result, TorchEngine  # noqa: E402
 from genrec.serve.packed import pack_users, packed_supports  # noqa: E402
@@ -198,9 +198,31 @@ class GenRecHSTU(nn.Module):
             kb[loc], vb[loc] = kk.to(kb.dtype), vv.to(vb.dtype)
             return kb[slots], vb[slots]
 
+        if not any(pre) and self.engine.packed is not None and self.engine.packed.backend == "native":
+            return self._encode_native(x, cols, ext, loc, pool), (slots, pool, lengths)
         meta = PagedMeta(seq, pos, lengths, self.slot_times[slots] if m.tower.time_bias else None,
                          torch.from_numpy(cols["qtimes"]) if m.tower.time_bias else None)
         return m.tower.extend_paged(x, meta, store), (slots, pool, lengths)
+
+    def _encode_native(self, x: torch.Tensor, cols: dict, ext: list[int], loc: torch.Tensor, pool) -> torch.Tensor:  # noqa: ANN001
+        """A batch of requests none of which has a cached prefix (new users, first chunks):
+        the tower's C++ encode of the whole batch (as the torch engine encodes a cold batch),
+        its keys / values written to the requests' slots. Returns outputs [T, D] of which
+        only each request's last row is set (the only one read)."""
+        m = self.model
+        offsets = torch.zeros(len(ext) + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(torch.tensor(ext), 0)
+        times = (torch.from_numpy(cols["times"]), torch.from_numpy(cols["qtimes"])) if m.tower.time_bias else (None, None)
+        meta = JaggedMeta(offsets, max(ext), times[0], times[1], None)
+        last, hist = m.tower.encode_history(x, meta, backend="native")
+        c = m.tower.layers[0].cfg
+        for i, (k, v) in enumerate(zip(hist.native.k, hist.native.v)):
+            kb, vb = pool.get_key_buffer(i), pool.get_value_buffer(i)
+            kb[loc] = k.view(-1, c.num_heads, c.qk_dim).to(kb.dtype)
+            vb[loc] = v.view(-1, c.num_heads, c.v_dim).to(vb.dtype)
+        h = x.new_zeros(x.shape[0], last.shape[1])
+        h[offsets[1:] - 1] = last.to(h.dtype)
+        return h
 
     @property
     def _has_action(self) -> bool:

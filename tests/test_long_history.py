@@ -13,11 +13,10 @@ from torchrec import KeyedJaggedTensor
 from genrec.embedding.spec import EmbeddingConfig, TableConfig
 from genrec.models import retrieval
 from genrec.models.hstu import HSTUConfig
-from genrec.models.inputs import SequenceBatch
+from genrec.models.inputs import SequenceBatch, history_window
 from genrec.models.ranking import RankingConfig, TaskConfig
 from genrec.models.recommender import GenerativeRecommender, ModelConfig
 from genrec.models.retrieval import RetrievalConfig, RetrievalHead
-from genrec.models.inputs import history_window
 from genrec.train.data.samples import UserEvents, loo_eval
 
 LONG, EVENTS, ITEMS, T0 = 8192, 8000, 8192, 1_700_000_000

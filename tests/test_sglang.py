@@ -132,7 +132,7 @@ def test_a_tiny_pool_evicts_and_chunks_and_recomputes_without_errors(artifact):
     se = SGLangEngine(artifact, pool_tokens=256, chunk_tokens=32, threads=1)
     try:
         users = [history(90, seed=200 + i) for i in range(8)]
-        for rnd in range(2):  # every user again: most entries were evicted in between
+        for _ in range(2):  # every user again: most entries were evicted in between
             for i, h in enumerate(users):
                 r = same(te, se, [work(te.schema, h, KINDS[i % 3], uid=f"tiny{i}", seed=i)])[0]
                 assert r.prefilled_tokens <= 32  # the pass that ended it computed one chunk at most
