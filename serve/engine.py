@@ -173,7 +173,7 @@ class TorchEngine:
             native = bool(padded) and native_ok(self.model)
         self.stages: dict[str, float] = {}  # seconds spent per stage, summed over batches
         # the tower's backend on the packed path (the model's methods either way)
-        self.packed = (PackedPath(self.model, "native" if native else "torch", micro_batch, self.stages, window_block,
+        self.packed = (PackedPath(self.model, "native" if native else "torch", micro_batch, self.stages, self.window_block,
                                   cache_reuse) if padded else None)
         if kv_cache_mb and self.packed is None:  # (extend_paged is the HSTU tower's, on the packed layout)
             log.info("serve.cache.kv_cache_mb: the K/V cache runs on the packed path (an HSTU tower with summed "

@@ -43,12 +43,14 @@ class CacheConfig:
     moves in steps of this many events (``serve.requests.history_window``) so that a cached
     prefix survives new events; 1 slides it with every event (the tower always sees its last
     ``max_history`` events, but a long history's cache is then invalid after each new event).
-    The default, 32, cost no NDCG@10 on ML-1M validation (+0.0003 +- 0.0016 against 1, window
-    199; benchmarks/notes/2026-12-03-long-histories.md); a block larger than a model's window
-    is that window."""
+    Set it where histories outgrow the window: 32 cost no NDCG@10 on ML-1M validation (+0.0003
+    +- 0.0016 against 1 at the recipe's window of 199 events; benchmarks/notes/
+    2026-12-03-long-histories.md); keep it a small fraction of the window (the tower then sees
+    between window - block + 1 and window events). The default, 1, reads what a model was
+    evaluated on. A block larger than a model's window is that window."""
 
     kv_cache_mb: float = 1024.0  # the torch engine's cache budget per engine process (MiB); 0: off
-    window_block: int = 32  # events the window over a long history moves by (both engines; ML-1M validation)
+    window_block: int = 1  # events the window over a long history moves by (both engines)
     # the SGLang engine's KV pool (its radix cache and the batch being encoded), in tokens, as
     # SGLangEngine's own default: SGLang allocates the whole pool when it starts (a 2-layer tower
     # of 64 + 64 wide heads: 1 KiB a token), where the torch engine's budget is only an upper bound

@@ -299,7 +299,7 @@ class SGLangEngine(TorchEngine):
     name = "sglang"
     batches_together = True  # the batches in flight merge in SGLang's scheduler (serve.batcher admission)
 
-    def __init__(self, artifact: str | Path, device: str = "cpu", pool_tokens: int = 262144, window_block: int = 32,
+    def __init__(self, artifact: str | Path, device: str = "cpu", pool_tokens: int = 262144, window_block: int = 1,
                  chunk_tokens: int = 4096, max_running: int = 64, threads: int = 1) -> None:
         super().__init__(artifact, device=device)
         if not packed_supports(self.model):
