@@ -229,10 +229,11 @@ class TorchEngine:
                 evicted: np.ndarray | None) -> list[Result]:
         """Each result's history / cached / evicted tokens, and the cache's gauges after the batch."""
         gauges = self.cache.gauges() if cached is not None else None
+        tokens = [self.history_tokens(w.user) for w in works]
         if cached is None:  # (encode_cached counted the batch's history tokens itself)
-            self.cache.count_history(sum(self.history_tokens(w.user) for w in works))
+            self.cache.count_history(sum(tokens))
         for i, (w, r) in enumerate(zip(works, results)):
-            r.history_tokens = self.history_tokens(w.user)
+            r.history_tokens = tokens[i]
             if cached is not None:
                 r.cached_tokens, r.evicted_tokens = int(cached[i]), int(evicted[i])
                 r.cache_lookup, r.cache_gauges = bool(w.user.user_id), gauges

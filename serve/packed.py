@@ -117,14 +117,14 @@ class PackedPath:
                 return self.encode(users)
         t0 = time.perf_counter()
         items, actions, tk, tq, positions, lens = pack_users(users, self.cap, self.has_action, self.block)
-        x = self._tokens(items, actions, positions)
-        ctx = self._context(users)
+        x = self.tokens(items, actions, positions)
+        ctx = self.context(users)
         t0 = self._mark("history_lookup", t0)
         out = self._encode(x, lens, tk, tq, ctx)
         self._mark("history_tower", t0)
         return out
 
-    def _tokens(self, items: np.ndarray, actions: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+    def tokens(self, items: np.ndarray, actions: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """Token inputs [N, D] of events at window positions (the native gathers where there are)."""
         k = self.kernels
         if k is not None and k.rows is not None:
@@ -132,7 +132,7 @@ class PackedPath:
         return self.model.summed_tokens(torch.from_numpy(items), torch.from_numpy(actions) if self.has_action else None,
                                         torch.from_numpy(positions))[1]
 
-    def _context(self, users: list[UserInput]) -> torch.Tensor | None:
+    def context(self, users: list[UserInput]) -> torch.Tensor | None:
         """The users' pooled context [B, E] when the ranking head reads it."""
         m, k = self.model, self.kernels
         if m.ranking is None or not m.ranking_context:
@@ -170,8 +170,8 @@ class PackedPath:
                                                      self.min_prefix(int(e - s)))
         cache.count_history(int(lens.sum()))
         keep = positions >= np.repeat(prefix, lens)  # the rows to encode: all but the reused prefixes
-        x = self._tokens(items[keep], actions[keep], positions[keep])
-        ctx = self._context(users)
+        x = self.tokens(items[keep], actions[keep], positions[keep])
+        ctx = self.context(users)
         t0 = self._mark("history_lookup", t0)
         warm = np.flatnonzero(prefix > 0)
         if warm.size == 0:  # (today's encode, then its keys / values kept)

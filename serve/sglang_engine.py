@@ -138,6 +138,7 @@ class GenRecHSTU(nn.Module):
         torch.set_num_threads(int(getattr(config, "genrec_threads", 1)) or torch.get_num_threads())
         self.engine = TorchEngine(config.genrec_artifact)
         self.model = self.engine.model.eval()
+        self.packed = self.engine.packed  # its token lookups and context (SGLangEngine checked it exists)
         self.tasks = len(self.engine.schema.tasks)
         self.slot_times: torch.Tensor | None = None  # [pool slots] each slot's event time
         self.vocab = VOCAB
@@ -178,12 +179,7 @@ class GenRecHSTU(nn.Module):
         cols = {key: np.concatenate([np.asarray(p[key][s : s + e], np.int64) for p, s, e in zip(payloads, pre, ext)])
                 for key in ("items", "actions", "times", "qtimes")}
         pos = positions.to(torch.int64)
-        k = self.engine.packed.kernels if self.engine.packed is not None else None
-        if k is not None and k.rows is not None:
-            x = k.tokens(cols["items"], cols["actions"] if self._has_action else None, pos.numpy())
-        else:
-            acts = torch.from_numpy(cols["actions"]) if self._has_action else None
-            x = m.summed_tokens(torch.from_numpy(cols["items"]), acts, pos)[1]
+        x = self.packed.tokens(cols["items"], cols["actions"], pos.numpy())
         pool, r2t = get_token_to_kv_pool(), get_req_to_token_pool().req_to_token
         if self.slot_times is None or self.slot_times.numel() < pool.size + pool.page_size:
             self.slot_times = torch.zeros(pool.size + pool.page_size, dtype=torch.int64)
@@ -198,7 +194,7 @@ class GenRecHSTU(nn.Module):
             kb[loc], vb[loc] = kk.to(kb.dtype), vv.to(vb.dtype)
             return kb[slots], vb[slots]
 
-        if not any(pre) and self.engine.packed is not None and self.engine.packed.backend == "native":
+        if not any(pre) and self.packed.backend == "native":
             return self._encode_native(x, cols, ext, loc, pool), (slots, pool, lengths)
         meta = PagedMeta(seq, pos, lengths, self.slot_times[slots] if m.tower.time_bias else None,
                          torch.from_numpy(cols["qtimes"]) if m.tower.time_bias else None)
@@ -224,10 +220,6 @@ class GenRecHSTU(nn.Module):
         h[offsets[1:] - 1] = last.to(h.dtype)
         return h
 
-    @property
-    def _has_action(self) -> bool:
-        return "action" in self.model.sparse.sequence_features
-
     def _finish(self, done: list[int], payloads: list[dict], pre: list[int], ext: list[int], h: torch.Tensor,
                 kv, rows: list[torch.Tensor]) -> None:  # noqa: ANN001
         """Requests whose last token was in this pass: retrieval and ranking, into ``rows``."""
@@ -245,12 +237,9 @@ class GenRecHSTU(nn.Module):
                   for i in range(len(m.tower.layers))]
         request = torch.tensor([payloads[i]["qtimes"][-1] for i in done], dtype=torch.int64)
         times = self.slot_times[flat] if m.tower.time_bias else None
-        ctx = None
-        if m.ranking is not None and m.ranking_context:
-            us = [UserInput(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), True, 0,
-                            {n: np.asarray(v, np.int64) for n, v in payloads[i]["context"].items()}) for i in done]
-            ctx = eng.packed.kernels.context(us) if eng.packed is not None and eng.packed.kernels is not None \
-                and eng.packed.kernels.pooled is not None else self._context(us)
+        none = np.zeros(0, np.int64)
+        ctx = self.packed.context([UserInput(none, none, none, True, 0, {n: np.asarray(v, np.int64) for n, v in
+                                                                         payloads[i]["context"].items()}) for i in done])
         state = HistoryState(CachedHistory(layers, offsets, times, request if m.tower.time_bias else None),
                              lengths[done].clone(), ctx)
         need = [(j, _Retrieval(payloads[i]["k"], _array(payloads[i]["excluded"])))
@@ -270,12 +259,6 @@ class GenRecHSTU(nn.Module):
             pos = np.searchsorted(eng.corpus_np, ids)  # catalogue positions: exact in fp32 below 2^24
             rows[i] = torch.from_numpy(np.concatenate([[ids.size, pr.shape[0], ext[i]], pos, scores,
                                                        pr.reshape(-1)]).astype(np.float32))
-
-    def _context(self, users: list[UserInput]) -> torch.Tensor:
-        from genrec.serve.packed import context_kjt
-
-        m = self.model
-        return m.sparse.pooled(context_kjt(users, list(m.embedding_cfg.pooled_features))).values()
 
 
 def _stack(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -301,15 +284,12 @@ class SGLangEngine(TorchEngine):
 
     def __init__(self, artifact: str | Path, device: str = "cpu", pool_tokens: int = 262144, window_block: int = 1,
                  chunk_tokens: int = 4096, max_running: int = 64, threads: int = 1) -> None:
-        super().__init__(artifact, device=device)
+        super().__init__(artifact, device=device, window_block=window_block)
         if not packed_supports(self.model):
             raise ValueError("the SGLang engine serves HSTU models with the summed action encoding; "
                              "serve this model with engine = \"torch\"")
         c = self.model.tower.layers[0].cfg
-        if window_block < 1:
-            raise ValueError(f"serve.cache.window_block = {window_block}; it must be at least 1")
         self.cap = self.schema.max_history
-        self.window_block = min(window_block, self.cap)  # at most the window itself
         self.bytes_per_token = len(self.model.tower.layers) * c.num_heads * (c.qk_dim + c.v_dim) * 4
         self.pool_tokens = pool_tokens
         self.has_action = "action" in self.model.sparse.sequence_features
@@ -385,9 +365,9 @@ class SGLangEngine(TorchEngine):
         items, actions, tk, tq, _, _ = pack_users([w.user], self.cap, self.has_action, self.window_block)
         ids = event_token_ids(items, actions, tk, tq).tolist()
         retrieve = w.kind == "retrieve" or w.candidates is None
-        # as plan_ranking decides: Rank and Recommend rank, unless retrieval alone orders the result
-        ranks = (w.kind != "retrieve" and not (retrieve and (not self.schema.tasks or w.objective == "retrieval"))
-                 and bool(self.schema.tasks))
+        # what plan_ranking will rank (a model without tasks has nothing to score: run() fills zeros)
+        none = np.zeros(0, np.int64)
+        ranks = bool(self.schema.tasks) and 0 in self.plan_ranking([w], {0: (none, none)} if retrieve else {})
         excluded = w.excluded() if retrieve else None
         payload = {"items": items.tolist(), "actions": actions.tolist(), "times": tk.tolist(), "qtimes": tq.tolist(),
                    "k": int(w.retrieve_k) if retrieve else 0,
