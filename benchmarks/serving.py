@@ -33,6 +33,7 @@ at load (its per-stage profile).
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib.util
 import json
 import os
@@ -41,6 +42,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -180,20 +182,28 @@ def decode_cost(artifact: Path, workload: Path, n: int = 300, reps: int = 5) -> 
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
-def start_server(engine: str, artifact: Path, threads: int, profile_out: Path) -> tuple[subprocess.Popen, str, dict]:
+def start_server(engine: str, artifact: Path, threads: int, profile_out: Path | None = None,
+                 extra: Sequence[str] = (), timeout_s: float = 300,
+                 tail: collections.deque | None = None) -> tuple[subprocess.Popen, str, dict]:
     """The server process, its address, and the CPU layout it reports (``serve.engine_cpus = "auto"``:
-    engine processes and front-end CPUs; empty lists when nothing is pinned)."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "GENREC_PROFILE_OUT": str(profile_out), **ENV.get(engine, {})}
+    engine processes and front-end CPUs; empty lists when nothing is pinned). ``extra``: more
+    flags after the variant's; ``tail``: collects the output lines read until it listens."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), **ENV.get(engine, {})}
+    if profile_out is not None:
+        env["GENREC_PROFILE_OUT"] = str(profile_out)
     cmd = [sys.executable, "-m", "genrec.cli", "serve", "--artifact", str(artifact), "--engine", ENGINE.get(engine, engine),
            "--host", "127.0.0.1", "--port", "0", "--threads", str(threads), "--serve.batch.max_queue=512",
-           *SERVER_ARGS[engine]]
+           *SERVER_ARGS[engine], *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     layout: dict = {"engine_cpus": [], "front_end_cpus": []}
-    deadline = time.time() + 300
+    deadline = time.time() + timeout_s
     while time.time() < deadline:
         line = proc.stdout.readline()
+        if tail is not None:
+            tail.append(line.rstrip())
         if not line and proc.poll() is not None:
-            raise RuntimeError(f"{engine} server exited ({proc.returncode})")
+            raise RuntimeError(f"{engine} server exited ({proc.returncode})"
+                               + (": " + " | ".join(tail) if tail else ""))
         pinned = re.search(r"engine processes on CPU (.+); front-end on CPU (\S+)", line)
         if pinned:
             layout = {"engine_cpus": [_cpus(g) for g in pinned.group(1).split(" | ")],
@@ -202,7 +212,7 @@ def start_server(engine: str, artifact: Path, threads: int, profile_out: Path) -
         if m:
             return proc, f"127.0.0.1:{m.group(1)}", layout
     proc.kill()
-    raise RuntimeError(f"{engine} server did not start in 300 s")
+    raise RuntimeError(f"{engine} server did not start in {timeout_s:g} s")
 
 
 def _cpus(text: str) -> list[int]:

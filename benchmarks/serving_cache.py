@@ -124,43 +124,25 @@ def free_port() -> int:
 
 
 class Server:
-    """``genrec serve`` on 127.0.0.1, metrics on: started by ``with``, stopped (SIGTERM) after."""
+    """``genrec serve`` on 127.0.0.1 (``benchmarks.serving.start_server``), metrics on: started
+    by ``with``, stopped (SIGTERM) after."""
 
     def __init__(self, engine: str, artifact: Path, args: list[str], threads: int) -> None:
-        from genrec.benchmarks.serving import SERVER_ARGS
-
         self.metrics_port = free_port()
-        self.cmd = [sys.executable, "-m", "genrec.cli", "serve", "--artifact", str(artifact), "--engine", engine,
-                    "--host", "127.0.0.1", "--port", "0", "--threads", str(threads), "--serve.batch.max_queue=512",
-                    f"--serve.metrics_port={self.metrics_port}", f"--serve.limits.max_history={HISTORY_LIMIT}",
-                    *SERVER_ARGS[engine], *args]
-        self.threads = threads
+        self.engine, self.artifact, self.threads = engine, artifact, threads
+        self.args = [f"--serve.metrics_port={self.metrics_port}", f"--serve.limits.max_history={HISTORY_LIMIT}", *args]
         self.tail: collections.deque[str] = collections.deque(maxlen=30)
         self.front_end_cpus: list[int] = []
 
     def __enter__(self) -> Server:
-        import re
+        from genrec.benchmarks.serving import start_server
 
-        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            line = self.proc.stdout.readline()
-            if not line and self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.proc.returncode}): " + " | ".join(self.tail))
-            self.tail.append(line.rstrip())
-            pinned = re.search(r"front-end on CPU (\S+)", line)
-            if pinned and pinned.group(1) != "any":
-                self.front_end_cpus = [int(c) for c in pinned.group(1).split(",")]
-            m = re.search(r"on 127\.0\.0\.1:(\d+)", line)
-            if m:
-                self.target = f"127.0.0.1:{m.group(1)}"
-                # keep reading: a server that logs into a full pipe would block
-                threading.Thread(target=self._drain, daemon=True).start()
-                return self
-        self.stop()
-        raise RuntimeError("the server did not start in 600 s")
+        self.proc, self.target, layout = start_server(self.engine, self.artifact, self.threads, extra=self.args,
+                                                      timeout_s=600, tail=self.tail)
+        self.front_end_cpus = layout["front_end_cpus"]
+        # keep reading: a server that logs into a full pipe would block
+        threading.Thread(target=self._drain, daemon=True).start()
+        return self
 
     def _drain(self) -> None:
         for line in self.proc.stdout:
