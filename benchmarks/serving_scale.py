@@ -96,7 +96,7 @@ def main() -> None:
             if importlib.util.find_spec("sglang") is None:  # importing it needs serve.sglang_shim first
                 results[engine] = {"skipped": "SGLang is not installed (bash .ci/setup-sglang)"}
                 continue
-        proc, target = start_server(engine, art, args.threads, out / f"profile-{engine}.json")
+        proc, target, _ = start_server(engine, art, args.threads, out / f"profile-{engine}.json")
         try:
             rows = {}
             for h in (int(x) for x in args.histories.split(",")):
