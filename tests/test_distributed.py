@@ -16,11 +16,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -57,8 +61,68 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(cmd: list[str], env: dict | None = None, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=ROOT, env=env or ENV, capture_output=True, text=True, timeout=timeout)
+# a launch that takes this long hangs (they take 5-25 s): its processes' stacks are dumped
+# and it is tried once more, so a hang shows where it was instead of a bare pytest timeout
+HANG_S = 240
+
+
+def _descendants(pid: int) -> list[int]:
+    """pid's child processes, their children, ... (torchrun starts each worker in a session
+    of its own, so a process group does not reach them)."""
+    parent = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    out, todo = [], [pid]
+    while todo:
+        kids = [c for c, p in parent.items() if p == todo[-1]]
+        todo.pop()
+        out += kids
+        todo += kids
+    return out
+
+
+def _launch(cmd: list[str], env: dict) -> tuple[subprocess.CompletedProcess, str | None]:
+    """Runs ``cmd``; on a hang, every Python process it started prints its threads' stacks
+    (faulthandler on SIGABRT), then all are killed. Returns the process and, after a hang,
+    what it printed."""
+    env = {**env, "PYTHONFAULTHANDLER": "1"}
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=HANG_S)
+        return subprocess.CompletedProcess(cmd, p.returncode, out, err), None
+    except subprocess.TimeoutExpired:
+        procs = _descendants(p.pid)
+        for pid in [*procs, p.pid]:  # the workers' stacks first, then the launcher's
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGABRT)
+        try:
+            out, err = p.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            out, err = "", ""
+        for pid in [*procs, p.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        out2, err2 = p.communicate()
+        out, err = out + out2, err + err2
+        return subprocess.CompletedProcess(cmd, p.returncode, out, err), f"{out[-3000:]}\n{err[-20000:]}"
+
+
+def _run_dir_of(cmd: list[str]) -> Path:
+    """The run directory a training command writes (``--run.out_dir`` / dist / ``--run.id``)."""
+    opt = {a.split("=", 1)[0]: a.split("=", 1)[1].strip('"') for a in cmd if a.startswith("--run.")}
+    return Path(opt.get("--run.out_dir", "/nonexistent")) / "dist" / opt.get("--run.id", "/nonexistent")
+
+
+def run(cmd: list[str], env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    proc, hung = _launch(cmd, env or ENV)
+    if hung is not None:
+        warnings.warn(f"{' '.join(cmd)} hung for {HANG_S} s; its stacks:\n{hung}", stacklevel=2)
+        shutil.rmtree(_run_dir_of(cmd), ignore_errors=True)  # the retry starts the run afresh
+        proc, again = _launch(cmd, env or ENV)
+        if again is not None:
+            raise AssertionError(f"{' '.join(cmd)} hung twice; the second time:\n{again}")
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
