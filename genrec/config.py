@@ -178,16 +178,29 @@ def load_config(
     """Reads ``path`` (TOML, optional), merges ``flags`` (a nested dict: values of command-line
     flags that are aliases of keys, e.g. ``{"serve": {"port": 50052}}``) over it, applies
     ``--a.b=v`` overrides last, builds ``cls``. Unknown keys, the file's included, are errors."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = config_path(path)
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    data = read_toml(config_path(path)) if path is not None else {}
     if flags:
         data = merge(data, flags)
     return from_dict(cls, apply_overrides(data, overrides))
+
+
+def read_toml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A config file's values; ``extends = "other.toml"`` (beside it, or shipped with genrec)
+    starts from that file's values, which this file's then override."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    base = data.pop("extends", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: extends must be a file name")
+    sibling = path.parent / base
+    base_path = sibling if sibling.exists() else config_path(base)
+    if base_path.resolve() in seen:
+        raise ConfigError(f"{path}: extends {base} again (a cycle)")
+    return merge(read_toml(base_path, (*seen, path.resolve())), data)
 
 
 def config_path(path: str | Path) -> Path:

@@ -29,6 +29,8 @@ from genrec.models.hstu import CachedHistory, HSTUConfig, HSTUTower, JaggedMeta,
 from genrec.models.inputs import SequenceBatch
 from genrec.models.ranking import RankingConfig, RankingHead
 from genrec.models.retrieval import RetrievalConfig, RetrievalHead
+from genrec.models.sid import SemanticIds
+from genrec.models.sid_decoder import SIDConfig, SIDDecoder
 from genrec.models.tokens import Tokens, layout
 from genrec.models.transformer import TransformerConfig, TransformerTower
 
@@ -43,6 +45,7 @@ class ModelConfig:
     transformer: TransformerConfig = field(default_factory=TransformerConfig)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
     ranking: RankingConfig = field(default_factory=RankingConfig)
+    sid: SIDConfig = field(default_factory=SIDConfig)  # the generative (semantic-ID) retrieval head
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 2:
@@ -70,9 +73,11 @@ class GenerativeRecommender(nn.Module):
     ``model.corpus_ids`` -> [N] sorted catalogue."""
 
     def __init__(self, cfg: ModelConfig, embedding: EmbeddingConfig, corpus_ids: torch.Tensor,
-                 sparse_device: torch.device | None = None) -> None:
+                 sparse_device: torch.device | None = None, sid: SemanticIds | None = None) -> None:
         """``sparse_device="meta"`` skips allocating the float tables (for a server that
-        installs quantized ones, or a sharder that places them)."""
+        installs quantized ones, or a sharder that places them). ``sid``: the catalogue's
+        semantic IDs, required with ``cfg.sid.enabled`` (a checkpoint's state then replaces
+        them with the ones it was trained with)."""
         super().__init__()
         self.cfg, self.embedding_cfg = cfg, embedding
         dim = embedding.dim
@@ -93,6 +98,11 @@ class GenerativeRecommender(nn.Module):
             ctx_dim = sum(t.dim * len(t.features) for t in embedding.pooled_tables) if cfg.ranking.use_context else 0
             self.ranking_context = ctx_dim > 0
             self.ranking = RankingHead(cfg.ranking, dim, ctx_dim)
+        self.sid_head: SIDDecoder | None = None
+        if cfg.sid.enabled:
+            if sid is None:
+                raise ValueError("model.sid.enabled needs the catalogue's semantic IDs (model.sid.codebook)")
+            self.sid_head = SIDDecoder(cfg.sid, dim, sid)
 
     def _tokens(self, batch: SequenceBatch) -> tuple[torch.Tensor, Tokens]:
         tok = layout(self.sparse(batch.seq), batch, self.item_feature, self.interleaved)
@@ -154,16 +164,35 @@ class GenerativeRecommender(nn.Module):
         ret = self.head.loss(h[tok.retrieval_rows], batch.targets, self.corpus_ids, self.sparse.lookup, history)
         out["retrieval"] = ret
         total = ret
+        if self.sid_head is not None:
+            out["sid"] = self.sid_head.loss(h[tok.retrieval_rows], batch.targets)
+            total = total + self.cfg.sid.weight * out["sid"]
         if self.ranking is not None and batch.num_targets is not None and tok.candidate_rows.numel():
             out.update(self.ranking.loss(self.rank_logits(h, tok, batch), batch.labels))
             total = self.cfg.ranking.retrieval_weight * ret + out["ranking"]
         out["loss"] = total
         return out
 
+    def user_states(self, batch: SequenceBatch) -> torch.Tensor:
+        """The tower's output after each history's last event: [B, D] (what the retrieval
+        head normalises into the user vector and the semantic-ID decoder is prompted with)."""
+        h, tok = self.encode(batch)
+        return h[tok.last_rows]
+
     def user_embeddings(self, batch: SequenceBatch) -> torch.Tensor:
         """Normalised user vector after each history's last event: [B, D]."""
-        h, tok = self.encode(batch)
-        return self.head.normalize(h[tok.last_rows].float())
+        return self.head.normalize(self.user_states(batch).float())
+
+    def generate(self, batch: SequenceBatch, beam: int | None = None, exclude_history: bool = True,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Generative retrieval: the ``beam`` (default ``model.sid.beam_width``) items the
+        semantic-ID decoder finds most probable after each history, best first: item ids
+        [B, K] (-1: no more codes) and log-probabilities [B, K]; with ``exclude_history``
+        the items of the batch's ``seen_ids`` are left out."""
+        if self.sid_head is None:
+            raise ValueError("this model has no semantic-ID decoder (model.sid)")
+        seen = (batch.seen_ids, batch.seen_lengths) if exclude_history and batch.seen_ids is not None else None
+        return self.sid_head.beam_search(self.user_states(batch), beam or self.cfg.sid.beam_width, seen)
 
     def rank(self, batch: SequenceBatch) -> torch.Tensor:
         """Task probabilities of each candidate (the trailing ``num_targets`` events): [C, tasks]."""

@@ -10,6 +10,9 @@ what a checkpoint choice on a few hundred validation users has to allow for):
     NDCG@K = [rank < K] / log2(rank + 2)      (one relevant item, so IDCG = 1)
     MRR    = 1 / (rank + 1)
 
+A model with a semantic-ID decoder (``model.sid``) is also scored on its decoded ranking:
+the beam's items, best first, with the same names prefixed ``gen_`` (``gen_ndcg@10``).
+
 Example: ranks [0, 3, 20] -> HR@10 = 2/3, NDCG@10 = (1 + 1/log2(5) + 0) / 3, MRR = (1 + 1/4 + 1/21) / 3.
 """
 
@@ -127,13 +130,21 @@ def evaluate(
     items = torch.cat([model.item_embeddings(corpus[i : i + cfg.item_chunk])
                        for i in range(0, corpus.numel(), cfg.item_chunk)])
     metrics = RankingMetrics(cfg.hr_ks, cfg.ndcg_ks)
+    decoder = getattr(model, "sid_head", None)
+    generated = RankingMetrics(cfg.hr_ks, cfg.ndcg_ks) if decoder is not None else None
     done, last = 0, None
     for batch in batches:
         if device is not None:
             batch = batch.to(device)
-        users = model.user_embeddings(batch)
-        scores = model.head.scores(users, items).float()
         seen = (batch.seen_ids, batch.seen_lengths) if cfg.exclude_history else (None, None)
+        if decoder is None:
+            users = model.user_embeddings(batch)
+        else:  # one tower pass for both channels
+            states = model.user_states(batch)
+            users = model.head.normalize(states.float())
+            beams, _ = decoder.beam_search(states, model.cfg.sid.beam_width, seen if seen[0] is not None else None)
+            generated.update(generated_ranks(beams, batch.targets, corpus.numel()).cpu())
+        scores = model.head.scores(users, items).float()
         metrics.update(target_ranks(scores, batch.targets, corpus, *seen).cpu())
         done, last = done + 1, batch
     while total_batches is not None and done < total_batches:
@@ -141,8 +152,22 @@ def evaluate(
         done += 1
     if reduce is not None:
         metrics.load_state(reduce(metrics.state()))
+        if generated is not None:
+            generated.load_state(reduce(generated.state()))
     model.train(was_training)
-    return metrics.compute()
+    out = metrics.compute()
+    if generated is not None:  # the decoded ranking: "gen_" + the same names
+        out.update({f"gen_{k}": v for k, v in generated.compute().items() if k != "users"})
+    return out
+
+
+def generated_ranks(items: torch.Tensor, targets: torch.Tensor, corpus_size: int) -> torch.Tensor:
+    """0-based rank of each target in its user's decoded list items [B, K] (best first, -1
+    padding); a target the beam did not reach ranks ``corpus_size`` (a miss at every cut-off:
+    HR@K for K above the beam width, and MRR, are therefore lower bounds)."""
+    hit = items == targets[:, None]
+    first = torch.where(hit.any(1), hit.float().argmax(1), torch.full_like(targets, corpus_size))
+    return first
 
 
 def format_table(rows: dict[str, dict[str, float]], keys: Iterable[str] | None = None) -> str:

@@ -22,6 +22,8 @@ from genrec.config import ConfigError, load_config
 from genrec.embedding.spec import EmbeddingConfig, prepare_ids
 from genrec.models.dlrm import PooledDLRM
 from genrec.models.recommender import GenerativeRecommender, ModelConfig
+from genrec.models.sid import SemanticIds
+from genrec.models.sid_decoder import SIDConfig
 from genrec.train.data.reader import DataConfig
 from genrec.train.data.schema import DatasetInfo, read_info, read_items
 from genrec.train.evaluate import EvalConfig
@@ -152,5 +154,23 @@ def build_model(job: JobConfig, sparse_device: torch.device | None = None) -> tu
     emb = resolve_embedding(job.embedding, info)
     if job.model.arch == "dlrm":
         return PooledDLRM(job.model.ranking, emb), emb
-    model = GenerativeRecommender(job.model, emb, corpus_ids(job.data.path, emb), sparse_device=sparse_device)
+    corpus = corpus_ids(job.data.path, emb)
+    model = GenerativeRecommender(job.model, emb, corpus, sparse_device=sparse_device,
+                                  sid=semantic_ids(job.model.sid, corpus))
     return model, emb
+
+
+def semantic_ids(cfg: SIDConfig, corpus: torch.Tensor) -> SemanticIds | None:
+    """The codebook ``model.sid.codebook`` names (None without ``model.sid``); it must give a
+    code to every item of the catalogue, else the decoder could never reach the missing ones."""
+    if not cfg.enabled:
+        return None
+    path = Path(cfg.codebook)
+    if not path.exists():
+        raise ConfigError(f"model.sid.codebook: {path} does not exist (write it with 'genrec sid build')")
+    sid = SemanticIds.load(path)
+    missing = ~torch.isin(corpus, sid.item_ids)
+    if bool(missing.any()):
+        raise ConfigError(f"model.sid.codebook {path} has no code for {int(missing.sum())} of the catalogue's "
+                          f"{corpus.numel()} items (e.g. {int(corpus[missing][0])}): built for another dataset?")
+    return sid

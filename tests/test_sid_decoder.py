@@ -1,0 +1,108 @@
+"""The semantic-ID decoder (models/sid_decoder.py): its beam is exact, trie-bound and learns."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from genrec.config import ConfigError, load_config
+from genrec.models.sid import SemanticIds, build_semantic_ids
+from genrec.models.sid_decoder import SIDConfig, SIDDecoder
+from genrec.train.evaluate import generated_ranks
+
+ITEMS = torch.arange(1, 201)
+
+
+def decoder(seed: int = 0, sizes: tuple[int, ...] = (6, 6), dim: int = 16) -> SIDDecoder:
+    torch.manual_seed(seed)
+    sid = build_semantic_ids(ITEMS, torch.randn(ITEMS.numel(), dim), sizes=sizes, iters=5, seed=seed)
+    cfg = SIDConfig(enabled=True, codebook="unused", num_layers=1, num_heads=2, dim=dim, dropout=0.0)
+    return SIDDecoder(cfg, dim, sid).eval()
+
+
+def log_prob(dec: SIDDecoder, h: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+    """log P(item | h) of each item, from the training loss (the mean over levels)."""
+    return torch.stack([-dec.loss(h[None], i.view(1)) * dec.levels for i in items]).detach()
+
+
+def test_beam_scores_are_the_items_log_probabilities_and_the_beam_finds_the_best():
+    dec = decoder()
+    h = torch.randn(3, 16)
+    items, scores = dec.beam_search(h, 10)
+    for u in range(3):
+        assert torch.allclose(log_prob(dec, h[u], items[u]), scores[u], atol=1e-5)
+        every = log_prob(dec, h[u], ITEMS)
+        assert abs(float(every.exp().sum()) - 1.0) < 1e-4  # a distribution over the catalogue
+        # a beam of 10 finds the most probable item (the levels here are few and small)
+        assert int(items[u, 0]) == int(ITEMS[every.argmax()])
+
+
+def test_the_beam_ends_only_on_real_items_leaves_out_seen_ones_and_pads():
+    dec = decoder(sizes=(4, 4))
+    h = torch.randn(4, 16)
+    items, _ = dec.beam_search(h, 30)
+    assert bool(torch.isin(items, ITEMS).all())
+    assert all(len(set(row.tolist())) == 30 for row in items)  # no item twice
+    seen_ids, lengths = items[:, :5].reshape(-1), torch.full((4,), 5)
+    again, _ = dec.beam_search(h, 30, (seen_ids, lengths))
+    for u in range(4):
+        assert not set(again[u].tolist()) & set(items[u, :5].tolist())
+        assert again[u, :5].tolist() == items[u, 5:10].tolist()  # the rest keep their order
+    everything, scores = dec.beam_search(h[:1], 260)  # a beam wider than the catalogue
+    assert sorted(everything[0, :200].tolist()) == ITEMS.tolist()
+    assert (everything[0, 200:] == -1).all() and torch.isinf(scores[0, 200:]).all()
+
+
+def test_a_loaded_state_brings_its_own_codebook():
+    a = decoder(seed=0)
+    b = copy.deepcopy(a)
+    # another codebook of the same shape: a's codes dealt to other items
+    perm = torch.randperm(ITEMS.numel(), generator=torch.Generator().manual_seed(0))
+    a._install(SemanticIds.from_codes(ITEMS, a.sid.codes[perm], a.sid.sizes))
+    assert not torch.equal(a.sid.codes, b.sid.codes)
+    h = torch.randn(2, 16)
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(b.sid.codes, a.sid.codes)
+    assert torch.equal(b.beam_search(h, 8)[0], a.beam_search(h, 8)[0])
+
+
+def test_the_decoder_learns_a_mapping_from_prompt_to_item():
+    dec = decoder(sizes=(8, 8)).train()
+    prompts = torch.randn(40, 16)
+    targets = ITEMS[torch.randperm(ITEMS.numel(), generator=torch.Generator().manual_seed(0))[:40]]
+    opt = torch.optim.Adam(dec.parameters(), lr=1e-2)
+    first = None
+    for _ in range(150):
+        loss = dec.loss(prompts, targets)
+        first = float(loss) if first is None else first
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    dec.eval()
+    top = dec.beam_search(prompts, 5)[0][:, 0]
+    assert float(loss) < 0.1 * first
+    assert float((top == targets).float().mean()) > 0.9
+
+
+def test_generated_ranks():
+    items = torch.tensor([[5, 7, 9], [1, 2, -1], [3, 4, 6]])
+    ranks = generated_ranks(items, torch.tensor([9, 2, 8]), corpus_size=100)
+    assert ranks.tolist() == [2, 1, 100]
+
+
+def test_model_without_a_codebook_is_refused_and_config_extends(tmp_path):
+    with pytest.raises(ValueError, match="codebook"):
+        SIDConfig(enabled=True)
+    base = tmp_path / "base.toml"
+    base.write_text('[model]\nmax_seq_len = 50\n[model.sid]\nbeam_width = 7\n')
+    top = tmp_path / "top.toml"
+    top.write_text('extends = "base.toml"\n[model.sid]\nbeam_width = 9\n')
+    from genrec.train.job import JobConfig
+
+    job = load_config(JobConfig, top)
+    assert (job.model.max_seq_len, job.model.sid.beam_width) == (50, 9)
+    base.write_text('extends = "top.toml"\n')
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(JobConfig, top)
