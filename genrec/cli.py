@@ -5,6 +5,7 @@
     genrec train --config FILE [--a.b=v ...]
     genrec eval --run DIR [--split test] [--baseline popular|transition --data DIR]
     genrec quantize --checkpoint RUN --out ARTIFACT [--embeddings int8] [--dense fp32]
+    genrec sid build --checkpoint RUN [--out FILE] [--levels 256,256,256]   items -> semantic-ID codes
     genrec serve --artifact ARTIFACT [--config FILE] [--port N] [--serve.a.b=v ...]
     genrec loadtest --target HOST:PORT --qps 50,100,200 --duration S --workload FILE
 
@@ -94,6 +95,26 @@ def _quantize_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
+def _sid_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sid", help="semantic IDs: items as short codes for generative retrieval")
+    ssub = p.add_subparsers(dest="sid_cmd", required=True, metavar="{build}")
+    b = ssub.add_parser(
+        "build",
+        help="RQ-KMeans codes of a trained run's item vectors, and their trie",
+        description="Residual k-means over a run's normalised item vectors: each item gets one code of "
+        "len(levels) + 1 tokens (the last numbers items sharing the others). Writes OUT (safetensors) and "
+        "its stats as JSON beside it (same name, .json), and prints them.",
+    )
+    b.add_argument("--checkpoint", required=True, help="a run directory (its best checkpoint) or a checkpoint directory")
+    b.add_argument("--out", help="a .safetensors file or a directory (-> DIR/sid.safetensors); "
+                   "default RUN/sid.safetensors")
+    b.add_argument("--levels", default="256,256,256", help="k-means codes per level, comma separated")
+    b.add_argument("--iters", type=int, default=30, help="Lloyd iterations per level (at most)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--balanced", action=argparse.BooleanOptionalAction, default=False,
+                   help="balanced clusters (each level's codes used evenly) instead of plain k-means")
+
+
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
@@ -156,8 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="genrec", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"genrec {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-    for add in (_demo_parser, _data_parser, _train_parser, _eval_parser, _quantize_parser, _serve_parser,
-                _loadtest_parser):
+    for add in (_demo_parser, _data_parser, _train_parser, _eval_parser, _quantize_parser, _sid_parser,
+                _serve_parser, _loadtest_parser):
         add(sub)
     return parser
 
@@ -171,6 +192,10 @@ def _handler(cmd: str) -> Handler:
         from genrec.quant.cli import cmd_quantize
 
         return cmd_quantize
+    if cmd == "sid":
+        from genrec.train.sid_build import cmd_sid
+
+        return cmd_sid
     if cmd == "serve":
         from genrec.serve.cli import cmd_serve
 
@@ -186,6 +211,7 @@ def _handler(cmd: str) -> Handler:
 # traceback. Named by module, looked up only if loaded: an error of a module nobody imported
 # cannot have been raised, and `genrec serve` must not load training code to catch it.
 USER_ERRORS = {"genrec.config": ("ConfigError",), "genrec.embedding.spec": ("IdOutOfRange",),
+               "genrec.models.sid": ("SemanticIdError",),
                "genrec.quant.artifact": ("ArtifactError",), "genrec.train.checkpoint": ("IncompatibleCheckpoint",),
                "genrec.train.data.schema": ("DataFormatError",)}
 

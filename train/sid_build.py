@@ -1,0 +1,122 @@
+"""``genrec sid build``: a trained run's item vectors -> semantic IDs -> one file and its stats.
+
+    checkpoint (run dir: its best) -> GenerativeRecommender -> item_embeddings(corpus_ids)
+        -> build_semantic_ids (RQ-KMeans, models/sid.py) -> sid.safetensors + sid.json
+
+The codebook and trie live in ``models/sid.py`` (serving imports them); this module only
+loads a run, writes the files and prints what the codebook looks like.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from genrec.models.sid import SemanticIds, build_semantic_ids
+from genrec.train import checkpoint as ckpt
+
+LOOKUP_ROWS = 1 << 16  # item rows looked up (and normalised) at a time
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
+    """A run directory (-> its best checkpoint, else its newest) or a checkpoint directory
+    inside one -> (run dir, checkpoint)."""
+    path = Path(path)
+    if (path / "config.toml").exists():
+        res = path / "results.json"
+        best = json.loads(res.read_text()).get("best_checkpoint") if res.exists() else None
+        found = path / "checkpoints" / best if best else ckpt.latest_checkpoint(path / "checkpoints")
+        if found is None or not found.exists():
+            raise FileNotFoundError(f"{path}: the run has no finished checkpoint")
+        return path, found
+    if (path / ".metadata").exists() and (path.parent.parent / "config.toml").exists():
+        return path.parent.parent, path
+    raise FileNotFoundError(f"{path}: neither a run directory (config.toml) nor a checkpoint inside one")
+
+
+def load_item_vectors(run_dir: Path, checkpoint: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The run's catalogue and its normalised item vectors: ids [N] (sorted), vectors [N, D]
+    (what the retrieval head scores users against)."""
+    from genrec.models.recommender import GenerativeRecommender
+    from genrec.train.job import load_job
+
+    job = load_job(run_dir / "config.toml")
+    if job.model.arch != "generative":
+        raise ckpt.IncompatibleCheckpoint(f"{run_dir}: arch '{job.model.arch}' has no item vectors to code; "
+                                          "semantic IDs are built from a generative run")
+    entry = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata.get("model.corpus_ids")
+    if entry is None:
+        raise ckpt.IncompatibleCheckpoint(f"{checkpoint}: no model.corpus_ids (not a generative model's checkpoint)")
+    # the buffer is filled by the load: the catalogue is the checkpoint's, no dataset needed
+    model = GenerativeRecommender(job.model, job.embedding, torch.zeros(int(entry.size[0]), dtype=torch.long))
+    ckpt.load_checkpoint(checkpoint, model, None)
+    model.eval()
+    ids = model.corpus_ids.clone()
+    with torch.no_grad():
+        vecs = [model.item_embeddings(ids[i : i + LOOKUP_ROWS]).float() for i in range(0, ids.numel(), LOOKUP_ROWS)]
+    return ids, torch.cat(vecs)
+
+
+def output_path(out: str | Path | None, run_dir: Path) -> Path:
+    """--out: a ``.safetensors`` file, or a directory (-> DIR/sid.safetensors); default the
+    run directory."""
+    path = Path(out) if out else run_dir
+    return path if path.suffix == ".safetensors" else path / "sid.safetensors"
+
+
+def write(sid: SemanticIds, path: Path, info: dict[str, Any]) -> Path:
+    """``path`` (the codebook) and ``path`` with ``.json`` (stats, source, checksum) beside it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sid.save(path)
+    manifest = {"file": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+                "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+                            for k, v in sid.state_dict().items()},
+                "stats": sid.stats(), **info}
+    meta = path.with_suffix(".json")
+    meta.write_text(json.dumps(manifest, indent=2) + "\n")
+    return meta
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+    used = " ".join(f"{u:.0%}" for u in stats["used_per_level"])
+    ppl = " ".join(f"{p:.0f}" for p in stats["perplexity_per_level"])
+    return (f"{stats['items']} items, sizes {','.join(map(str, stats['sizes']))}, "
+            f"collision rate {stats['collision_rate']:.2%}, max collisions {stats['max_collisions']}, "
+            f"codes used per level {used}, perplexity {ppl}")
+
+
+def parse_levels(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise SystemExit(f"genrec sid build: --levels '{text}' must be positive integers, e.g. 256,256,256")
+    return sizes
+
+
+def cmd_sid(args: argparse.Namespace, overrides: list[str]) -> int:
+    if overrides:
+        raise SystemExit(f"genrec sid {args.sid_cmd} takes no config overrides: {overrides}")
+    sizes = parse_levels(args.levels)
+    run_dir, checkpoint = resolve_checkpoint(args.checkpoint)
+    t0 = time.perf_counter()
+    ids, vectors = load_item_vectors(run_dir, checkpoint)
+    t1 = time.perf_counter()
+    sid = build_semantic_ids(ids, vectors, sizes, iters=args.iters, seed=args.seed, balanced=args.balanced)
+    t2 = time.perf_counter()
+    path = output_path(args.out, run_dir)
+    info = {"source": {"run_dir": str(run_dir), "checkpoint": checkpoint.name},
+            "build": {"levels": list(sizes), "iters": args.iters, "seed": args.seed, "balanced": args.balanced,
+                      "dim": int(vectors.shape[1]), "load_seconds": round(t1 - t0, 3),
+                      "build_seconds": round(t2 - t1, 3)}}
+    meta = write(sid, path, info)
+    print(f"wrote {path} and {meta.name} ({t2 - t1:.1f}s): {format_stats(sid.stats())}")
+    return 0
