@@ -202,6 +202,27 @@ def restore(io: Any, path: Path, with_optimizer: bool = True) -> None:
     io.load(state)
 
 
+def warm_start(model: torch.nn.Module, path: Path) -> list[str]:
+    """Loads into ``model`` every tensor of checkpoint ``path`` that it has with the same name
+    and shape (a fine-tune starting from another run: say, a dense run's tables and tower
+    under a new decoder head); returns the names of the model's tensors left as initialised.
+    The optimizer and trainer state start fresh."""
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    msd, _ = get_state_dict(model, [], options=StateDictOptions(full_state_dict=False))
+    take, left = {}, []
+    for key, value in msd.items():
+        meta = stored.get(f"model.{key}")
+        if meta is not None and list(getattr(meta, "size", [])) == list(getattr(value, "size", lambda: ())()):
+            take[key] = value
+        else:
+            left.append(key)
+    if not take:
+        raise IncompatibleCheckpoint(f"{path}: none of this model's tensors is in the checkpoint")
+    dcp.load({"model": take}, checkpoint_id=path)
+    set_state_dict(model, [], model_state_dict=take, optim_state_dict={}, options=StateDictOptions(strict=False))
+    return left
+
+
 def prune_checkpoints(root: Path, keep: int, protect: set[Path]) -> None:
     """Deletes all but the newest ``keep`` finished checkpoints (and any in ``protect``)."""
     rank, _ = _rank_world()

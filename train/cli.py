@@ -97,16 +97,16 @@ def _print_results(run_dir: Path, results: dict) -> None:
 def _load_run_model(run: Path, checkpoint: str | None, data: str | None):  # noqa: ANN202
     from genrec.train import checkpoint as ckpt
     from genrec.train.job import build_model, load_job
+    from genrec.train.run import checkpoint_of
 
     overrides = [f'--data.path="{data}"'] if data else []
     job = load_job(run / "config.toml", overrides)
+    if job.model.sid.enabled and (run / "sid.safetensors").exists():  # the run's copy of its codebook
+        overrides.append(f'--model.sid.codebook="{run / "sid.safetensors"}"')
+        job = load_job(run / "config.toml", overrides)
     model, emb = build_model(job)
-    if checkpoint:
-        path = Path(checkpoint)
-    else:
-        res = run / "results.json"
-        path = (run / "checkpoints" / json.loads(res.read_text())["best_checkpoint"]) if res.exists() else ckpt.latest_checkpoint(run / "checkpoints")
-    if path is None or not path.exists():
+    path = Path(checkpoint) if checkpoint else checkpoint_of(run)
+    if not path.exists():
         raise FileNotFoundError(f"{run}: no checkpoint to evaluate (looked for {path})")
     ckpt.load_checkpoint(path, model, None)
     return job, model, emb, path

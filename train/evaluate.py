@@ -171,8 +171,16 @@ def generated_ranks(items: torch.Tensor, targets: torch.Tensor, corpus_size: int
 
 
 def format_table(rows: dict[str, dict[str, float]], keys: Iterable[str] | None = None) -> str:
-    """A markdown table: one row per name, one column per metric."""
+    """A markdown table: one row per name, one column per metric. A row with decoded
+    (``gen_``) metrics gets a second row, "<name> (generative)", with those."""
     keys = list(keys or ["hr@1", "hr@10", "hr@50", "hr@200", "ndcg@10", "ndcg@50", "ndcg@200", "mrr"])
+    split = {}
+    for name, m in rows.items():
+        split[name] = m
+        gen = {k[4:]: v for k, v in m.items() if k.startswith("gen_")}
+        if gen:
+            split[f"{name} (generative)"] = gen
+    rows = split
     lines = ["| run | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
     for name, m in rows.items():
         vals = [f"{m[k]:.4f}" if isinstance(m.get(k), float) and not math.isnan(m[k]) else str(m.get(k, "")) for k in keys]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import resource
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ import torch.distributed as dist
 
 from genrec.config import ConfigError
 from genrec.embedding.spec import IdOutOfRange
+from genrec.train import checkpoint as ckpt
+from genrec.train.checkpoint import warm_start
 from genrec.train.data.reader import make_reader
 from genrec.train.data.schema import DataFormatError, read_info
 from genrec.train.job import JobConfig, build_model, task_masks, tokens_per_event
@@ -41,9 +44,24 @@ def resolve_run_dir(job: JobConfig, resolved: JobConfig, ctx: DistContext, run_d
                 run_dir, fresh = new_run_dir(job.run.out_dir, job.run.name), True
             if fresh:
                 write_run_files(run_dir, resolved)
+                if resolved.model.sid.enabled:  # the codebook stays with the run (genrec eval --run finds it)
+                    shutil.copyfile(resolved.model.sid.codebook, run_dir / "sid.safetensors")
         run_dir = Path(ctx.broadcast(str(run_dir) if run_dir else ""))
     ctx.barrier()
     return run_dir
+
+
+def checkpoint_of(path: Path) -> Path:
+    """``path`` if it is a checkpoint, else the run directory's best checkpoint (its newest
+    if it has no results yet)."""
+    if (path / ".metadata").exists():
+        return path
+    res = path / "results.json"
+    found = (path / "checkpoints" / json.loads(res.read_text())["best_checkpoint"] if res.exists()
+             else ckpt.latest_checkpoint(path / "checkpoints"))
+    if found is None or not found.exists():
+        raise FileNotFoundError(f"{path}: no checkpoint (neither a checkpoint directory nor a run with one)")
+    return found
 
 
 def run_training(job: JobConfig, run_dir: Path | None = None) -> tuple[Path, dict[str, Any]]:
@@ -80,6 +98,8 @@ def run_training(job: JobConfig, run_dir: Path | None = None) -> tuple[Path, dic
         def dense_optimizer(params) -> torch.optim.Optimizer:  # noqa: ANN001
             return build_optimizer(list(params), optim)
 
+        if ctx.distributed and job.train.init_from:
+            raise ConfigError("train.init_from works in one process (not under torchrun) for now")
         if ctx.distributed:
             par = (replicate(model, emb, dense_optimizer, ctx) if how == "ddp" else
                    parallelize(model, emb, job.train.parallel, optim.lr, dense_optimizer, ctx, per_rank.batch_size))
@@ -96,6 +116,11 @@ def run_training(job: JobConfig, run_dir: Path | None = None) -> tuple[Path, dic
             optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], optim)
             if job.train.compile:
                 model.tower.compile(dynamic=True)
+            if job.train.init_from:  # before fit(): a resumed run's own checkpoint then overrides it
+                start = checkpoint_of(Path(job.train.init_from))
+                left = warm_start(model, start)
+                print(f"init_from {start}: {len(left)} tensors not in it, as initialised "
+                      f"({', '.join(sorted({k.split('.')[0] for k in left})) or 'none'})", flush=True)
             trainer = Trainer(job.train, job.eval, run_dir, model, model, optimizer,
                               readers["train"], valid, test, tasks=list(tasks), device=ctx.device)
         results = trainer.fit()

@@ -1,0 +1,176 @@
+"""Generative retrieval quality: the semantic-ID decoder beside dense retrieval (issue 33).
+
+    python -m genrec.benchmarks.sid_quality --dataset beauty --dense-budget-min 20 --budget-min 40
+
+Per dataset: a dense HSTU run (configs/hstu.toml, or ``--dense-run``) gives the item vectors
+-> ``genrec sid build`` (RQ-KMeans) -> a configs/sid.toml run started from the dense run
+(``train.init_from``; its checkpoint chosen on validation ``gen_ndcg@10``) -> on the test split,
+read once: the decoded ranking's HR / NDCG / MRR beside the same run's dense head, the share of
+decoded items that exist (and are not in the history), and recall@100 of the held-out item for
+dense top-100 against dense top-100 merged with the decoded top-50 (and, at the merged list's
+size, dense top-150). Both trainings' minutes are recorded: their sum is the training budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from genrec.benchmarks.common import RESULTS, dataset, machine, today, update_results_md, write_json
+
+ANCHORS = {
+    "beauty": [("SASRec (TIGER paper)", 0.0605, 0.0318), ("TIGER (paper)", 0.0648, 0.0384)],
+    "ml1m": [("SASRec (HSTU paper)", 0.2853, 0.1603), ("HSTU (paper)", 0.3097, 0.1720)],
+}
+KEYS = ("hr@10", "ndcg@10", "hr@50", "mrr")
+
+
+def train(config: str, overrides: list[str]) -> tuple[Path, dict]:
+    from genrec.train.job import load_job
+    from genrec.train.run import run_training
+
+    return run_training(load_job(config, overrides))
+
+
+def build_codebook(dense_run: Path, out: Path, levels: tuple[int, ...], seed: int = 0) -> dict:
+    from genrec.models.sid import build_semantic_ids
+    from genrec.train.sid_build import load_item_vectors, resolve_checkpoint, write
+
+    run_dir, checkpoint = resolve_checkpoint(dense_run)
+    ids, vectors = load_item_vectors(run_dir, checkpoint)
+    t0 = time.perf_counter()
+    sid = build_semantic_ids(ids, vectors, sizes=levels, seed=seed)
+    seconds = time.perf_counter() - t0
+    write(sid, out, {"checkpoint": str(checkpoint), "levels": list(levels), "seed": seed})
+    return {**sid.stats(), "build_seconds": round(seconds, 1)}
+
+
+@torch.no_grad()
+def merged_recall(run_dir: Path, dense_k: int = 100, gen_k: int = 50) -> dict:
+    """Recall of the held-out test item: dense top-``dense_k``; decoded top-``gen_k``; their
+    union; dense top-(dense_k + gen_k) (a dense list as long as the union can be); and the
+    share of decoded items that are catalogue items outside the user's history."""
+    from genrec.train.cli import _load_run_model
+    from genrec.train.data.reader import make_reader
+
+    job, model, emb, _ = _load_run_model(run_dir, None, None)
+    model.eval()
+    corpus = model.corpus_ids
+    items = model.item_embeddings(corpus)
+    catalogue = set(corpus.tolist())
+    hits = {"dense": 0, "generative": 0, "merged": 0, "dense_long": 0}
+    users = decoded = valid = 0
+    for batch in make_reader(job.data, "test", emb, job.model.max_seq_len):
+        states = model.user_states(batch)
+        scores = model.head.scores(model.head.normalize(states.float()), items).float()
+        row = torch.repeat_interleave(torch.arange(scores.shape[0]), batch.seen_lengths)
+        col = torch.searchsorted(corpus, batch.seen_ids).clamp(max=corpus.numel() - 1)
+        known = corpus[col] == batch.seen_ids
+        scores[row[known], col[known]] = float("-inf")
+        dense = corpus[scores.topk(dense_k + gen_k, dim=1).indices]
+        beams, _ = model.sid_head.beam_search(states, gen_k, (batch.seen_ids, batch.seen_lengths))
+        t = batch.targets[:, None]
+        hits["dense"] += int((dense[:, :dense_k] == t).any(1).sum())
+        hits["dense_long"] += int((dense == t).any(1).sum())
+        hits["generative"] += int((beams == t).any(1).sum())
+        hits["merged"] += int(((dense[:, :dense_k] == t).any(1) | (beams == t).any(1)).sum())
+        seen = [set(s.tolist()) for s in torch.split(batch.seen_ids, batch.seen_lengths.tolist())]
+        for u, row_items in enumerate(beams.tolist()):
+            real = [i for i in row_items if i >= 0]
+            decoded += len(real)
+            valid += sum(i in catalogue and i not in seen[u] for i in real)
+        users += beams.shape[0]
+    return {"users": users, f"dense_recall@{dense_k}": hits["dense"] / users,
+            f"generative_recall@{gen_k}": hits["generative"] / users,
+            f"merged_recall@{dense_k}+{gen_k}": hits["merged"] / users,
+            f"dense_recall@{dense_k + gen_k}": hits["dense_long"] / users,
+            "decoded_items": decoded, "valid_share": valid / max(decoded, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dataset", default="beauty", choices=sorted(ANCHORS))
+    ap.add_argument("--dense-run", help="a finished dense run to build the codebook from (else one is trained)")
+    ap.add_argument("--dense-budget-min", type=float, default=20.0)
+    ap.add_argument("--dense-epochs", type=int, default=10, help="the dense run's cosine schedule length")
+    ap.add_argument("--budget-min", type=float, default=40.0, help="the generative run's time budget")
+    ap.add_argument("--epochs", type=int, default=20, help="the generative run's cosine schedule length")
+    ap.add_argument("--levels", default="256,256,256")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--out-dir", default="runs/benchmarks/sid")
+    args = ap.parse_args()
+    data = dataset(args.dataset)
+    common = [f'--data.path="{data}"', f'--run.out_dir="{args.out_dir}"'] + (
+        [f"--train.threads={args.threads}"] if args.threads else [])
+    dense_minutes = None
+    if args.dense_run:
+        dense_run = Path(args.dense_run)
+    else:
+        dense_run, res = train("hstu", common + [f"--run.name={args.dataset}_dense",
+                                                 f"--train.time_budget_min={args.dense_budget_min}",
+                                                 f"--train.max_epochs={args.dense_epochs}"])
+        dense_minutes = res["train_seconds"] / 60
+    if dense_minutes is None:
+        dense_minutes = json.loads((dense_run / "results.json").read_text())["train_seconds"] / 60
+    book = Path(args.out_dir) / f"{args.dataset}_codebook.safetensors"
+    stats = build_codebook(dense_run, book, tuple(int(x) for x in args.levels.split(",")))
+    run_dir, res = train("sid", common + [f"--run.name={args.dataset}_sid", f'--model.sid.codebook="{book}"',
+                                          f'--train.init_from="{dense_run}"',
+                                          f"--train.time_budget_min={args.budget_min}",
+                                          f"--train.max_epochs={args.epochs}"])
+    test = res["test"]
+    record = {
+        "dataset": args.dataset, "date": today(), "machine": machine(),
+        "generative": {k: test[f"gen_{k}"] for k in KEYS}, "dense_head": {k: test[k] for k in KEYS},
+        "codebook": stats, "merged": merged_recall(run_dir),
+        "dense_minutes": round(dense_minutes, 1), "generative_minutes": round(res["train_seconds"] / 60, 1),
+        "epochs": res["epochs"], "best_epoch": res["best_epoch"], "beam_width": 50,
+        "dense_run": str(dense_run), "run_dir": str(run_dir), "levels": args.levels,
+        "anchors": ANCHORS[args.dataset],
+    }
+    path = RESULTS / "sid_quality.json"
+    records = json.loads(path.read_text())["records"] if path.exists() else []
+    records = [r for r in records if r["dataset"] != args.dataset] + [record]
+    write_json("sid_quality", {"records": records})
+    update_results_md()
+    print(json.dumps({k: record[k] for k in ("dataset", "generative", "dense_head", "merged")}, indent=1))
+
+
+def sid_quality(d: dict) -> list[str]:
+    from genrec.benchmarks.report import machine_text, num, table
+
+    out = ["Anchor: TIGER (Beauty) and SASRec (ML-1M), published, same protocol (leave-one-out, full "
+           "catalogue). Test split, read once, at the checkpoint chosen on validation gen_ndcg@10.", ""]
+    for r in d["records"]:
+        g, h, m, c = r["generative"], r["dense_head"], r["merged"], r["codebook"]
+        out += [f"### {r['dataset']}", ""]
+        rows = [["generative (semantic IDs, beam 50)", *(num(g[k]) for k in KEYS)],
+                ["dense head of the same run", *(num(h[k]) for k in KEYS)]]
+        rows += [[f"*{name}*", num(hr), num(nd), "", ""] for name, hr, nd in r["anchors"]]
+        out += table(["model", *KEYS], rows) + [""]
+        out.append(f"Training: dense {r['dense_minutes']} min + generative {r['generative_minutes']} min "
+                   f"({r['epochs']} epochs, best {r['best_epoch']}). Codebook {'x'.join(map(str, c['sizes']))}: "
+                   f"collision rate {c['collision_rate']:.1%}, codes used per level "
+                   f"{', '.join(f'{u:.0%}' for u in c['used_per_level'])}. Decoded items valid (in the catalogue, "
+                   f"not in the history): {m['valid_share']:.2%} of {m['decoded_items']}.")
+        keys = [k for k in m if "recall" in k]
+        out += [""] + table(["recall of the test item", *keys], [["", *(num(m[k]) for k in keys)]])
+        out += ["", f"Machine: {machine_text(r['machine'])}; {r['date']}.", ""]
+    out.append("Command: `python -m genrec.benchmarks.sid_quality --dataset beauty`.")
+    return out
+
+
+def sid_quality_summary(d: dict) -> tuple[str, str]:
+    parts = [f"{r['dataset']} generative HR@10 {r['generative']['hr@10']:.4f} / NDCG@10 "
+             f"{r['generative']['ndcg@10']:.4f}; recall@100 dense {r['merged']['dense_recall@100']:.3f}, "
+             f"+ decoded 50 {r['merged']['merged_recall@100+50']:.3f}"
+             for r in d["records"]]
+    return "; ".join(parts), "TIGER (paper) 0.0648 / 0.0384"
+
+
+if __name__ == "__main__":
+    main()
