@@ -38,7 +38,8 @@ def train(config: str, overrides: list[str]) -> tuple[Path, dict]:
 
 def build_codebook(dense_run: Path, out: Path, levels: tuple[int, ...], seed: int = 0) -> dict:
     from genrec.models.sid import build_semantic_ids
-    from genrec.train.sid_build import load_item_vectors, resolve_checkpoint, write
+    from genrec.train.checkpoint import resolve_checkpoint
+    from genrec.train.sid_build import load_item_vectors, write
 
     run_dir, checkpoint = resolve_checkpoint(dense_run)
     ids, vectors = load_item_vectors(run_dir, checkpoint)

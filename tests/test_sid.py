@@ -208,9 +208,10 @@ def test_sid_build_help_and_user_errors(capfd, tmp_path):
 
 
 def test_sid_build_on_a_tiny_trained_run(capfd, tiny_synth, tmp_path):
+    from genrec.train import checkpoint as ckpt
     from genrec.train.job import load_job
     from genrec.train.run import run_training
-    from genrec.train.sid_build import load_item_vectors, resolve_checkpoint
+    from genrec.train.sid_build import load_item_vectors
 
     cfg = tmp_path / "tiny.toml"
     cfg.write_text('[[embedding.tables]]\nname = "item"\nfeatures = ["item"]\ndim = 16\n')
@@ -219,7 +220,7 @@ def test_sid_build_on_a_tiny_trained_run(capfd, tiny_synth, tmp_path):
     assert code == 0, err
     path, meta = run_dir / "sid.safetensors", run_dir / "sid.json"
     sid = SemanticIds.load(path)
-    ids, vecs = load_item_vectors(*resolve_checkpoint(run_dir))
+    ids, vecs = load_item_vectors(*ckpt.resolve_checkpoint(run_dir))
     assert torch.equal(sid.item_ids, ids) and torch.equal(sid.items_of(sid.codes_of(ids)), ids)
     # the file is what the library builds from the run's vectors
     assert torch.equal(sid.codes, build_semantic_ids(ids, vecs, (8, 8), iters=5).codes)

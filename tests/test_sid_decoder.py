@@ -115,15 +115,15 @@ def test_a_generative_run_starts_from_a_dense_run_and_evaluates_both_channels(ti
     from genrec.train import checkpoint as ckpt
     from genrec.train.cli import evaluate_run
     from genrec.train.job import build_model, load_job
-    from genrec.train.run import checkpoint_of, run_training
-    from genrec.train.sid_build import load_item_vectors, resolve_checkpoint
+    from genrec.train.run import run_training
+    from genrec.train.sid_build import load_item_vectors
     from tests.conftest import TINY_TABLES, tiny_job_overrides
 
     cfg = tmp_path / "dense.toml"
     cfg.write_text(TINY_TABLES)
     over = tiny_job_overrides(tiny_synth, tmp_path / "runs") + ["--train.max_epochs=1"]
     dense_run, _ = run_training(load_job(cfg, over + ["--run.name=dense"]))
-    ids, vectors = load_item_vectors(*resolve_checkpoint(dense_run))
+    ids, vectors = load_item_vectors(*ckpt.resolve_checkpoint(dense_run))
     book = tmp_path / "book.safetensors"
     build_semantic_ids(ids, vectors, sizes=(8, 8), iters=5).save(book)
     sid_over = over + ["--run.name=gen", f'--model.sid.codebook="{book}"', "--model.sid.beam_width=20",
@@ -133,15 +133,15 @@ def test_a_generative_run_starts_from_a_dense_run_and_evaluates_both_channels(ti
 
     # the warm start: every tensor but the decoder's comes from the dense run's best checkpoint
     dense_model, _ = build_model(load_job(dense_run / "config.toml"))
-    ckpt.load_checkpoint(checkpoint_of(dense_run), dense_model, None)
+    ckpt.load_checkpoint(ckpt.resolve_checkpoint(dense_run)[1], dense_model, None)
     model, _ = build_model(job)
-    left = ckpt.warm_start(model, checkpoint_of(dense_run))
+    left = ckpt.warm_start(model, ckpt.resolve_checkpoint(dense_run)[1])
     assert left and all(k.startswith("sid_head.") for k in left)
     assert all(torch.equal(p, dict(dense_model.named_parameters())[n])
                for n, p in model.named_parameters() if not n.startswith("sid_head."))
 
     run_dir, res = run_training(job)
-    assert f"init_from {checkpoint_of(dense_run)}" in capsys.readouterr().out
+    assert f"init_from {ckpt.resolve_checkpoint(dense_run)[1]}" in capsys.readouterr().out
     for k in ("ndcg@10", "gen_ndcg@10", "gen_hr@10", "gen_mrr"):
         assert k in res["test"], k
     assert res["test"]["gen_hr@50"] >= res["test"]["gen_hr@10"] > 0.0  # the decoder ranks the target sometimes

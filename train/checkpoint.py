@@ -202,6 +202,22 @@ def restore(io: Any, path: Path, with_optimizer: bool = True) -> None:
     io.load(state)
 
 
+def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
+    """A run directory (-> its best checkpoint, else its newest) or a checkpoint directory
+    inside one -> (run dir, checkpoint)."""
+    path = Path(path)
+    if (path / "config.toml").exists():
+        res = path / "results.json"
+        best = json.loads(res.read_text()).get("best_checkpoint") if res.exists() else None
+        found = path / "checkpoints" / best if best else latest_checkpoint(path / "checkpoints")
+        if found is None or not found.exists():
+            raise FileNotFoundError(f"{path}: the run has no finished checkpoint")
+        return path, found
+    if (path / ".metadata").exists() and (path.parent.parent / "config.toml").exists():
+        return path.parent.parent, path
+    raise FileNotFoundError(f"{path}: neither a run directory (config.toml) nor a checkpoint inside one")
+
+
 def warm_start(model: torch.nn.Module, path: Path) -> list[str]:
     """Loads into ``model`` every tensor of checkpoint ``path`` that it has with the same name
     and shape (a fine-tune starting from another run: say, a dense run's tables and tower

@@ -97,7 +97,6 @@ def _print_results(run_dir: Path, results: dict) -> None:
 def _load_run_model(run: Path, checkpoint: str | None, data: str | None):  # noqa: ANN202
     from genrec.train import checkpoint as ckpt
     from genrec.train.job import build_model, load_job
-    from genrec.train.run import checkpoint_of
 
     overrides = [f'--data.path="{data}"'] if data else []
     job = load_job(run / "config.toml", overrides)
@@ -105,7 +104,7 @@ def _load_run_model(run: Path, checkpoint: str | None, data: str | None):  # noq
         overrides.append(f'--model.sid.codebook="{run / "sid.safetensors"}"')
         job = load_job(run / "config.toml", overrides)
     model, emb = build_model(job)
-    path = Path(checkpoint) if checkpoint else checkpoint_of(run)
+    path = Path(checkpoint) if checkpoint else ckpt.resolve_checkpoint(run)[1]
     if not path.exists():
         raise FileNotFoundError(f"{run}: no checkpoint to evaluate (looked for {path})")
     ckpt.load_checkpoint(path, model, None)

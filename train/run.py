@@ -51,19 +51,6 @@ def resolve_run_dir(job: JobConfig, resolved: JobConfig, ctx: DistContext, run_d
     return run_dir
 
 
-def checkpoint_of(path: Path) -> Path:
-    """``path`` if it is a checkpoint, else the run directory's best checkpoint (its newest
-    if it has no results yet)."""
-    if (path / ".metadata").exists():
-        return path
-    res = path / "results.json"
-    found = (path / "checkpoints" / json.loads(res.read_text())["best_checkpoint"] if res.exists()
-             else ckpt.latest_checkpoint(path / "checkpoints"))
-    if found is None or not found.exists():
-        raise FileNotFoundError(f"{path}: no checkpoint (neither a checkpoint directory nor a run with one)")
-    return found
-
-
 def run_training(job: JobConfig, run_dir: Path | None = None) -> tuple[Path, dict[str, Any]]:
     """Trains ``job`` (or resumes ``run_dir``); returns (run dir, results). Under torchrun every
     rank calls this; rank 0 writes files and returns the results the others also get."""
@@ -117,7 +104,7 @@ def run_training(job: JobConfig, run_dir: Path | None = None) -> tuple[Path, dic
             if job.train.compile:
                 model.tower.compile(dynamic=True)
             if job.train.init_from:  # before fit(): a resumed run's own checkpoint then overrides it
-                start = checkpoint_of(Path(job.train.init_from))
+                _, start = ckpt.resolve_checkpoint(job.train.init_from)
                 left = warm_start(model, start)
                 print(f"init_from {start}: {len(left)} tensors not in it, as initialised "
                       f"({', '.join(sorted({k.split('.')[0] for k in left})) or 'none'})", flush=True)

@@ -25,22 +25,6 @@ from genrec.train import checkpoint as ckpt
 LOOKUP_ROWS = 1 << 16  # item rows looked up (and normalised) at a time
 
 
-def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
-    """A run directory (-> its best checkpoint, else its newest) or a checkpoint directory
-    inside one -> (run dir, checkpoint)."""
-    path = Path(path)
-    if (path / "config.toml").exists():
-        res = path / "results.json"
-        best = json.loads(res.read_text()).get("best_checkpoint") if res.exists() else None
-        found = path / "checkpoints" / best if best else ckpt.latest_checkpoint(path / "checkpoints")
-        if found is None or not found.exists():
-            raise FileNotFoundError(f"{path}: the run has no finished checkpoint")
-        return path, found
-    if (path / ".metadata").exists() and (path.parent.parent / "config.toml").exists():
-        return path.parent.parent, path
-    raise FileNotFoundError(f"{path}: neither a run directory (config.toml) nor a checkpoint inside one")
-
-
 def load_item_vectors(run_dir: Path, checkpoint: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """The run's catalogue and its normalised item vectors: ids [N] (sorted), vectors [N, D]
     (what the retrieval head scores users against)."""
@@ -106,7 +90,7 @@ def cmd_sid(args: argparse.Namespace, overrides: list[str]) -> int:
     if overrides:
         raise SystemExit(f"genrec sid {args.sid_cmd} takes no config overrides: {overrides}")
     sizes = parse_levels(args.levels)
-    run_dir, checkpoint = resolve_checkpoint(args.checkpoint)
+    run_dir, checkpoint = ckpt.resolve_checkpoint(args.checkpoint)
     t0 = time.perf_counter()
     ids, vectors = load_item_vectors(run_dir, checkpoint)
     t1 = time.perf_counter()
