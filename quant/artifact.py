@@ -5,7 +5,12 @@
                              the training run it came from, every tensor's dtype, shape and
                              sha256, every file's sha256 and size, sizes and accuracy
       embeddings.safetensors quantized table rows (codes + per-row fp16 scale/bias) or fp16/fp32
-      dense.safetensors      tower and heads (fp32 / bf16 / int8 codes + scales / fp8 + scales)
+      dense.safetensors      tower and heads (fp32 / bf16 / int8 codes + scales / fp8 + scales);
+                             with a semantic-ID decoder, its weights (fp32) and codebook (int64)
+
+The manifest's ``generative`` says whether the model decodes semantic IDs ({} when not;
+else levels, sizes, items and the default beam): what a deployer (and ModelInfo) reads
+without loading tensors. Older manifests have no such key (no decoder).
 
 Loading never unpickles anything (safetensors only) and refuses, naming the problem: an
 unknown or newer format version, a missing file, a file whose checksum differs, a tensor
@@ -66,6 +71,7 @@ class Manifest:
     tensors: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     report: dict[str, Any] = field(default_factory=dict)
+    generative: dict[str, Any] = field(default_factory=dict)  # {} without a semantic-ID decoder
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
     created: str = ""
@@ -128,8 +134,8 @@ def read_manifest(path: str | Path) -> Manifest:
     missing = [k for k in REQUIRED if k not in raw]
     if missing:
         raise ArtifactError(f"{mpath}: lacks the key '{missing[0]}'; was it written by 'genrec quantize'?")
-    for key in ("model", "embedding", "quantization", "tensors", "files"):
-        if not isinstance(raw[key], dict):
+    for key in ("model", "embedding", "quantization", "tensors", "files", "generative"):
+        if not isinstance(raw.get(key, {}), dict):
             raise ArtifactError(f"{mpath}: '{key}' is not a JSON object")
     known = set(Manifest.__dataclass_fields__)
     return Manifest(**{k: v for k, v in raw.items() if k in known})

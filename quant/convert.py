@@ -4,7 +4,9 @@ which serving imports without any training code).
 ``export`` loads a run's checkpoint into the unsharded model, measures it on the
 validation split, writes the artifact (quantized tables + dense tensors), loads the
 artifact back exactly as the server will, measures again, and records both in the
-manifest's report: the deployer sees what the bytes cost.
+manifest's report: the deployer sees what the bytes cost. A model with a semantic-ID
+decoder carries it and its codebook into dense.safetensors (``quant.dense``: kept as trained)
+and says so in the manifest's ``generative``.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from tqdm import tqdm
 
 from genrec.config import to_dict
 from genrec.models.recommender import GenerativeRecommender
+from genrec.models.sid import KEYS as SID_KEYS
+from genrec.models.sid import SemanticIds
 from genrec.quant.artifact import Manifest, save_artifact
 from genrec.quant.dense import Scheme as DenseScheme
 from genrec.quant.dense import dense_bytes, dense_tensors
 from genrec.quant.embeddings import Scheme as EmbScheme
 from genrec.quant.embeddings import table_bytes, table_tensors
-from genrec.quant.load import load_model
+from genrec.quant.load import SID_PREFIX, load_model
 from genrec.train import checkpoint as ckpt
 from genrec.train.rundir import code_version
 
@@ -61,13 +65,28 @@ def _corpus_size(checkpoint: Path) -> int:
     return int(entry.size[0])
 
 
+def checkpoint_semantic_ids(checkpoint: Path) -> SemanticIds:
+    """The codebook a decoder was trained with, read from the checkpoint itself (its
+    ``sid_head.book_*`` buffers): no codebook file needs to travel with the run."""
+    stored = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    keys = {k: f"model.{SID_PREFIX}{k}" for k in SID_KEYS}
+    missing = [v for v in keys.values() if v not in stored]
+    if missing:
+        raise ValueError(f"{checkpoint}: the config has model.sid.enabled but the checkpoint has no '{missing[0]}'")
+    book = {v: torch.empty(list(stored[v].size), dtype=stored[v].properties.dtype) for v in keys.values()}
+    dcp.load(book, checkpoint_id=str(checkpoint))
+    return SemanticIds.from_state_dict({k: book[v] for k, v in keys.items()})
+
+
 def load_training_model(run_dir: Path, checkpoint: Path) -> tuple[Any, GenerativeRecommender]:
     from genrec.train.job import load_job
 
     job = load_job(run_dir / "config.toml")
     if job.model.arch != "generative":
         raise ValueError(f"{run_dir}: arch '{job.model.arch}' is a baseline; the serving tier serves generative models")
-    model = GenerativeRecommender(job.model, job.embedding, torch.zeros(_corpus_size(checkpoint), dtype=torch.long))
+    sid = checkpoint_semantic_ids(checkpoint) if job.model.sid.enabled else None
+    model = GenerativeRecommender(job.model, job.embedding, torch.zeros(_corpus_size(checkpoint), dtype=torch.long),
+                                  sid=sid)
     ckpt.load_checkpoint(checkpoint, model, None)
     return job, model.eval()
 
@@ -102,14 +121,18 @@ def export(
     before = measure(model)
     bar.update(1)
     emb_float = sum(p.numel() * p.element_size() for p in model.sparse.parameters())
-    dense_float = dense_bytes(dense_tensors(model, "fp32")) - model.corpus_ids.numel() * 8
     emb = table_tensors(model.sparse, qcfg.embeddings)
     dense = dense_tensors(model, qcfg.dense)
+    # the catalogue and the codebook are ids, not weights: counted apart from the dense weights
+    index = ["corpus_ids", *(SID_PREFIX + k for k in SID_KEYS if SID_PREFIX + k in dense)]
+    index_bytes = dense_bytes({k: dense[k] for k in index})
+    dense_float = dense_bytes(dense_tensors(model, "fp32")) - index_bytes
     manifest = Manifest(
         model=to_dict(job.model), embedding=to_dict(job.embedding),
         quantization={"embeddings": qcfg.embeddings, "dense": qcfg.dense, "row_alignment": qcfg.row_alignment},
         source={"run_dir": str(run_dir), "checkpoint": ckpt_dir.name, "code_version": code_version(),
                 "dataset": job.data.path},
+        generative=generative_info(model),
     )
     save_artifact(out, manifest, {"embeddings.safetensors": emb, "dense.safetensors": dense})
     bar.update(1)
@@ -121,9 +144,9 @@ def export(
     report = {
         "sizes": {
             "embeddings": {"before": emb_float, "after": table_bytes(emb), "scheme": qcfg.embeddings},
-            "dense": {"before": dense_float, "after": dense_bytes(dense) - dense["corpus_ids"].numel() * 8,
-                      "scheme": qcfg.dense},
+            "dense": {"before": dense_float, "after": dense_bytes(dense) - index_bytes, "scheme": qcfg.dense},
             "catalogue": {"items": int(dense["corpus_ids"].numel()), "bytes": dense["corpus_ids"].numel() * 8},
+            "codebook": {"bytes": index_bytes - dense["corpus_ids"].numel() * 8},
             "files": {k: v["bytes"] for k, v in manifest.files.items()},
         },
         "metrics": {"split": "valid", "data": str(data), "before": before, "after": after},
@@ -132,6 +155,16 @@ def export(
     manifest.report = report
     (Path(out) / "manifest.json").write_text(json.dumps(manifest.__dict__, indent=2) + "\n")
     return report
+
+
+def generative_info(model: GenerativeRecommender) -> dict[str, Any]:
+    """The manifest's ``generative``: {} without a semantic-ID decoder, else what serving
+    reports of it (ModelInfo): levels, codes per level, coded items, the default beam."""
+    head = model.sid_head
+    if head is None:
+        return {}
+    return {"levels": head.levels, "sizes": list(head.sizes), "items": int(head.sid.item_ids.numel()),
+            "beam_width": model.cfg.sid.beam_width}
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -9,6 +9,13 @@ Schemes (the ``nn.Linear`` weights change; norms, biases and bias tables stay fp
   activations quantized per batch); elsewhere weights are dequantized once at load.
 * ``fp8``: per-channel scaled ``float8_e4m3fn`` weights, dequantized to the activation
   dtype inside the layer (weight-only fp8: half the bytes of bf16 on disk and in memory).
+
+The semantic-ID decoder (``sid_head.*``, when the model has one) is stored as trained under
+every scheme: its integer codebook (``book_*``) must never change, and its float weights stay
+fp32 because its beam search makes a discrete choice at every level: a rounding error that
+swaps two prefixes at level 1 drops a whole subtree of items, which no later level recovers
+(a dense retrieval score's error only swaps near ties). The decoder is small beside the
+tables, so keeping it exact costs little.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from torch import nn
 
 Scheme = Literal["fp32", "bf16", "int8", "fp8"]
 SPARSE_PREFIXES = ("sparse.ec.", "sparse.ebc.", "sparse.mc_ec.")
+EXACT_PREFIXES = ("sid_head.",)  # stored and served as trained, whatever the scheme
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
@@ -74,7 +82,9 @@ def dense_tensors(model: nn.Module, scheme: Scheme) -> dict[str, torch.Tensor]:
         if key.startswith(SPARSE_PREFIXES):
             continue
         owner, _, leaf = key.rpartition(".")
-        if scheme in ("int8", "fp8") and owner in linears and leaf == "weight":
+        if key.startswith(EXACT_PREFIXES):
+            out[key] = v.detach()
+        elif scheme in ("int8", "fp8") and owner in linears and leaf == "weight":
             codes, scale = quantize_linear_weight(v, scheme)
             out[f"{key}.codes"], out[f"{key}.scale"] = codes, scale
         elif scheme == "bf16" and v.is_floating_point():
@@ -87,8 +97,8 @@ def dense_tensors(model: nn.Module, scheme: Scheme) -> dict[str, torch.Tensor]:
 def load_dense(model: nn.Module, tensors: dict[str, torch.Tensor], scheme: Scheme, device: torch.device) -> None:
     """Fills ``model``'s dense part from artifact tensors, swapping quantized Linears in."""
     compute = torch.bfloat16 if scheme == "bf16" and device.type == "cuda" else torch.float32
-    plain = {k: (v.to(compute) if v.is_floating_point() else v) for k, v in tensors.items()
-             if not k.endswith((".codes", ".scale"))}
+    plain = {k: (v.to(compute) if v.is_floating_point() and not k.startswith(EXACT_PREFIXES) else v)
+             for k, v in tensors.items() if not k.endswith((".codes", ".scale"))}
     owners = [k[: -len(".weight.codes")] for k in tensors if k.endswith(".weight.codes")]
     missing, unexpected = model.load_state_dict(plain, strict=False)
     allowed = SPARSE_PREFIXES + tuple(f"{o}.weight" for o in owners)
