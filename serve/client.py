@@ -60,17 +60,21 @@ class RecommenderClient:
 
     def recommend(self, u: pb.User, retrieve_k: int = 0, top_k: int = 0,
                   candidates: Sequence[tuple[int, float]] = (), objective: str = "",
-                  exclude_items: Sequence[int] = ()) -> pb.RecommendResponse:
+                  exclude_items: Sequence[int] = (), source: int = pb.RETRIEVAL_SOURCE_DENSE,
+                  beam: int = 0) -> pb.RecommendResponse:
         """``exclude_items``: never retrieved (besides the history), e.g. what the caller
-        already showed or what its truncated history no longer carries."""
+        already showed or what its truncated history no longer carries. ``source``: a
+        ``pb.RetrievalSource`` (dense, generative or both); ``beam``: the decoder's beam (0: the
+        model's default)."""
         req = pb.RecommendRequest(user=u, retrieve_k=retrieve_k, top_k=top_k, objective=objective,
                                   candidates=[pb.Candidate(item_id=i, bid=b) for i, b in candidates],
-                                  exclude_items=list(exclude_items))
+                                  exclude_items=list(exclude_items), source=source, beam=beam)
         return self.stub.Recommend(req, timeout=self.timeout)
 
-    def retrieve(self, u: pb.User, k: int = 0, exclude_items: Sequence[int] = ()) -> pb.RetrieveResponse:
-        return self.stub.Retrieve(pb.RetrieveRequest(user=u, k=k, exclude_items=list(exclude_items)),
-                                  timeout=self.timeout)
+    def retrieve(self, u: pb.User, k: int = 0, exclude_items: Sequence[int] = (),
+                 source: int = pb.RETRIEVAL_SOURCE_DENSE, beam: int = 0) -> pb.RetrieveResponse:
+        req = pb.RetrieveRequest(user=u, k=k, exclude_items=list(exclude_items), source=source, beam=beam)
+        return self.stub.Retrieve(req, timeout=self.timeout)
 
     def rank(self, u: pb.User, candidates: Sequence[tuple[int, float]], objective: str = "") -> pb.RankResponse:
         req = pb.RankRequest(user=u, objective=objective, candidates=[pb.Candidate(item_id=i, bid=b) for i, b in candidates])

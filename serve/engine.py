@@ -5,6 +5,8 @@ Flow of one batch (what ``TorchEngine.run`` does):
     users' histories --collate--> SequenceBatch --model.encode_history--> user vectors [B, D]
         + per-layer K/V cache (the history is encoded once, M-FALCON)
     retrieval: user vectors @ catalogue matrix [N, D] -> history masked -> top retrieve_k
+               (and/or, per ``Work.source``, the semantic-ID decoder's beam from the same user
+               vectors: ``generate``; with "both" the two lists are fused: ``merge_sources``)
     ranking:   retrieved or given candidates, in micro-batches, scored against the cache
                (model.score_candidates) -> task probabilities
     order:     by the objective: retrieval score, a task, or eCPM = bid x prod(tasks)
@@ -33,8 +35,10 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -50,13 +54,26 @@ from genrec.serve.requests import ModelSchema, UserInput, Work, history_window
 
 _NONE = np.zeros(0, np.int64)
 log = logging.getLogger("genrec.serve")
+# reciprocal-rank fusion's constant (Cormack et al., 2009): an item at rank r of a list adds
+# 1 / (RRF_K + r); 60 keeps a list's head from outweighing agreement between the lists
+RRF_K = 60
+
+
+class Retrieved(NamedTuple):
+    """What a work retrieved from more than the dense source (``TorchEngine.merge_sources``);
+    a dense-only work keeps the plain (ids, scores) pair every engine's ``retrieve`` returns."""
+
+    ids: np.ndarray  # [n] item ids, in the retrieval order
+    scores: np.ndarray  # [n] the order: log-probability (generative) or fused score (both)
+    dense: np.ndarray  # [n] dense logits, NaN where the dense source did not retrieve the item
+    generative: np.ndarray | None  # [n] decoder log-probabilities, NaN where the decoder did not (None: dense only)
 
 
 @dataclass
 class Result:
     item_ids: np.ndarray  # [k] in final order
     scores: np.ndarray  # [k] the ordering value
-    retrieval_scores: np.ndarray | None = None  # [k]
+    retrieval_scores: np.ndarray | None = None  # [k] dense logits (NaN: not retrieved by the dense source)
     tasks: dict[str, np.ndarray] = field(default_factory=dict)  # task -> [k]
     compute_ms: float = 0.0
     batch_size: int = 1
@@ -74,6 +91,7 @@ class Result:
     cache_lookup: bool = False
     cache_gauges: dict[str, int] | None = None
     prefilled_tokens: int = 0  # history tokens the tower computed for it (SGLang: in the pass that ended it)
+    generative_scores: np.ndarray | None = None  # [k] decoder log-probabilities (NaN: not generated)
 
 
 def run_stamped(engine, works: list[Work]) -> list[Result]:  # noqa: ANN001 - any engine
@@ -90,8 +108,10 @@ def schema_of(model: GenerativeRecommender) -> ModelSchema:
     actions = emb.table_of("action").num_embeddings.bit_length() - 1 if "action" in emb.sequence_features else 0
     tasks = tuple(t.name for t in model.cfg.ranking.tasks)
     tpe = 2 if model.interleaved else 1
+    sid = model.sid_head
     # one position stays free for the candidates, which sit right after the history
-    return ModelSchema(emb, actions, tasks, int(model.corpus_ids.numel()), (model.cfg.max_seq_len - 1) // tpe)
+    return ModelSchema(emb, actions, tasks, int(model.corpus_ids.numel()), (model.cfg.max_seq_len - 1) // tpe,
+                       model.cfg.sid.beam_width if sid is not None else 0, sid.sizes if sid is not None else ())
 
 
 def collate_users(users: list[UserInput], model: GenerativeRecommender, device: torch.device,
@@ -213,8 +233,8 @@ class TorchEngine:
             users, state = self.model.encode_history(batch)  # embedding lookups + tower
         t = time.perf_counter() if fine else self._mark("encode_history", t)
         need = [(i, w) for i, w in enumerate(works) if w.kind == "retrieve" or w.candidates is None]
-        retrieved = self.retrieve(users, need) if need else {}
-        t = self._mark("retrieve_topk", t)
+        retrieved = self.retrieve_sources(users, need, t)
+        t = time.perf_counter()
         to_rank = self.plan_ranking(works, retrieved)
         probs = self.score(state, to_rank)
         t = time.perf_counter() if fine else self._mark("rank_candidates", t)
@@ -262,22 +282,104 @@ class TorchEngine:
         t = time.perf_counter()
         results = []
         for i, w in enumerate(works):
+            got = _channels(retrieved[i]) if i in retrieved else None
             if i not in to_rank:
-                ids, rs = retrieved[i]
-                results.append(Result(ids, rs.astype(np.float64), rs))
+                results.append(_retrieved_result(got))
                 continue
             _, out_ids, bids = to_rank[i]
             tasks = {t: probs[i][:, j] for j, t in enumerate(self.schema.tasks)}
-            rs = retrieved[i][1] if i in retrieved else None
-            value = self.order(w.objective, tasks, bids, rs)
+            value = self.order(w.objective, tasks, bids, got.scores if got else None)
             keep = np.argsort(-value, kind="stable")[: w.top_k] if w.kind == "recommend" else np.arange(value.size)
-            results.append(Result(out_ids[keep], value[keep], rs[keep] if rs is not None else None,
-                                  {t: v[keep] for t, v in tasks.items()}))
+            results.append(Result(out_ids[keep], value[keep], got.dense[keep] if got else None,
+                                  {t: v[keep] for t, v in tasks.items()},
+                                  generative_scores=got.generative[keep] if got and got.generative is not None else None))
         self._mark("order", t)
         ms = (time.perf_counter() - t0) * 1e3
         for r in results:
             r.compute_ms, r.batch_size = ms, len(works)
         return results
+
+    def retrieve_sources(self, users: torch.Tensor, works: list[tuple[int, Work]], t: float | None = None,
+                         ) -> dict[int, tuple[np.ndarray, np.ndarray] | Retrieved]:
+        """Each work's retrieval from its ``Work.source``: the dense top-k (:meth:`retrieve`),
+        the decoder's beam (:meth:`generate`) or both, put together by :meth:`merge_sources`.
+        users [B, D] (a work's index is its row). The stages "retrieve_topk" and "generate" are
+        timed from ``t`` (default: now)."""
+        t = time.perf_counter() if t is None else t
+        dense_w = [(i, w) for i, w in works if w.source != "generative"]
+        gen_w = [(i, w) for i, w in works if w.source != "dense"]
+        dense = self.retrieve(users, dense_w) if dense_w else {}
+        t = self._mark("retrieve_topk", t)
+        generated = self.generate(users, gen_w) if gen_w else {}
+        if gen_w:
+            self._mark("generate", t)
+        return self.merge_sources(works, dense, generated)
+
+    def generate(self, users: torch.Tensor, works: list[tuple[int, Work]]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Generative retrieval: {work: (item ids [n] int64, log-probabilities [n] float32)}, best
+        first, from the semantic-ID decoder's beam search (``SIDDecoder.beam_search``) prompted
+        with the users' vectors ``users`` [B, D] (work i's is row i: the same vectors dense
+        retrieval reads; the decoder normalises its prompt itself). Each work decodes with its own
+        ``Work.beam`` (works sharing a beam share one search) and never gets its
+        :meth:`Work.excluded` items; ids the beam could not fill and items outside the catalogue
+        are left out (n <= beam). The SGLang engine overrides this with its own decoding."""
+        head = self.model.sid_head
+        if head is None:  # (decode refuses such requests: ModelCannot)
+            raise ValueError("this model has no semantic-ID decoder (model.sid)")
+        dtype = next(head.parameters()).dtype
+        groups: dict[int, list[tuple[int, Work]]] = defaultdict(list)
+        for i, w in works:  # (beam 0: a Work made without decode: the model's default)
+            groups[w.beam or self.model.cfg.sid.beam_width].append((i, w))
+        out = {}
+        for beam, group in groups.items():
+            rows = torch.tensor([i for i, _ in group], device=users.device)
+            excluded = [w.excluded() for _, w in group]
+            seen = None
+            if any(e is not None for e in excluded):  # as beam_search takes them: (ids, lengths [b])
+                ex = [_NONE if e is None else e for e in excluded]
+                seen = (torch.from_numpy(np.concatenate(ex)).to(users.device),
+                        torch.tensor([e.size for e in ex], device=users.device))
+            items, logp = head.beam_search(users.index_select(0, rows).to(dtype), beam, seen)
+            items, logp = items.cpu().numpy(), logp.float().cpu().numpy()
+            pos = np.minimum(np.searchsorted(self.corpus_np, items), self.corpus_np.size - 1)
+            ok = (items >= 0) & np.isfinite(logp) & (self.corpus_np[pos] == items)
+            for j, (i, _) in enumerate(group):
+                out[i] = (items[j][ok[j]], logp[j][ok[j]])
+        return out
+
+    def merge_sources(self, works: list[tuple[int, Work]], dense: dict[int, tuple[np.ndarray, np.ndarray]],
+                      generated: dict[int, tuple[np.ndarray, np.ndarray]],
+                      ) -> dict[int, tuple[np.ndarray, np.ndarray] | Retrieved]:
+        """Each work's retrieval from what its source(s) found (``dense``: :meth:`retrieve`'s,
+        ``generated``: :meth:`generate`'s; both best first). A dense work keeps its (ids, scores)
+        pair; a generative one gets the first ``retrieve_k`` of its beam, ordered by
+        log-probability; "both" the deduplicated union of the dense top ``retrieve_k`` and that,
+        every item keeping the scores of the sources that found it (``Retrieved``) and ordered
+        by reciprocal-rank fusion: score = sum over the lists holding it of 1 / (RRF_K + rank),
+        rank from 1; ties keep the dense order, then the beam's. Why fusion: the two scores are
+        on different scales (a cosine logit, a log-probability) and cannot be compared; ranks
+        can, and an item both sources found comes first."""
+        out: dict[int, tuple[np.ndarray, np.ndarray] | Retrieved] = {}
+        for i, w in works:
+            if w.source == "dense":
+                out[i] = dense[i]
+                continue
+            g_ids, g_lp = (a[: w.retrieve_k] for a in generated[i])
+            if w.source == "generative":
+                out[i] = Retrieved(g_ids, g_lp, np.full(g_ids.size, np.nan, np.float32), g_lp)
+                continue
+            d_ids, d_s = dense[i]
+            ids = np.concatenate([d_ids, g_ids[~np.isin(g_ids, d_ids)]])  # dense order, then new items in beam order
+            at = np.argsort(ids, kind="stable")
+            g_pos = at[np.searchsorted(ids[at], g_ids)]
+            d_sc, g_sc = np.full(ids.size, np.nan, np.float32), np.full(ids.size, np.nan, np.float32)
+            d_sc[: d_ids.size], g_sc[g_pos] = d_s, g_lp
+            fused = np.zeros(ids.size)
+            fused[: d_ids.size] += 1.0 / (RRF_K + 1 + np.arange(d_ids.size))
+            fused[g_pos] += 1.0 / (RRF_K + 1 + np.arange(g_ids.size))
+            order = np.argsort(-fused, kind="stable")
+            out[i] = Retrieved(ids[order], fused[order], d_sc[order], g_sc[order])
+        return out
 
     def retrieve(self, users: torch.Tensor, works: list[tuple[int, Work]]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Exact top-k over the whole catalogue, one matmul for all (row, work) pairs, each
@@ -339,6 +441,19 @@ class TorchEngine:
         return value
 
 
+def _channels(got: tuple[np.ndarray, np.ndarray] | Retrieved) -> Retrieved:
+    """A work's retrieval as :class:`Retrieved` (a dense (ids, scores) pair: scores are the dense ones)."""
+    if isinstance(got, Retrieved):
+        return got
+    ids, scores = got
+    return Retrieved(ids, scores, scores, None)
+
+
+def _retrieved_result(got: Retrieved) -> Result:
+    """The result of a work its retrieval alone orders (Retrieve; Recommend without ranking)."""
+    return Result(got.ids, got.scores.astype(np.float64), got.dense, generative_scores=got.generative)
+
+
 def _top(ids: np.ndarray, vals: np.ndarray, works: list[tuple[int, Work]]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """{work: (ids, scores)}: row j's first ``retrieve_k`` of ids / vals [b, k] (best first),
     masked ones (-inf: excluded, sorted last) left out."""
@@ -383,20 +498,23 @@ class NaiveTorchEngine(TorchEngine):
         t0 = time.perf_counter()
         batch = collate_users([w.user], self.model, self.device, window_block=self.window_block)
         users = self.model.user_embeddings(batch)
-        retrieved = self.retrieve(users, [(0, w)]) if w.kind == "retrieve" or w.candidates is None else {}
-        if w.kind == "retrieve" or not self.schema.tasks or w.objective == "retrieval":
-            ids, rs = retrieved[0]
-            return Result(ids, rs.astype(np.float64), rs, compute_ms=(time.perf_counter() - t0) * 1e3)
+        retrieves = w.kind == "retrieve" or w.candidates is None
+        got = _channels(self.retrieve_sources(users, [(0, w)])[0]) if retrieves else None
+        if got is not None and (w.kind == "retrieve" or not self.schema.tasks or w.objective == "retrieval"):
+            result = _retrieved_result(got)
+            result.compute_ms = (time.perf_counter() - t0) * 1e3
+            return result
         if w.candidates is not None:
             cands, out_ids, bids = w.candidates, w.candidate_ids, w.bids
         else:
-            cands = out_ids = retrieved[0][0]
+            cands = out_ids = got.ids
             bids = np.ones(cands.size)
         batch = collate_users([w.user], self.model, self.device, candidates=[cands], window_block=self.window_block)
         probs = self.model.rank(batch).float().cpu().numpy()
         tasks = {t: probs[:, j] for j, t in enumerate(self.schema.tasks)}
-        rs = retrieved[0][1] if retrieved else None
-        value = self.order(w.objective, tasks, bids, rs)
+        value = self.order(w.objective, tasks, bids, got.scores if got else None)
         keep = np.argsort(-value, kind="stable")[: w.top_k] if w.kind == "recommend" else np.arange(value.size)
-        return Result(out_ids[keep], value[keep], rs[keep] if rs is not None else None,
-                      {t: v[keep] for t, v in tasks.items()}, compute_ms=(time.perf_counter() - t0) * 1e3)
+        return Result(out_ids[keep], value[keep], got.dense[keep] if got else None,
+                      {t: v[keep] for t, v in tasks.items()},
+                      generative_scores=got.generative[keep] if got and got.generative is not None else None,
+                      compute_ms=(time.perf_counter() - t0) * 1e3)

@@ -17,7 +17,10 @@ engines trust their inputs. Rules:
 * exclude_items: at most ``max_exclude_items`` ids, valid as candidates' are; an id of the
   table that is not in the catalogue excludes nothing;
 * sizes: ``retrieve_k`` / ``k`` up to ``max_retrieve`` and the catalogue; ``top_k`` up to
-  what is ranked; objective: "", "retrieval", "ecpm" or a task name.
+  what is ranked; objective: "", "retrieval", "ecpm" or a task name;
+* source: a ``RetrievalSource`` value; GENERATIVE / BOTH need a model with a semantic-ID
+  decoder (else :class:`ModelCannot`, FAILED_PRECONDITION: the request is well formed, the
+  served artifact cannot answer it); ``beam`` up to ``max_beam`` (0: the model's default).
 
 Every repeated field's count is checked before its elements are converted, and an error
 quotes at most ``MAX_QUOTE`` characters of a request's string and is at most
@@ -41,6 +44,9 @@ from genrec.models.inputs import history_window  # noqa: F401 - the engines cut 
 from genrec.proto.v1 import recommender_pb2 as pb
 
 Kind = Literal["recommend", "retrieve", "rank"]
+Source = Literal["dense", "generative", "both"]
+SOURCES: dict[int, Source] = {pb.RETRIEVAL_SOURCE_DENSE: "dense", pb.RETRIEVAL_SOURCE_GENERATIVE: "generative",
+                              pb.RETRIEVAL_SOURCE_BOTH: "both"}
 DEFAULT_RETRIEVE_K, DEFAULT_TOP_K = 100, 10
 
 
@@ -57,13 +63,24 @@ def quote(text: str) -> str:
 
 class InvalidRequest(ValueError):
     """A request breaks the contract; ``str()`` names the field: ASCII, at most ``MAX_DETAIL``
-    characters (what is past that is cut, ``...`` marks the cut)."""
+    characters (what is past that is cut, ``...`` marks the cut). ``status``: the gRPC status
+    code's name the server answers it with."""
+
+    status = "INVALID_ARGUMENT"
 
     def __init__(self, message: str) -> None:
         message = message[: MAX_DETAIL + 1].encode("ascii", "backslashreplace").decode("ascii")
         if len(message) > MAX_DETAIL:
             message = message[: MAX_DETAIL - 3] + "..."
         super().__init__(message)
+
+
+class ModelCannot(InvalidRequest):
+    """A well-formed request the served model cannot answer (generative retrieval from a model
+    without a semantic-ID decoder): FAILED_PRECONDITION, not INVALID_ARGUMENT, since the same
+    request succeeds once an artifact with a decoder is loaded."""
+
+    status = "FAILED_PRECONDITION"
 
 
 # The most bytes one element of a repeated field takes on the wire, counted for elements
@@ -90,6 +107,7 @@ class Limits:
     max_exclude_items: int = 4096  # exclude_items of Recommend / Retrieve
     max_context_features: int = 32  # entries of User.context
     max_context_ids: int = 256  # ids of one context feature
+    max_beam: int = 256  # beam of generative retrieval (its work: beam x levels decoder rows per user)
     max_request_bytes: int = 0  # a request's size; 0: the largest the limits above allow
 
     def __post_init__(self) -> None:
@@ -131,6 +149,8 @@ class Work:
     exclude_history: bool = True
     exclude_items: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [e] item table rows
     objective: str = ""
+    source: Source = "dense"  # where retrieval finds candidates (RetrievalSource)
+    beam: int = 0  # generative retrieval's beam width (set by decode: the request's or the model's default)
     deadline: float = math.inf  # time.monotonic() by which the caller stops waiting
     enqueued: float = field(default_factory=time.monotonic)
 
@@ -155,6 +175,12 @@ class ModelSchema:
     tasks: tuple[str, ...]
     catalogue_size: int
     max_history: int  # events the tower can take
+    beam_width: int = 0  # the semantic-ID decoder's default beam; 0: the model has no decoder
+    sid_sizes: tuple[int, ...] = ()  # codes per level of its semantic IDs
+
+    @property
+    def generative(self) -> bool:
+        return self.beam_width > 0
 
 
 def _unknown_fields(msg: Message, path: str) -> str | None:
@@ -337,6 +363,23 @@ def _k(value: int, default: int, upper: int, path: str) -> int:
     return k
 
 
+def _source(req: Message, schema: ModelSchema, limits: Limits, retrieves: bool) -> tuple[Source, int]:
+    """(source, beam) of a Recommend / Retrieve request. An unknown source value or a beam over
+    the limit is refused even where nothing is retrieved (a caller's bug, better named); the
+    decoder is needed only where the request retrieves."""
+    source = SOURCES.get(req.source)
+    if source is None:
+        valid = ", ".join(f"{pb.RetrievalSource.Name(v)} ({v})" for v in SOURCES)
+        raise InvalidRequest(f"source: {req.source} is not a RetrievalSource; valid: {valid}")
+    if req.beam > limits.max_beam:
+        raise InvalidRequest(f"beam: {req.beam} is more than the limit {limits.max_beam}")
+    if source != "dense" and retrieves and not schema.generative:
+        raise ModelCannot(f"source: {pb.RetrievalSource.Name(req.source)} needs a model with a semantic-ID "
+                          "decoder; this artifact has none (ModelInfo.generative); use RETRIEVAL_SOURCE_DENSE")
+    # 0: the model's beam, within the server's limit (the operator's two choices)
+    return source, (req.beam or min(schema.beam_width, limits.max_beam)) if schema.generative else 0
+
+
 def decode(kind: Kind, data: bytes, schema: ModelSchema, limits: Limits) -> Work:
     """Bytes of a Recommend / Retrieve / Rank request -> a validated ``Work``."""
     _size(data, limits)
@@ -354,15 +397,17 @@ def decode(kind: Kind, data: bytes, schema: ModelSchema, limits: Limits) -> Work
         else:
             work.retrieve_k = _k(req.retrieve_k, min(DEFAULT_RETRIEVE_K, cap), cap, "retrieve_k")
             pool = work.retrieve_k
+        work.source, work.beam = _source(req, schema, limits, retrieves=not len(req.candidates))
         work.top_k = _k(req.top_k, min(DEFAULT_TOP_K, pool), pool, "top_k")
         return work
     if kind == "retrieve":
         req = parse(pb.RetrieveRequest, data)
         _counts(req, limits)
         cap = min(limits.max_retrieve, schema.catalogue_size)
+        source, beam = _source(req, schema, limits, retrieves=True)
         return Work(kind, decode_user(req.user, schema, limits), retrieve_k=_k(req.k, min(DEFAULT_RETRIEVE_K, cap), cap, "k"),
                     exclude_history=req.exclude_history if req.HasField("exclude_history") else True,
-                    exclude_items=_exclude(req.exclude_items, schema))
+                    exclude_items=_exclude(req.exclude_items, schema), source=source, beam=beam)
     req = parse(pb.RankRequest, data)
     _counts(req, limits)
     if not schema.tasks:

@@ -4,7 +4,8 @@ Seams (each has one job):
 
     gRPC call (bytes)  [RESOURCE_EXHAUSTED past max_concurrent_rpcs, by gRPC itself]
         --Batcher.admit--> [RESOURCE_EXHAUSTED at once if it could not start within its budget]
-        --serve.requests.decode--> Work (validated)  [INVALID_ARGUMENT here]
+        --serve.requests.decode--> Work (validated)  [INVALID_ARGUMENT here; FAILED_PRECONDITION
+                                   for what the served model lacks: generative retrieval]
         --Batcher.submit--> queue (bounded)  [RESOURCE_EXHAUSTED when full]
         --batch loop--> engine.run(works) in a worker thread  [DEADLINE_EXCEEDED if expired]
         --> Result --> response proto
@@ -203,8 +204,11 @@ def _scored(result: Result, tasks: tuple[str, ...]) -> list[pb.ScoredItem]:
     out = []
     for j in range(result.item_ids.size):
         item = pb.ScoredItem(item_id=int(result.item_ids[j]), score=float(result.scores[j]))
-        if result.retrieval_scores is not None:
+        # each source's score where that source retrieved the item (NaN: it did not)
+        if result.retrieval_scores is not None and not math.isnan(result.retrieval_scores[j]):
             item.retrieval_score = float(result.retrieval_scores[j])
+        if result.generative_scores is not None and not math.isnan(result.generative_scores[j]):
+            item.generative_log_prob = float(result.generative_scores[j])
         for t in tasks:
             if t in result.tasks:
                 item.tasks[t] = float(result.tasks[t][j])
@@ -412,8 +416,8 @@ class RecommenderServer:
             code = grpc.StatusCode.OK
             try:
                 return await self._serve(kind, data, context, t0)
-            except InvalidRequest as e:
-                code, msg = grpc.StatusCode.INVALID_ARGUMENT, str(e)
+            except InvalidRequest as e:  # INVALID_ARGUMENT, or what the class says (ModelCannot)
+                code, msg = grpc.StatusCode[e.status], str(e)
             except Overloaded as e:
                 code, msg = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
             except (DeadlineExceeded, TimeoutError):
@@ -544,4 +548,6 @@ class RecommenderServer:
         return pb.ModelInfo(model_version=e.version, artifact_path=self.artifact, tower=e.tower,
                             tasks=list(s.tasks), context_features=list(s.embedding.pooled_features),
                             catalogue_size=s.catalogue_size, max_history=s.max_history, engine=e.name,
-                            embeddings=q.get("embeddings", ""), dense=q.get("dense", ""))
+                            embeddings=q.get("embeddings", ""), dense=q.get("dense", ""),
+                            generative=s.generative, semantic_id_sizes=list(s.sid_sizes), default_beam=s.beam_width,
+                            max_beam=self.cfg.limits.max_beam)

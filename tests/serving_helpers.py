@@ -1,4 +1,5 @@
-"""Fixtures for serving tests: a tiny ranking artifact and an in-process server on a thread."""
+"""Fixtures for serving tests: tiny artifacts (ranking; ranking + semantic-ID decoder) and an
+in-process server on a thread."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-from genrec.quant.convert import QuantizeConfig, export
+import torch
+
+from genrec.models.sid import build_semantic_ids
+from genrec.quant.convert import QuantizeConfig, export, load_training_model, resolve_checkpoint
 from genrec.serve.client import RecommenderClient
 from genrec.serve.server import RecommenderServer, ServeConfig
 from genrec.train.job import load_job
@@ -54,6 +58,38 @@ def tiny_ranking_artifact(data: Path, out: Path, tower: str = "hstu", embeddings
     run_dir, _ = run_training(job)
     art = out / f"artifact-{tower}-{embeddings}"
     export(run_dir, art, QuantizeConfig(embeddings=embeddings), progress=False)
+    return art
+
+
+def tiny_dense_run(data: Path, out: Path, max_steps: int = 6) -> Path:
+    """A tiny ranking run (RANKING_TOML, no decoder) trained a few steps: its run directory."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = out / "rank.toml"
+    cfg.write_text(RANKING_TOML)
+    job = load_job(cfg, tiny_job_overrides(data, out / "runs") + ["--train.max_epochs=1",
+                                                                   f"--train.max_steps={max_steps}"])
+    run_dir, _ = run_training(job)
+    return run_dir
+
+
+def tiny_sid_artifact(data: Path, out: Path, embeddings: str = "fp32", dense: str = "fp32") -> Path:
+    """A ranking model (RANKING_TOML) with a semantic-ID decoder, exported: a tiny dense run
+    (``out/dense``) -> a codebook of its item vectors (``out/sid.safetensors``: 8 x 8 codes and
+    a collision level) -> a run with ``model.sid`` (beam 20) for one epoch -> the artifact."""
+    dense_run = tiny_dense_run(data, out / "dense")
+    _, model = load_training_model(*resolve_checkpoint(dense_run))
+    with torch.no_grad():
+        vectors = model.item_embeddings(model.corpus_ids)
+    codebook = out / "sid.safetensors"
+    build_semantic_ids(model.corpus_ids, vectors, sizes=(8, 8), iters=10).save(codebook)
+    cfg = out / "rank.toml"
+    cfg.write_text(RANKING_TOML)
+    job = load_job(cfg, tiny_job_overrides(data, out / "runs") + [
+        "--train.max_epochs=1", "--model.sid.enabled=true", f'--model.sid.codebook="{codebook}"',
+        "--model.sid.beam_width=20"])
+    run_dir, _ = run_training(job)
+    art = out / f"artifact-sid-{embeddings}-{dense}"
+    export(run_dir, art, QuantizeConfig(embeddings=embeddings, dense=dense), progress=False)
     return art
 
 

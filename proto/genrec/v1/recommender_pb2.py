@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bgenrec/v1/recommender.proto\x12\tgenrec.v1\"<\n\x05\x45vent\x12\x0f\n\x07item_id\x18\x01 \x01(\x03\x12\x11\n\ttimestamp\x18\x02 \x01(\x03\x12\x0f\n\x07\x61\x63tions\x18\x03 \x01(\r\"+\n\x0e\x43ontextFeature\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x03(\x03\")\n\tCandidate\x12\x0f\n\x07item_id\x18\x01 \x01(\x03\x12\x0b\n\x03\x62id\x18\x02 \x01(\x01\"E\n\x0c\x45ventColumns\x12\x10\n\x08item_ids\x18\x01 \x03(\x03\x12\x12\n\ntimestamps\x18\x02 \x03(\x03\x12\x0f\n\x07\x61\x63tions\x18\x03 \x03(\r\"\xae\x01\n\x04User\x12!\n\x07history\x18\x01 \x03(\x0b\x32\x10.genrec.v1.Event\x12*\n\x07\x63ontext\x18\x02 \x03(\x0b\x32\x19.genrec.v1.ContextFeature\x12\x14\n\x0crequest_time\x18\x03 \x01(\x03\x12\x30\n\x0fhistory_columns\x18\x04 \x01(\x0b\x32\x17.genrec.v1.EventColumns\x12\x0f\n\x07user_id\x18\x05 \x01(\t\"\xda\x01\n\x10RecommendRequest\x12\x1d\n\x04user\x18\x01 \x01(\x0b\x32\x0f.genrec.v1.User\x12\x12\n\nretrieve_k\x18\x02 \x01(\r\x12\r\n\x05top_k\x18\x03 \x01(\r\x12(\n\ncandidates\x18\x04 \x03(\x0b\x32\x14.genrec.v1.Candidate\x12\x1c\n\x0f\x65xclude_history\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12\x11\n\tobjective\x18\x06 \x01(\t\x12\x15\n\rexclude_items\x18\x07 \x03(\x03\x42\x12\n\x10_exclude_history\"\xa4\x01\n\nScoredItem\x12\x0f\n\x07item_id\x18\x01 \x01(\x03\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x17\n\x0fretrieval_score\x18\x03 \x01(\x02\x12/\n\x05tasks\x18\x04 \x03(\x0b\x32 .genrec.v1.ScoredItem.TasksEntry\x1a,\n\nTasksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"z\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x02\x12\x12\n\ncompute_ms\x18\x02 \x01(\x02\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x11\n\tdecode_ms\x18\x04 \x01(\x02\x12\x0f\n\x07wait_ms\x18\x05 \x01(\x02\x12\x12\n\nhandoff_ms\x18\x06 \x01(\x02\"s\n\x11RecommendResponse\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.genrec.v1.ScoredItem\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12!\n\x06timing\x18\x03 \x01(\x0b\x32\x11.genrec.v1.Timing\"\x84\x01\n\x0fRetrieveRequest\x12\x1d\n\x04user\x18\x01 \x01(\x0b\x32\x0f.genrec.v1.User\x12\t\n\x01k\x18\x02 \x01(\r\x12\x1c\n\x0f\x65xclude_history\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x15\n\rexclude_items\x18\x04 \x03(\x03\x42\x12\n\x10_exclude_history\"r\n\x10RetrieveResponse\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.genrec.v1.ScoredItem\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12!\n\x06timing\x18\x03 \x01(\x0b\x32\x11.genrec.v1.Timing\"i\n\x0bRankRequest\x12\x1d\n\x04user\x18\x01 \x01(\x0b\x32\x0f.genrec.v1.User\x12(\n\ncandidates\x18\x02 \x03(\x0b\x32\x14.genrec.v1.Candidate\x12\x11\n\tobjective\x18\x03 \x01(\t\"n\n\x0cRankResponse\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.genrec.v1.ScoredItem\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12!\n\x06timing\x18\x03 \x01(\x0b\x32\x11.genrec.v1.Timing\"#\n\x13LoadArtifactRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"C\n\x14LoadArtifactResponse\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x14\n\x0cload_seconds\x18\x02 \x01(\x02\"\x15\n\x13GetModelInfoRequest\"\xe2\x01\n\tModelInfo\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x15\n\rartifact_path\x18\x02 \x01(\t\x12\r\n\x05tower\x18\x03 \x01(\t\x12\r\n\x05tasks\x18\x04 \x03(\t\x12\x0f\n\x07\x61\x63tions\x18\x05 \x03(\t\x12\x18\n\x10\x63ontext_features\x18\x06 \x03(\t\x12\x16\n\x0e\x63\x61talogue_size\x18\x07 \x01(\x04\x12\x13\n\x0bmax_history\x18\x08 \x01(\r\x12\x0e\n\x06\x65ngine\x18\t \x01(\t\x12\x12\n\nembeddings\x18\n \x01(\t\x12\r\n\x05\x64\x65nse\x18\x0b \x01(\t2\xd3\x01\n\x0bRecommender\x12\x46\n\tRecommend\x12\x1b.genrec.v1.RecommendRequest\x1a\x1c.genrec.v1.RecommendResponse\x12\x43\n\x08Retrieve\x12\x1a.genrec.v1.RetrieveRequest\x1a\x1b.genrec.v1.RetrieveResponse\x12\x37\n\x04Rank\x12\x16.genrec.v1.RankRequest\x1a\x17.genrec.v1.RankResponse2\x9e\x01\n\x05\x41\x64min\x12O\n\x0cLoadArtifact\x12\x1e.genrec.v1.LoadArtifactRequest\x1a\x1f.genrec.v1.LoadArtifactResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.genrec.v1.GetModelInfoRequest\x1a\x14.genrec.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bgenrec/v1/recommender.proto\x12\tgenrec.v1\"<\n\x05\x45vent\x12\x0f\n\x07item_id\x18\x01 \x01(\x03\x12\x11\n\ttimestamp\x18\x02 \x01(\x03\x12\x0f\n\x07\x61\x63tions\x18\x03 \x01(\r\"+\n\x0e\x43ontextFeature\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x03(\x03\")\n\tCandidate\x12\x0f\n\x07item_id\x18\x01 \x01(\x03\x12\x0b\n\x03\x62id\x18\x02 \x01(\x01\"E\n\x0c\x45ventColumns\x12\x10\n\x08item_ids\x18\x01 \x03(\x03\x12\x12\n\ntimestamps\x18\x02 \x03(\x03\x12\x0f\n\x07\x61\x63tions\x18\x03 \x03(\r\"\xae\x01\n\x04User\x12!\n\x07history\x18\x01 \x03(\x0b\x32\x10.genrec.v1.Event\x12*\n\x07\x63ontext\x18\x02 \x03(\x0b\x32\x19.genrec.v1.ContextFeature\x12\x14\n\x0crequest_time\x18\x03 \x01(\x03\x12\x30\n\x0fhistory_columns\x18\x04 \x01(\x0b\x32\x17.genrec.v1.EventColumns\x12\x0f\n\x07user_id\x18\x05 \x01(\t\"\x94\x02\n\x10RecommendRequest\x12\x1d\n\x04user\x18\x01 \x01(\x0b\x32\x0f.genrec.v1.User\x12\x12\n\nretrieve_k\x18\x02 \x01(\r\x12\r\n\x05top_k\x18\x03 \x01(\r\x12(\n\ncandidates\x18\x04 \x03(\x0b\x32\x14.genrec.v1.Candidate\x12\x1c\n\x0f\x65xclude_history\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12\x11\n\tobjective\x18\x06 \x01(\t\x12\x15\n\rexclude_items\x18\x07 \x03(\x03\x12*\n\x06source\x18\x08 \x01(\x0e\x32\x1a.genrec.v1.RetrievalSource\x12\x0c\n\x04\x62\x65\x61m\x18\t \x01(\rB\x12\n\x10_exclude_history\"\xf7\x01\n\nScoredItem\x12\x0f\n\x07item_id\x18\x01 \x01(\x03\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x1c\n\x0fretrieval_score\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12/\n\x05tasks\x18\x04 \x03(\x0b\x32 .genrec.v1.ScoredItem.TasksEntry\x12 \n\x13generative_log_prob\x18\x05 \x01(\x02H\x01\x88\x01\x01\x1a,\n\nTasksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x12\n\x10_retrieval_scoreB\x16\n\x14_generative_log_prob\"z\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x02\x12\x12\n\ncompute_ms\x18\x02 \x01(\x02\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x11\n\tdecode_ms\x18\x04 \x01(\x02\x12\x0f\n\x07wait_ms\x18\x05 \x01(\x02\x12\x12\n\nhandoff_ms\x18\x06 \x01(\x02\"s\n\x11RecommendResponse\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.genrec.v1.ScoredItem\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12!\n\x06timing\x18\x03 \x01(\x0b\x32\x11.genrec.v1.Timing\"\xbe\x01\n\x0fRetrieveRequest\x12\x1d\n\x04user\x18\x01 \x01(\x0b\x32\x0f.genrec.v1.User\x12\t\n\x01k\x18\x02 \x01(\r\x12\x1c\n\x0f\x65xclude_history\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x15\n\rexclude_items\x18\x04 \x03(\x03\x12*\n\x06source\x18\x05 \x01(\x0e\x32\x1a.genrec.v1.RetrievalSource\x12\x0c\n\x04\x62\x65\x61m\x18\x06 \x01(\rB\x12\n\x10_exclude_history\"r\n\x10RetrieveResponse\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.genrec.v1.ScoredItem\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12!\n\x06timing\x18\x03 \x01(\x0b\x32\x11.genrec.v1.Timing\"i\n\x0bRankRequest\x12\x1d\n\x04user\x18\x01 \x01(\x0b\x32\x0f.genrec.v1.User\x12(\n\ncandidates\x18\x02 \x03(\x0b\x32\x14.genrec.v1.Candidate\x12\x11\n\tobjective\x18\x03 \x01(\t\"n\n\x0cRankResponse\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.genrec.v1.ScoredItem\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12!\n\x06timing\x18\x03 \x01(\x0b\x32\x11.genrec.v1.Timing\"#\n\x13LoadArtifactRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"C\n\x14LoadArtifactResponse\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x14\n\x0cload_seconds\x18\x02 \x01(\x02\"\x15\n\x13GetModelInfoRequest\"\xb9\x02\n\tModelInfo\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x15\n\rartifact_path\x18\x02 \x01(\t\x12\r\n\x05tower\x18\x03 \x01(\t\x12\r\n\x05tasks\x18\x04 \x03(\t\x12\x0f\n\x07\x61\x63tions\x18\x05 \x03(\t\x12\x18\n\x10\x63ontext_features\x18\x06 \x03(\t\x12\x16\n\x0e\x63\x61talogue_size\x18\x07 \x01(\x04\x12\x13\n\x0bmax_history\x18\x08 \x01(\r\x12\x0e\n\x06\x65ngine\x18\t \x01(\t\x12\x12\n\nembeddings\x18\n \x01(\t\x12\r\n\x05\x64\x65nse\x18\x0b \x01(\t\x12\x12\n\ngenerative\x18\x0c \x01(\x08\x12\x19\n\x11semantic_id_sizes\x18\r \x03(\r\x12\x14\n\x0c\x64\x65\x66\x61ult_beam\x18\x0e \x01(\r\x12\x10\n\x08max_beam\x18\x0f \x01(\r*i\n\x0fRetrievalSource\x12\x1a\n\x16RETRIEVAL_SOURCE_DENSE\x10\x00\x12\x1f\n\x1bRETRIEVAL_SOURCE_GENERATIVE\x10\x01\x12\x19\n\x15RETRIEVAL_SOURCE_BOTH\x10\x02\x32\xd3\x01\n\x0bRecommender\x12\x46\n\tRecommend\x12\x1b.genrec.v1.RecommendRequest\x1a\x1c.genrec.v1.RecommendResponse\x12\x43\n\x08Retrieve\x12\x1a.genrec.v1.RetrieveRequest\x1a\x1b.genrec.v1.RetrieveResponse\x12\x37\n\x04Rank\x12\x16.genrec.v1.RankRequest\x1a\x17.genrec.v1.RankResponse2\x9e\x01\n\x05\x41\x64min\x12O\n\x0cLoadArtifact\x12\x1e.genrec.v1.LoadArtifactRequest\x1a\x1f.genrec.v1.LoadArtifactResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.genrec.v1.GetModelInfoRequest\x1a\x14.genrec.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,6 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SCOREDITEM_TASKSENTRY']._loaded_options = None
   _globals['_SCOREDITEM_TASKSENTRY']._serialized_options = b'8\001'
+  _globals['_RETRIEVALSOURCE']._serialized_start=2183
+  _globals['_RETRIEVALSOURCE']._serialized_end=2288
   _globals['_EVENT']._serialized_start=42
   _globals['_EVENT']._serialized_end=102
   _globals['_CONTEXTFEATURE']._serialized_start=104
@@ -44,33 +46,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USER']._serialized_start=264
   _globals['_USER']._serialized_end=438
   _globals['_RECOMMENDREQUEST']._serialized_start=441
-  _globals['_RECOMMENDREQUEST']._serialized_end=659
-  _globals['_SCOREDITEM']._serialized_start=662
-  _globals['_SCOREDITEM']._serialized_end=826
-  _globals['_SCOREDITEM_TASKSENTRY']._serialized_start=782
-  _globals['_SCOREDITEM_TASKSENTRY']._serialized_end=826
-  _globals['_TIMING']._serialized_start=828
-  _globals['_TIMING']._serialized_end=950
-  _globals['_RECOMMENDRESPONSE']._serialized_start=952
-  _globals['_RECOMMENDRESPONSE']._serialized_end=1067
-  _globals['_RETRIEVEREQUEST']._serialized_start=1070
-  _globals['_RETRIEVEREQUEST']._serialized_end=1202
-  _globals['_RETRIEVERESPONSE']._serialized_start=1204
-  _globals['_RETRIEVERESPONSE']._serialized_end=1318
-  _globals['_RANKREQUEST']._serialized_start=1320
-  _globals['_RANKREQUEST']._serialized_end=1425
-  _globals['_RANKRESPONSE']._serialized_start=1427
-  _globals['_RANKRESPONSE']._serialized_end=1537
-  _globals['_LOADARTIFACTREQUEST']._serialized_start=1539
-  _globals['_LOADARTIFACTREQUEST']._serialized_end=1574
-  _globals['_LOADARTIFACTRESPONSE']._serialized_start=1576
-  _globals['_LOADARTIFACTRESPONSE']._serialized_end=1643
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1645
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1666
-  _globals['_MODELINFO']._serialized_start=1669
-  _globals['_MODELINFO']._serialized_end=1895
-  _globals['_RECOMMENDER']._serialized_start=1898
-  _globals['_RECOMMENDER']._serialized_end=2109
-  _globals['_ADMIN']._serialized_start=2112
-  _globals['_ADMIN']._serialized_end=2270
+  _globals['_RECOMMENDREQUEST']._serialized_end=717
+  _globals['_SCOREDITEM']._serialized_start=720
+  _globals['_SCOREDITEM']._serialized_end=967
+  _globals['_SCOREDITEM_TASKSENTRY']._serialized_start=879
+  _globals['_SCOREDITEM_TASKSENTRY']._serialized_end=923
+  _globals['_TIMING']._serialized_start=969
+  _globals['_TIMING']._serialized_end=1091
+  _globals['_RECOMMENDRESPONSE']._serialized_start=1093
+  _globals['_RECOMMENDRESPONSE']._serialized_end=1208
+  _globals['_RETRIEVEREQUEST']._serialized_start=1211
+  _globals['_RETRIEVEREQUEST']._serialized_end=1401
+  _globals['_RETRIEVERESPONSE']._serialized_start=1403
+  _globals['_RETRIEVERESPONSE']._serialized_end=1517
+  _globals['_RANKREQUEST']._serialized_start=1519
+  _globals['_RANKREQUEST']._serialized_end=1624
+  _globals['_RANKRESPONSE']._serialized_start=1626
+  _globals['_RANKRESPONSE']._serialized_end=1736
+  _globals['_LOADARTIFACTREQUEST']._serialized_start=1738
+  _globals['_LOADARTIFACTREQUEST']._serialized_end=1773
+  _globals['_LOADARTIFACTRESPONSE']._serialized_start=1775
+  _globals['_LOADARTIFACTRESPONSE']._serialized_end=1842
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1844
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1865
+  _globals['_MODELINFO']._serialized_start=1868
+  _globals['_MODELINFO']._serialized_end=2181
+  _globals['_RECOMMENDER']._serialized_start=2291
+  _globals['_RECOMMENDER']._serialized_end=2502
+  _globals['_ADMIN']._serialized_start=2505
+  _globals['_ADMIN']._serialized_end=2663
 # @@protoc_insertion_point(module_scope)

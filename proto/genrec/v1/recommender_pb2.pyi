@@ -1,10 +1,20 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class RetrievalSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RETRIEVAL_SOURCE_DENSE: _ClassVar[RetrievalSource]
+    RETRIEVAL_SOURCE_GENERATIVE: _ClassVar[RetrievalSource]
+    RETRIEVAL_SOURCE_BOTH: _ClassVar[RetrievalSource]
+RETRIEVAL_SOURCE_DENSE: RetrievalSource
+RETRIEVAL_SOURCE_GENERATIVE: RetrievalSource
+RETRIEVAL_SOURCE_BOTH: RetrievalSource
 
 class Event(_message.Message):
     __slots__ = ("item_id", "timestamp", "actions")
@@ -57,7 +67,7 @@ class User(_message.Message):
     def __init__(self, history: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., context: _Optional[_Iterable[_Union[ContextFeature, _Mapping]]] = ..., request_time: _Optional[int] = ..., history_columns: _Optional[_Union[EventColumns, _Mapping]] = ..., user_id: _Optional[str] = ...) -> None: ...
 
 class RecommendRequest(_message.Message):
-    __slots__ = ("user", "retrieve_k", "top_k", "candidates", "exclude_history", "objective", "exclude_items")
+    __slots__ = ("user", "retrieve_k", "top_k", "candidates", "exclude_history", "objective", "exclude_items", "source", "beam")
     USER_FIELD_NUMBER: _ClassVar[int]
     RETRIEVE_K_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +75,8 @@ class RecommendRequest(_message.Message):
     EXCLUDE_HISTORY_FIELD_NUMBER: _ClassVar[int]
     OBJECTIVE_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    BEAM_FIELD_NUMBER: _ClassVar[int]
     user: User
     retrieve_k: int
     top_k: int
@@ -72,10 +84,12 @@ class RecommendRequest(_message.Message):
     exclude_history: bool
     objective: str
     exclude_items: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, user: _Optional[_Union[User, _Mapping]] = ..., retrieve_k: _Optional[int] = ..., top_k: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., exclude_history: _Optional[bool] = ..., objective: _Optional[str] = ..., exclude_items: _Optional[_Iterable[int]] = ...) -> None: ...
+    source: RetrievalSource
+    beam: int
+    def __init__(self, user: _Optional[_Union[User, _Mapping]] = ..., retrieve_k: _Optional[int] = ..., top_k: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., exclude_history: _Optional[bool] = ..., objective: _Optional[str] = ..., exclude_items: _Optional[_Iterable[int]] = ..., source: _Optional[_Union[RetrievalSource, str]] = ..., beam: _Optional[int] = ...) -> None: ...
 
 class ScoredItem(_message.Message):
-    __slots__ = ("item_id", "score", "retrieval_score", "tasks")
+    __slots__ = ("item_id", "score", "retrieval_score", "tasks", "generative_log_prob")
     class TasksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -87,11 +101,13 @@ class ScoredItem(_message.Message):
     SCORE_FIELD_NUMBER: _ClassVar[int]
     RETRIEVAL_SCORE_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
+    GENERATIVE_LOG_PROB_FIELD_NUMBER: _ClassVar[int]
     item_id: int
     score: float
     retrieval_score: float
     tasks: _containers.ScalarMap[str, float]
-    def __init__(self, item_id: _Optional[int] = ..., score: _Optional[float] = ..., retrieval_score: _Optional[float] = ..., tasks: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    generative_log_prob: float
+    def __init__(self, item_id: _Optional[int] = ..., score: _Optional[float] = ..., retrieval_score: _Optional[float] = ..., tasks: _Optional[_Mapping[str, float]] = ..., generative_log_prob: _Optional[float] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue_ms", "compute_ms", "batch_size", "decode_ms", "wait_ms", "handoff_ms")
@@ -120,16 +136,20 @@ class RecommendResponse(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[ScoredItem, _Mapping]]] = ..., model_version: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
 
 class RetrieveRequest(_message.Message):
-    __slots__ = ("user", "k", "exclude_history", "exclude_items")
+    __slots__ = ("user", "k", "exclude_history", "exclude_items", "source", "beam")
     USER_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_HISTORY_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    BEAM_FIELD_NUMBER: _ClassVar[int]
     user: User
     k: int
     exclude_history: bool
     exclude_items: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, user: _Optional[_Union[User, _Mapping]] = ..., k: _Optional[int] = ..., exclude_history: _Optional[bool] = ..., exclude_items: _Optional[_Iterable[int]] = ...) -> None: ...
+    source: RetrievalSource
+    beam: int
+    def __init__(self, user: _Optional[_Union[User, _Mapping]] = ..., k: _Optional[int] = ..., exclude_history: _Optional[bool] = ..., exclude_items: _Optional[_Iterable[int]] = ..., source: _Optional[_Union[RetrievalSource, str]] = ..., beam: _Optional[int] = ...) -> None: ...
 
 class RetrieveResponse(_message.Message):
     __slots__ = ("items", "model_version", "timing")
@@ -180,7 +200,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_version", "artifact_path", "tower", "tasks", "actions", "context_features", "catalogue_size", "max_history", "engine", "embeddings", "dense")
+    __slots__ = ("model_version", "artifact_path", "tower", "tasks", "actions", "context_features", "catalogue_size", "max_history", "engine", "embeddings", "dense", "generative", "semantic_id_sizes", "default_beam", "max_beam")
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ARTIFACT_PATH_FIELD_NUMBER: _ClassVar[int]
     TOWER_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +212,10 @@ class ModelInfo(_message.Message):
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
+    GENERATIVE_FIELD_NUMBER: _ClassVar[int]
+    SEMANTIC_ID_SIZES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_BEAM_FIELD_NUMBER: _ClassVar[int]
+    MAX_BEAM_FIELD_NUMBER: _ClassVar[int]
     model_version: str
     artifact_path: str
     tower: str
@@ -203,4 +227,8 @@ class ModelInfo(_message.Message):
     engine: str
     embeddings: str
     dense: str
-    def __init__(self, model_version: _Optional[str] = ..., artifact_path: _Optional[str] = ..., tower: _Optional[str] = ..., tasks: _Optional[_Iterable[str]] = ..., actions: _Optional[_Iterable[str]] = ..., context_features: _Optional[_Iterable[str]] = ..., catalogue_size: _Optional[int] = ..., max_history: _Optional[int] = ..., engine: _Optional[str] = ..., embeddings: _Optional[str] = ..., dense: _Optional[str] = ...) -> None: ...
+    generative: bool
+    semantic_id_sizes: _containers.RepeatedScalarFieldContainer[int]
+    default_beam: int
+    max_beam: int
+    def __init__(self, model_version: _Optional[str] = ..., artifact_path: _Optional[str] = ..., tower: _Optional[str] = ..., tasks: _Optional[_Iterable[str]] = ..., actions: _Optional[_Iterable[str]] = ..., context_features: _Optional[_Iterable[str]] = ..., catalogue_size: _Optional[int] = ..., max_history: _Optional[int] = ..., engine: _Optional[str] = ..., embeddings: _Optional[str] = ..., dense: _Optional[str] = ..., generative: _Optional[bool] = ..., semantic_id_sizes: _Optional[_Iterable[int]] = ..., default_beam: _Optional[int] = ..., max_beam: _Optional[int] = ...) -> None: ...
