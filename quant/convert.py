@@ -32,6 +32,7 @@ from genrec.quant.embeddings import Scheme as EmbScheme
 from genrec.quant.embeddings import table_bytes, table_tensors
 from genrec.quant.load import SID_PREFIX, load_model
 from genrec.train import checkpoint as ckpt
+from genrec.train.checkpoint import resolve_checkpoint  # noqa: F401 - re-exported (benchmarks, tests)
 from genrec.train.rundir import code_version
 
 
@@ -40,21 +41,6 @@ class QuantizeConfig:
     embeddings: EmbScheme = "int8"
     dense: DenseScheme = "fp32"
     row_alignment: int = 16  # bytes each served row is padded to in memory (fbgemm TBE)
-
-
-def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
-    """A run directory (-> its best checkpoint) or a checkpoint directory -> (run dir, checkpoint)."""
-    path = Path(path)
-    if (path / "config.toml").exists():
-        res = path / "results.json"
-        best = json.loads(res.read_text()).get("best_checkpoint") if res.exists() else None
-        found = path / "checkpoints" / best if best else ckpt.latest_checkpoint(path / "checkpoints")
-        if found is None or not found.exists():
-            raise FileNotFoundError(f"{path}: the run has no finished checkpoint")
-        return path, found
-    if (path / ".metadata").exists() and (path.parent.parent / "config.toml").exists():
-        return path.parent.parent, path
-    raise FileNotFoundError(f"{path}: neither a run directory (config.toml) nor a checkpoint inside one")
 
 
 def _corpus_size(checkpoint: Path) -> int:
