@@ -164,12 +164,12 @@ class GenerativeRecommender(nn.Module):
         ret = self.head.loss(h[tok.retrieval_rows], batch.targets, self.corpus_ids, self.sparse.lookup, history)
         out["retrieval"] = ret
         total = ret
-        if self.sid_head is not None:
-            out["sid"] = self.sid_head.loss(h[tok.retrieval_rows], batch.targets)
-            total = total + self.cfg.sid.weight * out["sid"]
         if self.ranking is not None and batch.num_targets is not None and tok.candidate_rows.numel():
             out.update(self.ranking.loss(self.rank_logits(h, tok, batch), batch.labels))
             total = self.cfg.ranking.retrieval_weight * ret + out["ranking"]
+        if self.sid_head is not None:
+            out["sid"] = self.sid_head.loss(h[tok.retrieval_rows], batch.targets)
+            total = total + self.cfg.sid.weight * out["sid"]
         out["loss"] = total
         return out
 

@@ -121,6 +121,12 @@ class SIDDecoder(nn.Module):
             raise ValueError(f"semantic-ID sizes {tuple(sid.sizes)} differ from the model's {self.sizes}")
         self.sid = sid
 
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - nn.Module's signature
+        """``.to(device)`` moves the trie with the buffers (dtype casts leave its ints alone)."""
+        super()._apply(fn, recurse)
+        self.sid = self.sid.to(self.book_codes.device)
+        return self
+
     def tokens(self, h: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """Decoder inputs [P, 1 + l, d]: the prompt from h [P, Dt], then codes [P, l] (l < L)."""
         x = [self.prompt(F.normalize(h.float(), dim=-1).to(h.dtype))[:, None]]

@@ -149,3 +149,34 @@ def test_a_generative_run_starts_from_a_dense_run_and_evaluates_both_channels(ti
     again, _ = evaluate_run(run_dir, None, "test")
     for k in ("ndcg@10", "gen_ndcg@10", "gen_mrr"):
         assert again[k] == pytest.approx(res["test"][k], abs=1e-9), k
+
+
+def test_a_ranking_model_trains_its_decoder_too():
+    """With ranking tasks the total loss was rebuilt from the retrieval and ranking terms,
+    leaving the decoder's out: such a model never trained its decoder."""
+    from dataclasses import replace
+
+    from genrec.models.recommender import GenerativeRecommender
+    from tests.test_ranking import HACT, HIST, emb_cfg, make_batch, model
+
+    base = model()
+    corpus = torch.arange(1, 40)
+    sid = build_semantic_ids(corpus, torch.randn(39, 8, generator=torch.Generator().manual_seed(0)),
+                             sizes=(4, 4), iters=5)
+    cfg = replace(base.cfg, sid=SIDConfig(enabled=True, codebook="unused", num_layers=1, dim=16, dropout=0.0))
+    m = GenerativeRecommender(cfg, emb_cfg(), corpus, sid=sid)
+    batch = make_batch([(HIST, HACT, [5, 6]), (HIST[:3], HACT[:3], [8])])
+    batch.targets = torch.tensor(HIST[1:] + [2] + HIST[1:3] + [11])
+    out = m(batch)
+    assert {"ranking", "sid"} <= set(out)
+    expected = cfg.ranking.retrieval_weight * out["retrieval"] + out["ranking"] + cfg.sid.weight * out["sid"]
+    assert torch.allclose(out["loss"], expected)
+    out["loss"].backward()
+    assert m.sid_head.heads[0].weight.grad.abs().sum() > 0
+
+
+def test_the_trie_follows_the_decoder_to_its_device():
+    dec = decoder()
+    moved = dec.to("meta")
+    assert moved.sid.leaf_item.device.type == "meta" and moved.sid.children[0].device.type == "meta"
+    assert dec.to(torch.bfloat16).book_codes.dtype == torch.long  # casts leave the codebook alone
