@@ -27,6 +27,20 @@ row gives the user vector. Candidates never enter the pool: they are scored in t
 forward against the history's pooled keys / values (each sees the history and itself), so
 they cost no pool slots and cannot be matched by a later call.
 
+Generative retrieval (a model with a semantic-ID decoder; ``serve/sglang_models/sid_steps.py``):
+a work whose source is generative (or both) also sends a *beam*: a one-token request (its
+ticket) decoded by SGLang's built-in beam search (``beam_width``, ``max_new_tokens`` = levels
++ 1) over a vocabulary of trie nodes, so that each level's logits, computed by the model, are
+finite only at the prefix's children: every beam ends on a real item. SGLang drops a beam
+request's custom params, so the beam's prompt (the user vector, computed by the work's tower
+request in the same batch) and its exclusions wait in the model under the ticket; a beam
+scheduled ahead of its tower request answers "retry" and is sent again. The decoder's few
+tokens are recomputed at each step (no K/V of theirs in the pool); the model ends each beam
+itself at the last level (SGLang's selection would renormalise over the excluded items) and
+returns its items and log-probabilities as customized info. A work that ranks what its beam
+found ranks it in a second call (the history cached). Choice and figures:
+benchmarks/notes/2026-12-03-sid-sglang.md.
+
 Custom params are SGLang's per-request payload for custom logit processors (a no-op one is
 attached so they reach the forward batch); they carry the events the model embeds itself
 (no per-token float rows through IPC). The model owns its attention: SGLang's attention
@@ -38,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -45,6 +60,7 @@ import tempfile
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -85,8 +101,11 @@ from genrec.models.recommender import HistoryState  # noqa: E402
 from genrec.serve.engine import Result, TorchEngine  # noqa: E402
 from genrec.serve.packed import pack_users, packed_supports  # noqa: E402
 from genrec.serve.requests import UserInput, Work  # noqa: E402
+from genrec.serve.sglang_models.sid_steps import SIDBeams, SIDSteps  # noqa: E402
 
-VOCAB = 4  # the dummy logits' width (nothing is decoded)
+VOCAB = 4  # the dummy logits' width of a model without a semantic-ID decoder (nothing is decoded)
+TICKET_BASE = 1 << 62  # a beam's one prompt token: TICKET_BASE + its ticket (never a trie node id)
+SID_INFO = "genrec_sid"  # the customized-info key of a beam's result
 _EMPTY = torch.zeros(3)  # the row of a request this pass does not finish (a chunk of it)
 _MASK63 = np.uint64((1 << 63) - 1)
 
@@ -122,6 +141,21 @@ class _Retrieval:
         return self._excluded
 
 
+@dataclass
+class _Part:
+    """The requests of one extend pass that the tower computes (those with genrec's payload):
+    their rows in the batch, payloads, cached and new tokens, the new tokens' positions and
+    pool slots [T], and their req-to-token rows [b]."""
+
+    index: list[int]
+    payloads: list[dict]
+    pre: list[int]
+    ext: list[int]
+    positions: torch.Tensor
+    loc: torch.Tensor
+    pool_rows: torch.Tensor
+
+
 class GenRecHSTU(nn.Module):
     """SGLang model (EntryClass): a genrec artifact's HSTU model over SGLang's KV pool.
 
@@ -131,6 +165,11 @@ class GenRecHSTU(nn.Module):
     mode "last"): [n retrieved, n scored, tokens this pass computed for it, retrieved catalogue
     positions, their scores, task probabilities (n scored x tasks)], zeros for a chunk that
     does not end its request.
+
+    With a semantic-ID decoder (``config.genrec_max_beam`` > 0) it also decodes beams with
+    SGLang's beam search (``SIDSteps``): a beam's request is one ticket token whose prompt a
+    tower request registered (payload ``ticket``) or a register request brought (payload
+    ``register``); its result comes back as customized info ``genrec_sid`` at its last level.
     """
 
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:  # noqa: ANN001
@@ -141,7 +180,12 @@ class GenRecHSTU(nn.Module):
         self.packed = self.engine.packed  # its token lookups and context (SGLangEngine checked it exists)
         self.tasks = len(self.engine.schema.tasks)
         self.slot_times: torch.Tensor | None = None  # [pool slots] each slot's event time
-        self.vocab = VOCAB
+        max_beam = int(getattr(config, "genrec_max_beam", 0))
+        head = self.model.sid_head
+        steps = SIDSteps(head, max_beam) if head is not None and max_beam else None
+        self.vocab = steps.size if steps is not None else VOCAB
+        self.sid = SIDBeams(steps, self.model.embedding_cfg.dim) if steps is not None else None
+        self.slot_ticket: torch.Tensor | None = None  # [pool slots] the ticket of a beam's prompt token
         self._dummy = nn.Parameter(torch.zeros(1), requires_grad=False)  # SGLang loads one weight file
 
     def get_input_embeddings(self) -> nn.Module:
@@ -157,36 +201,91 @@ class GenRecHSTU(nn.Module):
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, get_embedding=False, **kw):  # noqa: ANN001, ANN201
         fb = forward_batch
         b = fb.batch_size
+        if fb.forward_mode.is_decode() and self.sid is not None:  # only beams decode
+            return self._decode(input_ids, positions, fb)
         rows = [_EMPTY] * b  # one row per request; padded to the batch's longest
         logits = torch.zeros(b, self.vocab)
-        params = fb.sampling_info.custom_params if fb.sampling_info is not None else None
-        if not fb.forward_mode.is_extend() or params is None or any(p is None or PAYLOAD not in p for p in params):
-            if fb.forward_mode.is_extend() and b:
-                log.error("GenRecHSTU: a request without genrec's payload; send requests through SGLangEngine")
+        if not fb.forward_mode.is_extend():
             return LogitsProcessorOutput(next_token_logits=logits, hidden_states=_stack(rows))
-        payloads = [p[PAYLOAD] for p in params]
+        params = fb.sampling_info.custom_params if fb.sampling_info is not None else None
+        payloads = [p.get(PAYLOAD) if isinstance(p, dict) else None for p in (params or [None] * b)]
         pre, ext = list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu)
-        h, kv = self._extend(fb, payloads, pre, ext, positions)
-        done = [i for i in range(b) if pre[i] + ext[i] == len(payloads[i]["items"])]
-        if done:
-            self._finish(done, payloads, pre, ext, h, kv, rows)
-        return LogitsProcessorOutput(next_token_logits=logits, hidden_states=_stack(rows))
+        for p in payloads:
+            if p is not None and "register" in p:
+                self._keep(p["register"], torch.tensor(p["register"]["prompt"], dtype=torch.float32))
+        tower = [i for i, p in enumerate(payloads) if p is not None and "items" in p]
+        beams = [i for i, p in enumerate(payloads) if p is None]
+        if beams and self.sid is None:
+            log.error("GenRecHSTU: a request without genrec's payload; send requests through SGLangEngine")
+            beams = []
+        if tower:
+            part = self._part(fb, tower, payloads, pre, ext, positions)
+            h, kv = self._extend(part)
+            done = [j for j in range(len(tower)) if part.pre[j] + part.ext[j] == len(part.payloads[j]["items"])]
+            if done:
+                self._finish(part, done, h, kv, rows)
+        info = None
+        if beams:  # after the tower: a beam may read a prompt its tower request registered in this pass
+            last = torch.as_tensor(np.cumsum(ext) - 1)[beams]
+            tokens, levels = input_ids[last].to(torch.int64), positions[last].to(torch.int64)
+            tickets = tokens - TICKET_BASE
+            self._ticket_slots()[fb.out_cache_loc[last].to(torch.int64)] = tickets
+            out, results = self.sid.step(tickets, tokens, levels)
+            logits[torch.tensor(beams)] = out
+            info = {SID_INFO: [results.get(beams.index(i)) if i in beams else None for i in range(b)]}
+        return LogitsProcessorOutput(next_token_logits=logits, hidden_states=_stack(rows), customized_info=info)
 
-    def _extend(self, fb, payloads: list[dict], pre: list[int], ext: list[int], positions: torch.Tensor):  # noqa: ANN001, ANN202
-        """The batch's new tokens through the tower over the pool -> (their outputs [T, D],
+    # ----- semantic-ID beams -------------------------------------------------------------
+    def _keep(self, p: dict, prompt: torch.Tensor) -> None:
+        """A beam's prompt [D] and what it leaves out, from a payload's ``ticket``, ``beam``, ``seen``."""
+        if self.sid is not None:
+            seen = None if p["seen"] is None else np.asarray(p["seen"], np.int64)
+            self.sid.keep(int(p["ticket"]), prompt, int(p["beam"]), seen)
+
+    def _ticket_slots(self) -> torch.Tensor:
+        pool = get_token_to_kv_pool()
+        if self.slot_ticket is None or self.slot_ticket.numel() < pool.size + pool.page_size:
+            self.slot_ticket = torch.full((pool.size + pool.page_size,), -1, dtype=torch.int64)
+        return self.slot_ticket
+
+    def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> LogitsProcessorOutput:  # noqa: ANN001
+        """One step of every beam in the batch (leaders and SGLang's member rows alike): a row's
+        ticket is its prompt token's (position 0 of its req-to-token row), its level its position."""
+        r2t = get_req_to_token_pool().req_to_token
+        prompt_slots = r2t[fb.req_pool_indices.to(torch.int64), 0].to(torch.int64)
+        tickets = self._ticket_slots()[prompt_slots]
+        out, results = self.sid.step(tickets, input_ids.to(torch.int64), positions.to(torch.int64))
+        info = {SID_INFO: [results.get(i) for i in range(out.shape[0])]}
+        return LogitsProcessorOutput(next_token_logits=out, hidden_states=None, customized_info=info)
+
+    # ----- the tower ---------------------------------------------------------------------
+    def _part(self, fb, index: list[int], payloads: list, pre: list[int], ext: list[int],  # noqa: ANN001
+              positions: torch.Tensor) -> _Part:
+        """The tower's requests of this pass (all of them unless beams ride along)."""
+        loc, pool_rows = fb.out_cache_loc.to(torch.int64), fb.req_pool_indices.to(torch.int64)
+        pos = positions.to(torch.int64)
+        if len(index) < len(pre):
+            starts = np.cumsum(ext) - ext
+            tok = torch.from_numpy(np.concatenate([np.arange(starts[i], starts[i] + ext[i]) for i in index]))
+            loc, pos, pool_rows = loc[tok], pos[tok], pool_rows[torch.tensor(index)]
+        return _Part(index, [payloads[i] for i in index], [pre[i] for i in index], [ext[i] for i in index],
+                     pos, loc, pool_rows)
+
+    def _extend(self, part: _Part):  # noqa: ANN202
+        """The part's new tokens through the tower over the pool -> (their outputs [T, D],
         (slot map [B, L], the pool, each request's tokens after this pass [B]))."""
-        m = self.model
+        m, payloads, pre, ext = self.model, part.payloads, part.pre, part.ext
         cols = {key: np.concatenate([np.asarray(p[key][s : s + e], np.int64) for p, s, e in zip(payloads, pre, ext)])
                 for key in ("items", "actions", "times", "qtimes")}
-        pos = positions.to(torch.int64)
+        pos = part.positions
         x = self.packed.tokens(cols["items"], cols["actions"], pos.numpy())
         pool, r2t = get_token_to_kv_pool(), get_req_to_token_pool().req_to_token
         if self.slot_times is None or self.slot_times.numel() < pool.size + pool.page_size:
             self.slot_times = torch.zeros(pool.size + pool.page_size, dtype=torch.int64)
-        loc = fb.out_cache_loc.to(torch.int64)
+        loc = part.loc
         self.slot_times[loc] = torch.from_numpy(cols["times"])
         lengths = torch.tensor([s + e for s, e in zip(pre, ext)], dtype=torch.int64)
-        slots = r2t[fb.req_pool_indices.to(torch.int64), : int(lengths.max())].to(torch.int64)  # [B, L]
+        slots = r2t[part.pool_rows, : int(lengths.max())].to(torch.int64)  # [B, L]
         seq = torch.repeat_interleave(torch.arange(len(pre)), torch.tensor(ext))
 
         def store(layer: int, kk: torch.Tensor, vv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,13 +319,16 @@ class GenRecHSTU(nn.Module):
         h[offsets[1:] - 1] = last.to(h.dtype)
         return h
 
-    def _finish(self, done: list[int], payloads: list[dict], pre: list[int], ext: list[int], h: torch.Tensor,
-                kv, rows: list[torch.Tensor]) -> None:  # noqa: ANN001
-        """Requests whose last token was in this pass: retrieval and ranking, into ``rows``."""
-        eng, m = self.engine, self.model
+    def _finish(self, part: _Part, done: list[int], h: torch.Tensor, kv, rows: list[torch.Tensor]) -> None:  # noqa: ANN001
+        """The part's requests whose last token was in this pass (``done``: their places in the
+        part): retrieval and ranking, into ``rows``; the prompts of the beams they asked for."""
+        eng, m, payloads, ext = self.engine, self.model, part.payloads, part.ext
         slots, pool, lengths = kv
         ends = np.cumsum(ext) - 1
         users = m.head.normalize(h[torch.as_tensor(ends[done])].float())  # [d, D]
+        for j, i in enumerate(done):
+            if payloads[i].get("ticket") is not None:  # the prompt of this user's beam (sent beside it)
+                self._keep(payloads[i], users[j].clone())
         # the requests' histories as the candidates' extend reads them: jagged K/V from the pool
         flat = torch.cat([slots[i, : int(lengths[i])] for i in done])
         offsets = torch.zeros(len(done) + 1, dtype=torch.int64)
@@ -257,7 +359,7 @@ class GenRecHSTU(nn.Module):
             ids, scores = found.get(j, (np.zeros(0, np.int64), np.zeros(0, np.float32)))
             pr = probs.get(j, np.zeros((0, self.tasks), np.float32))
             pos = np.searchsorted(eng.corpus_np, ids)  # catalogue positions: exact in fp32 below 2^24
-            rows[i] = torch.from_numpy(np.concatenate([[ids.size, pr.shape[0], ext[i]], pos, scores,
+            rows[part.index[i]] = torch.from_numpy(np.concatenate([[ids.size, pr.shape[0], ext[i]], pos, scores,
                                                        pr.reshape(-1)]).astype(np.float32))
 
 
@@ -270,6 +372,17 @@ def _array(values: list | None) -> np.ndarray | None:
     return None if values is None else np.asarray(values, np.int64)
 
 
+@dataclass
+class _Req:
+    """One SGLang request: token ids, genrec's payload (None: a semantic-ID beam), the radix
+    cache's extra key, and a beam's width."""
+
+    ids: list[int]
+    payload: dict | None
+    key: str
+    beam: int = 0
+
+
 class SGLangEngine(TorchEngine):
     """Same interface and answers as TorchEngine; histories cached in SGLang's KV pool.
 
@@ -277,13 +390,18 @@ class SGLangEngine(TorchEngine):
     bytes per token = layers x heads x (qk + v dims) x 4); ``window_block``: the history
     window's step (``serve.requests.history_window``); ``chunk_tokens``: chunked prefill's
     chunk; ``threads``: the model's intra-op threads in SGLang's scheduler (one: its many small ops
-    stall on an OpenMP barrier whenever a core is busy elsewhere; 0: torch's default)."""
+    stall on an OpenMP barrier whenever a core is busy elsewhere; 0: torch's default).
+    A model with a semantic-ID decoder also decodes beams (``generate``; ``run`` for works whose
+    source is generative or both): ``max_beam``: the widest beam (the vocabulary carries
+    2 x max_beam padding ids); ``beam_rows``: req-to-token rows added for the beams in flight
+    (a beam of k holds k)."""
 
     name = "sglang"
     batches_together = True  # the batches in flight merge in SGLang's scheduler (serve.batcher admission)
 
     def __init__(self, artifact: str | Path, device: str = "cpu", pool_tokens: int = 262144, window_block: int = 1,
-                 chunk_tokens: int = 4096, max_running: int = 64, threads: int = 1) -> None:
+                 chunk_tokens: int = 4096, max_running: int = 64, threads: int = 1, max_beam: int = 256,
+                 beam_rows: int = 1024) -> None:
         super().__init__(artifact, device=device, window_block=window_block)
         if not packed_supports(self.model):
             raise ValueError("the SGLang engine serves HSTU models with the summed action encoding; "
@@ -295,12 +413,20 @@ class SGLangEngine(TorchEngine):
         self.has_action = "action" in self.model.sparse.sequence_features
         self._stats = {"hits": 0, "misses": 0, "history_tokens": 0, "cached_tokens": 0}
         self._lock = threading.Lock()
+        # the semantic-ID decoder's beams: SGLang's beam search over trie-node tokens (SIDSteps)
+        head = self.model.sid_head
+        self.sid = SIDSteps(head, max_beam) if head is not None else None
+        self.max_beam = max_beam if head is not None else 0
+        self._tickets = itertools.count(1)
+        if self.sid is not None:  # a beam holds one req-to-token row per live sequence
+            max_running += beam_rows
         self.ckpt = Path(tempfile.mkdtemp(prefix="genrec-sglang-"))
         cfg = {"architectures": ["GenRecHSTU"], "model_type": "llama", "hidden_size": self.model.embedding_cfg.dim,
                "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_heads, "head_dim": c.qk_dim,
                "v_head_dim": c.v_dim, "num_hidden_layers": len(self.model.tower.layers), "intermediate_size": 1,
-               "vocab_size": VOCAB, "max_position_embeddings": self.model.cfg.max_seq_len + 16,  # SGLang keeps a few positions back
-               "torch_dtype": "float32", "genrec_artifact": str(Path(artifact).resolve()), "genrec_threads": threads}
+               "vocab_size": self.sid.size if self.sid is not None else VOCAB, "max_position_embeddings": self.model.cfg.max_seq_len + 16,  # SGLang keeps a few positions back
+               "torch_dtype": "float32", "genrec_artifact": str(Path(artifact).resolve()), "genrec_threads": threads,
+               "genrec_max_beam": self.max_beam}
         (self.ckpt / "config.json").write_text(json.dumps(cfg))
         save_file({"_dummy": torch.zeros(1)}, str(self.ckpt / "model.safetensors"))
         self.processor = KeepLogits.to_str()
@@ -360,52 +486,137 @@ class SGLangEngine(TorchEngine):
         out.update(capacity_tokens=self.pool_tokens, bytes_per_token=self.bytes_per_token)
         return out
 
-    # ----- one request per work -----------------------------------------------------------
-    def _request(self, w: Work) -> tuple[list[int], dict, str]:
+    # ----- requests: one tower request per work, one beam per generative retrieval ----------
+    def _request(self, w: Work, ticket: int | None = None, candidates: np.ndarray | None = None) -> _Req:
+        """A work's tower request: its history as token ids, the payload, its user's key.
+        ``ticket``: the request also registers the prompt of the work's beam (its user vector,
+        computed here) and what the beam leaves out; ``candidates``: it ranks these instead (the
+        second call of a work that ranks what its beam found)."""
         items, actions, tk, tq, _, _ = pack_users([w.user], self.cap, self.has_action, self.window_block)
         ids = event_token_ids(items, actions, tk, tq).tolist()
-        retrieve = w.kind == "retrieve" or w.candidates is None
-        # what plan_ranking will rank (a model without tasks has nothing to score: run() fills zeros)
+        retrieve = (w.kind == "retrieve" or w.candidates is None) and candidates is None
+        dense = retrieve and w.source != "generative"
+        # what plan_ranking will rank (a model without tasks has nothing to score: run() fills zeros);
+        # a work whose candidates come from its beam ranks them in a second call
         none = np.zeros(0, np.int64)
-        ranks = bool(self.schema.tasks) and 0 in self.plan_ranking([w], {0: (none, none)} if retrieve else {})
+        ranks = candidates is not None or (
+            bool(self.schema.tasks) and 0 in self.plan_ranking([w], {0: (none, none)} if retrieve else {}))
+        given = candidates if candidates is not None else (None if retrieve else w.candidates)
+        rank = "none" if not ranks or (retrieve and w.source != "dense") else ("retrieved" if retrieve else "given")
         excluded = w.excluded() if retrieve else None
         payload = {"items": items.tolist(), "actions": actions.tolist(), "times": tk.tolist(), "qtimes": tq.tolist(),
-                   "k": int(w.retrieve_k) if retrieve else 0,
-                   "excluded": None if excluded is None else excluded.tolist(),
-                   "rank": ("retrieved" if retrieve else "given") if ranks else "none",
-                   "candidates": w.candidates.tolist() if (ranks and not retrieve) else None,
-                   "context": {k: v.tolist() for k, v in w.user.context.items()}}
+                   "k": int(w.retrieve_k) if dense else 0,
+                   "excluded": None if excluded is None or not dense else excluded.tolist(),
+                   "rank": rank, "candidates": given.tolist() if rank == "given" else None,
+                   "context": {k: v.tolist() for k, v in w.user.context.items()},
+                   "ticket": ticket, "beam": self._beam_of(w) if ticket is not None else 0,
+                   "seen": None if excluded is None or ticket is None else excluded.tolist()}
         # a user's entries are matched only against its own; no id: a key of its own, shared with nobody
         key = f"u:{w.user.user_id}" if w.user.user_id else f"anon:{uuid.uuid4().hex}"
-        return ids, payload, key
+        return _Req(ids, payload, key)
 
-    async def _generate(self, reqs: list[tuple[list[int], dict, str]]) -> list[dict]:
+    def _beam_of(self, w: Work) -> int:
+        beam = w.beam or self.schema.beam_width
+        if not 1 <= beam <= self.max_beam:
+            raise ValueError(f"beam {beam}: this SGLang engine decodes beams of 1 to {self.max_beam} "
+                             f"(SGLangEngine(max_beam=...); serve.limits.max_beam)")
+        return beam
+
+    def _beam(self, ticket: int, beam: int) -> _Req:
+        """A beam's request: one token naming its ticket (its own key: never shared)."""
+        return _Req([TICKET_BASE + ticket], None, f"sid:{ticket}", beam)
+
+    def _params(self, r: _Req) -> dict:
+        if r.payload is not None:
+            return {"max_new_tokens": 1, "custom_params": {PAYLOAD: r.payload}}
+        if r.beam == 1:  # greedy decoding (SGLang's beam search needs two)
+            return {"max_new_tokens": self.sid.levels, "ignore_eos": True, "temperature": 0.0}
+        # one step past the last level: SGLang hands a beam's leader the customized info of the
+        # steps that added to its output, and its final step adds nothing (the model answers at
+        # the last level; the extra step's rows are past the trie: padding only)
+        return {"max_new_tokens": self.sid.levels + 1, "ignore_eos": True, "beam_width": r.beam}
+
+    async def _generate(self, reqs: list[_Req]) -> list[dict]:
         obj = GenerateReqInput(
-            input_ids=[r[0] for r in reqs],
-            sampling_params=[{"max_new_tokens": 1, "custom_params": {PAYLOAD: r[1]}} for r in reqs],
-            custom_logit_processor=[self.processor] * len(reqs), return_hidden_states="last",
-            extra_key=[r[2] for r in reqs])
+            input_ids=[r.ids for r in reqs], sampling_params=[self._params(r) for r in reqs],
+            custom_logit_processor=[self.processor if r.payload is not None else None for r in reqs],
+            return_hidden_states=["last" if r.payload is not None else False for r in reqs],
+            extra_key=[r.key for r in reqs])
         out = await self.engine.tokenizer_manager.generate_request(obj, None).__anext__()
         return out if isinstance(out, list) else [out]
+
+    def _call(self, reqs: list[_Req], beams: dict[int, tuple[int, int]]) -> tuple[list[dict], dict]:
+        """Sends ``reqs`` and the ``beams`` ({work: (ticket, width)}, after them) in one batch ->
+        (the requests' outputs, {work: (item ids, log-probabilities)}). A beam that ran before the
+        request registering its prompt (SGLang may schedule them apart) is sent again: by then
+        the prompt is there."""
+        todo = list(beams)
+        outs = asyncio.run_coroutine_threadsafe(self._generate(reqs + [self._beam(*beams[i]) for i in todo]),
+                                                self.loop).result()
+        outs, got = outs[: len(reqs)], dict(zip(todo, outs[len(reqs):]))
+        found = {}
+        for attempt in range(2):
+            for i, o in got.items():
+                res = next((v for v in reversed(o["meta_info"].get(SID_INFO) or []) if isinstance(v, dict)), None)
+                if res is not None and "retry" not in res:
+                    found[i] = self._items(res)
+            todo = [i for i in beams if i not in found]
+            if not todo or attempt:
+                break
+            again = asyncio.run_coroutine_threadsafe(self._generate([self._beam(*beams[i]) for i in todo]),
+                                                     self.loop).result()
+            got = dict(zip(todo, again))
+        if todo:
+            raise RuntimeError(f"SGLang ended {len(todo)} semantic-ID beams without a result")
+        return outs, found
+
+    def _items(self, res: dict) -> tuple[np.ndarray, np.ndarray]:
+        """A beam's result -> (item ids, log-probabilities), items outside the catalogue left out."""
+        items, logp = np.asarray(res["items"], np.int64), np.asarray(res["scores"], np.float32)
+        pos = np.minimum(np.searchsorted(self.corpus_np, items), self.corpus_np.size - 1)
+        ok = self.corpus_np[pos] == items
+        return items[ok], logp[ok]
+
+    def generate(self, users: torch.Tensor, works: list[tuple[int, Work]]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """TorchEngine.generate's answers, decoded by SGLang: each work's prompt (row i of
+        ``users`` [B, D]) goes to the model in a register request, its beam right after it."""
+        if self.sid is None:
+            raise ValueError("this model has no semantic-ID decoder (model.sid)")
+        reqs, beams = [], {}
+        for i, w in works:
+            beams[i] = (next(self._tickets), self._beam_of(w))
+            seen = w.excluded()
+            reg = {"ticket": beams[i][0], "beam": beams[i][1], "prompt": users[i].float().tolist(),
+                   "seen": None if seen is None else seen.tolist()}
+            reqs.append(_Req([0], {"register": reg}, f"sid:{beams[i][0]}:prompt"))
+        return self._call(reqs, beams)[1]
+
+    def _row(self, o: dict) -> np.ndarray:
+        hs = o["meta_info"]["hidden_states"]  # the "last" row (a list of rows on some paths: the last)
+        return np.asarray(hs[-1] if hs and isinstance(hs[0], list) else hs, np.float32)
+
+    def _probs(self, row: np.ndarray) -> np.ndarray:
+        n_ret, n_prob, tasks = int(row[0]), int(row[1]), len(self.schema.tasks)
+        return row[3 + 2 * n_ret : 3 + 2 * n_ret + n_prob * tasks].reshape(n_prob, tasks)
 
     @torch.inference_mode()
     def run(self, works: list[Work]) -> list[Result]:
         t0 = time.perf_counter()
-        reqs = [self._request(w) for w in works]
-        outs = asyncio.run_coroutine_threadsafe(self._generate(reqs), self.loop).result()
-        retrieved, probs, computed = {}, {}, {}
+        retrieving = [(i, w) for i, w in enumerate(works) if w.kind == "retrieve" or w.candidates is None]
+        beams = {i: (next(self._tickets), self._beam_of(w)) for i, w in retrieving if w.source != "dense"}
+        reqs = [self._request(w, beams[i][0] if i in beams else None) for i, w in enumerate(works)]
+        outs, generated = self._call(reqs, beams)
+        dense, probs, computed = {}, {}, {}
         tasks = len(self.schema.tasks)
         hist = cached = hits = 0
         for i, (o, r) in enumerate(zip(outs, reqs)):
-            hs = o["meta_info"]["hidden_states"]  # the "last" row (a list of rows on some paths: the last)
-            row = np.asarray(hs[-1] if hs and isinstance(hs[0], list) else hs, np.float32)
-            n_ret, n_prob, computed[i] = int(row[0]), int(row[1]), int(row[2])
-            pos = row[3 : 3 + n_ret].astype(np.int64)
-            if n_ret or r[1]["k"]:
-                retrieved[i] = (self.corpus_np[pos], row[3 + n_ret : 3 + 2 * n_ret].copy())
-            if r[1]["rank"] != "none":
-                probs[i] = row[3 + 2 * n_ret : 3 + 2 * n_ret + n_prob * tasks].reshape(n_prob, tasks)
-            n, c = len(r[0]), int(o["meta_info"].get("cached_tokens", 0))
+            row = self._row(o)
+            n_ret, computed[i] = int(row[0]), int(row[2])
+            if n_ret or r.payload["k"]:
+                dense[i] = (self.corpus_np[row[3 : 3 + n_ret].astype(np.int64)], row[3 + n_ret : 3 + 2 * n_ret].copy())
+            if r.payload["rank"] != "none":
+                probs[i] = self._probs(row)
+            n, c = len(r.ids), int(o["meta_info"].get("cached_tokens", 0))
             hist, cached, hits = hist + n, cached + c, hits + (c > 0)
         with self._lock:
             s = self._stats
@@ -413,13 +624,18 @@ class SGLangEngine(TorchEngine):
             s["misses"] += len(works) - hits
             s["history_tokens"] += hist
             s["cached_tokens"] += cached
+        retrieved = self.merge_sources(retrieving, dense, generated) if beams else dense
         to_rank = self.plan_ranking(works, retrieved)
+        later = [i for i in to_rank if i in beams]  # ranks what its beam found: a second call, history cached
+        if later:
+            second = self._call([self._request(works[i], candidates=to_rank[i][0]) for i in later], {})[0]
+            probs.update({i: self._probs(self._row(o)) for i, o in zip(later, second)})
         for i in to_rank:  # a model without tasks ranks nothing: its candidates keep their order
             probs.setdefault(i, np.zeros((to_rank[i][0].size, tasks), np.float32))
         results = self.finish(works, retrieved, to_rank, probs, t0)
         gauges = {"capacity_tokens": self.pool_tokens, "bytes": self.pool_tokens * self.bytes_per_token}
         for i, (r, o, q, w) in enumerate(zip(results, outs, reqs, works)):
-            r.history_tokens, r.cached_tokens = len(q[0]), int(o["meta_info"].get("cached_tokens", 0))
+            r.history_tokens, r.cached_tokens = len(q.ids), int(o["meta_info"].get("cached_tokens", 0))
             r.prefilled_tokens = computed[i]  # by the pass that ended the request (all of them, unchunked)
             r.cache_lookup, r.cache_gauges = bool(w.user.user_id), gauges
         return results

@@ -39,7 +39,7 @@ FILE_TIERS = {
     "test_distributed.py": "dist", "test_checkpoint.py": "dist",
     "test_serving.py": "serving", "test_serve_security.py": "serving", "test_engine_failover.py": "serving",
     "test_request_limits.py": "serving", "test_loadtest.py": "serving",
-    "test_sglang.py": "sglang",
+    "test_sglang.py": "sglang", "test_sglang_sid.py": "sglang",
 }
 # file::test (without parameters) -> tier, for what SIGNS cannot see (a helper does the work)
 TEST_TIERS = {

@@ -1,0 +1,186 @@
+"""The semantic-ID decoder's steps as SGLang decodes them (pure PyTorch; the SGLang glue is
+``serve.sglang_engine``).
+
+SGLang's built-in beam search picks each level's codes from the logits the model returns, so
+the trie lives in the vocabulary: a code token's id is its *trie node* (a prefix of codes), so
+a row's input token alone says which prefix it extends, and the row's logits are finite only
+at that node's children (``SemanticIds.step``). Ids::
+
+    [0, dead)                       padding: "no beam here" (see below)
+    [base[d], base[d] + nodes(d))   the trie's nodes at depth d = 1..L (depth L: the items)
+
+A row at level l (its position: the prompt token is position 0) holds a depth-l node; its
+decoder input is the prompt and the node's codes (``paths[l]``), recomputed at every step: at
+most L tokens through a decoder of a few layers, as ``SIDDecoder.beam_search`` does, instead of
+K/V in SGLang's pool, whose every slot would then carry the decoder's layers beside the tower's.
+
+Padding ids: SGLang scores each row's top 2 x beam logits; a row with fewer finite logits
+hands it -inf candidates whose token ids are arbitrary, and a beam wider than the live
+(prefix, code) pairs selects them. Every live row therefore also gives the ``dead`` padding
+ids a finite logit far below any real one (``DEAD_LOGIT``): they are picked only where real
+candidates run out, and a row holding one (or any id that is not a node of its level) stays
+dead. ``dead`` = 2 x the widest beam.
+
+The last level's selection is the model's (:meth:`SIDSteps.final`), not SGLang's: SGLang
+scores a candidate by a log-softmax over the logits it is given, so masking the request's
+excluded items there would renormalise each row over what is left, while
+``SIDDecoder.beam_search`` leaves them out of a distribution over every child (an item's score
+is its probability under the decoder). All of a beam's rows run in the same forward, so the
+model sees them together and ends the beam exactly as the reference does; without exclusions
+SGLang's own last selection is the same (tests/test_sglang_sid.py checks both).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from genrec.models.sid_decoder import SIDDecoder
+
+DEAD_LOGIT = -1e30  # finite (no NaN in a log-softmax), below any real log-probability
+MAX_TICKETS = 1 << 14  # prompts kept for beams not yet ended (a lost beam's is dropped, oldest first)
+
+
+class SIDSteps:
+    """Example: ``steps = SIDSteps(model.sid_head, max_beam=256)``; a prefill row of a beam
+    prompted with h [D] -> ``steps.logits(h[None], torch.tensor([0]), torch.tensor([0]),
+    torch.tensor([True]))`` [1, steps.size] (level 0: the root's children)."""
+
+    def __init__(self, head: SIDDecoder, max_beam: int) -> None:
+        self.head = head
+        sid = head.sid
+        self.levels = head.levels
+        self.dead = 2 * max_beam
+        nodes = [1] + [int(c.shape[0]) for c in sid.children[1:]] + [int(sid.leaf_item.numel())]
+        self.nodes = nodes  # [L + 1] nodes at each depth (depth 0: the root)
+        self.base = [0] * (self.levels + 1)
+        self.size = self.dead
+        for d in range(1, self.levels + 1):
+            self.base[d] = self.size
+            self.size += nodes[d]
+        # paths[d] [nodes(d), d]: the codes of each depth-d node
+        self.paths = [torch.zeros(1, 0, dtype=torch.long)]
+        for level, table in enumerate(sid.children):
+            parent, code = (table >= 0).nonzero(as_tuple=True)
+            path = torch.empty(nodes[level + 1], level + 1, dtype=torch.long)
+            child = table[parent, code]
+            path[child, :level] = self.paths[level][parent]
+            path[child, level] = code
+            self.paths.append(path)
+        self.dtype = next(head.parameters()).dtype
+
+    def local(self, tokens: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+        """[R] each row's node at its level (level 0: the root), -1 where its token is not a
+        node of that level (padding, or past the last level)."""
+        out = torch.full_like(tokens, -1)
+        for level in levels.unique().tolist():
+            rows = levels == level
+            if level == 0:
+                out[rows] = 0
+            elif level < self.levels:
+                node = tokens[rows] - self.base[level]
+                out[rows] = torch.where((node >= 0) & (node < self.nodes[level]), node, torch.full_like(node, -1))
+        return out
+
+    def outputs(self, prompts: torch.Tensor, nodes: torch.Tensor, level: int) -> torch.Tensor:
+        """The decoder over each row's prompt and codes: [R, level + 1, d] (rows at ``level``,
+        prompts [R, D], valid nodes [R])."""
+        return self.head.hidden(prompts.to(self.dtype), self.paths[level][nodes])
+
+    @torch.no_grad()
+    def logits(self, prompts: torch.Tensor, tokens: torch.Tensor, levels: torch.Tensor, live: torch.Tensor,
+               ) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+        """SGLang's logits [R, size] for rows holding ``tokens`` [R] at ``levels`` [R] (prompts
+        [R, D]; ``live`` [R] False: a row whose beam has no prompt), and for the rows at the
+        last level, {row: (node, decoder outputs [L, d])} for :meth:`final`."""
+        r = tokens.numel()
+        out = torch.full((r, self.size), -torch.inf)
+        nodes = self.local(tokens, levels)
+        ok = live & (nodes >= 0)
+        out[:, : self.dead] = torch.where(ok, DEAD_LOGIT, 0.0)[:, None]
+        last = {}
+        for level in levels[ok].unique().tolist():
+            rows = (ok & (levels == level)).nonzero().squeeze(1)
+            node = nodes[rows]
+            hid = self.outputs(prompts[rows], node, level)
+            logp = self.head.level_logits(hid[:, level], level, node)  # [r, sizes[level]]
+            child = self.head.sid.step(node, level)
+            row, code = (child >= 0).nonzero(as_tuple=True)
+            out[rows[row], self.base[level + 1] + child[row, code]] = logp[row, code]
+            if level == self.levels - 1:
+                last.update({int(i): (node[j], hid[j]) for j, i in enumerate(rows.tolist())})
+        return out, last
+
+    @torch.no_grad()
+    def final(self, prompt: torch.Tensor, nodes: torch.Tensor, hidden: torch.Tensor, beam: int,
+              seen: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """The last level of one beam, as ``SIDDecoder.beam_search`` ends it: its rows' nodes
+        [R] at level L-1 and decoder outputs [R, L, d] (prompt [D]) -> the ``beam`` best items
+        and their log-probabilities, best first, ``seen`` items left out (without
+        renormalising), fewer where fewer exist."""
+        head, sid, last = self.head, self.head.sid, self.levels - 1
+        codes = self.paths[last][nodes]
+        scores = torch.zeros(nodes.numel())
+        for level in range(last):  # the log-probability of each row's prefix, level by level
+            logp = head.level_logits(hidden[:, level], level, sid.nodes_of(codes[:, :level]))
+            scores = scores + logp.gather(1, codes[:, level : level + 1]).squeeze(1)
+        logp = head.level_logits(hidden[:, last], last, nodes)
+        child = sid.step(nodes, last)
+        leaf = torch.where(child >= 0, sid.leaf_item[child.clamp(min=0)], torch.full_like(child, -1))
+        if seen is not None and seen.size:
+            logp = logp.masked_fill(torch.isin(leaf, torch.from_numpy(seen)), -torch.inf)
+        total = (scores[:, None] + logp).reshape(-1)
+        top, idx = total.topk(min(beam, total.numel()))
+        keep = torch.isfinite(top) & (leaf.reshape(-1)[idx] >= 0)
+        return leaf.reshape(-1)[idx][keep].numpy(), top[keep].float().numpy()
+
+
+@dataclass
+class Ticket:
+    """What a beam needs besides its rows: the decoder's prompt (the user vector [D]), its width
+    and the items it leaves out."""
+
+    prompt: torch.Tensor
+    beam: int
+    seen: np.ndarray | None
+
+
+class SIDBeams:
+    """The beams in flight in SGLang's scheduler: their prompts by ticket, and one step of any
+    mix of their rows (``step``)."""
+
+    def __init__(self, steps: SIDSteps, dim: int) -> None:
+        self.steps, self.dim = steps, dim
+        self.tickets: OrderedDict[int, Ticket] = OrderedDict()
+
+    def keep(self, ticket: int, prompt: torch.Tensor, beam: int, seen: np.ndarray | None) -> None:
+        """Keeps a beam's prompt [D] under its ticket until the beam ends."""
+        self.tickets[ticket] = Ticket(prompt, beam, seen)
+        while len(self.tickets) > MAX_TICKETS:
+            self.tickets.popitem(last=False)
+
+    def step(self, tickets: torch.Tensor, tokens: torch.Tensor, levels: torch.Tensor,
+             ) -> tuple[torch.Tensor, dict[int, dict]]:
+        """Logits [R, vocab] of beam rows (their tickets, tokens and levels [R]), and {row: its
+        beam's result} for the rows of beams that end in this pass (each of their rows carries it:
+        SGLang reads the leader's). A beam at its last level without a prompt answers ``retry``
+        (its ticket was registered after the beam started)."""
+        known = [self.tickets.get(t) for t in tickets.tolist()]
+        live = torch.tensor([k is not None for k in known], dtype=torch.bool)
+        prompts = torch.stack([k.prompt if k is not None else torch.zeros(self.dim) for k in known])
+        out, last = self.steps.logits(prompts, tokens, levels, live)
+        results: dict[int, dict] = {}
+        groups: dict[int, list[int]] = defaultdict(list)
+        for row in last:
+            groups[int(tickets[row])].append(row)
+        for t, group in groups.items():
+            k = self.tickets.pop(t)
+            items, scores = self.steps.final(k.prompt, torch.stack([last[r][0] for r in group]),
+                                             torch.stack([last[r][1] for r in group]), k.beam, k.seen)
+            results.update(dict.fromkeys(group, {"items": items.tolist(), "scores": scores.tolist()}))
+        for row in ((levels == self.steps.levels - 1) & ~live).nonzero().squeeze(1).tolist():
+            results[row] = {"retry": True}
+        return out, results
