@@ -396,6 +396,7 @@ SUMMARIES: dict[str, Callable[[dict], tuple[str, str]]] = {
     "serving_scale": serving_scale_summary, "resilience": resilience_summary,
     "serving_cache": _lazy("serving_cache", "serving_cache_summary"),
     "long_history": _lazy("long_history", "long_history_summary"),
+    "sid_decoding": _lazy("sid_decoding", "sid_decoding_summary"),
 }
 
 
@@ -404,6 +405,7 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "distributed": distributed, "quant": quant, "serving": serving, "engine_capacity": engine_capacity,
     "serving_scale": serving_scale, "resilience": resilience,
     "serving_cache": _lazy("serving_cache", "serving_cache"), "long_history": _lazy("long_history", "long_history"),
+    "sid_decoding": _lazy("sid_decoding", "sid_decoding"),
 }
 
 
