@@ -24,6 +24,7 @@ the (at most L-token) prefix at each level instead of keeping a K/V cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -172,22 +173,22 @@ class SIDDecoder(nn.Module):
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``beam`` most probable items per user, best first: items [B, K] (-1 where fewer
         than K codes exist) and their log-probabilities [B, K]. h [B, Dt] prompts; ``seen =
-        (item ids, lengths [B])`` leaves each user's own items out at the last level (as dense
-        retrieval leaves out the history)."""
+        (item ids, lengths [B])`` leaves each user's own items out (as dense retrieval leaves
+        out the history): at every level, a prefix all of whose items the user has is dropped,
+        so the beam's K slots go to items that can be returned."""
         b, dev = h.shape[0], h.device
         scores = torch.zeros(b, 1, device=dev)  # [B, k] beams' log-probabilities
         nodes = torch.zeros(b, 1, dtype=torch.long, device=dev)
         codes = torch.zeros(b, 1, 0, dtype=torch.long, device=dev)
-        seen_mask = None
+        exhausted = self._exhausted(seen) if seen is not None and seen[0].numel() else None
         for level in range(self.levels):
             k = nodes.shape[1]
             safe = nodes.clamp(min=0).reshape(-1)  # a dead beam (-inf) walks on from the root, still -inf
             out = self.hidden(h.repeat_interleave(k, 0), codes.reshape(b * k, level))[:, level]
             logp = self.level_logits(out, level, safe).reshape(b, k, -1)
             child = self.sid.step(safe, level).reshape(b, k, -1)
-            if level == self.levels - 1 and seen is not None:
-                seen_mask = self._seen_leaves(child, seen)
-                logp = logp.masked_fill(seen_mask, NEG)
+            if exhausted is not None:  # prefixes whose every item the user has are no use to the beam
+                logp = logp.masked_fill(exhausted(child, level + 1), NEG)
             total = (scores[:, :, None] + logp).reshape(b, -1)
             top, idx = total.topk(min(beam, total.shape[1]), dim=1)
             parent, code = idx // logp.shape[2], idx % logp.shape[2]
@@ -200,17 +201,41 @@ class SIDDecoder(nn.Module):
         pad = beam - items.shape[1]  # fewer codes than the beam
         return F.pad(items, (0, pad), value=-1), F.pad(scores, (0, pad), value=NEG)
 
-    def _seen_leaves(self, child: torch.Tensor, seen: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """[B, k, s] whether each last-level child is an item in its user's history."""
+    def _subtree_sizes(self) -> list[torch.Tensor]:
+        """Items under each node, per level: [num_nodes(l)] for l = 0..L (level L: ones)."""
+        if getattr(self, "_sizes_of", (None,))[0] is not self.sid:
+            codes = self.sid.codes
+            sizes = [torch.bincount(self.sid.nodes_of(codes[:, :level])) for level in range(self.levels + 1)]
+            self._sizes_of = (self.sid, sizes)
+        return self._sizes_of[1]
+
+    def _exhausted(self, seen: tuple[torch.Tensor, torch.Tensor]) -> Callable[[torch.Tensor, int], torch.Tensor]:
+        """A function (child nodes [B, ...] at ``level``, level) -> whether every item under each
+        child is in its user's history: a beam there could only end on items left out."""
         ids, lengths = seen
-        b = child.shape[0]
-        leaf = torch.where(child >= 0, self.sid.leaf_item[child.clamp(min=0)], torch.full_like(child, -1))
-        width = int(lengths.max()) if lengths.numel() else 0
-        if width == 0:
-            return torch.zeros_like(child, dtype=torch.bool)
-        pad = torch.full((b, width), -2, dtype=ids.dtype, device=ids.device)
-        row = torch.repeat_interleave(torch.arange(b, device=ids.device), lengths)
-        col = torch.arange(ids.numel(), device=ids.device) - torch.repeat_interleave(
-            torch.cumsum(lengths, 0) - lengths, lengths)
-        pad[row, col] = ids
-        return (leaf.reshape(b, -1, 1) == pad[:, None, :]).any(-1).reshape(child.shape)
+        b = lengths.numel()
+        width = int(lengths.max()) if b else 0
+        pad = torch.full((b, max(width, 1)), -1, dtype=torch.long, device=ids.device)
+        if width:
+            row = torch.repeat_interleave(torch.arange(b, device=ids.device), lengths)
+            col = torch.arange(ids.numel(), device=ids.device) - torch.repeat_interleave(
+                torch.cumsum(lengths, 0) - lengths, lengths)
+            pad[row, col] = ids.long()
+        pad = pad.sort(1).values
+        pad[:, 1:][pad[:, 1:] == pad[:, :-1]] = -1  # a repeated item counts once
+        codes = self.sid.codes_of(pad)  # [B, S, L]; -1 rows: padding and unknown items
+        known = codes[..., 0] >= 0
+        sizes = self._subtree_sizes()
+        seen_nodes = {}
+
+        def exhausted(child: torch.Tensor, level: int) -> torch.Tensor:
+            if level not in seen_nodes:
+                nodes = self.sid.nodes_of(codes[..., :level].clamp(min=0))
+                seen_nodes[level] = torch.where(known, nodes, torch.full_like(nodes, -1)).sort(1).values
+            srt = seen_nodes[level]
+            flat = child.reshape(b, -1).contiguous()
+            count = torch.searchsorted(srt, flat, right=True) - torch.searchsorted(srt, flat)
+            full = (count >= sizes[level][flat.clamp(min=0)]) & (flat >= 0)
+            return full.reshape(child.shape)
+
+        return exhausted

@@ -180,3 +180,16 @@ def test_the_trie_follows_the_decoder_to_its_device():
     moved = dec.to("meta")
     assert moved.sid.leaf_item.device.type == "meta" and moved.sid.children[0].device.type == "meta"
     assert dec.to(torch.bfloat16).book_codes.dtype == torch.long  # casts leave the codebook alone
+
+
+def test_a_long_history_still_fills_the_beam():
+    """Exclusion pruned only the last level: a user who had most of a subtree's items got
+    beams ending on them, dropped, and fewer than K items back (ML-1M: 35 of 50 on average)."""
+    dec = decoder(sizes=(8, 8))
+    h = torch.randn(2, 16)
+    best, _ = dec.beam_search(h, 200)
+    seen_ids = torch.cat([best[0, :190], best[1, :190]])  # each user had their 190 likeliest items
+    items, scores = dec.beam_search(h, 10, (seen_ids, torch.tensor([190, 190])))
+    for u in range(2):
+        assert sorted(items[u].tolist()) == sorted(best[u, 190:].tolist())  # every one of the 10 left
+        assert torch.isfinite(scores[u]).all()
