@@ -397,6 +397,7 @@ SUMMARIES: dict[str, Callable[[dict], tuple[str, str]]] = {
     "serving_cache": _lazy("serving_cache", "serving_cache_summary"),
     "long_history": _lazy("long_history", "long_history_summary"),
     "sid_decoding": _lazy("sid_decoding", "sid_decoding_summary"),
+    "sid_quality": _lazy("sid_quality", "sid_quality_summary"),
 }
 
 
@@ -406,6 +407,7 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "serving_scale": serving_scale, "resilience": resilience,
     "serving_cache": _lazy("serving_cache", "serving_cache"), "long_history": _lazy("long_history", "long_history"),
     "sid_decoding": _lazy("sid_decoding", "sid_decoding"),
+    "sid_quality": _lazy("sid_quality", "sid_quality"),
 }
 
 

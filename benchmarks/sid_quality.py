@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -131,6 +132,7 @@ def main() -> None:
         "dense_minutes": round(dense_minutes, 1), "generative_minutes": round(res["train_seconds"] / 60, 1),
         "epochs": res["epochs"], "best_epoch": res["best_epoch"], "beam_width": 50,
         "dense_run": str(dense_run), "run_dir": str(run_dir), "levels": args.levels,
+        "command": "python -m genrec.benchmarks.sid_quality " + " ".join(sys.argv[1:]),
         "anchors": ANCHORS[args.dataset],
     }
     path = RESULTS / "sid_quality.json"
@@ -144,7 +146,8 @@ def main() -> None:
 def sid_quality(d: dict) -> list[str]:
     from genrec.benchmarks.report import machine_text, num, table
 
-    out = ["Anchor: TIGER (Beauty) and SASRec (ML-1M), published, same protocol (leave-one-out, full "
+    out = ["## Generative retrieval (semantic IDs, trie-constrained beam, test split)", "",
+           "Anchor: TIGER (Beauty) and SASRec (ML-1M), published, same protocol (leave-one-out, full "
            "catalogue). Test split, read once, at the checkpoint chosen on validation gen_ndcg@10.", ""]
     for r in d["records"]:
         g, h, m, c = r["generative"], r["dense_head"], r["merged"], r["codebook"]
@@ -160,8 +163,10 @@ def sid_quality(d: dict) -> list[str]:
                    f"not in the history): {m['valid_share']:.2%} of {m['decoded_items']}.")
         keys = [k for k in m if "recall" in k]
         out += [""] + table(["recall of the test item", *keys], [["", *(num(m[k]) for k in keys)]])
-        out += ["", f"Machine: {machine_text(r['machine'])}; {r['date']}.", ""]
-    out.append("Command: `python -m genrec.benchmarks.sid_quality --dataset beauty`.")
+        out += ["", f"Codebook and start: {r['dense_run']}.", "",
+                f"Machine: {machine_text(r['machine'])}; {r['date']}. Command: `{r.get('command', '')}`.", ""]
+    out.append("Recall: of the held-out test item in each list (history excluded); merged = the dense top-100 and the "
+               "decoded top-50, deduplicated; dense@150: a dense list as long as the merged one can be.")
     return out
 
 
