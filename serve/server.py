@@ -167,9 +167,15 @@ def batch_inflight(cfg: ServeConfig) -> int:
     return 3 if cfg.engine_process and cfg.engine != "sglang" and cfg.engine_replicas == 1 else cfg.engine_replicas
 
 
+SGLANG_MAX_BEAM = 256  # SGLangEngine's max_beam, which make_engine leaves at its default
+
+
 def open_engine(cfg: ServeConfig, artifact: str, replica_cpus: Sequence[tuple[int, ...]] = ()):  # noqa: ANN201
     """The engine the config asks for: in child processes, or in this one. ``replica_cpus``: the
     CPUs of each engine process (() for each: where the OS puts it)."""
+    if cfg.engine == "sglang" and cfg.limits.max_beam > SGLANG_MAX_BEAM:
+        raise ValueError(f"serve.limits.max_beam = {cfg.limits.max_beam}: the sglang engine decodes beams of at most "
+                         f"{SGLANG_MAX_BEAM} (its vocabulary carries 2 x that many padding ids)")
     if cfg.engine_process and cfg.engine != "sglang":
         cpus = tuple(replica_cpus) or ((),) * cfg.engine_replicas
         if len(cpus) != cfg.engine_replicas:

@@ -261,3 +261,16 @@ def test_an_artifact_without_a_decoder_serves_dense_and_refuses_generative(sid):
         assert not info.generative and info.default_beam == 0 and not info.semantic_id_sizes
     finally:
         srv.stop()
+
+
+def test_a_beam_limit_the_sglang_engine_cannot_decode_is_refused_at_start(tmp_path):
+    """The SGLang engine sizes its vocabulary for beams of at most 256; a server configured to
+    accept wider ones would answer them with an internal error: it refuses to start instead."""
+    from dataclasses import replace
+
+    from genrec.serve.server import open_engine
+
+    cfg = local_config(engine="sglang")
+    cfg = replace(cfg, limits=replace(cfg.limits, max_beam=300))
+    with pytest.raises(ValueError, match="serve.limits.max_beam"):
+        open_engine(cfg, str(tmp_path / "no-artifact"))
