@@ -51,20 +51,26 @@ def sglang_beam(steps, h: torch.Tensor, beam: int, seen: np.ndarray | None = Non
     select = importlib.import_module("sglang.srt.beam_search.joint_select")
     joint_select, select_final_topk = select.joint_select, select.select_final_topk
 
+    from genrec.serve.sglang_models.sid_steps import SIDBeams
+
+    beams = SIDBeams(steps, h.numel())  # the model's side of a step, as the engine's model runs it
+    beams.keep(7, h, beam, seen)
     tokens, levels = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
     cum, history = torch.zeros(1), []
     for level in range(steps.levels):
-        prompts = h.expand(tokens.numel(), -1)
-        logits, last = steps.logits(prompts, tokens, levels, torch.ones(tokens.numel(), dtype=torch.bool))
+        if model_ends:
+            logits, results = beams.step(torch.full_like(tokens, 7), tokens, levels)
+        else:
+            logits, _ = steps.logits(h.expand(tokens.numel(), -1), tokens, levels,
+                                     torch.ones(tokens.numel(), dtype=torch.bool))
         lp = logits - torch.logsumexp(logits, -1, keepdim=True)
         top, tok = lp.topk(min(2 * beam, lp.shape[1]), dim=-1)
         if level == steps.levels - 1:
             if model_ends:
-                rows = sorted(last)
-                if not rows:  # (only without padding: no row holds a node of this level)
+                if not results:  # (only without padding: no row holds a node of this level)
                     return np.zeros(0, np.int64), np.zeros(0, np.float32), history
-                return (*steps.final(h, torch.stack([last[r][0] for r in rows]),
-                                     torch.stack([last[r][1] for r in rows]), beam, seen), history)
+                res = results[min(results)]
+                return np.asarray(res["items"], np.int64), np.asarray(res["scores"], np.float32), history
             sel = select_final_topk(cum, top, tok, beam)
             node = sel.tokens - steps.base[steps.levels]
             ok = torch.isfinite(sel.cum_logprobs)
@@ -107,6 +113,40 @@ def test_sglang_selection_over_the_trie_logits_is_the_reference_beam(beam):
         items, scores, _ = sglang_beam(steps, h, beam, model_ends=False)
         np.testing.assert_array_equal(items, ref_items)
         np.testing.assert_allclose(scores, ref_scores, rtol=TOL, atol=TOL)
+
+
+def exhausting(dec: SIDDecoder, items: np.ndarray, prefixes: int) -> np.ndarray:
+    """Every item under the first L-1 codes of the first ``prefixes`` of ``items`` (those
+    prefixes left with nothing to return), and every third of ``items`` besides (some siblings)."""
+    sid = dec.sid
+    codes = sid.codes_of(torch.from_numpy(items))[:prefixes, :-1]
+    under = (sid.codes[:, None, :-1] == codes[None]).all(-1).any(1)
+    return np.union1d(sid.item_ids[under].numpy(), items[::3]).astype(np.int64)
+
+
+@pytest.mark.parametrize("sizes,items", [((4, 4), 200), ((8, 8), 100), ((4, 4, 4), 150)])
+def test_a_prefix_whose_items_are_all_excluded_takes_no_beam_row(sizes, items):
+    """``beam_search`` drops, at every level, a prefix all of whose items the user has, so its
+    beam's rows go to prefixes that can end on an item. SGLang's selection kept it (it sees no
+    exclusions before the last level): the beam ended one item short, or on other items (Beauty:
+    12,101 items on 256/256/256/9 codes, most last-level prefixes one item: ~25% of requests).
+    Codebooks with many siblings per prefix (200 items on 4 x 4 prefixes) and with few (100 on
+    64), the best prefixes' items all excluded and some of their siblings."""
+    from genrec.serve.sglang_models.sid_steps import SIDSteps
+
+    dec = decoder(sizes, items, seed=1)
+    steps = SIDSteps(dec, max_beam=64)
+    for seed in range(4):
+        h = torch.randn(16, generator=torch.Generator().manual_seed(seed))
+        for beam in (3, 10, 25):
+            free, _ = reference(dec, h, beam)
+            for prefixes in (1, 2):
+                seen = exhausting(dec, free, prefixes)
+                want = reference(dec, h, beam, seen)
+                got = sglang_beam(steps, h, beam, seen)
+                np.testing.assert_array_equal(got[0], want[0])
+                np.testing.assert_allclose(got[1], want[1], rtol=TOL, atol=TOL)
+                assert not np.isin(got[0], seen).any()
 
 
 def test_without_padding_a_wide_beam_selects_minus_infinity_candidates():

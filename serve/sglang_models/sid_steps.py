@@ -92,10 +92,12 @@ class SIDSteps:
 
     @torch.no_grad()
     def logits(self, prompts: torch.Tensor, tokens: torch.Tensor, levels: torch.Tensor, live: torch.Tensor,
+               keep: torch.Tensor | None = None,
                ) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
         """SGLang's logits [R, size] for rows holding ``tokens`` [R] at ``levels`` [R] (prompts
         [R, D]; ``live`` [R] False: a row whose beam has no prompt), and for the rows at the
-        last level, {row: (node, decoder outputs [L, d])} for :meth:`final`."""
+        last level and the rows ``keep`` [R] marks, {row: (node, decoder outputs [level + 1, d])}
+        for :meth:`final` and :meth:`select`."""
         r = tokens.numel()
         out = torch.full((r, self.size), -torch.inf)
         nodes = self.local(tokens, levels)
@@ -110,9 +112,57 @@ class SIDSteps:
             child = self.head.sid.step(node, level)
             row, code = (child >= 0).nonzero(as_tuple=True)
             out[rows[row], self.base[level + 1] + child[row, code]] = logp[row, code]
-            if level == self.levels - 1:
-                last.update({int(i): (node[j], hid[j]) for j, i in enumerate(rows.tolist())})
+            wanted = rows.tolist() if level == self.levels - 1 else [] if keep is None else rows[keep[rows]].tolist()
+            at = {int(i): j for j, i in enumerate(rows.tolist())}
+            last.update({i: (node[at[i]], hid[at[i]]) for i in wanted})
         return out, last
+
+    def prefix_scores(self, nodes: torch.Tensor, hidden: torch.Tensor, level: int) -> torch.Tensor:
+        """The log-probability [R] of each row's prefix (depth-``level`` nodes [R], decoder
+        outputs [R, >= level, d]), summed level by level as ``SIDDecoder.beam_search`` sums it."""
+        head, sid = self.head, self.head.sid
+        codes = self.paths[level][nodes]
+        scores = torch.zeros(nodes.numel())
+        for depth in range(level):
+            logp = head.level_logits(hidden[:, depth], depth, sid.nodes_of(codes[:, :depth]))
+            scores = scores + logp.gather(1, codes[:, depth : depth + 1]).squeeze(1)
+        return scores
+
+    @torch.no_grad()
+    def select(self, nodes: torch.Tensor, hidden: torch.Tensor, level: int, beam: int,
+               exhausted) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+        """An intermediate level of one beam that leaves items out, as ``SIDDecoder.beam_search``
+        selects it: its rows' nodes [R] at ``level`` < L-1 and decoder outputs [R, level + 1, d]
+        -> the (row, child node) pairs [n] it keeps (n <= beam). A child all of whose items are
+        left out (``exhausted``: ``SIDDecoder._exhausted``'s function) is dropped, the others
+        keep their probability under the decoder: SGLang's own selection cannot do this (it
+        renormalises each row over the logits it gets), so the model picks and SGLang follows."""
+        scores = self.prefix_scores(nodes, hidden, level)
+        logp = self.head.level_logits(hidden[:, level], level, nodes)
+        child = self.head.sid.step(nodes, level)
+        logp = logp.masked_fill(exhausted(child[None], level + 1)[0], -torch.inf)
+        total = (scores[:, None] + logp).reshape(-1)
+        top, idx = total.topk(min(beam, total.numel()))
+        idx = idx[torch.isfinite(top)]
+        row, code = idx // logp.shape[1], idx % logp.shape[1]
+        return row, child[row, code]
+
+    def follow(self, row: torch.Tensor, child: torch.Tensor, level: int, rows: int) -> torch.Tensor:
+        """The logits [rows, size] that make SGLang keep exactly the (row, child node) pairs
+        :meth:`select` picked (n <= beam <= dead / 2) and nothing else but padding. SGLang scores
+        a candidate by its logit minus its row's logsumexp plus its row's sum so far: each
+        picked child gets 0 and every padding id of its row log(3/4 - n_row / dead), so that
+        its row's logsumexp is log(3/4 dead) whatever n_row is: every pick scores
+        log(4/3) - log(dead), its padding less, and every row the beam keeps has the same sum.
+        A row without a pick offers only padding at 0: -log(dead), below every pick (its sum
+        is theirs). Where picks are fewer than the beam, padding fills it and those rows stay dead."""
+        out = torch.full((rows, self.size), -torch.inf)
+        out[:, : self.dead] = 0.0
+        n = torch.bincount(row, minlength=rows).to(torch.float32)
+        has = n > 0
+        out[has, : self.dead] = torch.log(0.75 - n[has] / self.dead)[:, None]
+        out[row, self.base[level + 1] + child] = 0.0
+        return out
 
     @torch.no_grad()
     def final(self, prompt: torch.Tensor, nodes: torch.Tensor, hidden: torch.Tensor, beam: int,
@@ -122,11 +172,7 @@ class SIDSteps:
         and their log-probabilities, best first, ``seen`` items left out (without
         renormalising), fewer where fewer exist."""
         head, sid, last = self.head, self.head.sid, self.levels - 1
-        codes = self.paths[last][nodes]
-        scores = torch.zeros(nodes.numel())
-        for level in range(last):  # the log-probability of each row's prefix, level by level
-            logp = head.level_logits(hidden[:, level], level, sid.nodes_of(codes[:, :level]))
-            scores = scores + logp.gather(1, codes[:, level : level + 1]).squeeze(1)
+        scores = self.prefix_scores(nodes, hidden, last)
         logp = head.level_logits(hidden[:, last], last, nodes)
         child = sid.step(nodes, last)
         leaf = torch.where(child >= 0, sid.leaf_item[child.clamp(min=0)], torch.full_like(child, -1))
@@ -146,6 +192,7 @@ class Ticket:
     prompt: torch.Tensor
     beam: int
     seen: np.ndarray | None
+    exhausted: object = None  # SIDDecoder._exhausted's function for ``seen`` (built at first use)
 
 
 class SIDBeams:
@@ -171,16 +218,33 @@ class SIDBeams:
         known = [self.tickets.get(t) for t in tickets.tolist()]
         live = torch.tensor([k is not None for k in known], dtype=torch.bool)
         prompts = torch.stack([k.prompt if k is not None else torch.zeros(self.dim) for k in known])
-        out, last = self.steps.logits(prompts, tokens, levels, live)
+        steps = self.steps
+        # rows of beams that leave items out, before their last level: the model selects them
+        chosen = torch.tensor([k is not None and k.seen is not None and k.seen.size > 0 for k in known],
+                              dtype=torch.bool) & (levels < steps.levels - 1)
+        out, rows = steps.logits(prompts, tokens, levels, live, chosen if bool(chosen.any()) else None)
         results: dict[int, dict] = {}
         groups: dict[int, list[int]] = defaultdict(list)
-        for row in last:
-            groups[int(tickets[row])].append(row)
+        picks: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for row in rows:
+            if chosen[row]:
+                picks[int(tickets[row]), int(levels[row])].append(row)
+            else:
+                groups[int(tickets[row])].append(row)
+        for (t, level), group in picks.items():
+            k = self.tickets[t]
+            if k.exhausted is None:
+                seen = torch.from_numpy(k.seen)
+                k.exhausted = steps.head._exhausted((seen, torch.tensor([seen.numel()])))
+            row, child = steps.select(torch.stack([rows[r][0] for r in group]),
+                                      torch.stack([rows[r][1] for r in group]), level, k.beam, k.exhausted)
+            index = torch.tensor(group)
+            out[index] = steps.follow(row, child, level, len(group))
         for t, group in groups.items():
             k = self.tickets.pop(t)
-            items, scores = self.steps.final(k.prompt, torch.stack([last[r][0] for r in group]),
-                                             torch.stack([last[r][1] for r in group]), k.beam, k.seen)
+            items, scores = steps.final(k.prompt, torch.stack([rows[r][0] for r in group]),
+                                        torch.stack([rows[r][1] for r in group]), k.beam, k.seen)
             results.update(dict.fromkeys(group, {"items": items.tolist(), "scores": scores.tolist()}))
-        for row in ((levels == self.steps.levels - 1) & ~live).nonzero().squeeze(1).tolist():
+        for row in ((levels == steps.levels - 1) & ~live).nonzero().squeeze(1).tolist():
             results[row] = {"retry": True}
         return out, results
