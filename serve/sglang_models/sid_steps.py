@@ -27,7 +27,9 @@ excluded items there would renormalise each row over what is left, while
 ``SIDDecoder.beam_search`` leaves them out of a distribution over every child (an item's score
 is its probability under the decoder). All of a beam's rows run in the same forward, so the
 model sees them together and ends the beam exactly as the reference does; without exclusions
-SGLang's own last selection is the same (tests/test_sglang_sid.py checks both).
+SGLang's own last selection is the same (tests/test_sglang_sid.py checks both). A beam with
+exclusions is selected by the model at every level (:meth:`SIDSteps.select`, :meth:`SIDSteps.follow`):
+the reference drops a prefix all of whose items are left out, which SGLang cannot see.
 """
 
 from __future__ import annotations
