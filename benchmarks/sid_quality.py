@@ -93,6 +93,31 @@ def merged_recall(run_dir: Path, dense_k: int = 100, gen_k: int = 50) -> dict:
             "decoded_items": decoded, "valid_share": valid / max(decoded, 1)}
 
 
+def reevaluate(name: str, run_dir: Path) -> None:
+    """The run's chosen checkpoint decoded again: validation first (printed beside what training
+    recorded at that checkpoint), then the test split and merged recall, into its record."""
+    from genrec.train.cli import evaluate_run
+
+    res = json.loads((run_dir / "results.json").read_text())
+    recorded = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    at_best = [r for r in recorded if r.get("kind") == "eval" and r.get("split") == "valid"
+               and r.get("step") == res.get("best_step")]
+    valid, _ = evaluate_run(run_dir, None, "valid")
+    print("valid now:", {k: round(valid[f"gen_{k}"], 4) for k in KEYS},
+          "recorded:", {k: round(at_best[-1][f"gen_{k}"], 4) for k in KEYS} if at_best else None)
+    test, _ = evaluate_run(run_dir, None, "test")
+    path = RESULTS / "sid_quality.json"
+    records = json.loads(path.read_text())["records"]
+    for r in records:
+        if r["dataset"] == name:
+            r.update(generative={k: test[f"gen_{k}"] for k in KEYS}, dense_head={k: test[k] for k in KEYS},
+                     merged=merged_recall(run_dir), date=today(), machine=machine(),
+                     valid_generative={k: valid[f"gen_{k}"] for k in KEYS},
+                     reevaluated="python -m genrec.benchmarks.sid_quality " + " ".join(sys.argv[1:]))
+    write_json("sid_quality", {"records": records})
+    update_results_md()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dataset", default="beauty", choices=sorted(ANCHORS))
@@ -104,7 +129,13 @@ def main() -> None:
     ap.add_argument("--levels", default="256,256,256")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out-dir", default="runs/benchmarks/sid")
+    ap.add_argument("--eval-run", help="a finished generative run: evaluate it again (validation beside what its "
+                    "training recorded, then the test split and the merged recall) instead of training; for a "
+                    "change of the decoding, not of the model")
     args = ap.parse_args()
+    if args.eval_run:
+        reevaluate(args.dataset, Path(args.eval_run))
+        return
     data = dataset(args.dataset)
     common = [f'--data.path="{data}"', f'--run.out_dir="{args.out_dir}"'] + (
         [f"--train.threads={args.threads}"] if args.threads else [])
