@@ -118,7 +118,8 @@ def _run_dir_of(cmd: list[str]) -> Path:
 def run(cmd: list[str], env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
     proc, hung = _launch(cmd, env or ENV)
     if hung is not None:
-        warnings.warn(f"{' '.join(cmd)} hung for {HANG_S} s; its stacks:\n{hung}", stacklevel=2)
+        # a RuntimeWarning: pytest's configuration hides UserWarnings (torch and SGLang raise many)
+        warnings.warn(f"{' '.join(cmd)} hung for {HANG_S} s; its stacks:\n{hung}", RuntimeWarning, stacklevel=2)
         shutil.rmtree(_run_dir_of(cmd), ignore_errors=True)  # the retry starts the run afresh
         proc, again = _launch(cmd, env or ENV)
         if again is not None:
