@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def sid_decoding(d: dict) -> list[str]:
     """RESULTS.md section (benchmarks/report.py calls it lazily)."""
-    from genrec.benchmarks.report import footer, get, num, table
+    from genrec.benchmarks.report import command, footer, get, num, table
 
     a = d.get("artifact", {})
     rows = []
@@ -228,7 +228,7 @@ def sid_decoding(d: dict) -> list[str]:
                     "items valid", "one round of beam requests p50 ms"], rows), "",
             "decode: from a user vector (generate); retrieve: a whole generative Retrieve, the history cached. The "
             "last column is one SGLang round of `beam` one-token requests: a beam driven from outside SGLang pays "
-            "it at every level.", *footer(d, "python -m genrec.benchmarks.sid_decoding")]
+            "it at every level.", *footer(d, command(d, "python -m genrec.benchmarks.sid_decoding"))]
 
 
 def sid_decoding_summary(d: dict) -> tuple[str, str]:
