@@ -61,9 +61,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# a launch that takes this long hangs (they take 5-25 s): its processes' stacks are dumped
+# a launch that takes this long hangs (they take 5-25 s here, 15-45 s under load): its processes' stacks are dumped
 # and it is tried once more, so a hang shows where it was instead of a bare pytest timeout
-HANG_S = 240
+HANG_S = 150
 
 
 def _descendants(pid: int) -> list[int]:
@@ -97,15 +97,12 @@ def _launch(cmd: list[str], env: dict) -> tuple[subprocess.CompletedProcess, str
         for pid in [*procs, p.pid]:  # the workers' stacks first, then the launcher's
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGABRT)
-        try:
-            out, err = p.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            out, err = "", ""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.communicate(timeout=20)
         for pid in [*procs, p.pid]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        out2, err2 = p.communicate()
-        out, err = out + out2, err + err2
+        out, err = p.communicate()  # (all of it: communicate keeps what it read before a timeout)
         return subprocess.CompletedProcess(cmd, p.returncode, out, err), f"{out[-3000:]}\n{err[-20000:]}"
 
 

@@ -6,6 +6,7 @@ One entry for every launch: ``genrec train`` (one process) and
 
 from __future__ import annotations
 
+import gc
 import json
 import resource
 import shutil
@@ -59,65 +60,18 @@ def run_training(job: JobConfig, run_dir: Path | None = None) -> tuple[Path, dic
     torch.set_float32_matmul_precision(job.train.matmul_precision)
     ctx = init_distributed(job.train.parallel)
     new_dir = run_dir is None and not job.run.id  # a run.id dir is a restart's to find: never removed
+    state: dict[str, Any] = {}
     try:
-        seed_everything(job.train.seed)
-        how = strategy(job.train.parallel) if ctx.distributed else "none"
-        if how == "dmp" and job.train.ema_decay > 0:
-            raise ConfigError("train.ema_decay averages unsharded weights; TorchRec's sharded tables (train.parallel."
-                              "mode = 'dmp') are not averaged: set train.ema_decay = 0 or mode = 'ddp'")
-        # DMP materializes the (sharded) tables itself; a replica builds them whole
-        model, emb = build_model(job, sparse_device=torch.device("meta") if how == "dmp" else None)
-        resolved = replace(job, embedding=emb)
-        msl = job.model.max_seq_len
-        tasks = task_masks(job, read_info(job.data.path))
-        retrieval = job.model.arch == "generative"
-        splits = ["train"] + ((["valid"] if job.data.valid_users > 0 else []) + ["test"] if retrieval else [])
-        splits += ["rank_valid", "rank_test"] if tasks and job.data.ranking.enabled else []
-        per_rank = replace(job.data, batch_size=max(1, job.data.batch_size // ctx.world_size))
-        readers = {s: make_reader(per_rank, s, emb, msl, seed=job.train.seed, rank=ctx.rank, world_size=ctx.world_size,
-                                  tasks=tasks, tokens_per_event=tokens_per_event(job)) for s in splits}
-        # only now, with the dataset's files opened and their schemas checked: bad data leaves no run dir
-        run_dir = resolve_run_dir(job, resolved, ctx, run_dir)
-        valid = {k: v for k, v in readers.items() if k in ("valid", "rank_valid")}
-        test = {k: v for k, v in readers.items() if k in ("test", "rank_test")}
-        optim = job.train.optim
-
-        def dense_optimizer(params) -> torch.optim.Optimizer:  # noqa: ANN001
-            return build_optimizer(list(params), optim)
-
-        if ctx.distributed and job.train.init_from:
-            raise ConfigError("train.init_from works in one process (not under torchrun) for now")
-        if ctx.distributed:
-            par = (replicate(model, emb, dense_optimizer, ctx) if how == "ddp" else
-                   parallelize(model, emb, job.train.parallel, optim.lr, dense_optimizer, ctx, per_rank.batch_size))
-            if job.train.compile:
-                par.module.tower.compile(dynamic=True)
-            if ctx.rank == 0:
-                (run_dir / "sharding.json").write_text(json.dumps(par.describe(), indent=2) + "\n")
-            trainer = Trainer(job.train, job.eval, run_dir, par.model, par.module, par.optimizer,
-                              readers["train"], valid, test, tasks=list(tasks), rank=ctx.rank, reduce=ctx.reduce,
-                              dense_params=par.dense_params, device=ctx.device, state_io=par,
-                              world_size=ctx.world_size)
-        else:
-            model = model.to(ctx.device)
-            optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], optim)
-            if job.train.compile:
-                model.tower.compile(dynamic=True)
-            if job.train.init_from:  # before fit(): a resumed run's own checkpoint then overrides it
-                _, start = ckpt.resolve_checkpoint(job.train.init_from)
-                left = warm_start(model, start)
-                print(f"init_from {start}: {len(left)} tensors not in it, as initialised "
-                      f"({', '.join(sorted({k.split('.')[0] for k in left})) or 'none'})", flush=True)
-            trainer = Trainer(job.train, job.eval, run_dir, model, model, optimizer,
-                              readers["train"], valid, test, tasks=list(tasks), device=ctx.device)
-        results = trainer.fit()
-        peak = {"rank": ctx.rank, "world_size": ctx.world_size,
-                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-        (run_dir / f"memory.rank{ctx.rank}.json").write_text(json.dumps(peak) + "\n")
+        run_dir, results = _train(job, run_dir, ctx, state)
+        # the model, its DDP / DMP wrappers, the trainer and the readers (which hold the process
+        # group and the data pipeline) were freed as _train returned, on every rank, before any
+        # rank leaves: a torchrun worker once hung in such a teardown after its peer had exited
+        gc.collect()
         ctx.barrier()
         return run_dir, results
     except (DataFormatError, IdOutOfRange):
         # a damaged row group found mid-epoch: drop the new run dir if it holds nothing but its start files
+        run_dir = state.get("run_dir", run_dir)
         if new_dir and run_dir is not None and ctx.rank == 0:
             remove_unused_run_dir(run_dir)
         raise
@@ -125,3 +79,64 @@ def run_training(job: JobConfig, run_dir: Path | None = None) -> tuple[Path, dic
         # no barrier on failure: a dead peer would turn a clean error into a hang
         if ctx.distributed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _train(job: JobConfig, run_dir: Path | None, ctx: DistContext, state: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+    """run_training's work; ``state["run_dir"]`` is the run directory once chosen."""
+    seed_everything(job.train.seed)
+    how = strategy(job.train.parallel) if ctx.distributed else "none"
+    if how == "dmp" and job.train.ema_decay > 0:
+        raise ConfigError("train.ema_decay averages unsharded weights; TorchRec's sharded tables (train.parallel."
+                          "mode = 'dmp') are not averaged: set train.ema_decay = 0 or mode = 'ddp'")
+    # DMP materializes the (sharded) tables itself; a replica builds them whole
+    model, emb = build_model(job, sparse_device=torch.device("meta") if how == "dmp" else None)
+    resolved = replace(job, embedding=emb)
+    msl = job.model.max_seq_len
+    tasks = task_masks(job, read_info(job.data.path))
+    retrieval = job.model.arch == "generative"
+    splits = ["train"] + ((["valid"] if job.data.valid_users > 0 else []) + ["test"] if retrieval else [])
+    splits += ["rank_valid", "rank_test"] if tasks and job.data.ranking.enabled else []
+    per_rank = replace(job.data, batch_size=max(1, job.data.batch_size // ctx.world_size))
+    readers = {s: make_reader(per_rank, s, emb, msl, seed=job.train.seed, rank=ctx.rank, world_size=ctx.world_size,
+                              tasks=tasks, tokens_per_event=tokens_per_event(job)) for s in splits}
+    # only now, with the dataset's files opened and their schemas checked: bad data leaves no run dir
+    run_dir = resolve_run_dir(job, resolved, ctx, run_dir)
+    state["run_dir"] = run_dir
+    valid = {k: v for k, v in readers.items() if k in ("valid", "rank_valid")}
+    test = {k: v for k, v in readers.items() if k in ("test", "rank_test")}
+    optim = job.train.optim
+
+    def dense_optimizer(params) -> torch.optim.Optimizer:  # noqa: ANN001
+        return build_optimizer(list(params), optim)
+
+    if ctx.distributed and job.train.init_from:
+        raise ConfigError("train.init_from works in one process (not under torchrun) for now")
+    if ctx.distributed:
+        par = (replicate(model, emb, dense_optimizer, ctx) if how == "ddp" else
+               parallelize(model, emb, job.train.parallel, optim.lr, dense_optimizer, ctx, per_rank.batch_size))
+        if job.train.compile:
+            par.module.tower.compile(dynamic=True)
+        if ctx.rank == 0:
+            (run_dir / "sharding.json").write_text(json.dumps(par.describe(), indent=2) + "\n")
+        trainer = Trainer(job.train, job.eval, run_dir, par.model, par.module, par.optimizer,
+                          readers["train"], valid, test, tasks=list(tasks), rank=ctx.rank, reduce=ctx.reduce,
+                          dense_params=par.dense_params, device=ctx.device, state_io=par,
+                          world_size=ctx.world_size)
+    else:
+        model = model.to(ctx.device)
+        optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], optim)
+        if job.train.compile:
+            model.tower.compile(dynamic=True)
+        if job.train.init_from:  # before fit(): a resumed run's own checkpoint then overrides it
+            _, start = ckpt.resolve_checkpoint(job.train.init_from)
+            left = warm_start(model, start)
+            print(f"init_from {start}: {len(left)} tensors not in it, as initialised "
+                  f"({', '.join(sorted({k.split('.')[0] for k in left})) or 'none'})", flush=True)
+        trainer = Trainer(job.train, job.eval, run_dir, model, model, optimizer,
+                          readers["train"], valid, test, tasks=list(tasks), device=ctx.device)
+    results = trainer.fit()
+    peak = {"rank": ctx.rank, "world_size": ctx.world_size,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    (run_dir / f"memory.rank{ctx.rank}.json").write_text(json.dumps(peak) + "\n")
+    ctx.barrier()
+    return run_dir, results
