@@ -4,6 +4,7 @@
     genrec data synth|convert|inspect    build and look at interaction-log datasets
     genrec train --config FILE [--a.b=v ...]
     genrec eval --run DIR [--split test] [--baseline popular|transition --data DIR]
+    genrec runs list [--root runs] | show RUN   the training runs as a table, or one in full
     genrec quantize --checkpoint RUN --out ARTIFACT [--embeddings int8] [--dense fp32]
     genrec sid build --checkpoint RUN [--out FILE] [--levels 256,256,256]   items -> semantic-ID codes
     genrec serve --artifact ARTIFACT [--config FILE] [--port N] [--serve.a.b=v ...]
@@ -115,6 +116,15 @@ def _sid_parser(sub: argparse._SubParsersAction) -> None:
                    help="balanced clusters (each level's codes used evenly) instead of plain k-means")
 
 
+def _runs_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("runs", help="the training runs: a table of them, or one in full")
+    rsub = p.add_subparsers(dest="runs_cmd", required=True, metavar="{list,show}")
+    lst = rsub.add_parser("list", help="one row per run: start, commit, data, status, best validation, test, minutes")
+    lst.add_argument("--root", default="runs", help="where the runs are (searched recursively; default runs)")
+    sh = rsub.add_parser("show", help="one run: its summary and every validation / test metric")
+    sh.add_argument("run", help="a run directory")
+
+
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
@@ -177,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="genrec", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"genrec {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-    for add in (_demo_parser, _data_parser, _train_parser, _eval_parser, _quantize_parser, _sid_parser,
+    for add in (_demo_parser, _data_parser, _train_parser, _eval_parser, _runs_parser, _quantize_parser, _sid_parser,
                 _serve_parser, _loadtest_parser):
         add(sub)
     return parser
@@ -192,6 +202,10 @@ def _handler(cmd: str) -> Handler:
         from genrec.quant.cli import cmd_quantize
 
         return cmd_quantize
+    if cmd == "runs":
+        from genrec.train.runs import cmd_runs
+
+        return cmd_runs
     if cmd == "sid":
         from genrec.train.sid_build import cmd_sid
 

@@ -1,0 +1,61 @@
+"""``genrec runs list | show`` read run directories as they are written."""
+
+from __future__ import annotations
+
+import json
+
+from genrec.cli import main as genrec
+from genrec.config import dump_toml
+from genrec.train.job import JobConfig
+from genrec.train.runs import find_runs, summary
+
+
+def fake_run(root, name, data, results=None, metric="ndcg@10", dirty=False, metrics=True):
+    run = root / name
+    run.mkdir(parents=True)
+    from dataclasses import replace
+
+    job = JobConfig()
+    job = replace(job, data=replace(job.data, path=str(data)), train=replace(job.train, early_stop_metric=metric))
+    (run / "config.toml").write_text(dump_toml(job))
+    (run / "version.json").write_text(json.dumps({"commit": "0123456789abcdef", "dirty": dirty}))
+    if metrics:
+        (run / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    if results is not None:
+        (run / "results.json").write_text(json.dumps(results))
+    return run
+
+
+def test_runs_list_and_show(tmp_path, capfd):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "dataset.json").write_text('{"users": 3}')
+    root = tmp_path / "runs"
+    done = fake_run(root, "hstu/a", data, {"stopped": "max_epochs", "train_seconds": 600.0,
+                                           "valid": {"ndcg@10": 0.25, "ndcg@10_se": 0.01, "hr@10": 0.4},
+                                           "test": {"ndcg@10": 0.24, "hr@10": 0.39}})
+    killed = fake_run(root, "sid/b", data, None, metric="gen_ndcg@10", dirty=True)
+    assert find_runs(root) == [done, killed]
+    a, b = summary(done, root), summary(killed, root)
+    assert (a["run"], a["commit"], a["status"], a["valid"], a["test"], a["minutes"]) == (
+        "hstu/a", "01234567", "max_epochs", 0.25, 0.24, 10.0)
+    assert (b["commit"], b["status"], b["metric"], b["valid"]) == ("01234567+", "no results (running or killed)",
+                                                                  "gen_ndcg@10", None)
+    assert a["data"] == b["data"] and a["data"].startswith(str(data))  # the same data, the same fingerprint
+    (data / "dataset.json").write_text('{"users": 4}')
+    assert summary(done, root)["data"] != a["data"]
+
+    assert genrec(["runs", "list", "--root", str(root)]) == 0
+    out = capfd.readouterr().out.splitlines()
+    assert out[0].startswith("| run | started | commit | data | status | metric | valid | test | minutes |")
+    assert "| hstu/a |" in out[2] and "| 0.2500 | 0.2400 | 10.0 |" in out[2]
+    assert "| sid/b |" in out[3] and "no results" in out[3]
+    assert genrec(["runs", "show", str(done)]) == 0
+    shown = capfd.readouterr().out
+    assert "ndcg@10 = 0.2500 +- 0.0100" in shown and "hr@10 = 0.3900" in shown
+
+
+def test_runs_of_a_missing_root_or_run_exit_2(tmp_path, capfd):
+    assert genrec(["runs", "list", "--root", str(tmp_path / "nowhere")]) == 2
+    assert genrec(["runs", "show", str(tmp_path)]) == 2
+    assert "not a run directory" in capfd.readouterr().err
