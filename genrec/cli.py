@@ -4,7 +4,7 @@
     genrec data synth|convert|inspect    build and look at interaction-log datasets
     genrec train --config FILE [--a.b=v ...]
     genrec eval --run DIR [--split test] [--baseline popular|transition --data DIR]
-    genrec runs list [--root runs] | show RUN   the training runs as a table, or one in full
+    genrec runs list [--root runs] | show RUN | compare RUN RUN ...   the training runs
     genrec quantize --checkpoint RUN --out ARTIFACT [--embeddings int8] [--dense fp32]
     genrec sid build --checkpoint RUN [--out FILE] [--levels 256,256,256]   items -> semantic-ID codes
     genrec serve --artifact ARTIFACT [--config FILE] [--port N] [--serve.a.b=v ...]
@@ -118,11 +118,14 @@ def _sid_parser(sub: argparse._SubParsersAction) -> None:
 
 def _runs_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("runs", help="the training runs: a table of them, or one in full")
-    rsub = p.add_subparsers(dest="runs_cmd", required=True, metavar="{list,show}")
+    rsub = p.add_subparsers(dest="runs_cmd", required=True, metavar="{list,show,compare}")
     lst = rsub.add_parser("list", help="one row per run: start, commit, data, status, best validation, test, minutes")
     lst.add_argument("--root", default="runs", help="where the runs are (searched recursively; default runs)")
     sh = rsub.add_parser("show", help="one run: its summary and every validation / test metric")
     sh.add_argument("run", help="a run directory")
+    cmp = rsub.add_parser("compare", help="runs side by side: config keys that differ, metrics, validation curves")
+    cmp.add_argument("runs", nargs="+", help="run directories")
+    cmp.add_argument("--out", help="a PNG to draw each run's validation curve into (needs matplotlib)")
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:

@@ -59,3 +59,25 @@ def test_runs_of_a_missing_root_or_run_exit_2(tmp_path, capfd):
     assert genrec(["runs", "list", "--root", str(tmp_path / "nowhere")]) == 2
     assert genrec(["runs", "show", str(tmp_path)]) == 2
     assert "not a run directory" in capfd.readouterr().err
+
+
+def test_runs_compare(tmp_path, capfd):
+    data = tmp_path / "data"
+    data.mkdir()
+    root = tmp_path / "runs"
+    a = fake_run(root, "a", data, {"stopped": "max_epochs", "train_seconds": 60.0, "valid": {"ndcg@10": 0.2},
+                                   "test": {"ndcg@10": 0.19, "hr@10": 0.3}})
+    b = fake_run(root, "b", tmp_path / "other", {"stopped": "time budget", "train_seconds": 120.0,
+                                                 "valid": {"ndcg@10": 0.3}, "test": {"ndcg@10": 0.28, "hr@10": 0.4}})
+    for run, values in ((a, (0.1, 0.2)), (b, (0.2, 0.3))):
+        (run / "metrics.jsonl").write_text("".join(
+            json.dumps({"kind": "eval", "split": "valid", "epoch": e + 1, "ndcg@10": v}) + "\n"
+            for e, v in enumerate(values)))
+    png = tmp_path / "cmp.png"
+    assert genrec(["runs", "compare", str(a), str(b), "--out", str(png)]) == 0
+    out = capfd.readouterr().out
+    assert "config: 1 keys differ" in out and f"| data.path | {data} | {tmp_path / 'other'} |" in out
+    assert f"| {a} | ndcg@10 | 0.2000 | 0.3000 | 0.1900 | 1.0 |" in out
+    assert f"| {b} | ndcg@10 | 0.3000 | 0.4000 | 0.2800 | 2.0 |" in out
+    assert png.stat().st_size > 0
+    assert genrec(["runs", "compare", str(a), str(tmp_path)]) == 2

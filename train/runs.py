@@ -1,4 +1,5 @@
-"""``genrec runs list | show``: the run directories as a table, one run in full.
+"""``genrec runs list | show | compare``: the run directories as a table, one run in full, or
+several side by side (config differences, metrics, validation curves overlaid).
 
 The run directory stays the source of truth (``config.toml``, ``version.json``,
 ``results.json``, ``metrics.jsonl``); nothing here writes. Columns of ``list``: the run (its
@@ -98,9 +99,82 @@ def show(run: Path) -> str:
     return "\n".join(out)
 
 
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat(v, key + "."))
+        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):  # [[embedding.tables]]
+            for i, x in enumerate(v):
+                out.update(_flat(x, f"{key}[{i}]."))
+        else:
+            out[key] = v
+    return out
+
+
+def compare(runs: list[Path], out: Path | None = None) -> str:
+    """``genrec runs compare``: the config keys whose values differ, a metric table (the best
+    validation value of each run's early-stop metric and its test metrics), and, with ``out``
+    and matplotlib, each run's validation curve of that metric overlaid in one PNG."""
+    configs = [_flat(tomllib.loads((r / "config.toml").read_text())) for r in runs]
+    names = [str(r) for r in runs]
+    keys = sorted(set().union(*configs))
+    differ = [k for k in keys if len({json.dumps(c.get(k), sort_keys=True) for c in configs}) > 1]
+    lines = ["config: " + ("the same" if not differ else f"{len(differ)} keys differ"), ""]
+    if differ:
+        lines += ["| key | " + " | ".join(names) + " |", "|" + "---|" * (len(runs) + 1)]
+        lines += [f"| {k} | " + " | ".join(_cell(c.get(k, "(absent)")) for c in configs) + " |" for k in differ]
+        lines.append("")
+    rows = [summary(r) for r in runs]
+    tests = [(_json(r / "results.json").get("test") or {}) for r in runs]
+    metrics = [m for m in ("hr@10", "ndcg@10", "mrr", "gen_hr@10", "gen_ndcg@10") if any(m in t for t in tests)]
+    lines += ["| run | metric | valid | " + " | ".join(f"test {m}" for m in metrics) + " | minutes |",
+              "|" + "---|" * (len(metrics) + 4)]
+    for r, t in zip(rows, tests):
+        minutes = f"{r['minutes']:.1f}" if r["minutes"] is not None else ""
+        lines.append(f"| {r['run']} | {r['metric']} | {_cell(r['valid'])} | "
+                     + " | ".join(_cell(t.get(m)) for m in metrics) + f" | {minutes} |")
+    if out is not None and _plot(runs, rows, out):
+        lines += ["", f"curves: {out}"]
+    return "\n".join(lines)
+
+
+def _plot(runs: list[Path], rows: list[dict[str, Any]], out: Path) -> bool:
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from genrec.train.rundir import read_metrics
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run, row in zip(runs, rows):
+        evals = [e for e in read_metrics(run / "metrics.jsonl")
+                 if e.get("kind") == "eval" and e.get("split") == "valid" and row["metric"] in e]
+        ax.plot([e["epoch"] for e in evals], [e[row["metric"]] for e in evals], marker="o", ms=3,
+                label=f"{row['run']} ({row['metric']})")
+    ax.set(xlabel="epoch", ylabel="validation", title="validation, each run's early-stop metric")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def cmd_runs(args: argparse.Namespace, overrides: list[str]) -> int:
     if overrides:
         raise SystemExit(f"genrec runs {args.runs_cmd} takes no config overrides: {overrides}")
+    if args.runs_cmd == "compare":
+        runs = [Path(r) for r in args.runs]
+        for run in runs:
+            if not (run / "config.toml").exists():
+                raise FileNotFoundError(f"{run}: not a run directory (no config.toml)")
+        print(compare(runs, Path(args.out) if args.out else None))
+        return 0
     if args.runs_cmd == "show":
         run = Path(args.run)
         if not (run / "config.toml").exists():
