@@ -185,21 +185,30 @@ class SIDDecoder(nn.Module):
             k = nodes.shape[1]
             safe = nodes.clamp(min=0).reshape(-1)  # a dead beam (-inf) walks on from the root, still -inf
             out = self.hidden(h.repeat_interleave(k, 0), codes.reshape(b * k, level))[:, level]
-            logp = self.level_logits(out, level, safe).reshape(b, k, -1)
-            child = self.sid.step(safe, level).reshape(b, k, -1)
-            if exhausted is not None:  # prefixes whose every item the user has are no use to the beam
-                logp = logp.masked_fill(exhausted(child, level + 1), NEG)
-            total = (scores[:, :, None] + logp).reshape(b, -1)
-            top, idx = total.topk(min(beam, total.shape[1]), dim=1)
-            parent, code = idx // logp.shape[2], idx % logp.shape[2]
-            scores = top
-            nodes = child.reshape(b, -1).gather(1, idx)
+            scores, parent, code, nodes = self.choose(scores, out, safe, level, beam, exhausted)
             codes = torch.cat([codes.gather(1, parent[:, :, None].expand(-1, -1, level)), code[:, :, None]], 2)
         valid = torch.isfinite(scores) & (nodes >= 0)
         items = torch.where(valid, self.sid.leaf_item[nodes.clamp(min=0)], torch.full_like(nodes, -1))
         scores = scores.masked_fill(~valid, NEG)
         pad = beam - items.shape[1]  # fewer codes than the beam
         return F.pad(items, (0, pad), value=-1), F.pad(scores, (0, pad), value=NEG)
+
+    def choose(self, scores: torch.Tensor, out: torch.Tensor, nodes: torch.Tensor, level: int, beam: int,
+               exhausted: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One level of the beam: B users' k prefixes with log-probabilities ``scores`` [B, k],
+        decoder outputs at this level ``out`` [B * k, d] and nodes [B * k] -> the ``beam`` best
+        (prefix, code) pairs per user: their log-probabilities, parent prefix, code and child
+        node, each [B, n] (-inf where fewer exist). Children all of whose items ``exhausted``
+        (:meth:`_exhausted`) says the user has are left out, the rest keep their probability."""
+        b, k = scores.shape
+        logp = self.level_logits(out, level, nodes).reshape(b, k, -1)
+        child = self.sid.step(nodes, level).reshape(b, k, -1)
+        if exhausted is not None:  # prefixes whose every item the user has are no use to the beam
+            logp = logp.masked_fill(exhausted(child, level + 1), NEG)
+        total = (scores[:, :, None] + logp).reshape(b, -1)
+        top, idx = total.topk(min(beam, total.shape[1]), dim=1)
+        return top, idx // logp.shape[2], idx % logp.shape[2], child.reshape(b, -1).gather(1, idx)
 
     def _subtree_sizes(self) -> list[torch.Tensor]:
         """Items under each node, per level: [num_nodes(l)] for l = 0..L (level L: ones)."""

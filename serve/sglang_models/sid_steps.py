@@ -140,14 +140,9 @@ class SIDSteps:
         keep their probability under the decoder: SGLang's own selection cannot do this (it
         renormalises each row over the logits it gets), so the model picks and SGLang follows."""
         scores = self.prefix_scores(nodes, hidden, level)
-        logp = self.head.level_logits(hidden[:, level], level, nodes)
-        child = self.head.sid.step(nodes, level)
-        logp = logp.masked_fill(exhausted(child[None], level + 1)[0], -torch.inf)
-        total = (scores[:, None] + logp).reshape(-1)
-        top, idx = total.topk(min(beam, total.numel()))
-        idx = idx[torch.isfinite(top)]
-        row, code = idx // logp.shape[1], idx % logp.shape[1]
-        return row, child[row, code]
+        top, row, _, child = self.head.choose(scores[None], hidden[:, level], nodes, level, beam, exhausted)
+        keep = torch.isfinite(top[0])
+        return row[0][keep], child[0][keep]
 
     def follow(self, row: torch.Tensor, child: torch.Tensor, level: int, rows: int) -> torch.Tensor:
         """The logits [rows, size] that make SGLang keep exactly the (row, child node) pairs
@@ -168,22 +163,17 @@ class SIDSteps:
 
     @torch.no_grad()
     def final(self, prompt: torch.Tensor, nodes: torch.Tensor, hidden: torch.Tensor, beam: int,
-              seen: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+              exhausted) -> tuple[np.ndarray, np.ndarray]:  # noqa: ANN001
         """The last level of one beam, as ``SIDDecoder.beam_search`` ends it: its rows' nodes
         [R] at level L-1 and decoder outputs [R, L, d] (prompt [D]) -> the ``beam`` best items
-        and their log-probabilities, best first, ``seen`` items left out (without
-        renormalising), fewer where fewer exist."""
-        head, sid, last = self.head, self.head.sid, self.levels - 1
+        and their log-probabilities, best first, the items ``exhausted`` says are left out
+        dropped (without renormalising; None: none), fewer where fewer exist."""
+        last = self.levels - 1
         scores = self.prefix_scores(nodes, hidden, last)
-        logp = head.level_logits(hidden[:, last], last, nodes)
-        child = sid.step(nodes, last)
-        leaf = torch.where(child >= 0, sid.leaf_item[child.clamp(min=0)], torch.full_like(child, -1))
-        if seen is not None and seen.size:
-            logp = logp.masked_fill(torch.isin(leaf, torch.from_numpy(seen)), -torch.inf)
-        total = (scores[:, None] + logp).reshape(-1)
-        top, idx = total.topk(min(beam, total.numel()))
-        keep = torch.isfinite(top) & (leaf.reshape(-1)[idx] >= 0)
-        return leaf.reshape(-1)[idx][keep].numpy(), top[keep].float().numpy()
+        top, _, _, leaf = self.head.choose(scores[None], hidden[:, last], nodes, last, beam, exhausted)
+        items = self.head.sid.leaf_item[leaf[0].clamp(min=0)]
+        keep = torch.isfinite(top[0]) & (leaf[0] >= 0)
+        return items[keep].numpy(), top[0][keep].float().numpy()
 
 
 @dataclass
@@ -211,6 +201,13 @@ class SIDBeams:
         while len(self.tickets) > MAX_TICKETS:
             self.tickets.popitem(last=False)
 
+    def _exhausted(self, k: Ticket):  # noqa: ANN202
+        """``SIDDecoder._exhausted``'s function for the beam's left-out items (None: none)."""
+        if k.exhausted is None and k.seen is not None and k.seen.size:
+            seen = torch.from_numpy(k.seen)
+            k.exhausted = self.steps.head._exhausted((seen, torch.tensor([seen.numel()])))
+        return k.exhausted
+
     def step(self, tickets: torch.Tensor, tokens: torch.Tensor, levels: torch.Tensor,
              ) -> tuple[torch.Tensor, dict[int, dict]]:
         """Logits [R, vocab] of beam rows (their tickets, tokens and levels [R]), and {row: its
@@ -235,17 +232,14 @@ class SIDBeams:
                 groups[int(tickets[row])].append(row)
         for (t, level), group in picks.items():
             k = self.tickets[t]
-            if k.exhausted is None:
-                seen = torch.from_numpy(k.seen)
-                k.exhausted = steps.head._exhausted((seen, torch.tensor([seen.numel()])))
             row, child = steps.select(torch.stack([rows[r][0] for r in group]),
-                                      torch.stack([rows[r][1] for r in group]), level, k.beam, k.exhausted)
+                                      torch.stack([rows[r][1] for r in group]), level, k.beam, self._exhausted(k))
             index = torch.tensor(group)
             out[index] = steps.follow(row, child, level, len(group))
         for t, group in groups.items():
             k = self.tickets.pop(t)
             items, scores = steps.final(k.prompt, torch.stack([rows[r][0] for r in group]),
-                                        torch.stack([rows[r][1] for r in group]), k.beam, k.seen)
+                                        torch.stack([rows[r][1] for r in group]), k.beam, self._exhausted(k))
             results.update(dict.fromkeys(group, {"items": items.tolist(), "scores": scores.tolist()}))
         for row in ((levels == steps.levels - 1) & ~live).nonzero().squeeze(1).tolist():
             results[row] = {"retry": True}
