@@ -58,6 +58,7 @@ def merged_recall(run_dir: Path, dense_k: int = 100, gen_k: int = 50) -> dict:
     share of decoded items that are catalogue items outside the user's history."""
     from genrec.train.cli import _load_run_model
     from genrec.train.data.reader import make_reader
+    from genrec.train.evaluate import mask_seen
 
     job, model, emb, _ = _load_run_model(run_dir, None, None)
     model.eval()
@@ -68,11 +69,8 @@ def merged_recall(run_dir: Path, dense_k: int = 100, gen_k: int = 50) -> dict:
     users = decoded = valid = 0
     for batch in make_reader(job.data, "test", emb, job.model.max_seq_len):
         states = model.user_states(batch)
-        scores = model.head.scores(model.head.normalize(states.float()), items).float()
-        row = torch.repeat_interleave(torch.arange(scores.shape[0]), batch.seen_lengths)
-        col = torch.searchsorted(corpus, batch.seen_ids).clamp(max=corpus.numel() - 1)
-        known = corpus[col] == batch.seen_ids
-        scores[row[known], col[known]] = float("-inf")
+        scores = mask_seen(model.head.scores(model.head.normalize(states.float()), items).float(), corpus,
+                           batch.seen_ids, batch.seen_lengths)
         dense = corpus[scores.topk(dense_k + gen_k, dim=1).indices]
         beams, _ = model.sid_head.beam_search(states, gen_k, (batch.seen_ids, batch.seen_lengths))
         t = batch.targets[:, None]

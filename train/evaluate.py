@@ -92,20 +92,26 @@ def target_ranks(
     ahead of it, so a model that cannot tell items apart (equal scores, e.g. the shared
     miss row of a managed-collision table) earns no hits from the ties.
     """
-    b = scores.shape[0]
     tidx = torch.searchsorted(corpus_ids, targets).clamp(max=corpus_ids.numel() - 1)
     if not bool((corpus_ids[tidx] == targets).all()):
         missing = targets[corpus_ids[tidx] != targets][0]
         raise ValueError(f"target item {int(missing)} is not in the model's corpus")
     target_score = scores.gather(1, tidx[:, None])
     if seen_ids is not None and seen_ids.numel():
-        row = torch.repeat_interleave(torch.arange(b, device=scores.device), seen_lengths)
-        col = torch.searchsorted(corpus_ids, seen_ids).clamp(max=corpus_ids.numel() - 1)
-        known = corpus_ids[col] == seen_ids
-        scores = scores.index_put((row[known], col[known]), torch.tensor(float("-inf"), dtype=scores.dtype))
+        scores = mask_seen(scores, corpus_ids, seen_ids, seen_lengths)
     # the target's own entry still equals its score unless a repeat put it in the history
     own = (scores.gather(1, tidx[:, None]) == target_score).squeeze(1)
     return (scores >= target_score).sum(1) - own.long()
+
+
+def mask_seen(scores: torch.Tensor, corpus_ids: torch.Tensor, seen_ids: torch.Tensor,
+              seen_lengths: torch.Tensor) -> torch.Tensor:
+    """``scores`` [B, N] over sorted ``corpus_ids`` with each user's seen items (seen_ids [E],
+    seen_lengths [B]) at -inf (a new tensor; ids outside the corpus are ignored)."""
+    row = torch.repeat_interleave(torch.arange(scores.shape[0], device=scores.device), seen_lengths)
+    col = torch.searchsorted(corpus_ids, seen_ids).clamp(max=corpus_ids.numel() - 1)
+    known = corpus_ids[col] == seen_ids
+    return scores.index_put((row[known], col[known]), torch.tensor(float("-inf"), dtype=scores.dtype))
 
 
 @torch.no_grad()
