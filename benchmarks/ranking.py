@@ -69,12 +69,13 @@ def main() -> None:
     ap.add_argument("--out-dir", default="runs/benchmarks")
     args = ap.parse_args()
     path = RESULTS / "ranking.json"
-    records = json.loads(path.read_text())["records"] if path.exists() else []
     for name in args.datasets.split(","):
         data = synthetic_data() if name == "synthetic" else dataset(name)
         for variant in args.variants.split(","):
             rec = run_variant(name, data, variant, args.budget_min, args.out_dir, args.threads)
             rec.update(date=today(), machine=machine(), budget_min=args.budget_min)
+            # re-read: another run of this script may have written its records meanwhile
+            records = json.loads(path.read_text())["records"] if path.exists() else []
             records = [r for r in records if (r["dataset"], r["variant"]) != (name, variant)]
             records.append(rec)
             write_json("ranking", {"records": records})
