@@ -36,11 +36,13 @@ def _data_parser(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--out", required=True, help="dataset directory to write")
     s.add_argument("--no-progress", action="store_true")
-    c = dsub.add_parser("convert", help="convert public formats (sequences, MovieLens ratings / ML-1M folder)")
-    c.add_argument("format", choices=["sequences", "ratings", "movielens"],
+    c = dsub.add_parser("convert", help="convert public formats (sequences, MovieLens ratings / ML-1M folder, "
+                        "KuaiRand)")
+    c.add_argument("format", choices=["sequences", "ratings", "movielens", "kuairand"],
                    help="sequences: 'user item item ...' lines; ratings: MovieLens ratings.dat[.gz]; "
-                   "movielens: an ML-1M folder (user_sequences.txt + ratings + users.dat)")
-    c.add_argument("input", help="input file (or folder for 'movielens')")
+                   "movielens: an ML-1M folder (user_sequences.txt + ratings + users.dat); "
+                   "kuairand: a KuaiRand-Pure data folder (log_standard_*.csv + user_features_pure.csv)")
+    c.add_argument("input", help="input file (or folder for 'movielens' and 'kuairand')")
     c.add_argument("--out", required=True, help="dataset directory to write")
     c.add_argument("--users", help="MovieLens users.dat for context features (format 'ratings')")
     i = dsub.add_parser("inspect", help="print a dataset's manifest and sequence statistics")

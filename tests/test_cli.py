@@ -44,7 +44,7 @@ def cli(capfd, *args):
     (["demo"], ["usage: genrec demo ", "--data", "--config"]),
     (["data"], ["usage: genrec data ", "{synth,convert,inspect}"]),
     (["data", "synth"], ["usage: genrec data synth ", "--out", "SyntheticConfig"]),
-    (["data", "convert"], ["usage: genrec data convert ", "{sequences,ratings,movielens}", "--users"]),
+    (["data", "convert"], ["usage: genrec data convert ", "{sequences,ratings,movielens,kuairand}", "--users"]),
     (["data", "inspect"], ["usage: genrec data inspect ", "--verify"]),
     (["train"], ["usage: genrec train ", "--config", "--resume", "--print-config"]),
     (["eval"], ["usage: genrec eval ", "--run", "--split", "--baseline", "--json"]),

@@ -33,6 +33,8 @@ def cmd_data(args: argparse.Namespace, overrides: list[str]) -> int:
             info = convert.convert_sequences(args.input, args.out)
         elif args.format == "ratings":
             info = convert.convert_ratings(args.input, args.out, args.users)
+        elif args.format == "kuairand":
+            info = convert.convert_kuairand(args.input, args.out)
         else:
             info = convert.convert_movielens(args.input, args.out)
         print(f"wrote {args.out}: {info.num_users} users, {info.num_events} events, {info.num_items} items, "

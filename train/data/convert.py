@@ -7,6 +7,9 @@
 * ``movielens``: a MovieLens-1M folder as in ``shared/data/ml-1m``: every user's sequence
   from ``user_sequences.txt``, real timestamps and ratings where ``ratings*.dat*`` has them,
   and the profile from ``users.dat`` as context features.
+* ``kuairand``: a KuaiRand-Pure (or -1K) ``data`` folder: the standard-policy feed logs, one
+  event per exposed video in time order, its feedback signals (click, like, long_view, ...) as
+  action bits, and ``user_features*.csv`` as context features.
 """
 
 from __future__ import annotations
@@ -16,7 +19,11 @@ import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from genrec.train.data.schema import DataFormatError, DatasetInfo, DatasetWriter
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+
+from genrec.train.data.schema import MIN_EVENTS, DataFormatError, DatasetInfo, DatasetWriter
 
 CHUNK = 8192
 RATING_ACTIONS = [f"rating_{r}" for r in range(1, 6)]
@@ -207,4 +214,112 @@ def convert_movielens(folder: str | Path, out: str | Path) -> DatasetInfo:
         _flush(w, rows)
         if not w.info.num_users:
             raise _no_users(seq_path, "'user item item ...'")
+    return w.info
+
+
+# KuaiRand (Gao et al., CIKM 2022, CC BY-SA 4.0): Kuaishou feed logs, one row per exposed video
+# with its feedback signals. Every row is an impression (bit 0), so every event is a labelled
+# ranking candidate and a non-click is a real negative; the signals are the other bits.
+KUAIRAND_SIGNALS = {"click": "is_click", "like": "is_like", "follow": "is_follow", "comment": "is_comment",
+                    "forward": "is_forward", "hate": "is_hate", "long_view": "long_view",
+                    "profile_enter": "is_profile_enter"}
+KUAIRAND_ACTIONS = ["impression", *KUAIRAND_SIGNALS]
+# context feature -> user_features column; values become ids 1.. in sorted order, 0 = missing
+KUAIRAND_CONTEXT = {"active_degree": "user_active_degree", "video_author": "is_video_author",
+                    "register_days": "register_days_range", "fans": "fans_user_num_range",
+                    "follows": "follow_user_num_range", "friends": "friend_user_num_range"}
+
+
+def _read_csv(path: Path, types: dict[str, pa.DataType]) -> pa.Table:
+    """The ``types`` columns of a CSV with a header line (plain or .gz, by suffix)."""
+    opts = pacsv.ConvertOptions(include_columns=list(types), column_types=types)
+    try:
+        return pacsv.read_csv(path, convert_options=opts)
+    except pa.ArrowException as e:
+        raise DataFormatError(f"{path}: {' '.join(str(e).split())}; expected a CSV with a header line naming "
+                              f"{', '.join(types)} (the KuaiRand release's columns)") from None
+
+
+def _no_nulls(path: Path, t: pa.Table) -> None:
+    for name in t.column_names:
+        col = t.column(name)
+        if col.null_count:
+            row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+            raise DataFormatError(f"{path}:{row + 2}: column '{name}' is empty")  # line 1 is the header
+
+
+def read_kuairand_logs(paths: Sequence[Path]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(user, video, time_ms, action bitmask) per row of the log files, in file order."""
+    types = {c: pa.int64() for c in ("user_id", "video_id", "time_ms", *KUAIRAND_SIGNALS.values())}
+    parts = []
+    for path in paths:
+        t = _read_csv(path, types)
+        _no_nulls(path, t)
+        acts = np.ones(t.num_rows, np.int64)  # bit 0: impression
+        for bit, col in enumerate(KUAIRAND_SIGNALS.values(), 1):
+            v = t.column(col).to_numpy()
+            bad = np.flatnonzero((v != 0) & (v != 1))
+            if bad.size:
+                raise DataFormatError(f"{path}:{bad[0] + 2}: {col} is {v[bad[0]]}, expected 0 or 1")
+            acts |= v << bit
+        video = t.column("video_id").to_numpy()
+        if video.size and video.min() < 0:
+            raise DataFormatError(f"{path}:{int(np.argmin(video)) + 2}: negative video_id {video.min()}")
+        parts.append((t.column("user_id").to_numpy(), video, t.column("time_ms").to_numpy(), acts))
+    return tuple(np.concatenate([p[k] for p in parts]) for k in range(4))  # type: ignore[return-value]
+
+
+def read_kuairand_users(path: Path) -> tuple[dict[int, dict[str, int]], dict[str, int]]:
+    """user -> {context feature: id}, and each feature's cardinality (ids 1.. for the values
+    seen, in sorted order; 0 for a missing value)."""
+    t = _read_csv(path, {"user_id": pa.int64(), **{c: pa.string() for c in KUAIRAND_CONTEXT.values()}})
+    _no_nulls(path, t.select(["user_id"]))
+    ids, cards = {}, {}
+    for name, col in KUAIRAND_CONTEXT.items():
+        values = t.column(col).to_pylist()
+        vocab = {v: i for i, v in enumerate(sorted({v for v in values if v}), 1)}
+        ids[name] = [vocab.get(v, 0) for v in values]
+        cards[name] = len(vocab) + 1
+    users = t.column("user_id").to_pylist()
+    return {u: {n: ids[n][k] for n in KUAIRAND_CONTEXT} for k, u in enumerate(users)}, cards
+
+
+def convert_kuairand(folder: str | Path, out: str | Path) -> DatasetInfo:
+    """KuaiRand: each user's standard-policy exposures in time order (ties keep file order),
+    timestamps in seconds, feedback signals as action bits, the profile as context. The
+    random-policy log is left out: its exposures come from another policy. Users with fewer
+    than MIN_EVENTS exposures are dropped (``extra.dropped_users``)."""
+    folder = Path(folder)
+    if not any(folder.glob("log_standard_*.csv*")) and (folder / "data").is_dir():
+        folder = folder / "data"  # the release unpacks to KuaiRand-Pure/data/
+    logs = sorted(folder.glob("log_standard_*.csv*"))
+    if not logs:
+        raise DataFormatError(f"{folder}: no log_standard_*.csv; pass the KuaiRand-Pure 'data' folder "
+                              f"(from KuaiRand-Pure.tar.gz)")
+    user, video, time_ms, acts = read_kuairand_logs(logs)
+    order = np.lexsort((np.arange(user.size), time_ms, user))
+    user, video, time_ms, acts = user[order], video[order], time_ms[order], acts[order]
+    users, starts, counts = np.unique(user, return_index=True, return_counts=True)
+    user_files = sorted(folder.glob("user_features*.csv*"))
+    profiles, cards = read_kuairand_users(user_files[0]) if user_files else (None, {})
+    rows: dict[str, list] = {"user_id": [], "item_ids": [], "timestamps": [], "actions": []}
+    rows.update({f"ctx_{k}": [] for k in cards})
+    dropped = int((counts < MIN_EVENTS).sum())
+    with DatasetWriter(out, source="kuairand", action_names=KUAIRAND_ACTIONS, context_features=cards,
+                       extra={"logs": [p.name for p in logs], "dropped_users": dropped}) as w:
+        for u, s, n in zip(users.tolist(), starts.tolist(), counts.tolist()):
+            if n < MIN_EVENTS:
+                continue
+            rows["user_id"].append(u)
+            rows["item_ids"].append(video[s : s + n])
+            rows["timestamps"].append(time_ms[s : s + n] // 1000)
+            rows["actions"].append(acts[s : s + n])
+            prof = profiles.get(u) if profiles is not None else None
+            for k in cards:
+                rows[f"ctx_{k}"].append([prof[k]] if prof else None)
+            if len(rows["user_id"]) >= CHUNK:
+                _flush(w, rows)
+        _flush(w, rows)
+        if not w.info.num_users:
+            raise DataFormatError(f"{folder}: no user has {MIN_EVENTS} or more exposures in {logs[0].name}")
     return w.info
