@@ -16,8 +16,9 @@ SHARED = Path(os.environ.get("GENREC_SHARED_DATA", ROOT.parent / "shared" / "dat
 
 
 def dataset(name: str, cache: Path = ROOT / "data") -> Path:
-    """A converted dataset directory for 'ml1m' or 'beauty', converting from SHARED once."""
-    from genrec.train.data.convert import convert_movielens, convert_sequences
+    """A converted dataset directory for 'ml1m', 'beauty' or 'kuairand', converting once from
+    SHARED (KuaiRand-Pure: SHARED/kuairand-pure, else the release unpacked in data/raw/kuairand)."""
+    from genrec.train.data.convert import convert_kuairand, convert_movielens, convert_sequences
 
     out = cache / name
     if (out / "dataset.json").exists():
@@ -26,8 +27,15 @@ def dataset(name: str, cache: Path = ROOT / "data") -> Path:
         convert_movielens(SHARED / "ml-1m", out)
     elif name == "beauty":
         convert_sequences(SHARED / "amazon-beauty" / "sequences.txt", out)
+    elif name == "kuairand":
+        raw = [p for p in (SHARED / "kuairand-pure", cache / "raw" / "kuairand") if p.is_dir()]
+        if not raw:
+            raise FileNotFoundError(
+                f"KuaiRand-Pure is not on this machine: unpack KuaiRand-Pure.tar.gz (zenodo.org/records/10439422, "
+                f"CC BY-SA 4.0) into {cache / 'raw' / 'kuairand'} or {SHARED / 'kuairand-pure'}")
+        convert_kuairand(raw[0], out)
     else:
-        raise ValueError(f"unknown dataset {name}; expected ml1m or beauty")
+        raise ValueError(f"unknown dataset {name}; expected ml1m, beauty or kuairand")
     return out
 
 

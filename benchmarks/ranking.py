@@ -32,7 +32,8 @@ from genrec.train.data.synthetic import SyntheticConfig, generate
 from genrec.train.job import load_job
 from genrec.train.run import run_training
 
-CONFIGS = {"synthetic": "configs/ranking_synthetic.toml", "ml1m": "configs/ranking_ml1m.toml"}
+CONFIGS = {"synthetic": "configs/ranking_synthetic.toml", "ml1m": "configs/ranking_ml1m.toml",
+           "kuairand": "configs/ranking_kuairand.toml"}
 VARIANTS = {
     "joint": [],
     "retrieval-only": ["--model.ranking.tasks=[]", "--train.early_stop_metric=ndcg@10"],
