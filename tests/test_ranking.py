@@ -261,3 +261,32 @@ def test_a_bf16_dense_model_serves_close_to_fp32(tower):
     torch.testing.assert_close(vec16, vec32, atol=0.03, rtol=0.03)
     torch.testing.assert_close(p16, p32, atol=0.02, rtol=0.02)
     torch.testing.assert_close(full16, p32, atol=0.02, rtol=0.02)
+
+
+def test_held_out_events_are_ranked_in_requests_after_every_event_before_them(tiny_synth):
+    """A served request sees the log up to its time: each request of num_candidates held-out
+    events follows every event before it (earlier held-out events too), so a user who becomes
+    active after the cutoff is not ranked on an empty or stale history."""
+    import pyarrow.parquet as pq
+
+    info = read_info(tiny_synth)
+    masks = RankingConfig(tasks=TASKS).task_masks(info.action_names)
+    e = EmbeddingConfig(tables=(TableConfig("item", ("item",), dim=8, num_embeddings=info.item_table_size),
+                                TableConfig("action", ("action",), dim=8, num_embeddings=8)))
+    rk = RankingDataConfig(enabled=True, num_candidates=4, eval_candidates=64, test_fraction=0.1)
+    _, hi = ranking_cutoffs(tiny_synth / "interactions.parquet", 0.1)
+    rows = {r["user_id"]: r for r in pq.read_table(tiny_synth / "interactions.parquet").to_pylist()}
+    expected = {}
+    for u, r in rows.items():
+        idx = np.flatnonzero(np.asarray(r["timestamps"]) >= hi)
+        expected[u] = [idx[c:c + 4] for c in range(0, idx.size, 4) if idx[c] > 0]
+    got: dict[int, list[tuple[int, int]]] = {}
+    kw = dict(embedding=e, max_seq_len=400, batch_size=16, ranking=rk, tasks=masks)
+    for b in SequenceReader(tiny_synth, "rank_test", **kw):
+        n = b.seq.lengths()[: b.batch_size].tolist()
+        for u, length, k in zip(b.user_ids.tolist(), n, b.num_targets.tolist()):
+            got.setdefault(u, []).append((length - k, k))
+    assert sum(len(v) for v in expected.values()) > len([v for v in expected.values() if v])  # several per user
+    for u, reqs in expected.items():
+        # history = every event before the request's first candidate (max_seq_len leaves room)
+        assert got.get(u, []) == [(int(i[0]), i.size) for i in reqs], u

@@ -272,7 +272,8 @@ class SequenceReader:
             end = min(end, int(np.searchsorted(ev.times, self.cutoffs[0], side="left")))
         return end
 
-    def _sample(self, ev: UserEvents, g: int, r: int) -> Sample | None:
+    def _sample(self, ev: UserEvents, g: int, r: int) -> Sample | list[Sample] | None:
+        """The user's sample for this split: one, or (ranking evaluation) one per request."""
         rk, msl = self.ranking, self.max_seq_len // self.tpe  # events that fit the tower
         if self.split == "valid" and not holds_valid(ev.user, self.valid_users):
             return None
@@ -283,10 +284,14 @@ class SequenceReader:
             if not labelled:
                 return None
             lo, hi = (self.cutoffs[0], self.cutoffs[1]) if self.split == "rank_valid" else (self.cutoffs[1], np.inf)
-            idx = np.flatnonzero((ev.times >= lo) & (ev.times < hi) & (ev.actions != 0))[: self._max_candidates(rk.eval_candidates)]
-            if idx.size == 0 or idx[0] == 0:
-                return None
-            return with_candidates(ev, int(idx[0]), idx, self._hist_cap(idx.size), self.task_masks, train=False)
+            idx = np.flatnonzero((ev.times >= lo) & (ev.times < hi) & (ev.actions != 0))[:rk.eval_candidates]
+            # one request per num_candidates consecutive held-out events, each after every event
+            # before it, as a served request sees the log up to its time (and as training cuts);
+            # a request with no event before it (a user's first) is cold start: not ranked here
+            k = self._max_candidates(rk.num_candidates)
+            return [with_candidates(ev, int(idx[c]), idx[c:c + k], self._hist_cap(idx[c:c + k].size),
+                                    self.task_masks, train=False)
+                    for c in range(0, idx.size, k) if idx[c] > 0] or None
         end = self._train_end(ev)
         rng = np.random.default_rng([self.seed, self.epoch, g, r])
         if end < 2:
@@ -315,10 +320,11 @@ class SequenceReader:
             sample = self._sample(self._events(grp, r), g, r)
             if sample is None:
                 continue
-            out.append(sample)
+            mine = sample if isinstance(sample, list) else [sample]
+            out += mine
             for f in self.context:
                 v = grp.get(CONTEXT_PREFIX + f, r)
-                ctx[f].append(v if v is not None else np.zeros(0, np.int64))
+                ctx[f] += [v if v is not None else np.zeros(0, np.int64)] * len(mine)
         if not out:
             return None
         return collate(out, self.embedding.item_feature, self.with_actions, ctx, self._ids)

@@ -5,7 +5,9 @@ next), ``valid`` (predict events[-2]), ``test`` (predict events[-1]).
 
 Ranking splits (a global time split, for data with timestamps and actions): events before
 ``cutoff_valid`` train, events in ``[cutoff_valid, cutoff_test)`` are ``rank_valid``
-candidates, events from ``cutoff_test`` on are ``rank_test`` candidates. A ranking sample is
+candidates, events from ``cutoff_test`` on are ``rank_test`` candidates: a user's first
+``eval_candidates`` of them, in requests of ``num_candidates`` consecutive events, each after
+every event before it (as a served request sees the log up to its time). A ranking sample is
 a history plus up to K candidate events appended as *targets*: each candidate sees the
 history and itself (``num_targets``), carries no action of its own (action id 0), and is
 labelled per task from its action bitmask.
