@@ -112,7 +112,10 @@ class SyntheticWorld:
         return np.clip(np.floor(r).astype(np.int64) - 1, 0, m - 1)
 
 
-def _users_chunk(world: SyntheticWorld, rng: np.random.Generator, first_user: int, n: int) -> dict:
+def _users_chunk(world: SyntheticWorld, rng: np.random.Generator, first_user: int,
+                 n: int) -> tuple[dict, dict[str, np.ndarray]]:
+    """One chunk's columns, and its users' hidden state (interest mixture [n, topics],
+    preference vector [n, pref_dim]) for analyses that compare a model with the truth."""
     cfg = world.cfg
     k = cfg.num_topics
     mix = rng.dirichlet(np.full(k, cfg.interest_concentration), size=n)
@@ -156,7 +159,7 @@ def _users_chunk(world: SyntheticWorld, rng: np.random.Generator, first_user: in
         "ctx_segment": [[int(t)] for t in mix.argmax(1)],
         "ctx_device": [[int(d)] for d in rng.integers(0, CONTEXT["device"], n)],
         "ctx_region": [[int(r)] for r in rng.integers(0, CONTEXT["region"], n)],
-    }
+    }, {"mix": mix, "user_vec": user_vec}
 
 
 def generate(cfg: SyntheticConfig, out: str | Path, progress: bool = True) -> DatasetInfo:
@@ -170,7 +173,16 @@ def generate(cfg: SyntheticConfig, out: str | Path, progress: bool = True) -> Da
         bar = tqdm(total=cfg.num_users, desc="synth users", disable=not progress, unit="user")
         for first in range(0, cfg.num_users, cfg.chunk_users):
             n = min(cfg.chunk_users, cfg.num_users - first)
-            w.write(_users_chunk(world, rng, first + 1, n))
+            w.write(_users_chunk(world, rng, first + 1, n)[0])
             bar.update(n)
         bar.close()
     return w.info
+
+
+def hidden_users(cfg: SyntheticConfig) -> dict[str, np.ndarray]:
+    """The hidden state of every user of ``generate(cfg)`` (row i: user id i + 1), by replaying
+    the same draws: ``mix`` [users, topics], ``user_vec`` [users, pref_dim]."""
+    world, rng = SyntheticWorld(cfg), np.random.default_rng(cfg.seed)
+    parts = [_users_chunk(world, rng, first + 1, min(cfg.chunk_users, cfg.num_users - first))[1]
+             for first in range(0, cfg.num_users, cfg.chunk_users)]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
