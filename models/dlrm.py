@@ -99,5 +99,12 @@ class PooledDLRM(nn.Module):
         out["loss"] = out["ranking"]
         return out
 
-    def rank(self, batch: SequenceBatch) -> torch.Tensor:
-        return torch.sigmoid(self.rank_logits(batch).float())
+    @property
+    def ranking(self) -> RankingHead:
+        """The ranking head, by the name the generative model gives it (evaluation and
+        calibration reach both models' heads, and so their calibrators, through it)."""
+        return self.head
+
+    def rank(self, batch: SequenceBatch, calibrated: bool = True) -> torch.Tensor:
+        """Task probabilities [C, tasks], calibrated as ``GenerativeRecommender.rank``."""
+        return self.head.probabilities(self.rank_logits(batch), calibrated)

@@ -8,6 +8,10 @@ lets each one see the history and itself only, so its output h_c is a history su
 
 (e_c: the candidate's item row; context: the user's pooled sparse features, when the
 model has them) and is trained with per-task binary cross-entropy, weighted per task.
+
+:meth:`RankingHead.probabilities` is the one place logits become task probabilities
+(evaluation, ``genrec eval`` and every serving engine call it): sigmoid, then the head's
+calibrator (``models.calibration``), fitted after training and the identity until then.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from genrec.models.calibration import Calibrator
 from genrec.models.dropout import Dropout
 
 
@@ -43,6 +48,9 @@ class RankingConfig:
     encoding: Literal["summed", "interleaved"] = "summed"
     retrieval_weight: float = 1.0
     use_context: bool = True
+    # isotonic: a monotone map per task, fitted on rank_valid after training, applied to every
+    # probability served (eCPM multiplies them, so they must be calibrated); none: raw sigmoids
+    calibration: Literal["isotonic", "none"] = "isotonic"
 
     @property
     def enabled(self) -> bool:
@@ -72,6 +80,7 @@ class RankingHead(nn.Module):
             width = h
         layers.append(nn.Linear(width, len(cfg.tasks)))
         self.mlp = nn.Sequential(*layers)
+        self.calibrator = Calibrator(len(cfg.tasks))
         self.weights = torch.tensor([t.weight for t in cfg.tasks])
 
     def forward(self, h: torch.Tensor, items: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
@@ -80,6 +89,17 @@ class RankingHead(nn.Module):
         if context is not None:
             parts.append(context.to(h.dtype))
         return self.mlp(torch.cat(parts, dim=-1))
+
+    def probabilities(self, logits: torch.Tensor, calibrated: bool = True) -> torch.Tensor:
+        """Task probabilities [C, tasks] (fp32) of logits [C, tasks]: the sigmoid, then
+        :meth:`calibrate` (skipped with ``calibrated=False``: what the calibrator is fit on)."""
+        p = torch.sigmoid(logits.float())
+        return self.calibrate(p) if calibrated else p
+
+    def calibrate(self, p: torch.Tensor) -> torch.Tensor:
+        """Uncalibrated probabilities p [C, tasks] -> calibrated [C, tasks] (fp32); unchanged
+        with ``calibration = "none"`` or before the calibrator is fitted."""
+        return self.calibrator(p) if self.cfg.calibration != "none" else p.float()
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-task mean BCE (keys are task names) and their weighted sum under 'ranking'."""

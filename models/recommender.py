@@ -7,6 +7,7 @@ Data flow for one batch (see ``models.inputs.SequenceBatch``)::
         --HSTU / transformer tower--> h [M, D]
         --retrieval head (history rows)--> next-item loss | user vectors [B, D]
         --ranking head (candidate rows, + pooled context)--> task logits [C, tasks]
+        --sigmoid, calibrator (RankingHead.probabilities)--> task probabilities [C, tasks]
 
 The same module is used by training, evaluation, quantization and serving; nothing here
 knows about distribution (TorchRec DMP wraps ``self.sparse`` from outside).
@@ -194,12 +195,13 @@ class GenerativeRecommender(nn.Module):
         seen = (batch.seen_ids, batch.seen_lengths) if exclude_history and batch.seen_ids is not None else None
         return self.sid_head.beam_search(self.user_states(batch), beam or self.cfg.sid.beam_width, seen)
 
-    def rank(self, batch: SequenceBatch) -> torch.Tensor:
-        """Task probabilities of each candidate (the trailing ``num_targets`` events): [C, tasks]."""
+    def rank(self, batch: SequenceBatch, calibrated: bool = True) -> torch.Tensor:
+        """Task probabilities of each candidate (the trailing ``num_targets`` events): [C, tasks]
+        (``calibrated=False``: the sigmoid alone, what the calibrator is fitted on)."""
         if self.ranking is None:
             raise ValueError("this model has no ranking tasks (model.ranking.tasks)")
         h, tok = self.encode(batch)
-        return torch.sigmoid(self.rank_logits(h, tok, batch).float())
+        return self.ranking.probabilities(self.rank_logits(h, tok, batch), calibrated)
 
     def encode_history(self, batch: SequenceBatch, backend: TowerBackend = "torch") -> tuple[torch.Tensor, HistoryState]:
         """Encodes histories once (``batch`` without candidates): the normalised user vectors
@@ -251,7 +253,7 @@ class GenerativeRecommender(nn.Module):
                                      state.lengths[owner])
         h = self.extend(state, x, owner, backend)
         ctx = state.context[owner] if state.context is not None else None
-        return torch.sigmoid(self.ranking(h, rows, ctx).float())
+        return self.ranking.probabilities(self.ranking(h, rows, ctx))
 
     def item_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
         """Normalised item vectors: ids [N] -> [N, D]."""
