@@ -310,7 +310,7 @@ class PackedPath:
             logits = k.rank(h, rows, state.context, cand_offsets, users)
         else:
             logits = m.ranking(h, rows, state.context[owner_t] if state.context is not None else None)
-        probs = torch.sigmoid(logits.float()).numpy()
+        probs = m.ranking.probabilities(logits).numpy()
         self._mark("ranking_head", t0)
         return probs
 
