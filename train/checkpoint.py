@@ -26,6 +26,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from genrec.models.calibration import is_calibration_key
+
 PREFIX = "step_"
 
 
@@ -187,19 +189,42 @@ def check_compatible(path: Path, model_state: dict[str, Any]) -> None:
 
 
 def restore(io: Any, path: Path, with_optimizer: bool = True) -> None:
-    """Loads checkpoint ``path`` into ``io`` (PlainState or Parallelized), resharding as needed."""
+    """Loads checkpoint ``path`` into ``io`` (PlainState or Parallelized), resharding as needed.
+    A checkpoint written before the ranking head had a calibrator leaves it unfitted (identity)."""
     if with_optimizer:
         io.init_optimizer_state()
     state = io.state()
-    check_compatible(path, state["model"])
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    # the calibrator's buffers, when absent, keep their values: io.load below sets them to themselves
+    loaded = {k: v for k, v in state["model"].items() if not is_calibration_key(k) or f"model.{k}" in stored}
+    check_compatible(path, loaded)
     if not with_optimizer:
         state = {"model": state["model"]}
     else:  # entries besides the model that this checkpoint was written without (say, weight averages)
-        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         state = {k: v for k, v in state.items()
                  if k == "model" or k in stored or any(s.startswith(k + ".") for s in stored)}
-    dcp.load(state, checkpoint_id=path)
+    dcp.load({**state, "model": loaded}, checkpoint_id=path)
     io.load(state)
+
+
+def amend_checkpoint(io: Any, path: Path, module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Rewrites checkpoint ``path`` with ``module``'s state entries ``tensors`` (say, a fitted
+    calibrator's buffers) replaced and everything else as it was written: the whole checkpoint
+    (model, optimizer, weight averages, every rank's trainer state) is restored into ``io``,
+    the tensors are set, and it is saved again in place (atomically, as every save). Every
+    rank calls this. ``module`` then holds the checkpoint's training weights (not its
+    averages): restore the model again before evaluating it."""
+    own = dict(module.named_buffers()) | dict(module.named_parameters())
+    unknown = [k for k in tensors if k not in own]
+    if unknown:
+        raise KeyError(f"not tensors of the model: {unknown[:3]}")
+    restore(io, path, with_optimizer=True)
+    with torch.no_grad():
+        for k, v in tensors.items():
+            own[k].copy_(v)
+    trainer_state = load_trainer_state(path)
+    step = int(path.name[len(PREFIX) :])
+    save_checkpoint(path.parent, step, io.state(), trainer_state)
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
@@ -228,7 +253,8 @@ def warm_start(model: torch.nn.Module, path: Path) -> list[str]:
     take, left = {}, []
     for key, value in msd.items():
         meta = stored.get(f"model.{key}")
-        if meta is not None and list(getattr(meta, "size", [])) == list(getattr(value, "size", lambda: ())()):
+        # another model's calibration does not fit this one: it starts unfitted, and is fitted anew after training
+        if meta is not None and not is_calibration_key(key) and list(getattr(meta, "size", [])) == list(getattr(value, "size", lambda: ())()):
             take[key] = value
         else:
             left.append(key)

@@ -11,7 +11,8 @@ average of the weights, which validation and checkpoints then read) -> validatio
 budget or ``patience`` evaluations without improvement -> reload the chosen checkpoint (the
 best on one evaluation, or on the mean of a trailing ``select_window`` of them; with
 ``select_within_se``, the newest within that many standard errors of the best) ->
-test -> ``results.json`` and ``curves.png``.
+with ranking tasks, fit the probability calibrator on ``rank_valid`` and write it into
+that checkpoint (``train.calibrate``) -> test -> ``results.json`` and ``curves.png``.
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from genrec.models.calibration import is_calibration_key
 from genrec.train import checkpoint as ckpt
 from genrec.train.average import AveragedWeights
+from genrec.train.calibrate import fit_calibration
 from genrec.train.data.reader import SequenceReader
 from genrec.train.evaluate import EvalConfig, evaluate
 from genrec.train.job import OptimConfig, TrainConfig
@@ -287,7 +290,8 @@ class Trainer:
 
     def evaluate(self, readers: dict[str, SequenceReader]) -> dict[str, float]:
         """Retrieval metrics from the 'valid'/'test' reader, ranking metrics (keys
-        ``<task>/<metric>``) from a 'rank_*' reader, merged into one dict."""
+        ``<task>/<metric>``) from a 'rank_*' reader, merged into one dict. The test (read
+        once, at the end) also draws its reliability diagram: ``reliability_test.png``."""
         out: dict[str, float] = {}
         for split, reader in readers.items():
             reader.set_epoch(0)
@@ -295,7 +299,8 @@ class Trainer:
             if self.world_size > 1:  # every rank must make as many (collective) forwards
                 total = int(self.reduce_max(torch.tensor([len(reader)])).item())
             if split.startswith("rank_"):
-                out.update(evaluate_ranking(self.module, reader, self.tasks, self.device, total))
+                plot = self.run_dir / "reliability_test.png" if split == "rank_test" and self.rank == 0 else None
+                out.update(evaluate_ranking(self.module, reader, self.tasks, self.device, total, plot))
             else:
                 out.update(evaluate(self.module, reader, self.eval_cfg, self.device, self.reduce, total))
         return out
@@ -354,6 +359,9 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Trains to a stop condition, then tests the best checkpoint; returns results."""
         self.resume()
+        head = getattr(self.module, "ranking", None)
+        if head is not None:  # a resumed checkpoint's calibration fits weights that train on: refit in finish()
+            head.calibrator.reset()
         cfg = self.cfg
         while not self.state.stopped:
             if self.state.epoch >= cfg.max_epochs:
@@ -383,6 +391,27 @@ class Trainer:
             self.save()
         return self.finish()
 
+    def calibrate(self, best: Path) -> dict[str, Any] | None:
+        """Fits the ranking head's calibrator on ``rank_valid`` with the chosen checkpoint
+        (loaded) and writes it into that checkpoint, then loads it again as evaluated; what
+        results.json keeps of the fit, or None (no ranking tasks or no rank_valid split, or
+        ``model.ranking.calibration = "none"``)."""
+        head = getattr(self.module, "ranking", None)
+        reader = self.valid_readers.get("rank_valid")
+        if head is None or reader is None or head.cfg.calibration == "none":
+            return None
+        reader.set_epoch(0)
+        total = int(self.reduce_max(torch.tensor([len(reader)])).item()) if self.world_size > 1 else None
+        summary = fit_calibration(self.module, reader, self.tasks, self.device, total, self.reduce, self.rank,
+                                  self.world_size, self.run_dir / "reliability_valid.png" if self.rank == 0 else None)
+        fitted = {k: v.clone() for k, v in self.module.named_buffers() if is_calibration_key(k)}
+        ckpt.amend_checkpoint(self.io, best, self.module, fitted)
+        ckpt.restore(self.io, best, with_optimizer=False)  # the evaluated weights (averages), calibrated
+        self._print("calibration: " + ", ".join(
+            f"{t} ECE {m['ece_uncalibrated']:.4f} -> {m['ece']:.4f} ({m['knots']} knots)"
+            for t, m in summary["tasks"].items()) + " on rank_valid")
+        return summary
+
     def summary(self) -> dict[str, Any]:
         """Results of a train-only run (``train.evaluate = false``)."""
         results = {"stopped": self.state.stopped, "epochs": self.state.epoch, "steps": self.state.step,
@@ -395,6 +424,7 @@ class Trainer:
     def finish(self) -> dict[str, Any]:
         best = ckpt.step_dir(self.ckpt_root, self.state.best_step)
         ckpt.restore(self.io, best, with_optimizer=False)
+        calibration = self.calibrate(best)
         results: dict[str, Any] = {
             "stopped": self.state.stopped,
             "epochs": self.state.epoch,
@@ -411,6 +441,8 @@ class Trainer:
             metric = self.cfg.early_stop_metric
             results["valid_peak"] = {"epoch": self.state.peak_epoch, metric: self.state.best_metric,
                                      f"{metric}_se": self.state.best_se}
+        if calibration is not None:
+            results["calibration"] = calibration
         if self.test_readers:
             test = self.evaluate(self.test_readers)
             self.log.write({"kind": "eval", "split": "test", "step": self.state.best_step,
