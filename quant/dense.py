@@ -16,6 +16,11 @@ fp32 because its beam search makes a discrete choice at every level: a rounding 
 swaps two prefixes at level 1 drops a whole subtree of items, which no later level recovers
 (a dense retrieval score's error only swaps near ties). The decoder is small beside the
 tables, so keeping it exact costs little.
+
+The ranking head's calibrator (``ranking.calibrator.*``: knots of a monotone map per task,
+``models.calibration``) is also stored as trained: in bf16 neighbouring knots would round
+onto each other, and the map is a few KB. An artifact written before the calibrator existed
+loads with it unfitted (the identity), as the model was served then.
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ import torch
 import torch.ao.nn.quantized.dynamic as nnqd
 from torch import nn
 
+from genrec.models.calibration import is_calibration_key
+
 Scheme = Literal["fp32", "bf16", "int8", "fp8"]
 SPARSE_PREFIXES = ("sparse.ec.", "sparse.ebc.", "sparse.mc_ec.")
-EXACT_PREFIXES = ("sid_head.",)  # stored and served as trained, whatever the scheme
+EXACT_PREFIXES = ("sid_head.", "ranking.calibrator.")  # stored and served as trained, whatever the scheme
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
@@ -102,7 +109,7 @@ def load_dense(model: nn.Module, tensors: dict[str, torch.Tensor], scheme: Schem
     owners = [k[: -len(".weight.codes")] for k in tensors if k.endswith(".weight.codes")]
     missing, unexpected = model.load_state_dict(plain, strict=False)
     allowed = SPARSE_PREFIXES + tuple(f"{o}.weight" for o in owners)
-    missing = [k for k in missing if not k.startswith(allowed)]
+    missing = [k for k in missing if not k.startswith(allowed) and not is_calibration_key(k)]
     if unexpected or missing:
         raise ValueError(f"dense tensors do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
     for owner in owners:

@@ -41,6 +41,11 @@ def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[Ge
     install(model.sparse, ec, ebc, served_rows(emb_cfg, emb, q["embeddings"]),
             served_rows(emb_cfg, emb, q["embeddings"], pooled=True))
     load_dense(model, dense, q["dense"], device)
+    if model.ranking is not None:
+        try:
+            model.ranking.calibrator.validate()
+        except ValueError as e:
+            raise ArtifactError(f"{path}/dense.safetensors: the ranking calibrator is invalid: {e}") from e
     model = model.to(device).eval()
     if model.sid_head is not None:  # the trie is no module state: .to() leaves it where it was built
         model.sid_head.sid = model.sid_head.sid.to(device)
