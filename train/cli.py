@@ -90,10 +90,20 @@ def _print_results(run_dir: Path, results: dict) -> None:
     test = results.get("test", {})
     if "ndcg@10" in test:
         print(format_table({"test @ best valid": test}))
-    tasks = sorted({k.split("/")[0] for k in test if "/" in k})
-    if tasks:
-        keys = ["auc", "gauc", "ne", "logloss", "oracle_auc", "positive_rate", "examples"]
-        print(format_table({f"{t} (test)": {k: test.get(f"{t}/{k}", "") for k in keys} for t in tasks}, keys))
+    if any("/" in k for k in test):
+        print("\n" + task_table(test, "test"))
+
+
+def task_table(metrics: dict, split: str) -> str:
+    """The ranking tasks' metrics (``<task>/<metric>`` keys) as a markdown table, one row per
+    task: AUC, GAUC, NE and ECE of the calibrated probabilities (what serving returns), and
+    NE and ECE of the raw sigmoids beside them."""
+    from genrec.train.evaluate import format_table
+
+    tasks = sorted({k.split("/")[0] for k in metrics if "/" in k})
+    keys = ["auc", "gauc", "ne", "ece", "ne_uncalibrated", "ece_uncalibrated", "logloss", "oracle_auc",
+            "positive_rate", "examples"]
+    return format_table({f"{t} ({split})": {k: metrics.get(f"{t}/{k}", "") for k in keys} for t in tasks}, keys)
 
 
 def _load_run_model(run: Path, checkpoint: str | None, data: str | None):  # noqa: ANN202
@@ -115,13 +125,26 @@ def _load_run_model(run: Path, checkpoint: str | None, data: str | None):  # noq
 
 def evaluate_run(run: Path, checkpoint: str | None, split: str, data: str | None = None) -> tuple[dict, Path]:
     """Metrics of a run's checkpoint (default: its best, else its newest) on ``split``, and
-    that checkpoint's path: what ``genrec eval --run`` prints."""
+    that checkpoint's path: what ``genrec eval --run`` prints. A generative model's retrieval
+    metrics (HR, NDCG, MRR), and with ranking tasks those of ``rank_<split>`` (keys
+    ``<task>/<metric>``: the checkpoint's calibrated probabilities, as served)."""
     from genrec.train.data.reader import make_reader
     from genrec.train.evaluate import evaluate
+    from genrec.train.job import task_masks, tokens_per_event
+    from genrec.train.ranking_metrics import evaluate_ranking
 
     job, model, emb, path = _load_run_model(run, checkpoint, data)
-    reader = make_reader(job.data, split, emb, job.model.max_seq_len)
-    return evaluate(model, reader, job.eval), path
+    metrics: dict = {}
+    tpe = tokens_per_event(job)  # interleaved ranking: two tokens per event bound the history
+    if job.model.arch == "generative":
+        metrics.update(evaluate(model, make_reader(job.data, split, emb, job.model.max_seq_len,
+                                                   tokens_per_event=tpe), job.eval))
+    tasks = task_masks(job, read_info(job.data.path))
+    if tasks and job.data.ranking.enabled:
+        reader = make_reader(job.data, f"rank_{split}", emb, job.model.max_seq_len, tasks=tasks,
+                             tokens_per_event=tpe)
+        metrics.update(evaluate_ranking(model, reader, list(tasks)))
+    return metrics, path
 
 
 def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -146,8 +169,11 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
         name = f"{Path(args.run).name}/{path.name}"
     if args.json:
         print(json.dumps(metrics, indent=2))
-    else:
-        print(format_table({f"{name} ({args.split})": metrics}))
+        return 0
+    tables = [format_table({f"{name} ({args.split})": metrics})] if "ndcg@10" in metrics else []
+    if any("/" in k for k in metrics):
+        tables.append(task_table(metrics, args.split))
+    print("\n\n".join(tables))
     return 0
 
 
