@@ -264,9 +264,9 @@ class PackedPath:
 
     def score(self, state: HistoryState, users: list[int], candidates: list[np.ndarray]) -> list[np.ndarray]:
         """Task probabilities [c, tasks] of each ``candidates[i]`` (table rows) for batch user
-        ``users[i]``, through ``model.extend`` and the ranking head (in micro-batches of
-        users on the PyTorch backend)."""
-        m, k = self.model, self.kernels
+        ``users[i]``, through ``model.extend`` and the ranking head, in micro-batches of at most
+        ``micro_batch`` candidates (:func:`micro_batches`; one user's candidates may span several)."""
+        m = self.model
         if m.ranking is None:
             raise ValueError("this model has no ranking tasks (model.ranking.tasks)")
         if not torch.is_inference_mode_enabled():
@@ -276,15 +276,11 @@ class PackedPath:
         tasks = len(m.cfg.ranking.tasks)
         if counts.sum() == 0:
             return [np.zeros((0, tasks), np.float32) for _ in candidates]
-        groups, start, size = [], 0, 0
-        for i, c in enumerate(counts):  # whole users per micro-batch (the native backend: all at once)
-            if size and k is None and size + c > self.micro_batch:
-                groups.append((start, i))
-                start, size = i, 0
-            size += c
-        groups.append((start, len(candidates)))
-        probs = [self._score_group(state, np.asarray(users[s:e], np.int64), candidates[s:e], counts[s:e])
-                 for s, e in groups]
+        probs = []
+        for group in micro_batches(counts, self.micro_batch):  # (batch index, first, end) per user piece
+            probs.append(self._score_group(state, np.array([users[i] for i, _, _ in group], np.int64),
+                                           [candidates[i][s:e] for i, s, e in group],
+                                           np.array([e - s for _, s, e in group], np.int64)))
         probs = np.concatenate(probs)
         return np.split(probs, np.cumsum(counts)[:-1])
 
@@ -313,6 +309,27 @@ class PackedPath:
         probs = m.ranking.probabilities(logits).numpy()
         self._mark("ranking_head", t0)
         return probs
+
+
+def micro_batches(counts: np.ndarray, size: int) -> list[list[tuple[int, int, int]]]:
+    """The candidates of users with ``counts`` [U] candidates each, taken in order and cut into
+    ceil(total / size) micro-batches of equal size (to one candidate): per micro-batch, the
+    (user index, first, end) pieces of users' candidates it holds. A user with more than
+    ``size`` candidates spans several micro-batches, so one call's 2,000 candidates are cut too
+    (a micro-batch bounds the candidates-by-history score matrix the tower makes per layer).
+    E.g. counts [3, 5], size 4 -> [[(0, 0, 3), (1, 0, 1)], [(1, 1, 5)]]."""
+    if size < 1:
+        raise ValueError(f"micro_batch = {size}; it must be at least 1")
+    ends = np.cumsum(counts)
+    starts, total = ends - counts, int(ends[-1]) if ends.size else 0
+    n = -(-total // size)
+    cuts = np.arange(n + 1) * total // n if n else np.zeros(1, np.int64)
+    out = []
+    for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+        lo, hi = int(np.searchsorted(ends, a, side="right")), int(np.searchsorted(starts, b, side="left"))
+        out.append([(i, max(a - int(starts[i]), 0), min(b, int(ends[i])) - int(starts[i]))
+                    for i in range(lo, hi) if counts[i]])
+    return out
 
 
 def _split_kv(tower: HSTUTower, hist: CachedHistory, offsets: np.ndarray,
