@@ -102,7 +102,7 @@ class Limits:
     ``exclude_history`` drops all of it from retrieval), up to ``max_history``."""
 
     max_history: int = 4096  # events in User.history or history_columns
-    max_candidates: int = 1024  # candidates of Recommend / Rank
+    max_candidates: int = 2048  # candidates of Recommend / Rank
     max_retrieve: int = 1024  # retrieve_k / k
     max_exclude_items: int = 4096  # exclude_items of Recommend / Retrieve
     max_context_features: int = 32  # entries of User.context
