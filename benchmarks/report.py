@@ -398,6 +398,7 @@ SUMMARIES: dict[str, Callable[[dict], tuple[str, str]]] = {
     "long_history": _lazy("long_history", "long_history_summary"),
     "sid_decoding": _lazy("sid_decoding", "sid_decoding_summary"),
     "sid_quality": _lazy("sid_quality", "sid_quality_summary"),
+    "ranking_serving": _lazy("ranking_serving", "ranking_serving_summary"),
 }
 
 
@@ -408,6 +409,7 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "serving_cache": _lazy("serving_cache", "serving_cache"), "long_history": _lazy("long_history", "long_history"),
     "sid_decoding": _lazy("sid_decoding", "sid_decoding"),
     "sid_quality": _lazy("sid_quality", "sid_quality"),
+    "ranking_serving": _lazy("ranking_serving", "ranking_serving"),
 }
 
 
