@@ -144,13 +144,11 @@ class Calibrator(nn.Module):
         p = p.float()
         x, y = self.knots_x.float(), self.knots_y.float()  # fp32 even in a bf16-cast head
         n = self.counts[:, None]  # [T, 1]
-        lo = x[:, :1]
-        hi = x.gather(1, (n - 1).clamp(min=0))
-        q = torch.minimum(torch.maximum(p.t(), lo), hi).contiguous()  # [T, C], clipped to the knots
-        # the segment [x_i, x_i+1] holding q: the last knot's padding sorts after it, so cap i at n - 2
-        i = (torch.searchsorted(x, q, right=True) - 1).clamp(min=0).minimum((n - 2).clamp(min=0))
-        x0, x1, y0, y1 = x.gather(1, i), x.gather(1, i + 1), y.gather(1, i), y.gather(1, i + 1)
-        dx = x1 - x0
-        t = torch.where(dx > 0, (q - x0) / dx.clamp(min=torch.finfo(dx.dtype).tiny), torch.zeros_like(q))
-        out = (y0 + t * (y1 - y0)).t()
-        return torch.where(self.fitted, out, p)
+        q = p.t().clamp(x[:, :1], x.gather(1, (n - 1).clamp(min=0))).contiguous()  # [T, C], clipped to the knots
+        # the segment [x_i, x_i+1] holding q: how many segment ends lie at or below it, capped at the
+        # last real segment (the padding repeats the last knot, so q at that knot counts them all)
+        i = torch.searchsorted(x[:, 1:].contiguous(), q, right=True).minimum((n - 2).clamp(min=0))
+        dx, dy = x.diff(dim=1), y.diff(dim=1)
+        slope = torch.where(dx > 0, dy / dx.clamp(min=torch.finfo(dx.dtype).tiny), 0.0)  # [T, K - 1]; 0 on padding
+        out = y.gather(1, i) + (q - x.gather(1, i)) * slope.gather(1, i)
+        return torch.where(self.fitted, out.t(), p)
