@@ -3,15 +3,19 @@
 The ads ranking orders candidates by eCPM = bid x pCTR x pCVR, which compares
 probabilities across candidates with different bids: they have to be calibrated (mean
 predicted = observed rate), not only well ordered. Training fits one map per task on the
-validation split's (probability, label) pairs of the chosen checkpoint:
+validation split's (probability, label) pairs of the chosen checkpoint
+(:func:`fit_isotonic`):
 
 1. Isotonic regression by pool-adjacent-violators (:func:`pav`): the least-squares
    non-decreasing fit, a step function over blocks of consecutive predictions.
-2. Each block's rate is shrunk toward the task's base rate by ``prior`` pseudo-examples,
+2. Blocks lighter than ``min_block`` examples (or 1/``max_knots`` of the data) are pooled
+   with their neighbours: a block of two extreme examples would otherwise pull half of
+   its large neighbour toward its rate in step 4, and a few hundred knots are plenty.
+3. Each block's rate is shrunk toward the task's base rate by ``prior`` pseudo-examples,
    then PAV runs again on the shrunk rates: a block with no positive in validation would
    otherwise predict exactly 0, and one positive landing there later costs unbounded log
    loss.
-3. Steps would tie every candidate inside a block, and eCPM would lose the model's order
+4. Steps would tie every candidate inside a block, and eCPM would lose the model's order
    there. The calibrator is instead the piecewise-linear curve through the blocks' centres
    (mean prediction, rate), "centred isotonic regression" (Oron & Flournoy 2017): strictly
    increasing between its first and last knot, constant (clipped) outside them.
@@ -21,8 +25,8 @@ max_knots], padded with the last knot; ``counts``: [tasks], 0 = unfitted = ident
 training checkpoint, the serving artifact's dense tensors and every engine carry the map
 with the model, in no format of its own.
 
-Example: validation p = [0.1, 0.2, 0.3, 0.4], y = [0, 1, 0, 1] -> PAV blocks {0.1} -> 0,
-{0.2, 0.3} -> 0.5, {0.4} -> 1 (before shrinking); knots at x = 0.1, 0.25, 0.4.
+Example (``prior=0, min_block=1``): p = [0.1, 0.2, 0.3, 0.4], y = [0, 1, 0, 1] -> PAV
+blocks {0.1} -> 0, {0.2, 0.3} -> 0.5, {0.4} -> 1; knots at x = 0.1, 0.25, 0.4.
 """
 
 from __future__ import annotations
@@ -59,14 +63,28 @@ def pav(y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return np.array(values), np.array(weights), np.array(ends, dtype=np.int64)
 
 
-def _pool(values: np.ndarray, weights: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """Weighted means of ``values`` [n] over consecutive blocks ending at ``ends`` [b]."""
-    starts = np.r_[0, ends[:-1]]
-    return np.add.reduceat(values * weights, starts) / np.add.reduceat(weights, starts)
+def _sums(a: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Sums of ``a`` [n] over consecutive blocks ending at ``ends`` [b] (exclusive)."""
+    return np.add.reduceat(a, np.r_[0, ends[:-1]])
 
 
-def fit_isotonic(p: np.ndarray, y: np.ndarray, max_knots: int = MAX_KNOTS,
-                 prior: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+def _min_mass(weights: np.ndarray, mass: float) -> np.ndarray:
+    """Ends of consecutive groups of ``weights`` [b] holding at least ``mass`` each, left
+    to right; a lighter rest joins the last group (one group if all are lighter)."""
+    ends, acc = [], 0.0
+    for i, w in enumerate(weights.tolist()):
+        acc += w
+        if acc >= mass:
+            ends.append(i + 1)
+            acc = 0.0
+    if not ends:
+        return np.array([weights.size])
+    ends[-1] = weights.size
+    return np.array(ends)
+
+
+def fit_isotonic(p: np.ndarray, y: np.ndarray, max_knots: int = MAX_KNOTS, prior: float = 1.0,
+                 min_block: float = 10.0) -> tuple[np.ndarray, np.ndarray]:
     """Knots (x [k], y [k], k <= max_knots, both strictly increasing) of the calibration
     curve for predictions p [n] and binary labels y [n] (see the module docstring)."""
     if p.size == 0:
@@ -76,22 +94,13 @@ def fit_isotonic(p: np.ndarray, y: np.ndarray, max_knots: int = MAX_KNOTS,
     # one point per distinct prediction: the map is a function of the prediction alone
     xs, start = np.unique(p, return_index=True)
     count = np.diff(np.r_[start, p.size]).astype(np.float64)
-    rate = np.add.reduceat(y, start) / count
-    values, weights, ends = pav(rate, count)
-    centres = _pool(xs, count, ends)
-    base = float(y.mean())
-    shrunk = (values * weights + prior * base) / (weights + prior)
-    values, _, ends2 = pav(shrunk, weights + prior)
-    centres = _pool(centres, weights, ends2)
-    weights = np.add.reduceat(weights, np.r_[0, ends2[:-1]])
-    if values.size > max_knots:  # pool neighbours into max_knots groups of about equal mass
-        before = np.cumsum(weights) - weights
-        group = np.minimum((before * max_knots / weights.sum()).astype(np.int64), max_knots - 1)
-        ends3 = np.r_[np.flatnonzero(np.diff(group)) + 1, group.size]
-        values, centres = _pool(values, weights, ends3), _pool(centres, weights, ends3)
-    return centres, values
-
-
+    positives = np.add.reduceat(y, start)
+    _, _, ends = pav(positives / count, count)  # 1. the isotonic blocks
+    ends = ends[_min_mass(_sums(count, ends), max(min_block, p.size / max_knots)) - 1]  # 2. no light ones
+    n, k = _sums(count, ends), _sums(positives, ends)
+    values, _, merged = pav((k + prior * y.mean()) / (n + prior), n + prior)  # 3. shrunk, isotonic again
+    ends = ends[merged - 1]
+    return _sums(xs * count, ends) / _sums(count, ends), values
 class Calibrator(nn.Module):
     """Per-task monotone map of probabilities: p [C, tasks] -> calibrated [C, tasks].
 
@@ -116,14 +125,15 @@ class Calibrator(nn.Module):
         self.counts.zero_()
 
     @torch.no_grad()
-    def fit(self, probs: np.ndarray, labels: np.ndarray, prior: float = 1.0) -> None:
-        """Fits every task on uncalibrated probabilities probs [N, tasks] and labels [N, tasks]."""
+    def fit(self, probs: np.ndarray, labels: np.ndarray, prior: float = 1.0, min_block: float = 10.0) -> None:
+        """Fits every task on uncalibrated probabilities probs [N, tasks] and labels [N, tasks]
+        (``prior``, ``min_block``: :func:`fit_isotonic`'s)."""
         probs, labels = np.asarray(probs), np.asarray(labels)
         tasks, max_knots = self.knots_x.shape
         if probs.shape != labels.shape or probs.ndim != 2 or probs.shape[1] != tasks:
             raise ValueError(f"probs {probs.shape} and labels {labels.shape} must both be [N, {tasks}]")
         for t in range(tasks):
-            kx, ky = fit_isotonic(probs[:, t], labels[:, t], max_knots, prior)
+            kx, ky = fit_isotonic(probs[:, t], labels[:, t], max_knots, prior, min_block)
             pad = max_knots - kx.size  # the last knot repeated: searchsorted needs sorted rows
             self.knots_x[t] = torch.from_numpy(np.r_[kx, np.full(pad, kx[-1])])
             self.knots_y[t] = torch.from_numpy(np.r_[ky, np.full(pad, ky[-1])])

@@ -51,12 +51,19 @@ def test_pav_equals_the_brute_force_isotonic_fit(seed):
 
 
 def test_knots_are_the_block_centres_and_strictly_increase():
-    x, y = fit_isotonic(np.array([0.1, 0.2, 0.3, 0.4]), np.array([0, 1, 0, 1]), prior=0.0)
+    p, labels = np.array([0.1, 0.2, 0.3, 0.4]), np.array([0, 1, 0, 1])
+    x, y = fit_isotonic(p, labels, prior=0.0, min_block=1)
     np.testing.assert_allclose(x, [0.1, 0.25, 0.4])
     np.testing.assert_allclose(y, [0.0, 0.5, 1.0])
     # the prior keeps every knot inside (0, 1): no block predicts a certainty
-    _, y = fit_isotonic(np.array([0.1, 0.2, 0.3, 0.4]), np.array([0, 1, 0, 1]))
+    _, y = fit_isotonic(p, labels, min_block=1)
     assert 0 < y[0] < y[1] < y[2] < 1
+    # light blocks join their neighbours: two examples do not bend a block of 40 toward them
+    p, labels = np.r_[np.linspace(0.4, 0.5, 40), 0.51, 0.52], np.r_[np.arange(40) % 2, 1, 1]
+    x, y = fit_isotonic(p, labels, prior=0.0, min_block=10)
+    assert x.size == 1 and y[0] == pytest.approx(labels.mean())
+    _, y = fit_isotonic(p, labels, prior=0.0, min_block=1)
+    assert y[-1] == 1.0  # without pooling, their block of two predicts a certainty
 
 
 def miscalibrated(n: int = 20000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
