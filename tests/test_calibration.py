@@ -17,7 +17,7 @@ from genrec.models.dlrm import PooledDLRM
 from genrec.models.ranking import RankingConfig
 from genrec.quant.dense import dense_tensors, load_dense
 from genrec.train import checkpoint as ckpt
-from genrec.train.ranking_metrics import ece, reliability
+from genrec.train.ranking_metrics import ece, ece_floor, reliability
 from tests.test_ranking import HACT, HIST, TASKS, emb_cfg, make_batch, model
 
 
@@ -129,6 +129,16 @@ def test_ece_on_known_cases():
     mean_p, rate, size = reliability(p, np.arange(20) % 2)
     np.testing.assert_allclose(size, 2) and np.testing.assert_allclose(rate, 0.5)
     assert ece(p, np.arange(20) % 2) == pytest.approx(np.abs(mean_p - 0.5).mean())
+
+
+def test_the_ece_floor_is_what_calibrated_labels_show_and_shrinks_with_examples():
+    rng = np.random.default_rng(3)
+    p = rng.beta(2, 5, 20_000)
+    floor = ece_floor(p)
+    drawn = [ece(p, rng.random(p.size) < p) for _ in range(20)]
+    assert abs(floor - np.mean(drawn)) < 3 * np.std(drawn) / np.sqrt(20) + 1e-4
+    assert ece_floor(p[:2_000]) > 2 * floor  # ~ 1 / sqrt(N): 10x fewer examples, ~3x the floor
+    assert ece(p, rng.random(p.size) < np.clip(p + 0.05, 0, 1)) > 3 * floor  # a shift of 0.05 stands out
 
 
 def test_every_probability_path_applies_the_calibrator():

@@ -14,6 +14,10 @@ For one binary task with predicted probabilities p and labels y over N examples:
             less than N/10), and take sum over bins of (bin size / N) * |mean p - mean y|.
             Equal mass, not equal width: ranking probabilities crowd near 0, where
             equal-width bins would put almost every example in the first one.
+    ECE floor  the ECE a perfectly calibrated model with these predictions would still
+            show on N examples (labels drawn from p, mean over draws): each bin's observed
+            rate is a sample mean, so a finite split's ECE is never 0; an ECE near its
+            floor is as calibrated as the split can tell.
 
 :func:`evaluate_ranking` reports them for the served, calibrated probabilities
 (``models.calibration``) under ``<task>/<metric>``, and NE and ECE of the raw sigmoids under
@@ -104,6 +108,16 @@ def ece(probs: np.ndarray, labels: np.ndarray, bins: int = 10) -> float:
     return float((size * np.abs(mean_p - rate)).sum() / size.sum())
 
 
+def ece_floor(probs: np.ndarray, bins: int = 10, draws: int = 20, seed: int = 0) -> float:
+    """Mean ECE of labels drawn from ``probs`` themselves: the sampling-noise floor of
+    :func:`ece` at this many examples; NaN without examples."""
+    p = np.asarray(probs, np.float64)
+    if p.size == 0:
+        return float("nan")
+    rng = np.random.default_rng(seed)
+    return float(np.mean([ece(p, rng.random(p.size) < p, bins) for _ in range(draws)]))
+
+
 @dataclass
 class RankingPredictions:
     """A split's candidates as the model scored them (N candidates, T tasks)."""
@@ -117,7 +131,7 @@ class RankingPredictions:
 
 def task_metrics(pred: RankingPredictions, tasks: list[str]) -> dict[str, float]:
     """Flat ``<task>/<metric>`` of :class:`RankingPredictions`: auc, gauc, logloss, ne, ece
-    (calibrated), ne_uncalibrated, ece_uncalibrated, positive_rate, examples, and with
+    (calibrated), ece_floor, ne_uncalibrated, ece_uncalibrated, positive_rate, examples, and with
     oracle probabilities oracle_auc, oracle_gauc."""
     out: dict[str, float] = {}
     nan = float("nan")
@@ -125,7 +139,7 @@ def task_metrics(pred: RankingPredictions, tasks: list[str]) -> dict[str, float]
         p, r, y = pred.probs[:, t], pred.raw[:, t], pred.labels[:, t]
         some = y.size > 0
         m = {"auc": auc(p, y), "gauc": gauc(p, y, pred.users), "logloss": logloss(p, y) if some else nan,
-             "ne": normalized_entropy(p, y) if some else nan, "ece": ece(p, y),
+             "ne": normalized_entropy(p, y) if some else nan, "ece": ece(p, y), "ece_floor": ece_floor(p),
              "ne_uncalibrated": normalized_entropy(r, y) if some else nan, "ece_uncalibrated": ece(r, y),
              "positive_rate": float(y.mean()) if some else nan, "examples": int(y.size)}
         if pred.oracle is not None:
