@@ -82,6 +82,23 @@ class TrainConfig:
     evaluate: bool = True  # false: train only (throughput runs): no validation, no test
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     progress: bool = True
+    # where each logged interval's step time goes (data / forward / backward / optimizer,
+    # collectives), model FLOPs, MFU and peak memory, in metrics.jsonl and on the progress bar
+    # (train.stepstats); on a GPU it synchronizes at each part's end, so false leaves it out
+    step_stats: bool = True
+    # "START:END": a torch.profiler trace and summary of steps START..END-1 in RUN/profile/
+    # (train.profiling); "" = none
+    profile_steps: str = ""
+    # a step whose loss exceeds this many times the median of the last 100 is flagged in
+    # RUN/diagnosis.jsonl (train.diagnose); 0 = no check
+    loss_spike_factor: float = 3.0
+    # a step running longer than max(10 x the recent median, this many seconds) dumps every
+    # rank's stacks and names the rank behind and each rank's collective (train.watchdog);
+    # 0 = no watchdog
+    watchdog_min_s: float = 60.0
+    # a diagnosis file RUN/diagnosis/nonfinite_step<N>_rank<r>.json: run that step again from
+    # its saved weights, batch and RNG state instead of training (train.diagnose)
+    replay: str = ""
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
@@ -94,6 +111,13 @@ class TrainConfig:
         if self.select_within_se < 0:
             raise ConfigError(f"train.select_within_se = {self.select_within_se}: must be 0 or more "
                               "(0 chooses the best window itself)")
+        if self.loss_spike_factor != 0 and self.loss_spike_factor <= 1:
+            raise ConfigError(f"train.loss_spike_factor = {self.loss_spike_factor}: must be above 1 (0 turns the check off)")
+        if self.watchdog_min_s < 0:
+            raise ConfigError(f"train.watchdog_min_s = {self.watchdog_min_s}: must be 0 or more (0 turns the watchdog off)")
+        from genrec.train.profiling import parse_steps
+
+        parse_steps(self.profile_steps)  # names the field and the form when it is malformed
         if self.eval_every_epochs < 1:
             raise ConfigError(f"train.eval_every_epochs = {self.eval_every_epochs}: must be 1 or more "
                               "(train.evaluate = false trains without validation)")

@@ -29,8 +29,10 @@ planner offers no row-wise for pooled tables on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -42,6 +44,7 @@ from torch import nn
 
 from genrec.config import ConfigError
 from genrec.embedding.spec import EmbeddingConfig
+from genrec.train.watchdog import COLLECTIVES, collective
 
 SparseOptimizer = Literal["adam", "rowwise_adagrad", "adagrad", "sgd"]
 CPU_EC_SHARDINGS = ("table_wise", "row_wise", "column_wise")
@@ -78,18 +81,21 @@ class DistContext:
         if not self.distributed:
             return t
         t = t.clone()
-        dist.all_reduce(t)
+        with collective("all_reduce (sum)"):
+            dist.all_reduce(t)
         return t
 
     def barrier(self) -> None:
         if self.distributed:
-            dist.barrier()
+            with collective("barrier"):
+                dist.barrier()
 
     def broadcast(self, obj: Any) -> Any:
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        with collective("broadcast"):
+            dist.broadcast_object_list(box, src=0)
         return box[0]
 
 
@@ -306,3 +312,120 @@ def replicate(model: nn.Module, emb: EmbeddingConfig, make_optimizer, ctx: DistC
     ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     return Replicated(ddp, model, make_optimizer(p for p in model.parameters() if p.requires_grad),
                       [t.name for t in emb.tables])
+
+
+# ----- timing and marking the collectives inside DDP and DMP (train.stepstats, train.watchdog) -----
+def _timed_all_reduce(state: tuple[Any, Any], bucket):  # noqa: ANN001, ANN202
+    """DDP's default all-reduce (average) of one gradient bucket (a ``dist.GradBucket``),
+    timed from the bucket's readiness to its completion and marked for the watchdog while in
+    flight; returns the averaged bucket's future. ``state``: (the DDP module's process group,
+    the CommTimes). No annotations on ``bucket`` and the return: DDP compares them with its
+    own classes, and this module's string annotations would fail that check."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    group, comm = state
+    seq = COLLECTIVES.enter(f"all_reduce (DDP bucket {bucket.index()})", launched=False)
+    start = time.perf_counter()
+    fut = allreduce_hook(group, bucket)
+    COLLECTIVES.launch(seq)
+
+    def done(f: torch.futures.Future) -> torch.Tensor:
+        comm.add_all_reduce(start, time.perf_counter())
+        COLLECTIVES.leave(seq)
+        return f.value()
+
+    return fut.then(done)
+
+
+class _TimedWork(dist.Work):
+    """An async all-to-all's handle whose ``wait()`` is timed (a ``dist.Work``, so TorchRec's
+    isinstance checks still hold); the watchdog's marker is left when the work completes."""
+
+    def __init__(self, inner: dist.Work, comm: Any, seq: int) -> None:
+        super().__init__()
+        self.inner, self.comm = inner, comm
+        try:
+            inner.get_future().add_done_callback(lambda _: COLLECTIVES.leave(seq))
+        except RuntimeError:  # a backend without futures: left at the wait
+            self.seq = seq
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        t = time.perf_counter()
+        try:
+            return self.inner.wait() if timeout is None else self.inner.wait(timeout)
+        finally:
+            self.comm.add_all_to_all(time.perf_counter() - t)
+            if hasattr(self, "seq"):
+                COLLECTIVES.leave(self.seq)
+
+    def is_completed(self) -> bool:
+        return self.inner.is_completed()
+
+    def get_future(self) -> torch.futures.Future:
+        return self.inner.get_future()
+
+
+_A2A_SINK: list[Any] = [None]  # the CommTimes the all-to-all wrapper reports to: the newest trainer's
+
+
+def _timed_all_to_all(original: Any) -> Any:
+    def all_to_all_single(*args: Any, **kwargs: Any) -> Any:
+        comm = _A2A_SINK[0]
+        seq = COLLECTIVES.enter("all_to_all (TorchRec)", launched=False)
+        t = time.perf_counter()
+        try:
+            work = original(*args, **kwargs)
+        except BaseException:
+            COLLECTIVES.leave(seq)
+            raise
+        COLLECTIVES.launch(seq)
+        comm.add_all_to_all(time.perf_counter() - t)
+        if isinstance(work, dist.Work):
+            return _TimedWork(work, comm, seq)
+        COLLECTIVES.leave(seq)  # synchronous: done
+        return work
+
+    all_to_all_single.genrec_timed = True
+    return all_to_all_single
+
+
+def has_sharded_tables(model: nn.Module) -> bool:
+    """Whether ``model`` holds TorchRec sharded modules (DMP), whose fused optimizers update
+    the tables inside any backward."""
+    return any(type(m).__module__.startswith("torchrec.distributed") for m in model.modules())
+
+
+def no_sync(model: nn.Module) -> contextlib.ExitStack:
+    """DDP's ``no_sync`` on every DDP module in ``model`` (the wrapper itself, or DMP's dense
+    part): a forward and backward in it reduce nothing across ranks."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    stack = contextlib.ExitStack()
+    for m in model.modules():
+        if isinstance(m, DistributedDataParallel):
+            stack.enter_context(m.no_sync())
+    return stack
+
+
+def time_collectives(model: nn.Module, comm: Any) -> list[str]:
+    """Installs the collective timers ``train.stepstats`` reports (``comm`` is its
+    ``CommTimes``) and the watchdog's markers: a comm hook on every DDP module in ``model``
+    (the same averaging all-reduce DDP runs by default, in Python), and, when ``model``
+    holds TorchRec sharded modules, a wrapper around ``torch.distributed.all_to_all_single``
+    (the call TorchRec's input and output dists make, forward and backward), whose returned
+    handles time their ``wait()``. The wrapper is process-wide, installed once, and reports to
+    the newest ``comm``. Returns
+    what was installed."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    done = []
+    for m in model.modules():
+        if isinstance(m, DistributedDataParallel):
+            m.register_comm_hook((m.process_group, comm), _timed_all_reduce)
+            done.append("DDP all-reduce hook")
+    if has_sharded_tables(model):
+        _A2A_SINK[0] = comm
+        if not getattr(dist.all_to_all_single, "genrec_timed", False):
+            dist.all_to_all_single = _timed_all_to_all(dist.all_to_all_single)
+        done.append("all_to_all_single timer")
+    return done

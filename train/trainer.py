@@ -39,10 +39,15 @@ from genrec.train import checkpoint as ckpt
 from genrec.train.average import AveragedWeights
 from genrec.train.calibrate import fit_calibration
 from genrec.train.data.reader import SequenceReader
+from genrec.train.diagnose import Diagnoser
 from genrec.train.evaluate import EvalConfig, evaluate
 from genrec.train.job import OptimConfig, TrainConfig
+from genrec.train.parallel import time_collectives
+from genrec.train.profiling import StepProfiler
 from genrec.train.ranking_metrics import evaluate_ranking
 from genrec.train.rundir import MetricsLog, plot_curves
+from genrec.train.stepstats import StepStats, count_model_flops
+from genrec.train.watchdog import Watchdog, collective
 
 
 def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
@@ -70,7 +75,8 @@ def maybe_inject_fault(rank: int, step: int) -> None:
 def all_reduce_max(t: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
     """The element-wise maximum over the ranks, on ``device`` (NCCL reduces device tensors only)."""
     t = t.to(device) if device is not None else t.clone()
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    with collective("all_reduce (max)"):
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return t
 
 
@@ -168,6 +174,15 @@ class Trainer:
         # already decayed LR (or, for TorchRec's keyed optimizers, no group state at all), and a
         # base read back from it after a resume applied the schedule twice.
         self.base_lrs = [g["lr"] for g in optimizer.param_groups]
+        # a job that explains itself: step accounting (train.stepstats), a profile on request
+        # (train.profiling), diagnoses of non-finite steps, spikes and resumes (train.diagnose)
+        # and of stalls (train.watchdog)
+        self.stats = StepStats(device, cfg.step_stats, torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
+        if world_size > 1:  # the collectives' timers and the watchdog's markers
+            time_collectives(model, self.stats.comm)
+        self.profiler = StepProfiler(cfg.profile_steps, run_dir, rank, device, self.stats)
+        self.diag = Diagnoser(run_dir, rank, world_size, device, cfg.loss_spike_factor, module)
+        self.watchdog = Watchdog(self.diag.dir, rank, world_size, cfg.watchdog_min_s, self.diag.log.write)
 
     # ----- checkpoints --------------------------------------------------------------------
     def save(self) -> Path:
@@ -181,6 +196,7 @@ class Trainer:
     def resume(self, path: Path | None = None) -> bool:
         path = path or ckpt.latest_checkpoint(self.ckpt_root)
         if path is None:
+            self.diag.resumed(None, 0, 0, None)  # a torchrun restart says it starts over
             return False
         ckpt.restore(self.io, path)
         body = ckpt.load_trainer_state(path)
@@ -190,7 +206,7 @@ class Trainer:
             ckpt.set_rng_state(body["rng"])
             # on a GPU the model draws dropout and sampled negatives from the device's generator
             ckpt.set_device_rng_state(body.get("device_rng"), self.device)
-        self._print(f"resumed from {path.name}: step {self.state.step}, epoch {self.state.epoch}")
+        self.diag.resumed(path, self.state.step, self.state.epoch, body.get("world_size"))
         return True
 
     # ----- the loop -----------------------------------------------------------------------
@@ -218,19 +234,36 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
 
     def train_step(self, batch: Any) -> dict[str, float]:
-        """One optimizer step; returns the step's losses (``loss`` and its parts)."""
-        self.set_lr()
-        with self._autocast():
-            losses = self.model(batch)
+        """One optimizer step; returns the step's losses (``loss`` and its parts). Its parts are
+        charged to the step clock (``self.stats``); the gradients' norm and the loss are checked
+        before the update, and a non-finite one is diagnosed (``self.diag``: raises)."""
+        stats = self.stats
+        self.diag.step_begins(self.state.step + 1)
+        with stats.phase("optimizer"):
+            self.set_lr()
+        with stats.phase("forward"):
+            with self._autocast():
+                losses = self.model(batch)
         loss = losses["loss"]
-        loss.backward()
-        if self.cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.dense_params, self.cfg.optim.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.average is not None:
-            self.average.update()
+        with stats.phase("backward"):
+            loss.backward()
+        with stats.phase("optimizer"):
+            if self.cfg.optim.grad_clip > 0:
+                norm = torch.nn.utils.clip_grad_norm_(self.dense_params, self.cfg.optim.grad_clip)
+            else:
+                norm = torch.nn.utils.get_total_norm([p.grad for p in self.dense_params if p.grad is not None])
+            if self.diag.nonfinite(loss, norm):
+                self.diag.explain(self, batch, losses, norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.average is not None:
+                self.average.update()
+        if stats.wants_flops() and not self.diag.replaying:  # once a process, on its first batch
+            flops, how = count_model_flops(self.model, batch, self._autocast)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.log.write(stats.set_flops(flops, how))
         self.state.step += 1
+        stats.count_step()
         return {k: float(v.detach()) for k, v in losses.items()}
 
     def _out_of_time(self, started: float) -> bool:
@@ -245,42 +278,74 @@ class Trainer:
         return any_rank(spent, self.device) if self.world_size > 1 else spent
 
     def run_epoch(self) -> None:
-        """The rest of the current epoch, from the reader's position."""
+        """The rest of the current epoch, from the reader's position. Each step's time is
+        charged to its parts (``self.stats``; the loop's own work to "other"), each logged
+        record carries the interval's accounting, and the watchdog watches every step."""
         reader = self.train_reader
         bar = tqdm(total=self.steps_per_epoch, initial=reader.batches_done, desc=f"epoch {self.state.epoch}",
                    disable=not (self.cfg.progress and self.rank == 0), unit="step", leave=False)
         started = window_start = time.perf_counter()
         window_samples, losses = 0, {}
         self.model.train()
-        for batch in reader:
-            if self.device is not None:
-                batch = batch.to(self.device, non_blocking=True)
-            for k, v in self.train_step(batch).items():
-                losses.setdefault(k, []).append(v)
-            window_samples += batch.batch_size
-            bar.update(1)
-            if self.state.step % self.cfg.log_every_steps == 0:
-                now = time.perf_counter()
-                rate = window_samples / max(now - window_start, 1e-9)
-                rec = {"kind": "train", "step": self.state.step, "epoch": self.state.epoch,
-                       **{k: sum(v) / len(v) for k, v in losses.items()},
-                       **self.lr_record(), "samples_per_s": rate}
-                self.log.write(rec)
-                bar.set_postfix(loss=f"{rec['loss']:.4f}", samples_s=f"{rate:.0f}")
-                window_start, window_samples, losses = now, 0, {}
-            if self.cfg.checkpoint_every_steps and self.state.step % self.cfg.checkpoint_every_steps == 0:
-                self.state.train_seconds += time.perf_counter() - started
-                started = time.perf_counter()
-                self.save()
-            if self._out_of_time(started):
-                self.state.stopped = "time budget"
-                break
-            if self.cfg.max_steps and self.state.step >= self.cfg.max_steps:
-                self.state.stopped = "max_steps"
-                break
-            maybe_inject_fault(self.rank, self.state.step)
+        stats, batches = self.stats, iter(reader)
+        stats.start()
+        with self.watchdog.running():
+            while True:
+                self.watchdog.step_begins(self.state.step + 1)
+                self.profiler.step_begins(self.state.step + 1)
+                with stats.phase("data"):
+                    batch = next(batches, None)
+                    if batch is not None and self.device is not None:
+                        batch = batch.to(self.device, non_blocking=True)
+                if batch is None:
+                    break
+                step_losses = self.train_step(batch)
+                for k, v in step_losses.items():
+                    losses.setdefault(k, []).append(v)
+                self.diag.after_step(self.state.step, step_losses["loss"])
+                window_samples += batch.batch_size
+                bar.update(1)
+                if self.state.step % self.cfg.log_every_steps == 0:
+                    stats.mark("other")
+                    now = time.perf_counter()
+                    rate = window_samples / max(now - window_start, 1e-9)
+                    rec = {"kind": "train", "step": self.state.step, "epoch": self.state.epoch,
+                           **{k: sum(v) / len(v) for k, v in losses.items()},
+                           **self.lr_record(), "samples_per_s": rate, **self.step_record()}
+                    self.log.write(rec)
+                    bar.set_postfix(loss=f"{rec['loss']:.4f}", samples_s=f"{rate:.0f}", **stats.postfix(rec))
+                    window_start, window_samples, losses = now, 0, {}
+                if self.cfg.checkpoint_every_steps and self.state.step % self.cfg.checkpoint_every_steps == 0:
+                    stats.mark("other")
+                    self.state.train_seconds += time.perf_counter() - started
+                    started = time.perf_counter()
+                    self.save()
+                    stats.mark("checkpoint")
+                stop = ""
+                if self._out_of_time(started):
+                    stop = "time budget"
+                elif self.cfg.max_steps and self.state.step >= self.cfg.max_steps:
+                    stop = "max_steps"
+                self.profiler.step_ends(self.state.step)
+                stats.mark("other")
+                self.watchdog.step_ends()
+                if stop:
+                    self.state.stopped = stop
+                    break
+                maybe_inject_fault(self.rank, self.state.step)
+        self.profiler.close()
         self.state.train_seconds += time.perf_counter() - started
         bar.close()
+
+    def step_record(self) -> dict[str, Any]:
+        """The logged interval's step accounting (``train.stepstats``); distributed, the peak
+        memory of every rank (one small all-reduce: each rank fills its own slot)."""
+        rec = self.stats.take()
+        if rec and self.world_size > 1:
+            mine = torch.zeros(self.world_size, dtype=torch.float64)
+            mine[self.rank] = rec["peak_mem_mb"]
+            rec["peak_mem_mb"] = [round(x, 1) for x in self.reduce(mine.to(self.device)).cpu().tolist()]
+        return rec
 
     def lr_record(self) -> dict[str, Any]:
         """The LR of the step just taken: ``lr`` (the first param group's) and, when the optimizer
@@ -358,6 +423,8 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Trains to a stop condition, then tests the best checkpoint; returns results."""
+        if self.cfg.replay:  # one saved step run again instead (train.diagnose)
+            return self.diag.replay(self, Path(self.cfg.replay))
         self.resume()
         head = getattr(self.module, "ranking", None)
         if head is not None:  # a resumed checkpoint's calibration fits weights that train on: refit in finish()
