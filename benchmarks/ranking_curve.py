@@ -20,6 +20,7 @@ from pathlib import Path
 
 from genrec.benchmarks.common import RESULTS, ROOT, machine, today, update_results_md, write_json
 from genrec.benchmarks.ranking_bounds import bounds
+from genrec.train.data.schema import read_info
 from genrec.train.data.synthetic import SyntheticConfig, generate
 from genrec.train.job import load_job
 from genrec.train.run import run_training
@@ -42,11 +43,38 @@ def run_scale(m: int, budget: float, threads: int, out_dir: str) -> dict:
         overrides.append(f"--train.threads={threads}")
     t0 = time.time()
     run_dir, res = run_training(load_job("configs/ranking_synthetic.toml", overrides))
+    return record(m, Path(run_dir), res, time.time() - t0)
+
+
+def calibrated_test(run_dir: Path) -> dict[str, float]:
+    """rank_test metrics of a run's chosen checkpoint as served; a checkpoint written before
+    calibration existed is calibrated on its rank_valid first (in memory), as training does now."""
+    from genrec.train.calibrate import fit_calibration
+    from genrec.train.cli import load_run_model
+    from genrec.train.data.reader import make_reader
+    from genrec.train.job import task_masks
+    from genrec.train.ranking_metrics import evaluate_ranking
+
+    job, model, emb, _ = load_run_model(run_dir, None, None)
+    tasks = task_masks(job, read_info(job.data.path))
+
+    def reader(split: str):  # noqa: ANN202
+        return make_reader(job.data, split, emb, job.model.max_seq_len, tasks=tasks)
+
+    if not bool(model.ranking.calibrator.fitted.all()):
+        fit_calibration(model, reader("rank_valid"), list(tasks))
+    return evaluate_ranking(model, reader("rank_test"), list(tasks))
+
+
+def record(m: int, run_dir: Path, res: dict, wall: float) -> dict:
+    """The curve's record of scale ``m`` from its run (``res``: run_training's results)."""
+    data = scaled_data(m)
+    test = calibrated_test(run_dir)
     ceiling = bounds(data, chunk=16)
-    keys = ("click/auc", "click/ne", "conversion/auc", "conversion/ne")
+    keys = [f"{t}/{k}" for t in ("click", "conversion") for k in ("auc", "ne", "ece", "ece_floor", "ne_uncalibrated")]
     return {"scale": m, "users": BASE_USERS * m, "epochs": res["epochs"], "best_epoch": res["best_epoch"],
-            "train_seconds": res["train_seconds"], "wall_seconds": time.time() - t0, "run_dir": str(run_dir),
-            "model": {k: res["test"].get(k) for k in keys},
+            "train_seconds": res["train_seconds"], "wall_seconds": wall, "run_dir": str(run_dir),
+            "model": {k: test.get(k) for k in keys},
             "oracle": ceiling["estimators"]["oracle"], "world+history": ceiling["estimators"]["world+history"],
             "test_candidates": ceiling["candidates"]}
 
@@ -57,10 +85,17 @@ def main() -> None:
     ap.add_argument("--budget-min", type=float, default=30.0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
     ap.add_argument("--out-dir", default="runs/benchmarks")
+    ap.add_argument("--from-runs", default="", help="SCALE=RUN_DIR,...: record finished runs instead of training")
     args = ap.parse_args()
     path = RESULTS / "ranking_curve.json"
-    for m in (int(s) for s in args.scales.split(",")):
-        rec = run_scale(m, args.budget_min, args.threads, args.out_dir)
+    done = dict(kv.split("=", 1) for kv in args.from_runs.split(",") if kv)
+    for m in (int(s) for s in (args.scales.split(",") if not done else done)):
+        if done:
+            run_dir = Path(done[str(m)])
+            res = json.loads((run_dir / "results.json").read_text())
+            rec = record(m, run_dir, res, float("nan"))
+        else:
+            rec = run_scale(m, args.budget_min, args.threads, args.out_dir)
         rec.update(date=today(), machine=machine(), budget_min=args.budget_min)
         records = json.loads(path.read_text())["records"] if path.exists() else []
         records = sorted([r for r in records if r["scale"] != m] + [rec], key=lambda r: r["scale"])

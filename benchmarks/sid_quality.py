@@ -56,11 +56,11 @@ def merged_recall(run_dir: Path, dense_k: int = 100, gen_k: int = 50) -> dict:
     """Recall of the held-out test item: dense top-``dense_k``; decoded top-``gen_k``; their
     union; dense top-(dense_k + gen_k) (a dense list as long as the union can be); and the
     share of decoded items that are catalogue items outside the user's history."""
-    from genrec.train.cli import _load_run_model
+    from genrec.train.cli import load_run_model
     from genrec.train.data.reader import make_reader
     from genrec.train.evaluate import mask_seen
 
-    job, model, emb, _ = _load_run_model(run_dir, None, None)
+    job, model, emb, _ = load_run_model(run_dir, None, None)
     model.eval()
     corpus = model.corpus_ids
     items = model.item_embeddings(corpus)

@@ -106,7 +106,9 @@ def task_table(metrics: dict, split: str) -> str:
     return format_table({f"{t} ({split})": {k: metrics.get(f"{t}/{k}", "") for k in keys} for t in tasks}, keys)
 
 
-def _load_run_model(run: Path, checkpoint: str | None, data: str | None):  # noqa: ANN202
+def load_run_model(run: Path, checkpoint: str | None, data: str | None):  # noqa: ANN201
+    """(job, model with the checkpoint loaded, embedding config, checkpoint path) of a run:
+    ``checkpoint`` default its best, else its newest; ``data`` another dataset directory."""
     from genrec.train import checkpoint as ckpt
     from genrec.train.job import build_model, load_job
 
@@ -133,7 +135,7 @@ def evaluate_run(run: Path, checkpoint: str | None, split: str, data: str | None
     from genrec.train.job import task_masks, tokens_per_event
     from genrec.train.ranking_metrics import evaluate_ranking
 
-    job, model, emb, path = _load_run_model(run, checkpoint, data)
+    job, model, emb, path = load_run_model(run, checkpoint, data)
     metrics: dict = {}
     tpe = tokens_per_event(job)  # interleaved ranking: two tokens per event bound the history
     if job.model.arch == "generative":
