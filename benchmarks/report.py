@@ -154,23 +154,42 @@ def kernels(d: dict) -> list[str]:
             *table(["training step", "s/step", "sequences/s"], steps), *footer(d, cmd)]
 
 
+def _calibration(by: dict, variant: str, task: str) -> str:
+    """NE and ECE of a ranking record's test split, calibrated (uncalibrated), and the ECE floor."""
+    def f(k: str, fmt: str = ".4f") -> str:
+        return num(get(by, f"{variant}.test.{task}/{k}"), fmt)
+
+    if get(by, f"{variant}.test.{task}/ece_floor") is None:  # a record from before calibration
+        return f"NE {f('ne', '.3f')}"
+    return (f"NE {f('ne', '.3f')} ({f('ne_uncalibrated', '.3f')}), ECE {f('ece')} ({f('ece_uncalibrated')}), "
+            f"floor {f('ece_floor')}")
+
+
 def ranking(d: dict) -> list[str]:
     recs = d.get("records", [])
     out = ["## Ranking (multi-task, held-out time split)", "",
            "Anchors: the pooled DLRM baseline on the same batches, the true-probability oracle's "
-           "AUC (synthetic data), and the retrieval-only model for the joint model's retrieval.", ""]
+           "AUC (synthetic data; what the shown histories allow is in the ceilings section), and the "
+           "retrieval-only model for the joint model's retrieval. Probabilities as served: isotonic "
+           "calibration fitted on validation; NE and ECE on the test split, ECE beside its floor "
+           "(what a perfectly calibrated model shows on as many candidates), uncalibrated NE / ECE "
+           "in brackets.", ""]
     for ds in sorted({r.get("dataset") for r in recs}, key=str):
         by = {r.get("variant"): r for r in recs if r.get("dataset") == ds}
         tasks = sorted({k.split("/")[0] for r in by.values() for k in r.get("test", {}) if k.endswith("/auc")})
         rows = []
         for t in tasks:
+            oracle = get(by, f"joint.test.{t}/oracle_auc")
             rows.append([t, num(get(by, f"joint.test.{t}/auc")), num(get(by, f"dlrm.test.{t}/auc")),
-                         num(get(by, f"joint.test.{t}/oracle_auc")) if get(by, f"joint.test.{t}/oracle_auc")
-                         is not None else "-"])
-        first = next(iter(by.values()), {})
-        out += [f"### {ds}", "", *table(["task", "joint AUC", "DLRM AUC", "oracle AUC"], rows), "",
+                         num(oracle) if oracle is not None else "-", _calibration(by, "joint", t),
+                         _calibration(by, "dlrm", t)])
+        first = by.get("joint", next(iter(by.values()), {}))
+        out += [f"### {ds}", "", *table(["task", "joint AUC", "DLRM AUC", "oracle AUC", "joint calibration",
+                                         "DLRM calibration"], rows), "",
                 f"Retrieval NDCG@10 of the joint model {num(get(by, 'joint.test.ndcg@10'))}, of the "
-                f"retrieval-only model {num(get(by, 'retrieval-only.test.ndcg@10'))}. "
+                f"retrieval-only model {num(get(by, 'retrieval-only.test.ndcg@10'))} "
+                f"({get(by, 'retrieval-only.date') or MISSING}). Joint: {first.get('epochs')} epochs, "
+                f"{num(first.get('train_seconds', 0) / 60, '.0f')} min. "
                 f"Machine: {machine_text(first.get('machine'))}. Date: {first.get('date', MISSING)}.", ""]
     budget = next((r.get("budget_min") for r in recs if r.get("budget_min")), None)
     out.append(f"Command: `python -m genrec.benchmarks.ranking --datasets synthetic,ml1m"
@@ -399,6 +418,8 @@ SUMMARIES: dict[str, Callable[[dict], tuple[str, str]]] = {
     "sid_decoding": _lazy("sid_decoding", "sid_decoding_summary"),
     "sid_quality": _lazy("sid_quality", "sid_quality_summary"),
     "ranking_serving": _lazy("ranking_serving", "ranking_serving_summary"),
+    "ranking_bounds": _lazy("ranking_bounds", "ranking_bounds_summary"),
+    "ranking_curve": _lazy("ranking_curve", "ranking_curve_summary"),
 }
 
 
@@ -410,6 +431,7 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "sid_decoding": _lazy("sid_decoding", "sid_decoding"),
     "sid_quality": _lazy("sid_quality", "sid_quality"),
     "ranking_serving": _lazy("ranking_serving", "ranking_serving"),
+    "ranking_bounds": _lazy("ranking_bounds", "ranking_bounds"), "ranking_curve": _lazy("ranking_curve", "ranking_curve"),
 }
 
 
