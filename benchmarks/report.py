@@ -191,7 +191,13 @@ def ranking(d: dict) -> list[str]:
                 f"({get(by, 'retrieval-only.date') or MISSING}). Joint: {first.get('epochs')} epochs, "
                 f"{num(first.get('train_seconds', 0) / 60, '.0f')} min. "
                 f"Machine: {machine_text(first.get('machine'))}. Date: {first.get('date', MISSING)}.", ""]
-    budget = next((r.get("budget_min") for r in recs if r.get("budget_min")), None)
+    budget = next((r.get("budget_min") for r in sorted(recs, key=lambda r: r.get("date", ""), reverse=True)
+                   if r.get("variant") == "joint" and r.get("budget_min")), None)
+    if not any(r.get("dataset") == "kuairand" for r in recs):
+        out += ["Second public anchor: KuaiRand-Pure (real click / like labels, CC BY-SA 4.0): converter and "
+                "config ship (`genrec data convert kuairand`, `configs/ranking_kuairand.toml`), but the data "
+                "cannot be downloaded on this machine, so no figure is measured (docs/training.md says how to "
+                "obtain it).", ""]
     out.append(f"Command: `python -m genrec.benchmarks.ranking --datasets synthetic,ml1m"
                f"{'' if budget is None else f' --budget-min {budget:g}'}`.")
     return out
