@@ -67,7 +67,7 @@ def kind_of(name: str) -> str:
         return "optimizer"
     if "::" not in n:  # a range (ours, a module's, an autograd node's): its own time is Python's
         return "python"
-    op = n.split("::")[-1]
+    op = n.split("::")[-1].rstrip("_")  # in-place forms too: addmm_
     if any(op == k or op.startswith(k) or op.endswith(k) or f"_{k}" in op for k in MATMUL):
         return "matmul"
     return "other ops"
