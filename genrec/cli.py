@@ -232,7 +232,8 @@ def _handler(cmd: str) -> Handler:
 USER_ERRORS = {"genrec.config": ("ConfigError",), "genrec.embedding.spec": ("IdOutOfRange",),
                "genrec.models.sid": ("SemanticIdError",),
                "genrec.quant.artifact": ("ArtifactError",), "genrec.train.checkpoint": ("IncompatibleCheckpoint",),
-               "genrec.train.data.schema": ("DataFormatError",)}
+               "genrec.train.data.schema": ("DataFormatError",),
+               "genrec.train.diagnose": ("NonFiniteError",)}  # its diagnosis is already written and printed
 
 
 def _user_error(e: BaseException) -> bool:
