@@ -425,6 +425,7 @@ SUMMARIES: dict[str, Callable[[dict], tuple[str, str]]] = {
     "sid_quality": _lazy("sid_quality", "sid_quality_summary"),
     "ranking_serving": _lazy("ranking_serving", "ranking_serving_summary"),
     "ranking_bounds": _lazy("ranking_bounds", "ranking_bounds_summary"),
+    "train_ops": _lazy("train_ops", "train_ops_summary"),
     "ranking_curve": _lazy("ranking_curve", "ranking_curve_summary"),
 }
 
@@ -438,6 +439,7 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "sid_quality": _lazy("sid_quality", "sid_quality"),
     "ranking_serving": _lazy("ranking_serving", "ranking_serving"),
     "ranking_bounds": _lazy("ranking_bounds", "ranking_bounds"), "ranking_curve": _lazy("ranking_curve", "ranking_curve"),
+    "train_ops": _lazy("train_ops", "train_ops"),
 }
 
 

@@ -179,5 +179,37 @@ def main() -> None:
     print(f"wrote {write_json('train_ops', payload)}")
 
 
+def train_ops(d: dict) -> list[str]:
+    from genrec.benchmarks.report import machine_text, num, table
+
+    ab, bk, fl = d["ab"], d["bookkeeping"], d["flops"]
+    parts = bk["mean_time_ms"]
+    out = ["## Training jobs that explain themselves (ML-1M HSTU step, accounting on vs off)", "",
+           "Targets (issue 35): the always-on accounting costs at most 2% of step time, and its parts add "
+           "up to the step within 5%.", ""]
+    out += table(["figure", "value"], [
+        ["accounting cost (A/B, interleaved rounds)",
+         f"{ab['overhead_median']:+.1%} median over {ab['rounds']} rounds "
+         f"({ab['overhead_min']:+.1%} .. {ab['overhead_max']:+.1%})"],
+        ["parts against the step time", f"largest gap {bk['max_parts_gap']:.1e} (relative)"],
+        ["step split (ms)", ", ".join(f"{k} {v:.1f}" for k, v in parts.items())],
+        ["model FLOPs per step", f"{fl['flops_per_step'] / 1e9:.1f} GFLOP ({fl['counted']})"],
+        ["achieved / peak", f"{d['tflops_median'] * 1e3:.0f} / {fl['peak_tflops'] * 1e3:.0f} GFLOP/s "
+                            f"({fl['peak']['dtype']}, matmul precision {fl['peak']['matmul_precision']})"],
+        ["MFU", f"{d['mfu_median']:.1%}"],
+        ["peak memory (RSS)", f"{num(d['peak_mem_mb'], '.0f')} MB"],
+    ]) + [""]
+    summary = d.get("profile_summary", [])
+    head = summary[: summary.index("")] if "" in summary else summary  # the lines above the operator table
+    out += ["Profile (the operator table is in the run's profile summary):", "", *(f"- {line}" for line in head), ""]
+    out += [f"Machine: {machine_text(d['machine'])}; {d['date']}. Command: `{d['command']}`.", ""]
+    return out
+
+
+def train_ops_summary(d: dict) -> tuple[str, str]:
+    return (f"accounting cost {d['ab']['overhead_median']:+.1%}; MFU {d['mfu_median']:.1%}",
+            "<= 2% of step time")
+
+
 if __name__ == "__main__":
     main()
