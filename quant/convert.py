@@ -88,6 +88,7 @@ def export(
     """Writes the artifact and returns the report (sizes and accuracy before / after)."""
     from genrec.train.data.reader import make_reader
     from genrec.train.evaluate import evaluate
+    from genrec.train.logs import progress as batches_with_progress
 
     bar = tqdm(total=5, desc="quantize", disable=not progress, unit="step")
     run_dir, ckpt_dir = resolve_checkpoint(checkpoint)
@@ -96,15 +97,15 @@ def export(
     data = Path(eval_data) if eval_data else Path(job.data.path)
     have_data = measure_accuracy and (data / "dataset.json").exists()
 
-    def measure(m: torch.nn.Module) -> dict[str, float] | None:
+    def measure(m: torch.nn.Module, name: str) -> dict[str, float] | None:
         if not have_data:
             return None
         reader = make_reader(job.data.__class__(**{**job.data.__dict__, "path": str(data)}), "valid",
                              job.embedding, job.model.max_seq_len)
-        return evaluate(m, reader, job.eval)
+        return evaluate(m, batches_with_progress(reader, f"valid, {name}", enabled=progress), job.eval)
 
     t0 = time.perf_counter()
-    before = measure(model)
+    before = measure(model, "checkpoint")
     bar.update(1)
     emb_float = sum(p.numel() * p.element_size() for p in model.sparse.parameters())
     emb = table_tensors(model.sparse, qcfg.embeddings)
@@ -124,7 +125,7 @@ def export(
     bar.update(1)
     served, manifest = load_model(out)
     bar.update(1)
-    after = measure(served)
+    after = measure(served, "artifact")
     bar.update(1)
     bar.close()
     report = {

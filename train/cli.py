@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from dataclasses import replace
@@ -133,25 +134,27 @@ def evaluate_run(run: Path, checkpoint: str | None, split: str, data: str | None
     from genrec.train.data.reader import make_reader
     from genrec.train.evaluate import evaluate
     from genrec.train.job import task_masks, tokens_per_event
+    from genrec.train.logs import progress
     from genrec.train.ranking_metrics import evaluate_ranking
 
     job, model, emb, path = load_run_model(run, checkpoint, data)
     metrics: dict = {}
     tpe = tokens_per_event(job)  # interleaved ranking: two tokens per event bound the history
     if job.model.arch == "generative":
-        metrics.update(evaluate(model, make_reader(job.data, split, emb, job.model.max_seq_len,
-                                                   tokens_per_event=tpe), job.eval))
+        reader = make_reader(job.data, split, emb, job.model.max_seq_len, tokens_per_event=tpe)
+        metrics.update(evaluate(model, progress(reader, split), job.eval))
     tasks = task_masks(job, read_info(job.data.path))
     if tasks and job.data.ranking.enabled:
         reader = make_reader(job.data, f"rank_{split}", emb, job.model.max_seq_len, tasks=tasks,
                              tokens_per_event=tpe)
-        metrics.update(evaluate_ranking(model, reader, list(tasks)))
+        metrics.update(evaluate_ranking(model, progress(reader, f"rank_{split}"), list(tasks)))
     return metrics, path
 
 
 def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from genrec.train.data.reader import make_reader
     from genrec.train.evaluate import format_table
+    from genrec.train.logs import log, progress, run_log
 
     if args.baseline:
         from genrec.train.baselines import Baseline, evaluate_baseline
@@ -162,12 +165,18 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
         job = load_config(JobConfig, None, [f'--data.path="{args.data}"', *overrides])
         emb = resolve_embedding(job.embedding, read_info(args.data))
         reader = make_reader(job.data, args.split, emb, job.model.max_seq_len)
-        metrics = evaluate_baseline(Baseline(args.data, args.baseline, job.data.valid_users), reader, job.eval)
+        metrics = evaluate_baseline(Baseline(args.data, args.baseline, job.data.valid_users),
+                                    progress(reader, f"{args.baseline} baseline"), job.eval)
         name = args.baseline
     else:
         if not args.run:
             raise SystemExit("genrec eval needs --run DIR (or --baseline with --data)")
-        metrics, path = evaluate_run(Path(args.run), args.checkpoint, args.split, args.data)
+        # RUN/eval.log: what was evaluated, when, and the figures
+        with run_log(Path(args.run), name="eval") if Path(args.run).is_dir() else contextlib.nullcontext():
+            log.info(f"eval {args.run}: checkpoint {args.checkpoint or 'best'}, split {args.split}"
+                     f"{f', data {args.data}' if args.data else ''}", extra={"file_only": True})
+            metrics, path = evaluate_run(Path(args.run), args.checkpoint, args.split, args.data)
+            log.info(f"{path}: " + json.dumps(metrics), extra={"file_only": True})
         name = f"{Path(args.run).name}/{path.name}"
     if args.json:
         print(json.dumps(metrics, indent=2))
@@ -186,6 +195,7 @@ def cmd_demo(args: argparse.Namespace, overrides: list[str]) -> int:
     from genrec.train.data.synthetic import SyntheticConfig, generate
     from genrec.train.evaluate import format_table
     from genrec.train.job import load_job, resolve_embedding
+    from genrec.train.logs import progress
     from genrec.train.run import run_training
 
     data = Path(args.data)
@@ -198,7 +208,8 @@ def cmd_demo(args: argparse.Namespace, overrides: list[str]) -> int:
     emb_cfg = resolve_embedding(job.embedding, read_info(data))
     for kind in ("popular", "transition"):
         reader = make_reader(replace(job.data, context_features=False), "test", emb_cfg, job.model.max_seq_len)
-        rows[f"{kind} baseline (test)"] = evaluate_baseline(Baseline(data, kind, job.data.valid_users), reader, job.eval)
+        rows[f"{kind} baseline (test)"] = evaluate_baseline(Baseline(data, kind, job.data.valid_users),
+                                                            progress(reader, f"{kind} baseline"), job.eval)
     print(f"\nrun directory: {run_dir}  ({results['epochs']} epochs, {results['train_seconds']:.0f}s training)")
     print(format_table(rows))
     return 0

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import math
 import os
 import statistics
@@ -48,9 +49,9 @@ from typing import Any, NoReturn
 
 import torch
 from safetensors.torch import load_file, save_file
-from tqdm import tqdm
 
 from genrec.models.inputs import SequenceBatch
+from genrec.train.logs import log
 from genrec.train.parallel import no_sync
 
 SPIKE_WINDOW, SPIKE_WARMUP = 100, 20
@@ -82,8 +83,8 @@ class DiagnosisLog:
         rec = {"kind": kind, "rank": self.rank, "time": time.time(), "message": line, **fields}
         with open(self.path, "a") as f:
             f.write(json.dumps(_clean(rec), default=str) + "\n")
-        if printed:
-            tqdm.write(f"diagnosis: {line}")
+        level = logging.INFO if kind == "resumed" else logging.WARNING
+        log.log(level, f"diagnosis: {line}", extra={"all_ranks": True, "file_only": not printed})
 
 
 # ----- finding the first non-finite value ------------------------------------------------------

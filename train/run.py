@@ -24,6 +24,7 @@ from genrec.train.checkpoint import warm_start
 from genrec.train.data.reader import make_reader
 from genrec.train.data.schema import DataFormatError, read_info
 from genrec.train.job import JobConfig, build_model, task_masks, tokens_per_event
+from genrec.train.logs import log, run_log
 from genrec.train.parallel import DistContext, init_distributed, parallelize, replicate, strategy
 from genrec.train.rundir import new_run_dir, remove_unused_run_dir, write_run_files
 from genrec.train.trainer import Trainer, build_optimizer
@@ -102,6 +103,19 @@ def _train(job: JobConfig, run_dir: Path | None, ctx: DistContext, state: dict[s
     # only now, with the dataset's files opened and their schemas checked: bad data leaves no run dir
     run_dir = resolve_run_dir(job, resolved, ctx, run_dir)
     state["run_dir"] = run_dir
+    with run_log(run_dir, ctx.rank):
+        version = json.loads((run_dir / "version.json").read_text()) if (run_dir / "version.json").exists() else {}
+        log.info(f"run {run_dir}: commit {(version.get('commit') or 'unknown')[:12]}"
+                 f"{' (dirty)' if version.get('dirty') else ''}, {ctx.world_size} rank(s){f' ({how})' if ctx.distributed else ''}, "
+                 f"data {job.data.path}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+        return _fit(job, run_dir, ctx, model, emb, how, readers)
+
+
+def _fit(job: JobConfig, run_dir: Path, ctx: DistContext, model: torch.nn.Module, emb: Any, how: str,
+         readers: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+    """_train's work once the run directory (and its log file) is open."""
+    per_rank = replace(job.data, batch_size=max(1, job.data.batch_size // ctx.world_size))
+    tasks = task_masks(job, read_info(job.data.path))
     valid = {k: v for k, v in readers.items() if k in ("valid", "rank_valid")}
     test = {k: v for k, v in readers.items() if k in ("test", "rank_test")}
     optim = job.train.optim
@@ -130,11 +144,12 @@ def _train(job: JobConfig, run_dir: Path | None, ctx: DistContext, state: dict[s
         if job.train.init_from:  # before fit(): a resumed run's own checkpoint then overrides it
             _, start = ckpt.resolve_checkpoint(job.train.init_from)
             left = warm_start(model, start)
-            print(f"init_from {start}: {len(left)} tensors not in it, as initialised "
-                  f"({', '.join(sorted({k.split('.')[0] for k in left})) or 'none'})", flush=True)
+            log.info(f"init_from {start}: {len(left)} tensors not in it, as initialised "
+                     f"({', '.join(sorted({k.split('.')[0] for k in left})) or 'none'})")
         trainer = Trainer(job.train, job.eval, run_dir, model, model, optimizer,
                           readers["train"], valid, test, tasks=list(tasks), device=ctx.device)
     results = trainer.fit()
+    log.info("results: " + json.dumps(results, default=str), extra={"file_only": True})
     peak = {"rank": ctx.rank, "world_size": ctx.world_size,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     (run_dir / f"memory.rank{ctx.rank}.json").write_text(json.dumps(peak) + "\n")

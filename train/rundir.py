@@ -103,7 +103,10 @@ def remove_unused_run_dir(path: Path) -> bool:
     """Deletes a run directory (and its then empty ``runs/<name>``) that holds only the files
     written as it started: what a job that failed on its data before its first logged step
     leaves behind, which nothing can resume or evaluate. True if it was removed."""
-    if not path.is_dir() or any(p.name not in RUN_START_FILES for p in path.iterdir()):
+    def start_file(name: str) -> bool:  # the log files too: what they say was printed as the job failed
+        return name in RUN_START_FILES or (name.startswith("train.") and name.endswith(".log"))
+
+    if not path.is_dir() or not all(start_file(p.name) for p in path.iterdir()):
         return False
     shutil.rmtree(path)
     try:

@@ -2,7 +2,7 @@
 several side by side (config differences, metrics, validation curves overlaid).
 
 The run directory stays the source of truth (``config.toml``, ``version.json``,
-``results.json``, ``metrics.jsonl``); nothing here writes. Columns of ``list``: the run (its
+``results.json``, ``metrics.jsonl``, ``train.log``); nothing here writes. Columns of ``list``: the run (its
 path under the root), when it started, the commit it ran (``+`` when the tree was dirty), the
 dataset and a fingerprint of its manifest (``dataset.json``: two runs on the same data show the
 same one), its status, the metric the checkpoint was chosen on with its best validation value,
@@ -42,6 +42,22 @@ def data_fingerprint(data_path: str) -> str:
         return "?"
 
 
+def last_failure(log: Path, width: int = 60) -> str | None:
+    """What the newest attempt of a run died of (its ``train.log``'s "job failed" line, cut
+    to ``width``), or None when the newest attempt did not fail (or there is no log)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if " job failed: " in line:
+            why = line.split(" job failed: ", 1)[1]
+            return why if len(why) <= width else why[: width - 3] + "..."
+        if " genrec.train: run " in line:  # the newest attempt's first line: it has not failed (yet)
+            return None
+    return None
+
+
 def summary(run: Path, root: Path | None = None) -> dict[str, Any]:
     """One row of ``genrec runs list``."""
     cfg = tomllib.loads((run / "config.toml").read_text())
@@ -49,8 +65,11 @@ def summary(run: Path, root: Path | None = None) -> dict[str, Any]:
     train = cfg.get("train", {})
     metric = train.get("early_stop_metric", "ndcg@10")
     data = cfg.get("data", {}).get("path", "?")
+    failed = last_failure(run / "train.log")
     if results:
         status = results.get("stopped", "finished")
+    elif failed:
+        status = f"failed: {failed}"
     elif (run / "metrics.jsonl").exists():
         status = "no results (running or killed)"
     else:

@@ -42,6 +42,7 @@ from genrec.train.data.reader import SequenceReader
 from genrec.train.diagnose import Diagnoser
 from genrec.train.evaluate import EvalConfig, evaluate
 from genrec.train.job import OptimConfig, TrainConfig
+from genrec.train.logs import log, progress
 from genrec.train.parallel import time_collectives
 from genrec.train.profiling import StepProfiler
 from genrec.train.ranking_metrics import evaluate_ranking
@@ -211,8 +212,7 @@ class Trainer:
 
     # ----- the loop -----------------------------------------------------------------------
     def _print(self, msg: str) -> None:
-        if self.rank == 0:
-            tqdm.write(msg)
+        log.info(msg)  # the console shows rank 0's; every rank's log file keeps it
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.cfg.precision == "bf16":
@@ -363,11 +363,12 @@ class Trainer:
             total = None
             if self.world_size > 1:  # every rank must make as many (collective) forwards
                 total = int(self.reduce_max(torch.tensor([len(reader)])).item())
+            batches = progress(reader, split, enabled=self.cfg.progress and self.rank == 0)
             if split.startswith("rank_"):
                 plot = self.run_dir / "reliability_test.png" if split == "rank_test" and self.rank == 0 else None
-                out.update(evaluate_ranking(self.module, reader, self.tasks, self.device, total, plot))
+                out.update(evaluate_ranking(self.module, batches, self.tasks, self.device, total, plot))
             else:
-                out.update(evaluate(self.module, reader, self.eval_cfg, self.device, self.reduce, total))
+                out.update(evaluate(self.module, batches, self.eval_cfg, self.device, self.reduce, total))
         return out
 
     def reduce_max(self, t: torch.Tensor) -> torch.Tensor:
@@ -469,7 +470,8 @@ class Trainer:
             return None
         reader.set_epoch(0)
         total = int(self.reduce_max(torch.tensor([len(reader)])).item()) if self.world_size > 1 else None
-        summary = fit_calibration(self.module, reader, self.tasks, self.device, total, self.reduce, self.rank,
+        batches = progress(reader, "calibration", enabled=self.cfg.progress and self.rank == 0)
+        summary = fit_calibration(self.module, batches, self.tasks, self.device, total, self.reduce, self.rank,
                                   self.world_size, self.run_dir / "reliability_valid.png" if self.rank == 0 else None)
         fitted = {k: v.clone() for k, v in self.module.named_buffers() if is_calibration_key(k)}
         ckpt.amend_checkpoint(self.io, best, self.module, fitted)

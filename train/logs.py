@@ -1,0 +1,103 @@
+"""A job's log file: what a training job or an evaluation says also lands in its run directory.
+
+Messages go through the ``genrec.train`` logger. On the console they print as before (only the
+message, through ``tqdm.write`` so a progress bar stays whole; under torchrun only rank 0's,
+except diagnoses, which every rank prints). While :func:`run_log` is open they are also
+appended to ``RUN/<name>.log`` (rank 0) or ``RUN/<name>.rank<r>.log`` with the time, rank,
+level and logger, together with Python warnings and, when the job dies, the exception and its
+traceback: a job that failed overnight says why in its run directory. A resumed or restarted
+job appends to the same file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+from tqdm import tqdm
+
+log = logging.getLogger("genrec.train")
+
+T = TypeVar("T")
+
+
+class _Console(logging.Handler):
+    """Prints a record's message through tqdm; quiet on ranks other than 0 unless the record
+    asks for every rank (``extra={"all_ranks": True}``); ``extra={"file_only": True}``: the
+    log file alone."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.rank = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "file_only", False) or (self.rank != 0 and not getattr(record, "all_ranks", False)):
+            return
+        try:
+            tqdm.write(record.getMessage())
+        except Exception:  # noqa: BLE001 - logging's own contract: a broken handler never raises
+            self.handleError(record)
+
+
+_console = _Console()
+log.addHandler(_console)
+log.setLevel(logging.INFO)
+log.propagate = False  # the console handler prints it; no second copy from a root handler
+
+FORMAT = "%(asctime)s rank%(rank)s %(levelname)s %(name)s: %(message)s"
+
+
+def log_file(run_dir: Path, rank: int, name: str = "train") -> Path:
+    return Path(run_dir) / (f"{name}.log" if rank == 0 else f"{name}.rank{rank}.log")
+
+
+@contextlib.contextmanager
+def run_log(run_dir: Path, rank: int = 0, name: str = "train") -> Iterator[Path]:
+    """Appends the ``genrec.train`` logger's records and Python warnings to the run's log file
+    while open; an exception leaving the block is written there with its traceback first."""
+    path = log_file(run_dir, rank, name)
+    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    handler.setFormatter(logging.Formatter(FORMAT))
+    handler.addFilter(_RankField(rank))
+    warned = logging.getLogger("py.warnings")
+    before = _console.rank
+    _console.rank = rank
+    log.addHandler(handler)
+    warned.addHandler(handler)
+    logging.captureWarnings(True)
+    try:
+        yield path
+    except BaseException as e:
+        # to the file only (the console shows the traceback as it always did)
+        handler.handle(log.makeRecord(log.name, logging.ERROR, __file__, 0, f"job failed: {type(e).__name__}: {e}",
+                                      None, (type(e), e, e.__traceback__)))
+        raise
+    finally:
+        logging.captureWarnings(False)
+        warned.removeHandler(handler)
+        log.removeHandler(handler)
+        handler.close()
+        _console.rank = before
+
+
+class _RankField(logging.Filter):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return True
+
+
+def progress(items: Iterable[T], desc: str, total: int | None = None, enabled: bool = True,
+             unit: str = "batch") -> Iterable[T]:
+    """``items`` with a transient progress bar (``enabled`` false: the items themselves)."""
+    if not enabled:
+        return items
+    if total is None:
+        total = len(items) if hasattr(items, "__len__") else None
+    return tqdm(items, desc=desc, total=total, unit=unit, leave=False, dynamic_ncols=True)
