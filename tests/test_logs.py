@@ -2,13 +2,14 @@
 
 * a training run appends what it says to RUN/train.log (start line, validation, results);
   one that dies writes why, with the traceback, and ``genrec runs list`` shows it failed;
-* ``genrec eval --run`` leaves RUN/eval.log;
+* ``genrec eval --run`` leaves RUN/eval.log; ``train.tensorboard`` mirrors metrics.jsonl;
 * the log's rank naming, console rules and appending;
 * ``genrec eval --baseline`` shows a progress bar.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -60,7 +61,7 @@ def test_a_training_run_logs_to_its_directory_and_a_failed_one_says_why(tiny_syn
     from genrec.cli import main
 
     base = tiny_job_overrides(tiny_synth, tmp_path) + ["--train.max_epochs=1", "--data.valid_users=0.2"]
-    run_dir, results = run_training(load_job(tiny_config, base + ["--run.name=ok"]))
+    run_dir, results = run_training(load_job(tiny_config, base + ["--run.name=ok", "--train.tensorboard=true"]))
     text = (run_dir / "train.log").read_text()
     assert f"rank0 INFO genrec.train: run {run_dir}: commit " in text
     assert "INFO genrec.train: epoch   1 step" in text and "| valid hr@10 " in text
@@ -70,6 +71,17 @@ def test_a_training_run_logs_to_its_directory_and_a_failed_one_says_why(tiny_syn
     assert main(["eval", "--run", str(run_dir), "--json"]) == 0
     evaluated = (run_dir / "eval.log").read_text()
     assert f"eval {run_dir}: checkpoint best, split test" in evaluated and '"ndcg@10": ' in evaluated
+
+    # train.tensorboard: metrics.jsonl's records as scalars, at their steps
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in recs if r["kind"] == "train"]
+    loss = board.Scalars("train/loss")
+    assert [e.step for e in loss] == [r["step"] for r in train]
+    assert [e.value for e in loss] == pytest.approx([r["loss"] for r in train], rel=1e-6)
+    assert {"train/time_ms/forward", "train/mfu", "valid/ndcg@10", "test/ndcg@10"} <= set(board.Tags()["scalars"])
 
     monkeypatch.setenv("GENREC_INJECT_NAN", "tower.layers.0:3")
     with pytest.raises(NonFiniteError):

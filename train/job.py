@@ -99,6 +99,9 @@ class TrainConfig:
     # a diagnosis file RUN/diagnosis/nonfinite_step<N>_rank<r>.json: run that step again from
     # its saved weights, batch and RNG state instead of training (train.diagnose)
     replay: str = ""
+    # also write metrics.jsonl's records as TensorBoard scalars to RUN/tensorboard/ (needs the
+    # `tensorboard` extra; the run directory stays the source of truth)
+    tensorboard: bool = False
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 

@@ -123,16 +123,62 @@ def write_run_files(path: Path, config: Any) -> None:
 
 
 class MetricsLog:
-    """Appends JSON lines to ``metrics.jsonl`` (only rank 0 writes)."""
+    """Appends JSON lines to ``metrics.jsonl`` (only rank 0 writes), and hands each record to
+    the optional ``tensorboard`` sink."""
 
-    def __init__(self, path: Path, enabled: bool = True) -> None:
+    def __init__(self, path: Path, enabled: bool = True, tensorboard: bool = False) -> None:
         self.path, self.enabled = path, enabled
+        self.board = TensorBoardSink(path.parent / "tensorboard") if tensorboard and enabled else None
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.board is not None:
+            self.board.write(record)
+
+
+def scalars(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """A record's numbers by path (``time_ms/forward``; a list's items ``peak_mem_mb/rank1``)."""
+    out: dict[str, float] = {}
+    for k, v in record.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(scalars(v, key + "/"))
+        elif isinstance(v, list) and all(isinstance(x, (int, float)) for x in v):
+            out.update({f"{key}/rank{i}": float(x) for i, x in enumerate(v)})
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[key] = float(v)
+    return out
+
+
+class TensorBoardSink:
+    """metrics.jsonl's train and eval records as TensorBoard scalars (``train/loss``,
+    ``train/time_ms/forward``, ``valid/ndcg@10``, ``test/click/auc``) at their step, in
+    ``RUN/tensorboard/``: ``tensorboard --logdir runs`` shows every run. Needs the
+    ``tensorboard`` package (``pip install 'genrec[tensorboard]'``)."""
+
+    SKIP = ("step", "epoch")
+
+    def __init__(self, log_dir: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:  # torch's writer needs the tensorboard package
+            from genrec.config import ConfigError
+
+            raise ConfigError("train.tensorboard = true needs the tensorboard package: "
+                              "pip install 'genrec[tensorboard]'") from e
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def write(self, record: dict[str, Any]) -> None:
+        kind, step = record.get("kind"), record.get("step")
+        if kind not in ("train", "eval") or not isinstance(step, int):
+            return
+        group = "train" if kind == "train" else record.get("split", "eval")
+        for key, value in scalars({k: v for k, v in record.items() if k not in self.SKIP}).items():
+            self.writer.add_scalar(f"{group}/{key}", value, step)
+        self.writer.flush()  # a killed job's curves are on disk up to its last record
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

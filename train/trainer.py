@@ -165,7 +165,7 @@ class Trainer:
         if self.average is not None:
             self.io = self.average
         self.world_size = world_size
-        self.log = MetricsLog(run_dir / "metrics.jsonl", enabled=rank == 0)
+        self.log = MetricsLog(run_dir / "metrics.jsonl", enabled=rank == 0, tensorboard=cfg.tensorboard)
         self.state = TrainState()
         self.steps_per_epoch = len(train_reader)
         self.total_steps = self.steps_per_epoch * cfg.max_epochs
