@@ -22,9 +22,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from genrec.benchmarks.common import ROOT, machine, today, update_results_md, write_json
+from genrec.train.data.files import read_interactions
 
 CONFIG = "configs/ads_synthetic.toml"
 HASHED_ITEM = ('--embedding.tables=[{{name="item", features=["item"], dim=64, num_embeddings=200000, oov="hash", '
@@ -81,7 +81,7 @@ def main() -> None:
     args = ap.parse_args()
     data = ensure_data(args.users)
     out = Path(args.out)
-    col = pq.read_table(data / "interactions.parquet", columns=["item_ids"]).column("item_ids").combine_chunks()
+    col = read_interactions(data, ["item_ids"]).column("item_ids").combine_chunks()
     mean_len = float(np.minimum(np.diff(col.offsets.to_numpy()) - 2, 100).mean())
     runs = {
         "1 process (MCH item table)": launch(1, data, out, "one", args.steps, []),

@@ -38,9 +38,9 @@ def ml1m_lengths(batch: int, cap: int, seed: int) -> tuple[torch.Tensor, str]:
     ML-1M's median 96 and spread), capped at ``cap``."""
     rng = np.random.default_rng(seed)
     try:
-        import pyarrow.parquet as pq
+        from genrec.train.data.files import read_interactions
 
-        col = pq.read_table(dataset("ml1m") / "interactions.parquet", columns=["item_ids"]).column("item_ids")
+        col = read_interactions(dataset("ml1m"), ["item_ids"]).column("item_ids")
         lengths, source = np.diff(col.combine_chunks().offsets.to_numpy()) - 2, "ml-1m"
     except (FileNotFoundError, OSError, ImportError):
         lengths, source = np.round(96 * np.exp(0.95 * rng.standard_normal(6040))).astype(np.int64) + 18, "ml-1m-like"

@@ -124,11 +124,11 @@ def history_shares(data: Path, cap: int, blocks: list[int], valid_users: float) 
     window the block shortens and the mean events it drops there."""
     import numpy as np
 
+    from genrec.train.data.files import read_interactions
     from genrec.train.data.reader import holds_valid
     from genrec.train.data.samples import window_start
-    from genrec.train.data.schema import open_parquet
 
-    t = open_parquet(data / "interactions.parquet").read(columns=["user_id", "item_ids"])
+    t = read_interactions(data, ["user_id", "item_ids"])
     users = t.column("user_id").to_numpy()
     n = np.diff(t.column("item_ids").combine_chunks().offsets.to_numpy())
     held = np.array([holds_valid(int(u), valid_users) for u in users])

@@ -36,9 +36,9 @@ import math
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from genrec.benchmarks.common import ROOT, machine, today, update_results_md, write_json
+from genrec.train.data.files import read_interactions
 from genrec.train.data.reader import ranking_cutoffs
 from genrec.train.data.samples import RankingDataConfig
 from genrec.train.data.synthetic import SyntheticConfig, SyntheticWorld, hidden_users
@@ -116,9 +116,8 @@ def test_samples(data: Path, chunk: int) -> tuple[list[tuple], np.ndarray, np.nd
     of ``chunk`` consecutive candidates after all events before them (capped as the model's
     history is); chunk 64: one sample per user, history cut at the cutoff (the benchmark's
     protocol). Returns samples, user ids, actions, oracle click probabilities per candidate."""
-    _, cut_test = ranking_cutoffs(data / "interactions.parquet", 0.1)
-    rows = pq.read_table(data / "interactions.parquet",
-                         columns=["user_id", "item_ids", "timestamps", "actions", "oracle_click"]).to_pylist()
+    _, cut_test = ranking_cutoffs(data, 0.1)
+    rows = read_interactions(data, ["user_id", "item_ids", "timestamps", "actions", "oracle_click"]).to_pylist()
     cap = MAX_SEQ_LEN - chunk
     samples, users, acts, oracle = [], [], [], []
     for r in rows:

@@ -122,11 +122,14 @@ def make_workload(data: str | Path, out: str | Path, n: int = 2000, history: int
 
     ``with_actions`` keeps the events' action bitmasks and the user's context features
     (for ranking models with action and context tables)."""
-    import pyarrow.parquet as pq
+    import pyarrow.dataset as ds
 
-    pf = pq.ParquetFile(Path(data) / "interactions.parquet")
-    ctx_cols = [c for c in pf.schema_arrow.names if c.startswith("ctx_")] if with_actions else []
-    t = pf.read(columns=["item_ids", "timestamps", "actions", *ctx_cols])
+    # either dataset layout (train/data/schema.py), read without loading training code
+    folder = Path(data) / "interactions"
+    log = ds.dataset(folder if folder.is_dir() else Path(data) / "interactions.parquet", format="parquet",
+                     partitioning="hive")
+    ctx_cols = [c for c in log.schema.names if c.startswith("ctx_")] if with_actions else []
+    t = log.to_table(columns=["item_ids", "timestamps", "actions", *ctx_cols])
     rng = np.random.default_rng(seed)
     rows = rng.choice(t.num_rows, size=n, replace=t.num_rows < n)
     items, times, acts = (t.column(c).to_pylist() for c in ("item_ids", "timestamps", "actions"))

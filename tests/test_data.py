@@ -230,10 +230,11 @@ def test_id_outside_the_table_is_an_error_or_hashed(tmp_path):
 
 
 def damage_page(data, column="item_ids", group=0, garble=False):
-    """Damages the data page of a column chunk of interactions.parquet, as a bad disk block
-    would: flips a bit of its last byte (only a page CRC sees it), or with ``garble`` overwrites
-    the whole page, header included (Arrow fails to decode it). Returns the file."""
-    file = data / "interactions.parquet"
+    """Damages the data page of a column chunk of interactions.parquet (or of the Parquet file
+    ``data``), as a bad disk block would: flips a bit of its last byte (only a page CRC sees
+    it), or with ``garble`` overwrites the whole page, header included (Arrow fails to decode
+    it). Returns the file."""
+    file = data if data.suffix == ".parquet" else data / "interactions.parquet"
     meta = pq.ParquetFile(file).metadata.row_group(group)
     chunk = next(meta.column(c) for c in range(meta.num_columns) if meta.column(c).path_in_schema.startswith(column))
     start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
@@ -397,5 +398,5 @@ def test_baselines_name_a_damaged_dataset_file(tmp_path):
     convert_sequences(src, tmp_path / "d")
     damage_page(tmp_path / "d")
     file = tmp_path / "d" / "interactions.parquet"
-    with pytest.raises(DataFormatError, match=rf"{file} \(row group 0\): cannot be read as Parquet"):
+    with pytest.raises(DataFormatError, match=rf"{file} \(row group 0, rows 0-49\): cannot be read as Parquet"):
         Baseline(tmp_path / "d", "popular")

@@ -178,7 +178,7 @@ def test_ranking_reader_labels_and_time_split(tiny_synth):
     e = EmbeddingConfig(tables=(TableConfig("item", ("item",), dim=8, num_embeddings=info.item_table_size),
                                 TableConfig("action", ("action",), dim=8, num_embeddings=8)))
     rk = RankingDataConfig(enabled=True, num_candidates=4, test_fraction=0.1)
-    lo, hi = ranking_cutoffs(tiny_synth / "interactions.parquet", 0.1)
+    lo, hi = ranking_cutoffs(tiny_synth, 0.1)
     kw = dict(embedding=e, max_seq_len=20, batch_size=16, ranking=rk, tasks=masks)
     candidates = 0
     for b in SequenceReader(tiny_synth, "train", **kw):
@@ -274,7 +274,7 @@ def test_held_out_events_are_ranked_in_requests_after_every_event_before_them(ti
     e = EmbeddingConfig(tables=(TableConfig("item", ("item",), dim=8, num_embeddings=info.item_table_size),
                                 TableConfig("action", ("action",), dim=8, num_embeddings=8)))
     rk = RankingDataConfig(enabled=True, num_candidates=4, eval_candidates=64, test_fraction=0.1)
-    _, hi = ranking_cutoffs(tiny_synth / "interactions.parquet", 0.1)
+    _, hi = ranking_cutoffs(tiny_synth, 0.1)
     rows = {r["user_id"]: r for r in pq.read_table(tiny_synth / "interactions.parquet").to_pylist()}
     expected = {}
     for u, r in rows.items():

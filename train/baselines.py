@@ -19,8 +19,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+from genrec.train.data.files import InteractionFiles
 from genrec.train.data.reader import SequenceReader, train_events
-from genrec.train.data.schema import arrow_errors, open_parquet
+from genrec.train.data.schema import arrow_errors
 from genrec.train.evaluate import EvalConfig, RankingMetrics, target_ranks
 
 
@@ -35,12 +36,8 @@ class Baseline:
         self.corpus = torch.from_numpy(np.sort(items))
         pop = np.zeros(items.size, np.float64)
         pairs = []
-        path = Path(data_path) / "interactions.parquet"
-        pf = open_parquet(path)
         corpus_np = self.corpus.numpy()
-        for g in range(pf.num_row_groups):
-            with arrow_errors(path, f"row group {g}"):
-                grp = pf.read_row_group(g, columns=["user_id", "item_ids"])
+        for _, grp in InteractionFiles(data_path).tables(["user_id", "item_ids"]):  # either layout
             col, users = grp.column("item_ids").combine_chunks(), grp.column("user_id").to_pylist()
             off, vals = col.offsets.to_numpy(), col.values.to_numpy()
             for b in range(len(off) - 1):

@@ -1,10 +1,15 @@
 """Streaming reader: Parquet user rows -> ``SequenceBatch`` (KJT + jagged times + targets).
 
-Order of one epoch, fully determined by (seed, epoch, world_size):
-1. row groups in a seeded permutation, rows within each group in a seeded permutation
-   (a block shuffle: one group of ~8k users in memory at a time);
-2. position p of that stream goes to rank ``p % world_size`` (for training the tail is
-   cut so every rank gets the same count: DDP and sharded embeddings need equal steps);
+Order of one epoch, fully determined by (seed, epoch, world_size) and the dataset's files:
+1. units (a row group of a file: ``train.data.files``; files in sorted path order) in a
+   seeded permutation, rows within each unit in a seeded permutation (a block shuffle: one
+   group of ~8k users in memory at a time);
+2. the ranks split that stream of n rows. One file: position p goes to rank
+   ``p % world_size`` (every rank decodes every row group). A partitioned dataset: rank r
+   takes the contiguous positions [r n/w, (r+1) n/w), so it reads only its own units (and
+   at most the two it shares with its neighbours at the cuts), not the whole dataset. For
+   training the tail is cut in both so every rank gets n // w samples: DDP and sharded
+   embeddings need equal steps;
 3. a rank's samples are cut into windows of ``sort_window`` batches, sorted by length
    inside the window and the batches of the window shuffled: batches of similar lengths
    waste less padding in attention.
@@ -37,6 +42,7 @@ import pyarrow as pa
 
 from genrec.embedding.spec import EmbeddingConfig, IdOutOfRange, prepare_ids
 from genrec.models.inputs import SequenceBatch
+from genrec.train.data.files import InteractionFiles
 from genrec.train.data.samples import (
     RankingDataConfig,
     Sample,
@@ -51,10 +57,7 @@ from genrec.train.data.schema import (
     CONTEXT_PREFIX,
     MIN_EVENTS,
     DataFormatError,
-    arrow_errors,
-    open_parquet,
     read_info,
-    validate_schema,
 )
 
 
@@ -77,9 +80,10 @@ class DataConfig:
 
 
 class _Group:
-    """One row group decoded into flat numpy arrays (list offsets + values)."""
+    """One row group of ``file`` decoded into flat numpy arrays (list offsets + values)."""
 
-    def __init__(self, table, columns: list[str]) -> None:  # noqa: ANN001 - a pyarrow Table
+    def __init__(self, table, columns: list[str], file: Path) -> None:  # noqa: ANN001 - a pyarrow Table
+        self.file = file
         self.user_id = table.column("user_id").to_numpy()
         self.cols: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         for name in columns:
@@ -135,9 +139,7 @@ class SequenceReader:
         self.valid_users = valid_users
         self.path = Path(path)
         self.info = read_info(self.path)
-        self.file = self.path / "interactions.parquet"
-        self.pf = open_parquet(self.file)
-        validate_schema(self.file, self.pf.schema_arrow)
+        self.log = InteractionFiles(self.path)  # footers only; row groups are read as the plan needs them
         self.split, self.embedding, self.max_seq_len = split, embedding, max_seq_len
         self.batch_size, self.seed, self.rank, self.world = batch_size, seed, rank, world_size
         self.shuffle = (split == "train") if shuffle is None else shuffle
@@ -147,14 +149,15 @@ class SequenceReader:
         self.train_window, self.sort_window = train_window, sort_window
         self.item_table = embedding.item_table
         self.context = [f for f in embedding.pooled_features if context_features]
-        missing = [f for f in self.context if CONTEXT_PREFIX + f not in self.pf.schema_arrow.names]
+        missing = [f for f in self.context if CONTEXT_PREFIX + f not in self.log.schema.names]
         if missing:
-            raise DataFormatError(f"{self.file}: no column '{CONTEXT_PREFIX}{missing[0]}' for context feature '{missing[0]}'")
+            raise DataFormatError(f"{self.log.paths[0]}: no column '{CONTEXT_PREFIX}{missing[0]}' for context "
+                                  f"feature '{missing[0]}'")
         self.ranking = ranking or RankingDataConfig()
         self.tpe = tokens_per_event
         self.task_masks = list((tasks or {}).values())
         self.oracle_columns = [f"oracle_{t}" for t in (tasks or {})]
-        names = self.pf.schema_arrow.names
+        names = self.log.schema.names
         self.with_actions = "action" in embedding.sequence_features
         if split.startswith("rank") and not self.task_masks:
             raise ValueError(f"split '{split}' needs ranking tasks (model.ranking.tasks)")
@@ -162,11 +165,12 @@ class SequenceReader:
         if self.with_actions or self.task_masks:
             self.columns.append("actions")
         self.columns += [c for c in self.oracle_columns if c in names]
-        self.cutoffs = ranking_cutoffs(self.file, self.ranking.test_fraction) if self.ranking.enabled else (np.inf, np.inf)
-        self.group_rows = [self.pf.metadata.row_group(i).num_rows for i in range(self.pf.num_row_groups)]
-        self.num_rows = sum(self.group_rows)
+        self.cutoffs = ranking_cutoffs(self.path, self.ranking.test_fraction) if self.ranking.enabled else (np.inf, np.inf)
+        self.group_rows = [u.rows for u in self.log.units]
+        self.num_rows = self.log.num_rows
         self.epoch, self.batches_done = 0, 0
         self._cache: dict[int, _Group] = {}
+        self._file_of: dict[int, Path] = {}  # user -> file, of the batch being built (for errors)
 
     # ----- resumable position -------------------------------------------------------------
     def state_dict(self) -> dict[str, int]:
@@ -187,28 +191,44 @@ class SequenceReader:
 
     # ----- the plan -----------------------------------------------------------------------
     def _group(self, g: int) -> _Group:
-        if g not in self._cache:
-            if len(self._cache) >= 2:
-                self._cache.pop(next(iter(self._cache)))
-            first = sum(self.group_rows[:g])
-            # a damaged page surfaces here, mid-epoch: name the file and rows, not just Arrow's words
-            with arrow_errors(self.file, f"row group {g}, rows {first}-{first + self.group_rows[g] - 1}"):
-                table = self.pf.read_row_group(g, columns=["user_id", *self.columns])
-            self._cache[g] = _Group(table, self.columns)
+        """Unit ``g`` decoded. Kept: the last two units read, or more while they hold at most
+        two sort windows of rows (a window of small files spans many units: each is read once)."""
+        if g in self._cache:
+            self._cache[g] = self._cache.pop(g)  # most recently used last
+            return self._cache[g]
+        keep = 2 * max(self.sort_window, 1) * self.batch_size
+        while len(self._cache) >= 2 and sum(c.user_id.size for c in self._cache.values()) > keep:
+            self._cache.pop(next(iter(self._cache)))
+        # a damaged page surfaces here, mid-epoch: read_unit names the file and rows, not just Arrow's words
+        table = self.log.read_unit(g, ["user_id", *self.columns])
+        self._cache[g] = _Group(table, self.columns, self.log.paths[self.log.units[g].file])
         return self._cache[g]
 
+    def _span(self) -> range:
+        """This rank's positions in the epoch's stream of rows (step 2 of the module docstring)."""
+        n, w, r = self.num_rows, self.world, self.rank
+        if not self.log.partitioned:  # interleaved: the order of every earlier run, kept so they resume the same
+            return range(r, (n // w) * w if self.even else n, w)
+        if self.even:
+            return range(r * (n // w), (r + 1) * (n // w))
+        return range(r * n // w, (r + 1) * n // w)
+
     def _rank_samples(self) -> Iterator[tuple[int, int]]:
-        """(row group, row) of this rank's samples, in epoch order."""
+        """(unit, row) of this rank's samples, in epoch order."""
         rng = np.random.default_rng([self.seed, self.epoch])
         n_groups = len(self.group_rows)
         order = rng.permutation(n_groups) if self.shuffle else np.arange(n_groups)
-        limit = (self.num_rows // self.world) * self.world if self.even else self.num_rows
+        span = self._span()
         pos = 0
         for g in order:
             n = self.group_rows[g]
+            if pos >= span.stop or pos + n <= span.start:  # none of this rank's: never read
+                pos += n
+                continue
             rows = np.random.default_rng([self.seed, self.epoch, int(g)]).permutation(n) if self.shuffle else np.arange(n)
-            take = (np.arange(pos, pos + n) % self.world == self.rank) & (np.arange(pos, pos + n) < limit)
-            for r in rows[take[: n]]:
+            p = np.arange(pos, pos + n)
+            take = (p >= span.start) & (p < span.stop) & ((p - span.start) % span.step == 0)
+            for r in rows[take]:
                 yield int(g), int(r)
             pos += n
 
@@ -234,8 +254,7 @@ class SequenceReader:
             yield from flush()
 
     def __len__(self) -> int:
-        limit = (self.num_rows // self.world) * self.world if self.even else self.num_rows
-        mine = len(range(self.rank, limit, self.world))
+        mine = len(self._span())
         window = max(self.sort_window, 1) * self.batch_size
         full, rest = divmod(mine, window)
         return full * (window // self.batch_size) + -(-rest // self.batch_size)
@@ -255,11 +274,11 @@ class SequenceReader:
         ts = grp.get("timestamps", r)
         if seq.size < MIN_EVENTS:
             raise DataFormatError(
-                f"{self.file}: user {grp.user_id[r]} has {seq.size} events; leave-one-out "
+                f"{grp.file}: user {grp.user_id[r]} has {seq.size} events; leave-one-out "
                 f"needs at least {MIN_EVENTS} (filter such users when converting)"
             )
         if ts is not None and ts.size != seq.size:
-            raise DataFormatError(f"{self.file}: user {grp.user_id[r]} has {ts.size} timestamps for {seq.size} events")
+            raise DataFormatError(f"{grp.file}: user {grp.user_id[r]} has {ts.size} timestamps for {seq.size} events")
         acts = grp.get("actions", r) if "actions" in grp.cols else None
         oracle = [grp.get(c, r) if c in grp.cols else None for c in self.oracle_columns]
         return UserEvents(int(grp.user_id[r]), seq, ts, acts, oracle)
@@ -315,8 +334,10 @@ class SequenceReader:
     def _build(self, samples: list[tuple[int, int]], batch_index: int) -> SequenceBatch | None:
         out: list[Sample] = []
         ctx: dict[str, list[np.ndarray]] = {f: [] for f in self.context}
+        self._file_of = {}
         for g, r in samples:
             grp = self._group(g)
+            self._file_of[int(grp.user_id[r])] = grp.file
             sample = self._sample(self._events(grp, r), g, r)
             if sample is None:
                 continue
@@ -335,7 +356,7 @@ class SequenceReader:
         except IdOutOfRange as e:
             bad = np.flatnonzero(ids == e.value)[0]
             user = users[int(np.searchsorted(np.cumsum(lengths), bad, side="right"))] if lengths else "?"
-            raise IdOutOfRange(feature, e.value, e.size, f"{self.file}, user {user}") from None
+            raise IdOutOfRange(feature, e.value, e.size, f"{self._file_of.get(user, self.path)}, user {user}") from None
 
 
 def holds_valid(user: int, share: float) -> bool:
@@ -353,17 +374,16 @@ def train_events(user: int, num_events: int, valid_share: float) -> int:
 
 
 @lru_cache(maxsize=8)
-def ranking_cutoffs(file: Path, fraction: float) -> tuple[float, float]:
+def ranking_cutoffs(dataset: Path, fraction: float) -> tuple[float, float]:
     """(cutoff_valid, cutoff_test): the times after which the last 2x and 1x ``fraction``
-    of labelled, timestamped events fall."""
-    with arrow_errors(file, "timestamps, actions"):
-        t = open_parquet(file).read(columns=["timestamps", "actions"])
+    of labelled, timestamped events of the dataset at ``dataset`` fall."""
+    t = InteractionFiles(dataset).read(["timestamps", "actions"])
     times = t.column("timestamps").combine_chunks()
     acts = t.column("actions").combine_chunks()
     labelled = ~(times.is_null().to_numpy(zero_copy_only=False) | acts.is_null().to_numpy(zero_copy_only=False))
     allt = times.filter(pa.array(labelled)).flatten().to_numpy()
     if allt.size == 0:
-        raise DataFormatError(f"{file}: ranking needs users with both timestamps and actions; none found")
+        raise DataFormatError(f"{dataset}: ranking needs users with both timestamps and actions; none found")
     lo, hi = np.quantile(allt, [1 - 2 * fraction, 1 - fraction])
     return float(lo), float(hi)
 

@@ -16,6 +16,10 @@
 | ctx_<name>   | list<int64>       | yes   | pooled per-user context feature (multi-hot ids)   |
 
 Item ids are kept as the source gives them (no re-indexing), so a served id is a logged id.
+
+The user rows may instead be every ``*.parquet`` under an ``interactions/`` folder (Hive
+partitions such as ``date=2026-11-30/`` allowed), each user in one file, all with the same
+columns; ``train.data.files.InteractionFiles`` lists and reads the files of either layout.
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ import pyarrow.parquet as pq
 
 FORMAT = "genrec.interactions"
 FORMAT_VERSION = 1
+INTERACTIONS_FILE = "interactions.parquet"
+INTERACTIONS_DIR = "interactions"
 ROW_GROUP_SIZE = 8192
 CONTEXT_PREFIX = "ctx_"
 # leave-one-out holds out a user's last two events; training needs one more before them
 MIN_EVENTS = 3
-DATASET_FILES = ("dataset.json", "interactions.parquet", "items.parquet")
+DATASET_FILES = ("dataset.json", INTERACTIONS_FILE, INTERACTIONS_DIR, "items.parquet")
 REMAKE = "re-create the dataset with 'genrec data convert' or 'genrec data synth'"
 
 BASE_SCHEMA = pa.schema(
@@ -72,10 +78,11 @@ def arrow_errors(path: Path, where: str = "") -> Iterator[None]:
         ) from e
 
 
-def open_parquet(path: Path) -> pq.ParquetFile:
-    """Opens a dataset file, checking page CRCs where the writer stored them (ours do)."""
+def open_parquet(path: Path, metadata: pq.FileMetaData | None = None) -> pq.ParquetFile:
+    """Opens a dataset file, checking page CRCs where the writer stored them (ours do);
+    ``metadata``: its footer, read before (the file is then not parsed again)."""
     with arrow_errors(path, "footer"):
-        return pq.ParquetFile(path, page_checksum_verification=True)
+        return pq.ParquetFile(path, metadata=metadata, page_checksum_verification=True)
 
 
 @dataclass

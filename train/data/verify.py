@@ -21,17 +21,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from genrec.train.data.files import InteractionFiles
 from genrec.train.data.schema import (
     CONTEXT_PREFIX,
+    INTERACTIONS_DIR,
+    INTERACTIONS_FILE,
     MIN_EVENTS,
     REMAKE,
     DataFormatError,
     DatasetInfo,
-    arrow_errors,
-    open_parquet,
     read_info,
     read_items,
-    validate_schema,
 )
 
 
@@ -43,6 +43,7 @@ class VerifyReport:
     events: int = 0
     users_with_timestamps: int = 0
     item_id_max: int = -1
+    interactions: str = INTERACTIONS_FILE  # or "interactions/": what the counts above were read from
 
 
 class _RowGroup:
@@ -142,22 +143,16 @@ def _check_group(rg: _RowGroup, info: DatasetInfo, report: VerifyReport) -> None
 
 
 def _verify_interactions(path: Path, info: DatasetInfo, report: VerifyReport) -> None:
-    file = path / "interactions.parquet"
-    pf = open_parquet(file)
-    validate_schema(file, pf.schema_arrow)
+    log = InteractionFiles(path)  # every file's footer and schema, the same in every file
     for feature in info.context_features:
-        if CONTEXT_PREFIX + feature not in pf.schema_arrow.names:
-            raise DataFormatError(f"{file}: no column '{CONTEXT_PREFIX}{feature}' for the manifest's context "
-                                  f"feature '{feature}'; {REMAKE}")
-    first = 0
-    for g in range(pf.num_row_groups):
-        n = pf.metadata.row_group(g).num_rows
-        with arrow_errors(file, f"row group {g}, rows {first}-{first + n - 1}"):
-            table = pf.read_row_group(g)
-        _check_group(_RowGroup(file, g, first, table), info, report)
-        first += n
-    report.files += 1
-    report.row_groups += pf.num_row_groups
+        if CONTEXT_PREFIX + feature not in log.schema.names:
+            raise DataFormatError(f"{log.paths[0]}: no column '{CONTEXT_PREFIX}{feature}' for the manifest's "
+                                  f"context feature '{feature}'; {REMAKE}")
+    for unit, table in log.tables(log.schema.names):
+        _check_group(_RowGroup(log.paths[unit.file], unit.group, unit.first, table), info, report)
+    report.files += len(log.paths)
+    report.interactions = f"{INTERACTIONS_DIR}/" if log.partitioned else INTERACTIONS_FILE
+    report.row_groups += len(log.units)
 
 
 def _verify_items(path: Path, info: DatasetInfo, report: VerifyReport) -> None:
@@ -172,7 +167,7 @@ def _verify_items(path: Path, info: DatasetInfo, report: VerifyReport) -> None:
                               f"ids must be sorted and distinct; {REMAKE}")
     if ids.size != info.num_items or int(counts.sum()) != report.events:
         raise DataFormatError(f"{file}: {ids.size} items with {int(counts.sum())} events, but dataset.json says "
-                              f"{info.num_items} items and interactions.parquet has {report.events} events; "
+                              f"{info.num_items} items and {report.interactions} has {report.events} events; "
                               f"the files do not belong together: {REMAKE}")
     report.files += 1
 
@@ -182,7 +177,7 @@ def _check_manifest(path: Path, info: DatasetInfo, report: VerifyReport) -> None
             "users_with_timestamps": report.users_with_timestamps, "item_id_max": report.item_id_max}
     for key, got in seen.items():
         if getattr(info, key) != got:
-            raise DataFormatError(f"{path / 'dataset.json'}: {key} is {getattr(info, key)} but interactions.parquet "
+            raise DataFormatError(f"{path / 'dataset.json'}: {key} is {getattr(info, key)} but {report.interactions} "
                                   f"has {got}; the files do not belong together: {REMAKE}")
 
 
