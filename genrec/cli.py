@@ -36,6 +36,7 @@ def _data_parser(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--out", required=True, help="dataset directory to write")
     s.add_argument("--no-progress", action="store_true")
+    _layout_args(s)
     c = dsub.add_parser("convert", help="convert public formats (sequences, MovieLens ratings / ML-1M folder, "
                         "KuaiRand)")
     c.add_argument("format", choices=["sequences", "ratings", "movielens", "kuairand"],
@@ -45,11 +46,23 @@ def _data_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("input", help="input file (or folder for 'movielens' and 'kuairand')")
     c.add_argument("--out", required=True, help="dataset directory to write")
     c.add_argument("--users", help="MovieLens users.dat for context features (format 'ratings')")
+    c.add_argument("--no-progress", action="store_true")
+    _layout_args(c)
     i = dsub.add_parser("inspect", help="print a dataset's manifest and sequence statistics")
     i.add_argument("path")
     i.add_argument("--verify", action="store_true",
                    help="also read every row group of every file and check schema, id ranges and manifest counts; "
                    "exit 2 naming the bad file and row")
+
+
+def _layout_args(p: argparse.ArgumentParser) -> None:
+    """Partitioned output (train/data/schema.py, Layout): an interactions/ folder, not one file."""
+    p.add_argument("--files", type=int, default=1, metavar="N",
+                   help="spread users over N Parquet files (by a hash of the user id) in DIR/interactions/ "
+                   "(with --partition: N per partition)")
+    p.add_argument("--partition", choices=["date"],
+                   help="date: DIR/interactions/date=YYYY-MM-DD/ folders, each user under the UTC day of their "
+                   "last event (users without timestamps under date=__HIVE_DEFAULT_PARTITION__)")
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from genrec.config import load_config
-from genrec.train.data.schema import arrow_errors, open_parquet, read_info
+from genrec.train.data.files import InteractionFiles
+from genrec.train.data.schema import Layout, read_info
 
 
 def cmd_data(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -21,7 +22,7 @@ def cmd_data(args: argparse.Namespace, overrides: list[str]) -> int:
 
         cfg = load_config(SyntheticConfig, None, overrides)
         t0 = time.perf_counter()
-        info = generate(cfg, args.out, progress=not args.no_progress)
+        info = generate(cfg, args.out, progress=not args.no_progress, layout=_layout(args))
         print(f"wrote {args.out}: {info.num_users} users, {info.num_events} events, "
               f"{info.num_items} items in [1, {info.item_id_max}] ({time.perf_counter() - t0:.1f}s)")
         return 0
@@ -30,32 +31,40 @@ def cmd_data(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.data_cmd == "convert":
         from genrec.train.data import convert
 
+        out = {"layout": _layout(args), "progress": not args.no_progress}
         if args.format == "sequences":
-            info = convert.convert_sequences(args.input, args.out)
+            info = convert.convert_sequences(args.input, args.out, **out)
         elif args.format == "ratings":
-            info = convert.convert_ratings(args.input, args.out, args.users)
+            info = convert.convert_ratings(args.input, args.out, args.users, **out)
         elif args.format == "kuairand":
-            info = convert.convert_kuairand(args.input, args.out)
+            info = convert.convert_kuairand(args.input, args.out, **out)
         else:
-            info = convert.convert_movielens(args.input, args.out)
+            info = convert.convert_movielens(args.input, args.out, **out)
         print(f"wrote {args.out}: {info.num_users} users, {info.num_events} events, {info.num_items} items, "
               f"{info.users_with_timestamps} users with timestamps")
         return 0
     return _inspect(Path(args.path), args.verify)
 
 
+def _layout(args: argparse.Namespace) -> Layout:
+    try:
+        return Layout(files=args.files, partition=args.partition or "none")
+    except ValueError as e:
+        raise SystemExit(f"genrec data {args.data_cmd}: {e}") from None
+
+
 def _inspect(path: Path, verify: bool = False) -> int:
     info = read_info(path)
-    file = path / "interactions.parquet"
-    with arrow_errors(file, "item_ids"):
-        col = open_parquet(file).read(columns=["item_ids"]).column("item_ids").combine_chunks()
-    off = col.offsets.to_numpy()
-    lengths = off[1:] - off[:-1]
+    log = InteractionFiles(path)
+    lengths = np.diff(log.read(["item_ids"]).column("item_ids").combine_chunks().offsets.to_numpy())
     print(json.dumps({k: v for k, v in info.__dict__.items() if k != "extra"}, indent=2))
     if lengths.size:
         q = np.percentile(lengths, [0, 50, 90, 99, 100]).astype(int).tolist()
         print(f"sequence length: min {q[0]}, median {q[1]}, p90 {q[2]}, p99 {q[3]}, max {q[4]}, "
               f"mean {lengths.mean():.1f}")
+    if log.partitioned:
+        print(f"files: {len(log.paths)}, {len(log.units)} row groups ({log.paths[0].relative_to(path)} .. "
+              f"{log.paths[-1].relative_to(path)})")
     if verify:
         from genrec.train.data.verify import verify_dataset
 

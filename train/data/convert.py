@@ -10,6 +10,9 @@
 * ``kuairand``: a KuaiRand-Pure (or -1K) ``data`` folder: the standard-policy feed logs, one
   event per exposed video in time order, its feedback signals (click, like, long_view, ...) as
   action bits, and ``user_features*.csv`` as context features.
+
+Each takes ``layout`` (one ``interactions.parquet``, or a partitioned folder: ``schema.Layout``)
+and ``progress`` (a bar of users written).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-from genrec.train.data.schema import MIN_EVENTS, DataFormatError, DatasetInfo, DatasetWriter
+from genrec.train.data.schema import MIN_EVENTS, DataFormatError, DatasetInfo, DatasetWriter, Layout
 
 CHUNK = 8192
 RATING_ACTIONS = [f"rating_{r}" for r in range(1, 6)]
@@ -114,10 +117,11 @@ def _flush(writer: DatasetWriter, rows: dict[str, list]) -> None:
         v.clear()
 
 
-def convert_sequences(path: str | Path, out: str | Path, source: str | None = None) -> DatasetInfo:
+def convert_sequences(path: str | Path, out: str | Path, source: str | None = None, *,
+                      layout: Layout | None = None, progress: bool = False) -> DatasetInfo:
     path = Path(path)
     rows: dict[str, list] = {"user_id": [], "item_ids": []}
-    with DatasetWriter(out, source=source or path.name) as w:
+    with DatasetWriter(out, source=source or path.name, layout=layout, progress=progress) as w:
         for user, items in read_sequences(path):
             rows["user_id"].append(user)
             rows["item_ids"].append(items)
@@ -129,7 +133,8 @@ def convert_sequences(path: str | Path, out: str | Path, source: str | None = No
     return w.info
 
 
-def convert_ratings(path: str | Path, out: str | Path, users_file: str | Path | None = None) -> DatasetInfo:
+def convert_ratings(path: str | Path, out: str | Path, users_file: str | Path | None = None, *,
+                    layout: Layout | None = None, progress: bool = False) -> DatasetInfo:
     path = Path(path)
     ratings = read_ratings(path)
     if not ratings:
@@ -137,7 +142,8 @@ def convert_ratings(path: str | Path, out: str | Path, users_file: str | Path | 
     profiles = read_ml_users(Path(users_file)) if users_file else None
     rows = _empty_rows(profiles is not None)
     with DatasetWriter(out, source=path.name, action_names=RATING_ACTIONS,
-                       context_features=ML_CONTEXT if profiles else None) as w:
+                       context_features=ML_CONTEXT if profiles else None, layout=layout, progress=progress,
+                       total=len(ratings)) as w:
         for user in sorted(ratings):
             events = sorted(ratings[user], key=lambda e: e[0])  # stable: ties keep file order
             _append_user(rows, user, [e[1] for e in events], [e[0] for e in events],
@@ -183,7 +189,8 @@ def _append_user(rows, user, items, times, actions, profiles) -> None:  # noqa: 
             rows[f"ctx_{k}"].append([prof[k]] if prof else None)
 
 
-def convert_movielens(folder: str | Path, out: str | Path) -> DatasetInfo:
+def convert_movielens(folder: str | Path, out: str | Path, *, layout: Layout | None = None,
+                      progress: bool = False) -> DatasetInfo:
     """ML-1M: all users' sequences, with timestamps and ratings where the ratings file has them."""
     folder = Path(folder)
     seq_path = folder / "user_sequences.txt"
@@ -195,7 +202,7 @@ def convert_movielens(folder: str | Path, out: str | Path) -> DatasetInfo:
     profiles = read_ml_users(users_path) if users_path.exists() else None
     rows = _empty_rows(profiles is not None)
     with DatasetWriter(out, source="ml-1m", action_names=RATING_ACTIONS,
-                       context_features=ML_CONTEXT if profiles else None) as w:
+                       context_features=ML_CONTEXT if profiles else None, layout=layout, progress=progress) as w:
         for user, items in read_sequences(seq_path):
             times = actions = None
             if user in ratings:
@@ -284,7 +291,8 @@ def read_kuairand_users(path: Path) -> tuple[dict[int, dict[str, int]], dict[str
     return {u: {n: ids[n][k] for n in KUAIRAND_CONTEXT} for k, u in enumerate(users)}, cards
 
 
-def convert_kuairand(folder: str | Path, out: str | Path) -> DatasetInfo:
+def convert_kuairand(folder: str | Path, out: str | Path, *, layout: Layout | None = None,
+                     progress: bool = False) -> DatasetInfo:
     """KuaiRand: each user's standard-policy exposures in time order (ties keep file order),
     timestamps in seconds, feedback signals as action bits, the profile as context. The
     random-policy log is left out: its exposures come from another policy. Users with fewer
@@ -306,7 +314,8 @@ def convert_kuairand(folder: str | Path, out: str | Path) -> DatasetInfo:
     rows.update({f"ctx_{k}": [] for k in cards})
     dropped = int((counts < MIN_EVENTS).sum())
     with DatasetWriter(out, source="kuairand", action_names=KUAIRAND_ACTIONS, context_features=cards,
-                       extra={"logs": [p.name for p in logs], "dropped_users": dropped}) as w:
+                       extra={"logs": [p.name for p in logs], "dropped_users": dropped}, layout=layout,
+                       progress=progress, total=users.size - dropped) as w:
         for u, s, n in zip(users.tolist(), starts.tolist(), counts.tolist()):
             if n < MIN_EVENTS:
                 continue

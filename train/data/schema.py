@@ -5,7 +5,19 @@
       interactions.parquet  one row per user (schema below), row groups of ~8k users
       items.parquet         the catalogue seen in the logs: item_id, count
 
-``interactions.parquet`` columns:
+or, for logs that outgrow one file, the user rows spread over a folder (``Layout``):
+
+    DATASET/
+      interactions/         every *.parquet below it, in sorted path order, the same schema;
+        date=2026-11-30/      Hive partitions allowed: here the UTC day of each user's last
+          part-00000.parquet  event (users without timestamps: date=__HIVE_DEFAULT_PARTITION__)
+          part-00001.parquet  parts: users spread by a hash of their id
+      ...
+
+Each user is in exactly one file. ``train.data.files.InteractionFiles`` lists and reads the
+files of either layout; nothing else opens them by name.
+
+``interactions.parquet`` columns (every file of ``interactions/`` alike):
 
 | column       | type              | null? | meaning                                           |
 |--------------|-------------------|-------|---------------------------------------------------|
@@ -16,10 +28,6 @@
 | ctx_<name>   | list<int64>       | yes   | pooled per-user context feature (multi-hot ids)   |
 
 Item ids are kept as the source gives them (no re-indexing), so a served id is a logged id.
-
-The user rows may instead be every ``*.parquet`` under an ``interactions/`` folder (Hive
-partitions such as ``date=2026-11-30/`` allowed), each user in one file, all with the same
-columns; ``train.data.files.InteractionFiles`` lists and reads the files of either layout.
 """
 
 from __future__ import annotations
@@ -32,13 +40,18 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from tqdm import tqdm
 
 FORMAT = "genrec.interactions"
-FORMAT_VERSION = 1
+# 1: one interactions.parquet; 2: an interactions/ folder (an older genrec, which knows only
+# version 1, then says "upgrade" instead of "interactions.parquet is missing")
+FORMAT_VERSION = 2
 INTERACTIONS_FILE = "interactions.parquet"
 INTERACTIONS_DIR = "interactions"
 ROW_GROUP_SIZE = 8192
@@ -154,10 +167,11 @@ class StagedDir:
         return self.out.parent / f".{self.out.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
 
     def commit(self) -> None:
-        for f in self.tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        _fsync_dir(self.tmp)
+        for folder, _, files in os.walk(self.tmp):  # a partitioned dataset has folders inside
+            for name in files:
+                with open(Path(folder) / name, "rb") as fh:
+                    os.fsync(fh.fileno())
+            _fsync_dir(Path(folder))
         check_replaceable(self.out)  # it may have changed while we worked
         if self.out.is_dir() and any(self.out.iterdir()):
             # rename() only replaces an empty directory: move the old dataset aside first
@@ -177,9 +191,103 @@ class StagedDir:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """A fixed, well-mixed 64-bit hash of each integer (SplitMix64's finaliser)."""
+    x = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a ``DatasetWriter`` puts the user rows: one ``interactions.parquet`` (the default),
+    or, with ``files`` > 1 or ``partition="date"``, an ``interactions/`` folder holding ``files``
+    parts (users spread by a hash of their id) per partition. A date partition is the UTC day
+    of a user's last event: the day the user's row was last rewritten as logs landed."""
+
+    files: int = 1
+    partition: Literal["none", "date"] = "none"
+
+    def __post_init__(self) -> None:
+        if self.files < 1:
+            raise ValueError(f"--files must be at least 1, got {self.files}")
+        if self.partition not in ("none", "date"):
+            raise ValueError(f"--partition must be 'date' (or none), got {self.partition!r}")
+
+    @property
+    def partitioned(self) -> bool:
+        return self.files > 1 or self.partition != "none"
+
+
+NO_DATE = "__HIVE_DEFAULT_PARTITION__"  # Hive's folder name for a null partition value
+MAX_WAITING_ROWS = 16 * ROW_GROUP_SIZE
+
+
+class _PartitionedFiles:
+    """The writing side of a partitioned ``Layout``: rows -> ``interactions/[date=D/]part-N.parquet``.
+    A file's rows wait until they fill a row group (one chunk of users holds few rows of each
+    day and part); past ``MAX_WAITING_ROWS`` waiting rows the fullest file gets a smaller row
+    group, so memory stays bounded. Every file stays open until ``close``."""
+
+    def __init__(self, folder: Path, schema: pa.Schema, layout: Layout) -> None:
+        self.folder, self.schema, self.layout = folder, schema, layout
+        self.waiting: dict[str, list[pa.Table]] = {}
+        self.writers: dict[str, pq.ParquetWriter] = {}
+        self.group = ROW_GROUP_SIZE
+
+    def file_of(self, table: pa.Table) -> list[str]:
+        """Each row's file, relative to the folder."""
+        part = (splitmix64(table.column("user_id").to_numpy()) % np.uint64(self.layout.files)).tolist()
+        names = [f"part-{p:05d}.parquet" for p in part]
+        if self.layout.partition == "none":
+            return names
+        times = table.column("timestamps").combine_chunks()
+        lengths = pc.fill_null(pc.list_value_length(times), 0).to_numpy()
+        flat = pc.list_flatten(times).to_numpy()
+        last = flat[np.maximum(np.cumsum(lengths) - 1, 0)] if flat.size else np.zeros(lengths.size, np.int64)
+        days = (last // 86400).astype("datetime64[D]").astype(str)
+        return [f"date={d if n else NO_DATE}/{name}" for d, n, name in zip(days.tolist(), lengths.tolist(), names)]
+
+    def write_table(self, table: pa.Table, row_group_size: int = ROW_GROUP_SIZE) -> None:
+        self.group = row_group_size
+        keys = np.array(self.file_of(table))
+        order = np.argsort(keys, kind="stable")  # rows of a file keep their order
+        uniq, starts = np.unique(keys[order], return_index=True)
+        for key, rows in zip(uniq.tolist(), np.split(order, starts[1:])):
+            self.waiting.setdefault(key, []).append(table.take(rows))
+            if self._rows(key) >= self.group:
+                self._write(key, whole=False)
+        while sum(map(self._rows, self.waiting)) > MAX_WAITING_ROWS:  # read here: tests shrink it
+            self._write(max(self.waiting, key=self._rows), whole=True)
+
+    def _rows(self, key: str) -> int:
+        return sum(t.num_rows for t in self.waiting.get(key, ()))
+
+    def _write(self, key: str, whole: bool) -> None:
+        t = pa.concat_tables(self.waiting.pop(key))
+        n = t.num_rows if whole else t.num_rows - t.num_rows % self.group
+        if key not in self.writers:
+            (self.folder / key).parent.mkdir(parents=True, exist_ok=True)
+            self.writers[key] = pq.ParquetWriter(self.folder / key, self.schema, write_page_checksum=True)
+        self.writers[key].write_table(t.slice(0, n), row_group_size=self.group)
+        if n < t.num_rows:
+            self.waiting[key] = [t.slice(n)]
+
+    def close(self) -> None:
+        try:
+            for key in sorted(self.waiting):
+                self._write(key, whole=True)
+        finally:
+            for w in self.writers.values():
+                w.close()
+
+
 class DatasetWriter:
     """Streams user rows into a dataset directory and writes the manifest on close. The
     directory appears (or replaces an earlier dataset) only when ``close`` succeeds.
+    ``layout``: one file (default) or a partitioned folder; ``progress``: a bar of users
+    written, out of ``total`` where the caller knows it.
 
     Usage::
 
@@ -195,7 +303,11 @@ class DatasetWriter:
         context_features: dict[str, int] | None = None,
         extra: dict | None = None,
         extra_columns: dict[str, str] | None = None,
+        layout: Layout | None = None,
+        progress: bool = False,
+        total: int | None = None,
     ) -> None:
+        layout = layout or Layout()
         self.dir = Path(out_dir)
         self.context = dict(context_features or {})
         self.schema = schema_for(self.context, extra_columns)
@@ -208,16 +320,19 @@ class DatasetWriter:
             action_names=list(action_names),
             context_features=self.context,
             extra=dict(extra or {}),
+            format_version=2 if layout.partitioned else 1,  # one file: older versions read it too
         )
         self._stage = StagedDir(self.dir)
         try:
             # page CRCs let the reader and 'inspect --verify' tell a flipped bit from data
-            self._writer = pq.ParquetWriter(self._stage.tmp / "interactions.parquet", self.schema,
-                                            write_page_checksum=True)
+            self._writer: pq.ParquetWriter | _PartitionedFiles = (
+                _PartitionedFiles(self._stage.tmp / INTERACTIONS_DIR, self.schema, layout) if layout.partitioned
+                else pq.ParquetWriter(self._stage.tmp / INTERACTIONS_FILE, self.schema, write_page_checksum=True))
         except BaseException:
             self._stage.discard()
             raise
         self._counts: list[tuple[np.ndarray, np.ndarray]] = []
+        self._bar = tqdm(total=total, desc=f"{source} users", unit="user", disable=not progress)
 
     def write(self, columns: dict[str, list]) -> None:
         n = len(columns["user_id"])
@@ -231,6 +346,7 @@ class DatasetWriter:
         self.info.num_users += table.num_rows
         self.info.num_events += int(items.size)
         self.info.users_with_timestamps += table.num_rows - table.column("timestamps").null_count
+        self._bar.update(table.num_rows)
 
     def _merge_counts(self) -> tuple[np.ndarray, np.ndarray]:
         ids = np.concatenate([c[0] for c in self._counts])
@@ -253,12 +369,19 @@ class DatasetWriter:
         except BaseException:
             self._stage.discard()
             raise
+        finally:
+            self._bar.close()
         return self.info
 
     def abort(self) -> None:
         """Drops everything written: the target directory stays as it was."""
-        self._writer.close()
-        self._stage.discard()
+        self._bar.close()
+        if isinstance(self._writer, _PartitionedFiles):
+            self._writer.waiting.clear()  # nothing more to write: the files go with the stage
+        try:
+            self._writer.close()
+        finally:
+            self._stage.discard()
 
     def __enter__(self) -> DatasetWriter:
         return self

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
-from genrec.train.data.schema import DatasetInfo, DatasetWriter
+from genrec.train.data.schema import DatasetInfo, DatasetWriter, Layout, splitmix64
 
 ACTIONS = ["impression", "click", "conversion"]
 CONTEXT = {"segment": None, "device": 4, "region": 64}  # segment cardinality = num_topics
@@ -53,17 +52,10 @@ class SyntheticConfig:
     chunk_users: int = 8192
 
 
-def _splitmix(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 def hashed_normal(ids: np.ndarray, dim: int, salt: int) -> np.ndarray:
     """A fixed N(0, 1) vector per id, computed from the id alone: [len(ids), dim]."""
     keys = ids.astype(np.uint64)[:, None] * np.uint64(2 * dim) + np.arange(2 * dim, dtype=np.uint64)
-    u = (_splitmix(keys ^ np.uint64(salt)) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    u = (splitmix64(keys ^ np.uint64(salt)) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
     u1, u2 = np.clip(u[:, :dim], 1e-12, 1.0), u[:, dim:]
     return np.sqrt(-2.0 * np.log(u1)) * np.cos(2 * np.pi * u2)
 
@@ -162,20 +154,18 @@ def _users_chunk(world: SyntheticWorld, rng: np.random.Generator, first_user: in
     }, {"mix": mix, "user_vec": user_vec}
 
 
-def generate(cfg: SyntheticConfig, out: str | Path, progress: bool = True) -> DatasetInfo:
-    """Writes a synthetic dataset directory; deterministic in ``cfg`` (including seed)."""
+def generate(cfg: SyntheticConfig, out: str | Path, progress: bool = True, layout: Layout | None = None) -> DatasetInfo:
+    """Writes a synthetic dataset directory (``layout``: one file or partitioned); the rows
+    are deterministic in ``cfg`` (including seed), whatever the layout."""
     world = SyntheticWorld(cfg)
     rng = np.random.default_rng(cfg.seed)
     context = {"segment": cfg.num_topics, "device": CONTEXT["device"], "region": CONTEXT["region"]}
     extra = {"synthetic": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}}
-    with DatasetWriter(out, source="synthetic", action_names=ACTIONS, context_features=context,
-                       extra=extra, extra_columns={"oracle_click": "float32", "oracle_conversion": "float32"}) as w:
-        bar = tqdm(total=cfg.num_users, desc="synth users", disable=not progress, unit="user")
+    with DatasetWriter(out, source="synthetic", action_names=ACTIONS, context_features=context, extra=extra,
+                       extra_columns={"oracle_click": "float32", "oracle_conversion": "float32"},
+                       layout=layout, progress=progress, total=cfg.num_users) as w:
         for first in range(0, cfg.num_users, cfg.chunk_users):
-            n = min(cfg.chunk_users, cfg.num_users - first)
-            w.write(_users_chunk(world, rng, first + 1, n)[0])
-            bar.update(n)
-        bar.close()
+            w.write(_users_chunk(world, rng, first + 1, min(cfg.chunk_users, cfg.num_users - first))[0])
     return w.info
 
 
