@@ -115,6 +115,20 @@ def test_ranks_read_their_own_units_get_equal_batches_and_cover_the_data(both, w
     assert all(sum(units[u].rows for u in mine) <= n // world + 2 * 8 for mine in read)
 
 
+@pytest.mark.parametrize("batch_size,sort_window", [(8, 16), (4, 1), (64, 2)])
+def test_an_epoch_decodes_each_unit_once(both, batch_size, sort_window):
+    """A sort window's batches draw from each of its units in turn, and a window of small
+    files spans several units: all of them stay decoded until the window is done."""
+    _, part = both
+    r = reader(part, batch_size=batch_size, sort_window=sort_window)
+    r.set_epoch(2)
+    reads: list[int] = []
+    real = r.log.read_unit
+    r.log.read_unit = lambda u, cols: reads.append(u) or real(u, cols)
+    assert sum(b.batch_size for b in r) == CFG.num_users
+    assert sorted(reads) == list(range(len(r.log.units)))
+
+
 def test_partitioned_eval_ranks_cover_every_user_once(both):
     _, part = both
     got = [s[0] for rank in range(3) for s in samples(reader(part, "test", rank=rank, world_size=3))]

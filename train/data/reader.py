@@ -170,6 +170,7 @@ class SequenceReader:
         self.num_rows = self.log.num_rows
         self.epoch, self.batches_done = 0, 0
         self._cache: dict[int, _Group] = {}
+        self._window: set[int] = set()  # the units of the sort window being batched
         self._file_of: dict[int, Path] = {}  # user -> file, of the batch being built (for errors)
 
     # ----- resumable position -------------------------------------------------------------
@@ -191,14 +192,16 @@ class SequenceReader:
 
     # ----- the plan -----------------------------------------------------------------------
     def _group(self, g: int) -> _Group:
-        """Unit ``g`` decoded. Kept: the last two units read, or more while they hold at most
-        two sort windows of rows (a window of small files spans many units: each is read once)."""
+        """Unit ``g`` decoded. Kept: every unit of the current sort window (its batches draw
+        from all of them in turn: a window can span several small files), else the last two."""
         if g in self._cache:
             self._cache[g] = self._cache.pop(g)  # most recently used last
             return self._cache[g]
-        keep = 2 * max(self.sort_window, 1) * self.batch_size
-        while len(self._cache) >= 2 and sum(c.user_id.size for c in self._cache.values()) > keep:
-            self._cache.pop(next(iter(self._cache)))
+        while len(self._cache) >= 2:
+            old = next((k for k in self._cache if k not in self._window), None)
+            if old is None:
+                break
+            del self._cache[old]
         # a damaged page surfaces here, mid-epoch: read_unit names the file and rows, not just Arrow's words
         table = self.log.read_unit(g, ["user_id", *self.columns])
         self._cache[g] = _Group(table, self.columns, self.log.paths[self.log.units[g].file])
@@ -238,6 +241,7 @@ class SequenceReader:
         buf: list[tuple[int, int]] = []
 
         def flush() -> Iterator[list[tuple[int, int]]]:
+            self._window = {g for g, _ in buf}
             if self.sort_window:
                 buf.sort(key=lambda s: self._group(s[0]).lengths[s[1]])
             chunks = [buf[i : i + self.batch_size] for i in range(0, len(buf), self.batch_size)]
