@@ -427,6 +427,8 @@ SUMMARIES: dict[str, Callable[[dict], tuple[str, str]]] = {
     "ranking_bounds": _lazy("ranking_bounds", "ranking_bounds_summary"),
     "train_ops": _lazy("train_ops", "train_ops_summary"),
     "ranking_curve": _lazy("ranking_curve", "ranking_curve_summary"),
+    "data_reader": _lazy("data_reader", "data_reader_summary"),
+    "gate": _lazy("gate_evidence", "gate_summary"),
 }
 
 
@@ -440,6 +442,8 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "ranking_serving": _lazy("ranking_serving", "ranking_serving"),
     "ranking_bounds": _lazy("ranking_bounds", "ranking_bounds"), "ranking_curve": _lazy("ranking_curve", "ranking_curve"),
     "train_ops": _lazy("train_ops", "train_ops"),
+    "data_reader": _lazy("data_reader", "data_reader"),
+    "gate": _lazy("gate_evidence", "gate"),
 }
 
 
