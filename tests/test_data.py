@@ -11,7 +11,7 @@ import pytest
 from genrec.embedding.spec import EmbeddingConfig, IdOutOfRange, TableConfig, hash_ids
 from genrec.train.data.convert import convert_movielens, convert_ratings, convert_sequences
 from genrec.train.data.reader import SequenceReader, holds_valid
-from genrec.train.data.schema import DataFormatError, read_info
+from genrec.train.data.schema import DataFormatError, Layout, read_info
 from genrec.train.data.synthetic import SyntheticConfig, SyntheticWorld, generate
 from genrec.train.ranking_metrics import auc
 
@@ -294,8 +294,10 @@ def test_a_failed_conversion_keeps_the_earlier_dataset_and_a_good_one_replaces_i
     assert (out / "notes.txt").read_text() == "mine"
 
 
-def test_interrupted_synth_leaves_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", [None, Layout(files=3, partition="date")], ids=["one file", "partitioned"])
+def test_interrupted_synth_leaves_nothing(tmp_path, monkeypatch, layout):
     import genrec.train.data.synthetic as synthetic
+    from genrec.train.data import schema
 
     real, calls = synthetic._users_chunk, []
 
@@ -306,9 +308,11 @@ def test_interrupted_synth_leaves_nothing(tmp_path, monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(synthetic, "_users_chunk", chunk_then_interrupt)
+    monkeypatch.setattr(schema, "ROW_GROUP_SIZE", 4)  # files already written when the interrupt comes
+    monkeypatch.setattr(schema, "MAX_WAITING_ROWS", 2)
     cfg = SyntheticConfig(num_users=30, num_items=100, num_topics=4, median_len=6, chunk_users=10)
     with pytest.raises(KeyboardInterrupt):
-        generate(cfg, tmp_path / "out", progress=False)
+        generate(cfg, tmp_path / "out", progress=False, layout=layout)
     assert leftovers(tmp_path, set()) == []
 
 

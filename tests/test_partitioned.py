@@ -202,24 +202,6 @@ def test_converters_write_parts_and_verify_counts_every_file(tmp_path, capfd):
         Layout(files=0)
 
 
-def test_an_interrupted_partitioned_write_leaves_nothing(tmp_path, monkeypatch):
-    import genrec.train.data.synthetic as synthetic
-
-    real, calls = synthetic._users_chunk, []
-
-    def chunk_then_interrupt(*args):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(*args)
-
-    monkeypatch.setattr(synthetic, "_users_chunk", chunk_then_interrupt)
-    monkeypatch.setattr(schema, "ROW_GROUP_SIZE", 8)
-    with pytest.raises(KeyboardInterrupt):
-        generate(CFG, tmp_path / "out", progress=False, layout=LAYOUT)
-    assert list(tmp_path.iterdir()) == []
-
-
 def test_a_partitioned_dataset_replaces_a_single_file_one(tmp_path):
     src = tmp_path / "seq.txt"
     src.write_text("1 5 6 7\n2 8 5 9\n")
