@@ -61,6 +61,13 @@ def today() -> str:
     return time.strftime("%Y-%m-%d")
 
 
+def shown_path(path: str | Path) -> str:
+    """A path as a results file keeps it: relative to the repository when inside it, else its
+    last two parts (a run's name/stamp): a tracked file names no machine's directories."""
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(Path(*p.parts[-2:]))
+
+
 def write_json(name: str, payload: Any) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

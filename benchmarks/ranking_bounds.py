@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from genrec.benchmarks.common import ROOT, machine, today, update_results_md, write_json
+from genrec.benchmarks.common import ROOT, machine, shown_path, today, update_results_md, write_json
 from genrec.train.data.files import read_interactions
 from genrec.train.data.reader import ranking_cutoffs
 from genrec.train.data.samples import RankingDataConfig
@@ -170,7 +170,7 @@ def main() -> None:
     ap.add_argument("--chunks", default=f"{REQUEST},{EVAL_CANDIDATES}")
     args = ap.parse_args()
     records = [bounds(Path(args.data), int(c)) for c in args.chunks.split(",")]
-    write_json("ranking_bounds", {"records": records, "data": args.data, "date": today(), "machine": machine(),
+    write_json("ranking_bounds", {"records": records, "data": shown_path(args.data), "date": today(), "machine": machine(),
                                   "command": "python -m genrec.benchmarks.ranking_bounds"})
     update_results_md()
 

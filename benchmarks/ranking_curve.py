@@ -18,7 +18,15 @@ import json
 import time
 from pathlib import Path
 
-from genrec.benchmarks.common import RESULTS, ROOT, machine, today, update_results_md, write_json
+from genrec.benchmarks.common import (
+    RESULTS,
+    ROOT,
+    machine,
+    shown_path,
+    today,
+    update_results_md,
+    write_json,
+)
 from genrec.benchmarks.ranking_bounds import bounds
 from genrec.train.data.schema import read_info
 from genrec.train.data.synthetic import SyntheticConfig, generate
@@ -73,7 +81,7 @@ def record(m: int, run_dir: Path, res: dict, wall: float) -> dict:
     ceiling = bounds(data, chunk=16)
     keys = [f"{t}/{k}" for t in ("click", "conversion") for k in ("auc", "ne", "ece", "ece_floor", "ne_uncalibrated")]
     return {"scale": m, "users": BASE_USERS * m, "epochs": res["epochs"], "best_epoch": res["best_epoch"],
-            "train_seconds": res["train_seconds"], "wall_seconds": wall, "run_dir": str(run_dir),
+            "train_seconds": res["train_seconds"], "wall_seconds": wall, "run_dir": shown_path(run_dir),
             "model": {k: test.get(k) for k in keys},
             "oracle": ceiling["estimators"]["oracle"], "world+history": ceiling["estimators"]["world+history"],
             "test_candidates": ceiling["candidates"]}
