@@ -47,7 +47,7 @@ log.addHandler(_console)
 log.setLevel(logging.INFO)
 log.propagate = False  # the console handler prints it; no second copy from a root handler
 
-FORMAT = "%(asctime)s rank%(rank)s %(levelname)s %(name)s: %(message)s"
+FORMAT = "%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"
 
 
 def log_file(run_dir: Path, rank: int, name: str = "train") -> Path:
@@ -60,8 +60,7 @@ def run_log(run_dir: Path, rank: int = 0, name: str = "train") -> Iterator[Path]
     while open; an exception leaving the block is written there with its traceback first."""
     path = log_file(run_dir, rank, name)
     handler = logging.FileHandler(path, mode="a", encoding="utf-8")
-    handler.setFormatter(logging.Formatter(FORMAT))
-    handler.addFilter(_RankField(rank))
+    handler.setFormatter(logging.Formatter(FORMAT.format(rank=rank)))
     warned = logging.getLogger("py.warnings")
     before = _console.rank
     _console.rank = rank
@@ -83,21 +82,7 @@ def run_log(run_dir: Path, rank: int = 0, name: str = "train") -> Iterator[Path]
         _console.rank = before
 
 
-class _RankField(logging.Filter):
-    def __init__(self, rank: int) -> None:
-        super().__init__()
-        self.rank = rank
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.rank = self.rank
-        return True
-
-
-def progress(items: Iterable[T], desc: str, total: int | None = None, enabled: bool = True,
-             unit: str = "batch") -> Iterable[T]:
-    """``items`` with a transient progress bar (``enabled`` false: the items themselves)."""
-    if not enabled:
-        return items
-    if total is None:
-        total = len(items) if hasattr(items, "__len__") else None
-    return tqdm(items, desc=desc, total=total, unit=unit, leave=False, dynamic_ncols=True)
+def progress(items: Iterable[T], desc: str, enabled: bool = True) -> Iterable[T]:
+    """``items`` with a transient progress bar (its length, when it has one, as the total);
+    ``enabled`` false: the items themselves."""
+    return tqdm(items, desc=desc, unit="batch", leave=False, dynamic_ncols=True) if enabled else items

@@ -108,50 +108,42 @@ def _train(job: JobConfig, run_dir: Path | None, ctx: DistContext, state: dict[s
         log.info(f"run {run_dir}: commit {(version.get('commit') or 'unknown')[:12]}"
                  f"{' (dirty)' if version.get('dirty') else ''}, {ctx.world_size} rank(s){f' ({how})' if ctx.distributed else ''}, "
                  f"data {job.data.path}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-        return _fit(job, run_dir, ctx, model, emb, how, readers)
+        valid = {k: v for k, v in readers.items() if k in ("valid", "rank_valid")}
+        test = {k: v for k, v in readers.items() if k in ("test", "rank_test")}
+        optim = job.train.optim
 
+        def dense_optimizer(params) -> torch.optim.Optimizer:  # noqa: ANN001
+            return build_optimizer(list(params), optim)
 
-def _fit(job: JobConfig, run_dir: Path, ctx: DistContext, model: torch.nn.Module, emb: Any, how: str,
-         readers: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
-    """_train's work once the run directory (and its log file) is open."""
-    per_rank = replace(job.data, batch_size=max(1, job.data.batch_size // ctx.world_size))
-    tasks = task_masks(job, read_info(job.data.path))
-    valid = {k: v for k, v in readers.items() if k in ("valid", "rank_valid")}
-    test = {k: v for k, v in readers.items() if k in ("test", "rank_test")}
-    optim = job.train.optim
-
-    def dense_optimizer(params) -> torch.optim.Optimizer:  # noqa: ANN001
-        return build_optimizer(list(params), optim)
-
-    if ctx.distributed and job.train.init_from:
-        raise ConfigError("train.init_from works in one process (not under torchrun) for now")
-    if ctx.distributed:
-        par = (replicate(model, emb, dense_optimizer, ctx) if how == "ddp" else
-               parallelize(model, emb, job.train.parallel, optim.lr, dense_optimizer, ctx, per_rank.batch_size))
-        if job.train.compile:
-            par.module.tower.compile(dynamic=True)
-        if ctx.rank == 0:
-            (run_dir / "sharding.json").write_text(json.dumps(par.describe(), indent=2) + "\n")
-        trainer = Trainer(job.train, job.eval, run_dir, par.model, par.module, par.optimizer,
-                          readers["train"], valid, test, tasks=list(tasks), rank=ctx.rank, reduce=ctx.reduce,
-                          dense_params=par.dense_params, device=ctx.device, state_io=par,
-                          world_size=ctx.world_size)
-    else:
-        model = model.to(ctx.device)
-        optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], optim)
-        if job.train.compile:
-            model.tower.compile(dynamic=True)
-        if job.train.init_from:  # before fit(): a resumed run's own checkpoint then overrides it
-            _, start = ckpt.resolve_checkpoint(job.train.init_from)
-            left = warm_start(model, start)
-            log.info(f"init_from {start}: {len(left)} tensors not in it, as initialised "
-                     f"({', '.join(sorted({k.split('.')[0] for k in left})) or 'none'})")
-        trainer = Trainer(job.train, job.eval, run_dir, model, model, optimizer,
-                          readers["train"], valid, test, tasks=list(tasks), device=ctx.device)
-    results = trainer.fit()
-    log.info("results: " + json.dumps(results, default=str), extra={"file_only": True})
-    peak = {"rank": ctx.rank, "world_size": ctx.world_size,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-    (run_dir / f"memory.rank{ctx.rank}.json").write_text(json.dumps(peak) + "\n")
-    ctx.barrier()
-    return run_dir, results
+        if ctx.distributed and job.train.init_from:
+            raise ConfigError("train.init_from works in one process (not under torchrun) for now")
+        if ctx.distributed:
+            par = (replicate(model, emb, dense_optimizer, ctx) if how == "ddp" else
+                   parallelize(model, emb, job.train.parallel, optim.lr, dense_optimizer, ctx, per_rank.batch_size))
+            if job.train.compile:
+                par.module.tower.compile(dynamic=True)
+            if ctx.rank == 0:
+                (run_dir / "sharding.json").write_text(json.dumps(par.describe(), indent=2) + "\n")
+            trainer = Trainer(job.train, job.eval, run_dir, par.model, par.module, par.optimizer,
+                              readers["train"], valid, test, tasks=list(tasks), rank=ctx.rank, reduce=ctx.reduce,
+                              dense_params=par.dense_params, device=ctx.device, state_io=par,
+                              world_size=ctx.world_size)
+        else:
+            model = model.to(ctx.device)
+            optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], optim)
+            if job.train.compile:
+                model.tower.compile(dynamic=True)
+            if job.train.init_from:  # before fit(): a resumed run's own checkpoint then overrides it
+                _, start = ckpt.resolve_checkpoint(job.train.init_from)
+                left = warm_start(model, start)
+                log.info(f"init_from {start}: {len(left)} tensors not in it, as initialised "
+                         f"({', '.join(sorted({k.split('.')[0] for k in left})) or 'none'})")
+            trainer = Trainer(job.train, job.eval, run_dir, model, model, optimizer,
+                              readers["train"], valid, test, tasks=list(tasks), device=ctx.device)
+        results = trainer.fit()
+        log.info("results: " + json.dumps(results, default=str), extra={"file_only": True})
+        peak = {"rank": ctx.rank, "world_size": ctx.world_size,
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        (run_dir / f"memory.rank{ctx.rank}.json").write_text(json.dumps(peak) + "\n")
+        ctx.barrier()
+        return run_dir, results

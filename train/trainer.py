@@ -211,9 +211,6 @@ class Trainer:
         return True
 
     # ----- the loop -----------------------------------------------------------------------
-    def _print(self, msg: str) -> None:
-        log.info(msg)  # the console shows rank 0's; every rank's log file keeps it
-
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.cfg.precision == "bf16":
             dev = self.device.type if self.device is not None else "cpu"
@@ -406,7 +403,7 @@ class Trainer:
         name = metric + (f" (mean of {self.cfg.select_window})" if self.cfg.select_window > 1 else "")
         chosen = (f", chosen epoch {st.best_epoch} (within {self.cfg.select_within_se:g} se)"
                   if self.cfg.select_within_se > 0 else "")
-        self._print(
+        log.info(
             f"epoch {st.epoch:3d} step {st.step:6d} | valid {shown} | best {name} {st.best_metric:.4f} "
             f"+- {st.best_se:.4f} @ epoch {st.peak_epoch}{chosen} | {st.train_seconds:.0f}s"
         )
@@ -476,7 +473,7 @@ class Trainer:
         fitted = {k: v.clone() for k, v in self.module.named_buffers() if is_calibration_key(k)}
         ckpt.amend_checkpoint(self.io, best, self.module, fitted)
         ckpt.restore(self.io, best, with_optimizer=False)  # the evaluated weights (averages), calibrated
-        self._print("calibration: " + ", ".join(
+        log.info("calibration: " + ", ".join(
             f"{t} ECE {m['ece_uncalibrated']:.4f} -> {m['ece']:.4f} ({m['knots']} knots)"
             for t, m in summary["tasks"].items()) + " on rank_valid")
         return summary
