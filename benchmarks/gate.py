@@ -130,6 +130,11 @@ def side_of(repo: Path, name: str, rev: str, work: Path) -> Side:
     return Side(name, rev, sha, tree)
 
 
+def remove_worktree(repo: Path, tree: Path) -> None:
+    """Removes a worktree the gate added (quietly: it may be half made)."""
+    subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)], capture_output=True)
+
+
 def make_shim(tree: Path, dest: Path) -> Path:
     """A folder holding ``genrec/``: symlinks to ``tree``'s ``genrec/`` files and to its
     top-level folders, as its pyproject.toml maps them (``genrec.train`` -> ``train/``). On
@@ -354,8 +359,7 @@ def run_gate(base: str, head: str = "worktree", cfg: GateConfig = GateConfig(), 
     finally:
         for s in sides.values():
             if s.tree != repo:
-                subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(s.tree)],
-                               capture_output=True)
+                remove_worktree(repo, s.tree)
         shutil.rmtree(work, ignore_errors=True)
     figures = {k: {**decide([r[k]["ratio"] for r in rounds], cfg.tolerance, cfg.confidence),
                    "wall_ratio": statistics.median(r[k]["wall_ratio"] for r in rounds),

@@ -22,14 +22,22 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from genrec.benchmarks.common import machine, today, update_results_md, write_json
-from genrec.benchmarks.gate import FIGURES, ROOT, GateConfig, GateError, git, run_gate, summary_line
+from genrec.benchmarks.gate import (
+    FIGURES,
+    ROOT,
+    GateConfig,
+    GateError,
+    git,
+    remove_worktree,
+    run_gate,
+    summary_line,
+)
 
 ANCHOR = "    def train_step(self, batch: Any) -> dict[str, float]:\n"
 INJECTION = '''    def train_step(self, batch: Any) -> dict[str, float]:
@@ -61,14 +69,12 @@ def inject(base: str, share: float, work: Path, repo: Path = ROOT) -> str:
             "commit", "--quiet", "--no-verify", "-am", f"Inject a {share:.0%} slower training step (gate evidence)")
         return git(tree, "rev-parse", "HEAD")
     finally:
-        subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)], capture_output=True)
+        remove_worktree(repo, tree)
 
 
 def brief(report: dict[str, Any]) -> dict[str, Any]:
     """What results/gate.json keeps of a gate report: the verdicts and per-round ratios."""
-    figs = {k: {x: f[x] for x in ("ratio", "low", "high", "coverage", "min", "max", "ratios", "wall_ratio",
-                                   "base_ms", "head_ms", "verdict", "failed")} for k, f in report["figures"].items()}
-    return {"failed": report["failed"], "figures": figs, "sides": report["sides"], "seconds": report["seconds"],
+    return {"failed": report["failed"], "figures": report["figures"], "sides": report["sides"], "seconds": report["seconds"],
             "load_average": report["load_average"]}
 
 

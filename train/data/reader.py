@@ -171,7 +171,7 @@ class SequenceReader:
         self.epoch, self.batches_done = 0, 0
         self._cache: dict[int, _Group] = {}
         self._window: set[int] = set()  # the units of the sort window being batched
-        self._file_of: dict[int, Path] = {}  # user -> file, of the batch being built (for errors)
+        self._samples: list[tuple[int, int]] = []  # (unit, row) of the batch being built: errors name its file
 
     # ----- resumable position -------------------------------------------------------------
     def state_dict(self) -> dict[str, int]:
@@ -338,10 +338,9 @@ class SequenceReader:
     def _build(self, samples: list[tuple[int, int]], batch_index: int) -> SequenceBatch | None:
         out: list[Sample] = []
         ctx: dict[str, list[np.ndarray]] = {f: [] for f in self.context}
-        self._file_of = {}
+        self._samples = samples
         for g, r in samples:
             grp = self._group(g)
-            self._file_of[int(grp.user_id[r])] = grp.file
             sample = self._sample(self._events(grp, r), g, r)
             if sample is None:
                 continue
@@ -360,7 +359,8 @@ class SequenceReader:
         except IdOutOfRange as e:
             bad = np.flatnonzero(ids == e.value)[0]
             user = users[int(np.searchsorted(np.cumsum(lengths), bad, side="right"))] if lengths else "?"
-            raise IdOutOfRange(feature, e.value, e.size, f"{self._file_of.get(user, self.path)}, user {user}") from None
+            file = next((self._group(g).file for g, r in self._samples if self._group(g).user_id[r] == user), self.path)
+            raise IdOutOfRange(feature, e.value, e.size, f"{file}, user {user}") from None
 
 
 def holds_valid(user: int, share: float) -> bool:

@@ -274,11 +274,14 @@ class _PartitionedFiles:
         if n < t.num_rows:
             self.waiting[key] = [t.slice(n)]
 
-    def close(self) -> None:
+    def close(self, flush: bool = True) -> None:
+        """Writes what waits (``flush``; false: drops it, the files go with their stage) and
+        closes every file."""
         try:
-            for key in sorted(self.waiting):
+            for key in sorted(self.waiting) if flush else ():
                 self._write(key, whole=True)
         finally:
+            self.waiting.clear()
             for w in self.writers.values():
                 w.close()
 
@@ -320,7 +323,7 @@ class DatasetWriter:
             action_names=list(action_names),
             context_features=self.context,
             extra=dict(extra or {}),
-            format_version=2 if layout.partitioned else 1,  # one file: older versions read it too
+            format_version=FORMAT_VERSION if layout.partitioned else 1,  # one file: older versions read it too
         )
         self._stage = StagedDir(self.dir)
         try:
@@ -376,10 +379,11 @@ class DatasetWriter:
     def abort(self) -> None:
         """Drops everything written: the target directory stays as it was."""
         self._bar.close()
-        if isinstance(self._writer, _PartitionedFiles):
-            self._writer.waiting.clear()  # nothing more to write: the files go with the stage
         try:
-            self._writer.close()
+            if isinstance(self._writer, _PartitionedFiles):
+                self._writer.close(flush=False)  # nothing more to write: the files go with the stage
+            else:
+                self._writer.close()
         finally:
             self._stage.discard()
 
