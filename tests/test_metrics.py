@@ -33,28 +33,44 @@ def test_metric_state_merges_like_one_pass():
     assert merged.compute() == pytest.approx(whole.compute())
 
 
-def test_target_rank_excludes_history_but_never_the_target():
+def test_target_rank_excludes_history():
     corpus = torch.tensor([10, 20, 30, 40, 50])
     # user 0: target 30; items 40 and 50 score higher, 50 was seen -> rank 1
-    # user 1: target 20 scores highest -> rank 0; user 1 has seen 20 before (repeat) -> still ranked
+    # user 1: target 20 scores highest; 10 was seen -> rank 0
     scores = torch.tensor([[0.0, 0.1, 0.5, 0.9, 0.8], [0.0, 0.9, 0.5, 0.1, 0.2]])
     ranks = target_ranks(scores, torch.tensor([30, 20]), corpus,
-                         torch.tensor([50, 20, 10]), torch.tensor([1, 2]))
+                         torch.tensor([50, 10]), torch.tensor([1, 1]))
     assert ranks.tolist() == [1, 0]
     no_hist = target_ranks(scores, torch.tensor([30, 20]), corpus)
     assert no_hist.tolist() == [2, 0]
+
+
+def test_a_repeated_target_is_a_miss_when_the_history_is_excluded():
+    """Serving leaves the history out of what it returns, so a target that repeats a history
+    item can never be served: a miss at every cut-off (rank N), whatever its score. Without
+    the history nothing is left out and the same target ranks by its score."""
+    corpus = torch.tensor([10, 20, 30, 40, 50])
+    scores = torch.tensor([[0.0, 0.9, 0.5, 0.1, 0.2], [0.0, 0.9, 0.5, 0.1, 0.2], [0.0, 0.1, 0.9, 0.2, 0.3]])
+    targets = torch.tensor([20, 20, 30])
+    # user 0 saw 20 before (a repeat); user 1 saw 10; user 2 saw 30 and 50 (a repeat)
+    seen_ids, seen_lengths = torch.tensor([20, 10, 30, 50]), torch.tensor([1, 1, 2])
+    assert target_ranks(scores, targets, corpus, seen_ids, seen_lengths).tolist() == [5, 0, 5]
+    assert target_ranks(scores, targets, corpus).tolist() == [0, 0, 0]
+    m = RankingMetrics(hr_ks=(1, 3), ndcg_ks=(3,))
+    m.update(target_ranks(scores, targets, corpus, seen_ids, seen_lengths))
+    assert m.compute()["hr@3"] == pytest.approx(1 / 3)
 
 
 def test_ties_rank_ahead_of_the_target():
     corpus = torch.tensor([10, 20, 30, 40, 50])
     # user 0: 20 and 40 tie with target 30, 50 above -> rank 3; seen 40 drops out -> 2
     # user 1: every item scores the same (a model that cannot tell them apart) -> last
-    # user 2: target 20 seen before (a repeat), tied with 10 -> rank 1
+    # user 2: target 20 tied with 10 -> rank 1; seen before (a repeat) -> a miss (5)
     scores = torch.tensor([[0.0, 0.5, 0.5, 0.5, 0.9], [0.3] * 5, [0.7, 0.7, 0.1, 0.1, 0.1]])
     targets = torch.tensor([30, 10, 20])
     assert target_ranks(scores, targets, corpus).tolist() == [3, 4, 1]
     seen = target_ranks(scores, targets, corpus, torch.tensor([40, 20]), torch.tensor([1, 0, 1]))
-    assert seen.tolist() == [2, 4, 1]
+    assert seen.tolist() == [2, 4, 5]
 
 
 def test_target_outside_corpus_is_an_error():

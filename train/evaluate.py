@@ -85,23 +85,38 @@ def target_ranks(
     seen_ids: torch.Tensor | None = None,
     seen_lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """0-based rank of each target among corpus items not seen before.
+    """0-based rank of each target in the list a server would return.
 
     scores [B, N] over sorted ``corpus_ids`` [N]; targets [B] ids; seen_ids [E] with
-    seen_lengths [B]. Ties go against the target: every other item scored the same ranks
-    ahead of it, so a model that cannot tell items apart (equal scores, e.g. the shared
-    miss row of a managed-collision table) earns no hits from the ties.
+    seen_lengths [B]. With the history given, its items are left out of the list, as
+    serving's ``exclude_history`` leaves them out: a target that repeats one of them can
+    never be returned, so it ranks N (a miss at every cut-off). Without it nothing is left
+    out. Ties go against the target: every other item scored the same ranks ahead of it, so
+    a model that cannot tell items apart (equal scores, e.g. the shared miss row of a
+    managed-collision table) earns no hits from the ties.
+
+    Example: corpus [10, 20, 30], scores [[0.1, 0.9, 0.5]], target 30 -> rank 1; with
+    history [20] -> rank 0; with history [30] (a repeat) -> rank 3.
     """
     tidx = torch.searchsorted(corpus_ids, targets).clamp(max=corpus_ids.numel() - 1)
     if not bool((corpus_ids[tidx] == targets).all()):
         missing = targets[corpus_ids[tidx] != targets][0]
         raise ValueError(f"target item {int(missing)} is not in the model's corpus")
     target_score = scores.gather(1, tidx[:, None])
-    if seen_ids is not None and seen_ids.numel():
+    masked = seen_ids is not None and seen_ids.numel() > 0
+    if masked:
         scores = mask_seen(scores, corpus_ids, seen_ids, seen_lengths)
-    # the target's own entry still equals its score unless a repeat put it in the history
-    own = (scores.gather(1, tidx[:, None]) == target_score).squeeze(1)
-    return (scores >= target_score).sum(1) - own.long()
+    ranks = (scores >= target_score).sum(1) - 1  # the target's own entry does not count
+    if not masked:
+        return ranks
+    return torch.where(repeated_targets(targets, seen_ids, seen_lengths), corpus_ids.numel(), ranks)
+
+
+def repeated_targets(targets: torch.Tensor, seen_ids: torch.Tensor, seen_lengths: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the target is one of its user's history items (seen_ids [E], seen_lengths [B])."""
+    row = torch.repeat_interleave(torch.arange(targets.numel(), device=targets.device), seen_lengths)
+    hit = (seen_ids == targets[row]).long()
+    return torch.zeros_like(targets).index_add_(0, row, hit) > 0
 
 
 def mask_seen(scores: torch.Tensor, corpus_ids: torch.Tensor, seen_ids: torch.Tensor,
