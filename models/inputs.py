@@ -74,6 +74,21 @@ class SequenceBatch:
         return SequenceBatch(**kw)
 
 
+def history_capacity(max_seq_len: int, tokens_per_event: int = 1, ranked: bool = False) -> int:
+    """History events a tower of ``max_seq_len`` positions reads for one user.
+
+    A ranking model (``ranked``: it has ranking tasks) keeps one position free for its
+    candidates, which sit right after the history; a retrieval-only model reads the user state
+    at the last history event and fills every position. Interleaved action tokens
+    (``tokens_per_event`` 2) halve it. Offline evaluation (``train.data.reader``) and serving
+    (``serve.engine.schema_of``) take the window from here, so both read the same events.
+
+    >>> history_capacity(200), history_capacity(200, ranked=True), history_capacity(200, 2, True)
+    (200, 199, 99)
+    """
+    return (max_seq_len - int(ranked)) // tokens_per_event
+
+
 def history_window(n: int, cap: int, block: int = 1) -> int:
     """The first of ``n`` history events a tower of ``cap`` history positions reads.
 

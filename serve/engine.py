@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torchrec import KeyedJaggedTensor
 
-from genrec.models.inputs import SequenceBatch
+from genrec.models.inputs import SequenceBatch, history_capacity
 from genrec.models.recommender import GenerativeRecommender
 from genrec.quant.artifact import Manifest
 from genrec.quant.load import load_model
@@ -109,8 +109,8 @@ def schema_of(model: GenerativeRecommender) -> ModelSchema:
     tasks = tuple(t.name for t in model.cfg.ranking.tasks)
     tpe = 2 if model.interleaved else 1
     sid = model.sid_head
-    # one position stays free for the candidates, which sit right after the history
-    return ModelSchema(emb, actions, tasks, int(model.corpus_ids.numel()), (model.cfg.max_seq_len - 1) // tpe,
+    cap = history_capacity(model.cfg.max_seq_len, tpe, ranked=bool(tasks))  # as offline evaluation reads
+    return ModelSchema(emb, actions, tasks, int(model.corpus_ids.numel()), cap,
                        model.cfg.sid.beam_width if sid is not None else 0, sid.sizes if sid is not None else ())
 
 

@@ -18,6 +18,7 @@ from torchrec import KeyedJaggedTensor
 
 from genrec.kernels import hstu_native
 from genrec.models.hstu import CachedHistory, HSTUTower, JaggedMeta, PagedMeta
+from genrec.models.inputs import history_capacity
 from genrec.models.recommender import GenerativeRecommender, HistoryState
 from genrec.serve.kvcache import Entry, KVCache
 from genrec.serve.native import ServeKernels
@@ -96,7 +97,8 @@ class PackedPath:
         self.kernels = ServeKernels(model) if backend == "native" else None
         if backend == "native":  # the weights laid out for the kernel now, not on the first request
             model.tower.native_weights()
-        self.cap = model.cfg.max_seq_len - 1  # one position stays free for the candidates (serve.engine.schema_of)
+        # the events offline evaluation reads (serve.engine.schema_of: the same function)
+        self.cap = history_capacity(model.cfg.max_seq_len, 2 if model.interleaved else 1, bool(model.cfg.ranking.tasks))
         history_window(self.cap, self.cap, window_block)  # (a block outside 1..cap: the error names it)
         self.block = window_block
         if cache_reuse not in ("auto", "always"):

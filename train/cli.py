@@ -149,10 +149,10 @@ def evaluate_run(run: Path, checkpoint: str | None, split: str, data: str | None
     job, model, emb, path = load_run_model(run, checkpoint, data)
     metrics: dict = {}
     tpe = tokens_per_event(job)  # interleaved ranking: two tokens per event bound the history
-    if job.model.arch == "generative":
-        reader = make_reader(job.data, split, emb, job.model.max_seq_len, tokens_per_event=tpe)
-        metrics.update(evaluate(model, progress(reader, split), job.eval))
     tasks = task_masks(job, read_info(job.data.path))
+    if job.model.arch == "generative":  # tasks: a ranking model's history window, as served
+        reader = make_reader(job.data, split, emb, job.model.max_seq_len, tasks=tasks, tokens_per_event=tpe)
+        metrics.update(evaluate(model, progress(reader, split), job.eval))
     if tasks and job.data.ranking.enabled:
         reader = make_reader(job.data, f"rank_{split}", emb, job.model.max_seq_len, tasks=tasks,
                              tokens_per_event=tpe)

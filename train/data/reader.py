@@ -41,7 +41,7 @@ import numpy as np
 import pyarrow as pa
 
 from genrec.embedding.spec import EmbeddingConfig, IdOutOfRange, prepare_ids
-from genrec.models.inputs import SequenceBatch
+from genrec.models.inputs import SequenceBatch, history_capacity
 from genrec.train.data.files import InteractionFiles
 from genrec.train.data.samples import (
     RankingDataConfig,
@@ -301,7 +301,8 @@ class SequenceReader:
         if self.split == "valid" and not holds_valid(ev.user, self.valid_users):
             return None
         if self.split in ("valid", "test"):
-            return loo_eval(ev, ev.items.size - (2 if self.split == "valid" else 1), msl, self.window_block)
+            cap = history_capacity(self.max_seq_len, self.tpe, ranked=bool(self.task_masks))  # as served
+            return loo_eval(ev, ev.items.size - (2 if self.split == "valid" else 1), cap, self.window_block)
         labelled = ev.actions is not None and ev.times is not None
         if self.split in ("rank_valid", "rank_test"):
             if not labelled:
