@@ -1,0 +1,139 @@
+"""Evaluation as served, before and after: what counting repeated targets as hits overstated.
+
+Before issue 40, ``target_ranks`` took a target's score before the history was masked, so a
+target that repeats a history item was ranked among the unseen items: a hit offline that the
+server, which leaves the history out, can never return. This benchmark scores one checkpoint
+(and the two baselines) on the same test users three ways, side by side:
+
+* ``served``: the rule now (history excluded; a repeated target is a miss);
+* ``former``: the rule before (history excluded, a repeated target ranked by its score);
+* ``no_exclusion``: nothing excluded (``eval.exclude_history = false``).
+
+Data: the synthetic default (``data/synthetic``, the demo's logs: Zipf draws repeat popular
+items) and the same generator with repeat consumption on (``--repeat``). The model: the
+demo's config (``configs/demo.toml``), trained ``--epochs`` epochs on each.
+
+    python -m genrec.benchmarks.eval_protocol [--epochs 5] [--repeat 0.3]
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from genrec.benchmarks.common import ROOT, machine, shown_path, today, update_results_md, write_json
+from genrec.models.inputs import SequenceBatch
+from genrec.train.baselines import Baseline
+from genrec.train.evaluate import RankingMetrics, mask_seen, repeated_targets, target_ranks
+
+RULES = ("served", "former", "no_exclusion")
+KEYS = ("hr@1", "hr@10", "ndcg@10", "mrr")
+
+
+def former_ranks(scores: torch.Tensor, targets: torch.Tensor, corpus: torch.Tensor, seen_ids: torch.Tensor,
+                 seen_lengths: torch.Tensor) -> torch.Tensor:
+    """The rule before issue 40, kept here only to measure what it overstated: the target's
+    score taken before the history is masked, so a repeated target still ranks among the
+    unseen items."""
+    tidx = torch.searchsorted(corpus, targets)
+    target_score = scores.gather(1, tidx[:, None])
+    masked = mask_seen(scores, corpus, seen_ids, seen_lengths)
+    own = (masked.gather(1, tidx[:, None]) == target_score).squeeze(1)
+    return (masked >= target_score).sum(1) - own.long()
+
+
+class ThreeRules:
+    """One RankingMetrics per rule, fed the same score matrices; counts repeated targets."""
+
+    def __init__(self) -> None:
+        self.metrics = {r: RankingMetrics((1, 10), (10,)) for r in RULES}
+        self.repeats = 0
+
+    def update(self, scores: torch.Tensor, batch: SequenceBatch, corpus: torch.Tensor) -> None:
+        seen = (batch.seen_ids, batch.seen_lengths)
+        self.metrics["served"].update(target_ranks(scores, batch.targets, corpus, *seen))
+        self.metrics["former"].update(former_ranks(scores, batch.targets, corpus, *seen))
+        self.metrics["no_exclusion"].update(target_ranks(scores, batch.targets, corpus))
+        self.repeats += int(repeated_targets(batch.targets, *seen).sum())
+
+    def result(self) -> dict:
+        out = {r: {k: round(v, 4) for k, v in m.compute().items() if k in KEYS}
+               for r, m in self.metrics.items()}
+        users = self.metrics["served"].count
+        out["users"], out["repeated_targets"] = int(users), round(self.repeats / max(users, 1), 4)
+        out["overstated_hr@10"] = round(out["former"]["hr@10"] / max(out["served"]["hr@10"], 1e-9), 3)
+        return out
+
+
+@torch.no_grad()
+def score_run(run_dir: Path) -> dict:
+    from genrec.train.cli import load_run_model
+    from genrec.train.data.reader import make_reader
+    from genrec.train.data.schema import read_info
+    from genrec.train.job import task_masks
+
+    job, model, emb, _ = load_run_model(run_dir, None, None)
+    model.eval()
+    corpus = model.corpus_ids
+    items = model.item_embeddings(corpus)
+    tasks = task_masks(job, read_info(job.data.path))
+    rules = ThreeRules()
+    for batch in make_reader(job.data, "test", emb, job.model.max_seq_len, tasks=tasks):
+        rules.update(model.head.scores(model.user_embeddings(batch), items).float(), batch, corpus)
+    return rules.result()
+
+
+def score_baseline(data: Path, kind: str, run_dir: Path) -> dict:
+    from genrec.train.cli import load_run_model
+    from genrec.train.data.reader import make_reader
+
+    job, _, emb, _ = load_run_model(run_dir, None, None)
+    base = Baseline(data, kind, job.data.valid_users)
+    rules = ThreeRules()
+    for batch in make_reader(job.data, "test", emb, job.model.max_seq_len):
+        offsets = batch.seq.offsets()[: batch.batch_size + 1]
+        rules.update(base.scores(batch.seq.values()[offsets[1:] - 1]), batch, base.corpus)
+    return rules.result()
+
+
+def dataset_for(repeat: float) -> Path:
+    from genrec.train.data.synthetic import SyntheticConfig, generate
+
+    out = ROOT / "data" / ("synthetic" if repeat == 0 else f"synthetic_repeat{repeat:g}")
+    if not (out / "dataset.json").exists():
+        generate(replace(SyntheticConfig(), repeat=repeat), out)
+    return out
+
+
+def main() -> None:
+    from genrec.train.job import load_job
+    from genrec.train.run import run_training
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--epochs", type=int, default=5)
+    ap.add_argument("--repeat", type=float, default=0.3, help="the second dataset's SyntheticConfig.repeat")
+    ap.add_argument("--out-dir", default="runs/benchmarks")
+    args = ap.parse_args()
+    records = []
+    for repeat in (0.0, args.repeat):
+        data = dataset_for(repeat)
+        job = load_job(ROOT / "configs" / "demo.toml",
+                       [f'--data.path="{data}"', f'--run.out_dir="{args.out_dir}"', f"--train.max_epochs={args.epochs}",
+                        f"--run.name=eval_protocol_repeat{repeat:g}"])
+        run_dir, res = run_training(job)
+        rows = {"hstu (demo config)": score_run(run_dir)}
+        rows.update({f"{kind} baseline": score_baseline(data, kind, run_dir) for kind in ("popular", "transition")})
+        records.append({"data": shown_path(data), "synthetic_repeat": repeat, "epochs": res["epochs"],
+                        "run_dir": shown_path(run_dir), "rows": rows})
+        print(records[-1])
+    write_json("eval_protocol", {"date": today(), "machine": machine(),
+                                 "command": f"python -m genrec.benchmarks.eval_protocol --epochs {args.epochs} "
+                                            f"--repeat {args.repeat}", "rules": list(RULES), "records": records})
+    update_results_md()
+
+
+if __name__ == "__main__":
+    main()
