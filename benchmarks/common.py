@@ -76,13 +76,13 @@ def write_json(name: str, payload: Any) -> Path:
 
 
 def update_results_md() -> None:
-    """Regenerates RESULTS.md from every ``results/*.json`` (``benchmarks/report.py``, the one
-    renderer of the page). Call it after ``write_json``."""
+    """Regenerates RESULTS.md and DETAILS.md beside it from every ``results/*.json``
+    (``benchmarks/report.py``, the one renderer of the pages). Call it after ``write_json``."""
     import fcntl
 
     from genrec.benchmarks import report
 
-    # benchmarks may run side by side (one per core): serialise the rewrite on RESULTS.lock
+    # benchmarks may run side by side (one per core): serialise the rewrites on RESULTS.lock
     with open(RESULTS_MD.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        report.write(RESULTS, RESULTS_MD)
+        report.write(RESULTS, RESULTS_MD.parent)

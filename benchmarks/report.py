@@ -1,16 +1,17 @@
-"""Renders ``benchmarks/RESULTS.md`` from ``benchmarks/results/*.json``: one page, the
-current figures of every benchmark beside their anchors (published numbers or targets),
-each section naming its machine, date and the command that produced it.
+"""Renders ``benchmarks/RESULTS.md`` and ``benchmarks/DETAILS.md`` from
+``benchmarks/results/*.json``. RESULTS.md is one page: a line per benchmark at a glance, then
+per benchmark its headline table, linking to its full section in DETAILS.md (every table and
+paragraph, the anchors, the machine, the date and the command that produced it).
 
-    python -m genrec.benchmarks.report            # rewrite RESULTS.md
-    python -m genrec.benchmarks.report --check    # exit 1 if RESULTS.md differs from the JSON
+    python -m genrec.benchmarks.report            # rewrite both pages
+    python -m genrec.benchmarks.report --check    # exit 1 if a page differs from the JSON
 
-The page is a pure function of the JSON files (sorted keys, fixed formats, no clock), so
-``tests/test_report.py`` can check that the committed page is current. A figure a JSON
+The pages are a pure function of the JSON files (sorted keys, fixed formats, no clock), so
+``tests/test_report.py`` can check that the committed pages are current. A figure a JSON
 lacks renders as ``missing``; a JSON with no renderer of its own gets a generic section.
-How the figures came to be goes into ``benchmarks/notes/``, not here.
 Modules: ``report_format`` (figures, tables), ``report_sections`` and ``report_summaries``
-(the sections this file renders itself).
+(the sections this file renders itself), ``report_headlines`` (which table heads RESULTS.md).
+How the figures came to be goes into ``benchmarks/notes/``, not here.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ from genrec.benchmarks.report_format import (
     num,
     table,
 )
+from genrec.benchmarks.report_headlines import headline
 
 # the renderers beside their benchmarks import these from here
 __all__ = ["MISSING", "SECTIONS", "SUMMARIES", "anchor_id", "command", "footer", "get", "machine_text",
@@ -41,7 +44,10 @@ __all__ = ["MISSING", "SECTIONS", "SUMMARIES", "anchor_id", "command", "footer",
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-RESULTS_MD = HERE / "RESULTS.md"
+RESULTS_MD, DETAILS_MD = "RESULTS.md", "DETAILS.md"
+SIZE_LIMIT = 15_000  # bytes of RESULTS.md: a page a person reads, not a log
+SAME_CPU = ("Compare speeds only between runs on the same CPU: the development VM's CPU changed "
+            "between runs under the same name.")
 
 
 def _lazy(module: str, name: str) -> Callable[[dict], Any]:
@@ -95,60 +101,107 @@ def renderer(stem: str) -> Callable[[dict], list[str]] | None:
     return SECTIONS.get(stem) or (sec.kernels if stem.startswith("kernels_") else None)
 
 
-def render(results: Path = RESULTS) -> str:
-    """The whole page for every ``*.json`` under ``results``, in a fixed order."""
+# -- the pages --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Section:
+    """One results file, rendered: its full section (``## title`` first) and its glance line."""
+
+    path: Path
+    lines: list[str]
+    head: str
+    anchor: str
+    date: str
+
+    @property
+    def id(self) -> str:
+        return anchor_id(self.lines[0])
+
+
+def section(path: Path) -> Section:
+    """The section of one results file; a malformed file gets a section that says so."""
+    data = json.loads(path.read_text())
+    fn = renderer(path.stem)
+    summary = SUMMARIES.get(path.stem) or (summ.kernels_summary if fn is sec.kernels else None)
+    try:
+        body = fn(data) if fn else sec.generic(path.stem, data)
+        head, anchor = summary(data) if summary else ("see below", "none recorded")
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # a malformed file keeps the page
+        body = [f"## {path.stem}", "", f"`{path.name}` could not be rendered ({type(e).__name__}: {e}); "
+                "figures missing."]
+        head, anchor = MISSING, MISSING
+    date = data.get("date") if isinstance(data, dict) else None
+    if date is None and isinstance(data, dict) and data.get("records"):
+        date = max(str(r.get("date", "")) for r in data["records"] if isinstance(r, dict))
+    return Section(path, body, head, anchor, str(date or MISSING))
+
+
+def sections(results: Path) -> list[Section]:
+    """Every ``*.json`` under ``results``, in a fixed order: SECTIONS's, then by name."""
     order = list(SECTIONS)
     files = sorted(results.glob("*.json"), key=lambda p: (order.index(p.stem) if p.stem in order
                                                           else len(order), p.stem))
+    return [section(p) for p in files]
+
+
+def results_page(secs: list[Section]) -> str:
+    """RESULTS.md: the line per benchmark, then each benchmark's headline table."""
+    glance = [[f"[{s.path.stem}](#{s.id})", s.head, s.anchor, s.date] for s in secs]
     out = ["# Benchmark results", "",
            "Generated by `python -m genrec.benchmarks.report` from `benchmarks/results/*.json`; do not "
-           "edit by hand (each benchmark rewrites its JSON and this page). Every section gives its "
-           "headline figures beside their anchor, the machine, the date and the command. Compare "
-           "speeds only between runs on the same CPU: the development VM's CPU changed between runs "
-           "under the same name. How the figures came to be: `benchmarks/notes/`."]
-    glance, sections = [], []
-    for path in files:
-        data = json.loads(path.read_text())
-        fn = renderer(path.stem)
-        summary = SUMMARIES.get(path.stem) or (summ.kernels_summary if fn is sec.kernels else None)
-        try:
-            body = fn(data) if fn else sec.generic(path.stem, data)
-            head, anchor = summary(data) if summary else ("see below", "none recorded")
-        except (KeyError, TypeError, ValueError, AttributeError) as e:  # a malformed file keeps the page
-            body = [f"## {path.stem}", "", f"`{path.name}` could not be rendered ({type(e).__name__}: {e}); "
-                    "figures missing."]
-            head, anchor = MISSING, MISSING
-        date = data.get("date") if isinstance(data, dict) else None
-        if date is None and isinstance(data, dict) and data.get("records"):
-            date = max(str(r.get("date", "")) for r in data["records"] if isinstance(r, dict))
-        glance.append([f"[{path.stem}](#{anchor_id(body[0])})", head, anchor, str(date or MISSING)])
-        sections += ["", f"<!-- {path.stem}: results/{path.name} -->", *body]
-    out += ["", "## At a glance", "", *table(["benchmark", "headline", "anchor", "date"], glance)]
-    return "\n".join(out + sections) + "\n"
+           "edit by hand (each benchmark rewrites its JSON and both pages). Below, one headline table "
+           f"per benchmark; every figure, its anchor, the machine, the date and the command: [{DETAILS_MD}]"
+           f"({DETAILS_MD}). {SAME_CPU} How the figures came to be: `benchmarks/notes/`.",
+           "", "## At a glance", "", *table(["benchmark", "headline", "anchor", "date"], glance)]
+    for s in secs:
+        top = headline(s.path.stem, s.lines)
+        out += ["", s.lines[0], "", *top, *([""] if top else []),
+                f"[Details]({DETAILS_MD}#{s.id})"]
+    return "\n".join(out) + "\n"
 
 
+def details_page(secs: list[Section]) -> str:
+    """DETAILS.md: every benchmark's full section."""
+    out = ["# Benchmark results in full", "",
+           "Generated by `python -m genrec.benchmarks.report` from `benchmarks/results/*.json`; do not "
+           f"edit by hand. The one-page summary: [{RESULTS_MD}]({RESULTS_MD}). Every section gives its "
+           f"figures beside their anchor, the machine, the date and the command. {SAME_CPU}"]
+    for s in secs:
+        out += ["", f"<!-- {s.path.stem}: results/{s.path.name} -->", *s.lines]
+    return "\n".join(out) + "\n"
 
 
-def write(results: Path = RESULTS, out: Path = RESULTS_MD) -> bool:
-    """Rewrites ``out``; True when it changed."""
-    text = render(results)
-    if out.exists() and out.read_text() == text:
-        return False
-    out.write_text(text)
-    return True
+def render(results: Path = RESULTS) -> dict[str, str]:
+    """Both pages for every ``*.json`` under ``results``: {file name: text}."""
+    secs = sections(results)
+    return {RESULTS_MD: results_page(secs), DETAILS_MD: details_page(secs)}
+
+
+def write(results: Path = RESULTS, out: Path = HERE) -> list[str]:
+    """Rewrites the pages under ``out``; the names of those that changed."""
+    changed = []
+    for name, text in render(results).items():
+        page = out / name
+        if not page.exists() or page.read_text() != text:
+            page.write_text(text)
+            changed.append(name)
+    return changed
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if RESULTS.md is not the rendered page")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a page is not the rendered one")
     ap.add_argument("--results", type=Path, default=RESULTS, help="folder of *.json (default: %(default)s)")
-    ap.add_argument("--out", type=Path, default=RESULTS_MD, help="page to write (default: %(default)s)")
+    ap.add_argument("--out", type=Path, default=HERE, help=f"folder of {RESULTS_MD} and {DETAILS_MD} "
+                    "(default: %(default)s)")
     args = ap.parse_args(argv)
     if args.check:
-        stale = not args.out.exists() or args.out.read_text() != render(args.results)
-        print(f"{args.out} is {'stale: run python -m genrec.benchmarks.report' if stale else 'current'}")
-        return int(stale)
-    print(f"{args.out} {'rewritten' if write(args.results, args.out) else 'unchanged'}")
+        pages = render(args.results)
+        stale = [n for n, text in pages.items() if not (args.out / n).exists() or (args.out / n).read_text() != text]
+        print(f"{', '.join(stale)} stale: run python -m genrec.benchmarks.report" if stale else "pages current")
+        return int(bool(stale))
+    changed = write(args.results, args.out)
+    print(f"{args.out}: {', '.join(changed) + ' rewritten' if changed else 'unchanged'}")
     return 0
 
 

@@ -1,6 +1,7 @@
 """The sections of the benchmarks that ``report.py`` renders itself (newer benchmarks keep
 their renderer beside them): each a pure function of one results JSON to the lines of its
-section, ``## title`` first."""
+full section in DETAILS.md, ``## title`` first; RESULTS.md shows one table of it
+(``report_headlines.py``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""benchmarks/report.py: RESULTS.md is rendered from benchmarks/results/*.json and kept current."""
+"""benchmarks/report.py: RESULTS.md (one page) and DETAILS.md (every figure) are rendered from
+benchmarks/results/*.json and kept current."""
 
 from __future__ import annotations
 
@@ -6,29 +7,90 @@ import json
 import shutil
 from pathlib import Path
 
-from genrec.benchmarks import common, report
+import pytest
+
+from genrec.benchmarks import common, report, report_headlines
+from genrec.benchmarks.report_headlines import Headline, headline
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def test_every_result_file_has_a_section() -> None:
-    page = report.render(RESULTS)
+@pytest.fixture(scope="module")
+def pages() -> dict[str, str]:
+    return report.render(RESULTS)
+
+
+def heading_ids(page: str) -> set[str]:
+    """The ids GitHub gives a page's headings: a repeated one gets -1, -2, ..."""
+    ids: set[str] = set()
+    count: dict[str, int] = {}
+    for line in page.splitlines():
+        if line.startswith("#"):
+            base = report.anchor_id(line)
+            n = count.get(base, 0)
+            count[base] = n + 1
+            ids.add(base if n == 0 else f"{base}-{n}")
+    return ids
+
+
+def sections(page: str) -> dict[str, str]:
+    """A page's ``## `` sections by heading, the text before the first left out."""
+    parts = page.split("\n## ")[1:]
+    return {p.split("\n", 1)[0]: p for p in parts}
+
+
+def test_every_result_file_has_a_section(pages: dict[str, str]) -> None:
     files = sorted(RESULTS.glob("*.json"))
     assert files
     for path in files:
-        assert f"<!-- {path.stem}: results/{path.name} -->" in page
-        assert "could not be rendered" not in page, path.name
+        assert f"<!-- {path.stem}: results/{path.name} -->" in pages["DETAILS.md"]
+        assert f"| [{path.stem}](#" in pages["RESULTS.md"]
+    for page in pages.values():
+        assert "could not be rendered" not in page
 
 
-def test_committed_page_is_current() -> None:
-    committed = (ROOT / "benchmarks" / "RESULTS.md").read_text()
-    assert committed == report.render(RESULTS), (
-        "benchmarks/RESULTS.md is stale: run `python -m genrec.benchmarks.report` and commit it")
+def test_committed_pages_are_current(pages: dict[str, str]) -> None:
+    for name, text in pages.items():
+        committed = (ROOT / "benchmarks" / name).read_text()
+        assert committed == text, (
+            f"benchmarks/{name} is stale: run `python -m genrec.benchmarks.report` and commit it")
 
 
-def test_render_is_deterministic() -> None:
-    assert report.render(RESULTS) == report.render(RESULTS)
+def test_render_is_deterministic(pages: dict[str, str]) -> None:
+    assert report.render(RESULTS) == pages
+
+
+def test_results_page_is_one_page(pages: dict[str, str]) -> None:
+    page = pages["RESULTS.md"]
+    assert len(page.encode()) < report.SIZE_LIMIT
+    secs = sections(page)
+    assert secs.pop("At a glance").count("\n|---") == 1
+    assert len(secs) == len(list(RESULTS.glob("*.json")))
+    for title, text in secs.items():
+        assert text.count("\n|---") <= 1, f"RESULTS.md, {title}: more than one table"
+
+
+def test_every_section_links_to_its_details(pages: dict[str, str]) -> None:
+    details_ids, results_ids = heading_ids(pages["DETAILS.md"]), heading_ids(pages["RESULTS.md"])
+    secs = sections(pages["RESULTS.md"])
+    del secs["At a glance"]
+    for title, text in secs.items():
+        link = f"](DETAILS.md#{report.anchor_id(title)})"
+        assert link in text, f"RESULTS.md, {title}: no link to DETAILS.md"
+        assert report.anchor_id(title) in details_ids
+    for line in pages["RESULTS.md"].split("## At a glance")[1].split("\n\n")[1].splitlines()[2:]:
+        assert line.split("](#")[1].split(")")[0] in results_ids, line
+
+
+def test_headline_keeps_the_whole_table_when_its_spec_no_longer_matches(monkeypatch) -> None:  # noqa: ANN001
+    lines = ["## t", "", "### ml1m", "", "| a | b |", "|---|---|", "| 1 | 2 |", "| 3 | 4 |"]
+    assert headline("new", lines) == ["ml1m:", "", *lines[4:]]
+    monkeypatch.setitem(report_headlines.HEADLINES, "new", Headline(0, ("renamed",), lambda r: r["a"] == "9"))
+    assert headline("new", lines) == ["ml1m:", "", *lines[4:]]
+    monkeypatch.setitem(report_headlines.HEADLINES, "new", Headline(0, ("b",), lambda r: r["a"] == "3"))
+    assert headline("new", lines) == ["ml1m:", "", "| b |", "|---|", "| 4 |"]
+    assert headline("new", ["## t", "", "no table"]) == []
 
 
 def test_missing_figures_render_as_missing(tmp_path: Path) -> None:
@@ -43,39 +105,42 @@ def test_missing_figures_render_as_missing(tmp_path: Path) -> None:
     (tmp_path / "quality.json").write_text(json.dumps(quality))
     (tmp_path / "train_speed.json").write_text(json.dumps({"date": "2026-12-03"}))
 
-    page = report.render(tmp_path)
+    pages = report.render(tmp_path)
+    page = pages["DETAILS.md"]
     serving_part = page.split("<!-- serving: ")[1].split("<!-- ")[0]
     assert "| torch | 300 | missing | missing |" in serving_part
     assert "Machine: missing." in serving_part
     assert "missing" in page.split("<!-- quality: ")[1].split("<!-- ")[0]
     assert "Anchor: goal missing the naive step" in page
-    assert "could not be rendered" not in page
+    assert "| torch | 300 | missing | missing |" in pages["RESULTS.md"]
+    assert all("could not be rendered" not in p for p in pages.values())
 
 
 def test_unknown_result_file_gets_a_generic_section(tmp_path: Path) -> None:
     (tmp_path / "newbench.json").write_text(json.dumps({"date": "2026-12-03", "qps": 12.5}))
-    page = report.render(tmp_path)
-    assert "## newbench" in page and "| qps | 12.5 |" in page
+    for page in report.render(tmp_path).values():
+        assert "## newbench" in page and "| qps | 12.5 |" in page
 
 
 def test_check_flags_a_stale_page(tmp_path: Path) -> None:
-    out = tmp_path / "RESULTS.md"
-    assert report.main(["--out", str(out)]) == 0
-    assert report.main(["--check", "--out", str(out)]) == 0
-    out.write_text(out.read_text() + "hand edit\n")
-    assert report.main(["--check", "--out", str(out)]) == 1
+    assert report.main(["--out", str(tmp_path)]) == 0
+    assert report.main(["--check", "--out", str(tmp_path)]) == 0
+    for name in ("RESULTS.md", "DETAILS.md"):
+        page = tmp_path / name
+        text = page.read_text()
+        page.write_text(text + "hand edit\n")
+        assert report.main(["--check", "--out", str(tmp_path)]) == 1
+        page.write_text(text)
 
 
-def test_update_results_md_regenerates_the_page(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
-    """What the benchmark scripts call after write_json: section and body are ignored, the page
-    comes from the JSON files."""
+def test_update_results_md_regenerates_both_pages(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """What the benchmark scripts call after write_json: the pages come from the JSON files."""
     results = tmp_path / "results"
     results.mkdir()
     shutil.copy(RESULTS / "kernels.json", results / "kernels.json")
-    page = tmp_path / "RESULTS.md"
-    page.write_text("# old hand-made page\n")
+    (tmp_path / "RESULTS.md").write_text("# old hand-made page\n")
     monkeypatch.setattr(common, "RESULTS", results)
-    monkeypatch.setattr(common, "RESULTS_MD", page)
+    monkeypatch.setattr(common, "RESULTS_MD", tmp_path / "RESULTS.md")
     common.update_results_md()
-    assert page.read_text() == report.render(results)
-    assert "ignored body" not in page.read_text()
+    for name, text in report.render(results).items():
+        assert (tmp_path / name).read_text() == text
