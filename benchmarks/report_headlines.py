@@ -41,7 +41,7 @@ HEADLINES: dict[str, Headline] = {
     "ranking": Headline(0, ("task", "joint AUC", "DLRM AUC", "oracle AUC", "joint calibration")),
     "quant": Headline(0, ("tables", "table bytes", "artifact bytes", "NDCG@10", "NDCG@10 loss", "meets goal"),
                       _is("dense", "fp32"), "fp32 dense layers:"),
-    "serving": Headline(0, (0, 1, 2, 3), _is("server", "naive", "torch", "torch-padded", "sglang")),
+    "serving": Headline(0, (0, 1, 2, 3), _is("server", "naive", "torch", "torch-padded", "torch-replicas2", "sglang")),
     "engine_capacity": Headline(0, ("engine ms for a batch of B", "1", "4", "8", "16")),
     "serving_scale": Headline(0, ("engine", "history", "p50 ms", "p99 ms")),
     "serving_cache": Headline(0, ("workload", "engine", "single p50 ms", "warm p50 ms (x torch)",
