@@ -39,7 +39,7 @@ import numpy as np
 
 from genrec.benchmarks.common import ROOT, machine, today, update_results_md, write_json
 from genrec.benchmarks.serving import artifact_and_requests
-from genrec.serve.loadtest import RESPONSES, run_step
+from genrec.loadtest.runner import RESPONSES, run_step
 
 STEPS = [50, 100, 150, 200, 300, 400, 500, 600, 800]
 BATCHED = ["--serve.batch.max_batch=32", "--serve.batch.max_wait_ms=0", "--serve.process.poll_ms=1000"]

@@ -59,8 +59,7 @@ from genrec.benchmarks.common import (
     update_results_md,
     write_json,
 )
-from genrec.proto.v1 import recommender_pb2 as pb
-from genrec.serve.loadtest import (
+from genrec.loadtest.runner import (
     StepResult,
     load_workload,
     make_workload,
@@ -68,6 +67,7 @@ from genrec.serve.loadtest import (
     qps_within,
     sweep,
 )
+from genrec.proto.v1 import recommender_pb2 as pb
 
 SWEEPS = {
     # steps down to 10 QPS: the naive server can miss the budget at 25 QPS on a noisy 2-core

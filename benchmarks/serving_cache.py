@@ -214,7 +214,7 @@ def single_requests(server: Server, method: str, calls: Any, n: int, timeout_s: 
     """``n`` calls one at a time: p50 / p99 of all, of each page view's first call, of the rest."""
     import grpc
 
-    from genrec.serve.loadtest import cache_figures, scrape
+    from genrec.loadtest.runner import cache_figures, scrape
 
     first: list[float] = []
     warm: list[float] = []
@@ -238,7 +238,7 @@ def single_requests(server: Server, method: str, calls: Any, n: int, timeout_s: 
 
 def workloads(shape: Shape, items: Any, args: argparse.Namespace) -> dict[str, Any]:
     """The shape's three streams (warm-up, single requests, load): one seed, disjoint users."""
-    from genrec.serve.loadtest import RepeatedUsers, RepeatedUserWorkload
+    from genrec.loadtest.runner import RepeatedUsers, RepeatedUserWorkload
 
     def make(part: str, seed: int, **kw: Any) -> RepeatedUserWorkload:
         cfg = RepeatedUsers(users=args.users, zipf=args.zipf, history=shape.history, method=shape.method,
@@ -269,7 +269,7 @@ def measure(server: Server, shape: Shape, streams: dict[str, Any], args: argpars
     """One workload against one server: single requests, then the sweep (the shape's steps, or
     ``steps``); ``prime``: first one call per user the sweep visits, so its hit rate is a warm
     cache's (the misses left are new events and evictions, not users never seen)."""
-    from genrec.serve.loadtest import sweep
+    from genrec.loadtest.runner import sweep
 
     t0 = time.perf_counter()
     single_requests(server, shape.method, streams["warmup"].calls(), args.warmup)
@@ -442,7 +442,7 @@ def arguments() -> argparse.Namespace:
 
 
 def main() -> None:
-    from genrec.serve.loadtest import catalogue_ids, plot
+    from genrec.loadtest.runner import catalogue_ids, plot
 
     args = arguments()
     out = Path(args.out)

@@ -78,8 +78,8 @@ def exported(run: Path, out: Path) -> Path:
 
 def works(engine, n: int, beam: int, seed: int) -> list:  # noqa: ANN001
     """``n`` generative Retrieve works (k = beam) of users with histories drawn from the catalogue."""
+    from genrec.loadtest.client import user
     from genrec.proto.v1 import recommender_pb2 as pb
-    from genrec.serve.client import user
     from genrec.serve.requests import Limits, decode
 
     rng = np.random.default_rng(seed)

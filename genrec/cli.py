@@ -233,7 +233,7 @@ def _handler(cmd: str) -> Handler:
 
         return cmd_serve
     if cmd == "loadtest":
-        from genrec.serve.loadtest import cmd_loadtest
+        from genrec.loadtest.runner import cmd_loadtest
 
         return cmd_loadtest
     raise SystemExit(f"unknown command {cmd}")

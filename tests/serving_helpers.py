@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
+from genrec.loadtest.client import RecommenderClient
 from genrec.models.sid import build_semantic_ids
 from genrec.quant.convert import QuantizeConfig, export, load_training_model, resolve_checkpoint
-from genrec.serve.client import RecommenderClient
 from genrec.serve.server import RecommenderServer, ServeConfig
 from genrec.train.job import load_job
 from genrec.train.run import run_training

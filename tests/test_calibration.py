@@ -250,8 +250,8 @@ def test_served_probabilities_are_the_offline_calibrated_ones(calibrated_run):
     """Every engine (the gRPC server's default, the packed path on the PyTorch backend, the
     batch path, the naive engine) serves model.rank's calibrated probabilities, which differ
     from the raw sigmoids: a path that skipped the calibrator fails here."""
+    from genrec.loadtest.client import RecommenderClient, user
     from genrec.quant.convert import load_training_model, resolve_checkpoint
-    from genrec.serve.client import RecommenderClient, user
     from genrec.serve.engine import NaiveTorchEngine, TorchEngine, collate_users
     from genrec.serve.requests import Limits, Work, decode_user
     from tests.serving_helpers import ThreadedServer

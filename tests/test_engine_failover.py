@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from genrec.loadtest.client import RecommenderClient, user
 from genrec.serve.batcher import BatchConfig
-from genrec.serve.client import RecommenderClient, user
 from genrec.serve.failover import FailoverEngine
 from genrec.serve.requests import Limits, Work, decode_user
 from genrec.serve.server import ServeConfig

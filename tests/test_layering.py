@@ -157,7 +157,7 @@ def loaded_modules(statements: str) -> list[str]:
 
 
 SERVING = ("import genrec.serve.server, genrec.serve.worker, genrec.serve.engine, genrec.serve.failover, "
-           "genrec.serve.cli, genrec.serve.loadtest, genrec.cli\n"
+           "genrec.serve.cli, genrec.loadtest.runner, genrec.cli\n"
            "from genrec.serve.server import open_engine\n"
            # the CLI's own path: `genrec serve` with a config error exits 2 after its error handling
            "assert genrec.cli.main(['serve', '--serve.port=1']) == 2")

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import genrec.serve.requests as requests
+from genrec.loadtest.client import user
 from genrec.proto.v1 import recommender_pb2 as pb
 from genrec.serve.batcher import BatchConfig
-from genrec.serve.client import user
 from genrec.serve.engine import NaiveTorchEngine, TorchEngine
 from genrec.serve.requests import MAX_DETAIL, InvalidRequest, Limits, decode
 from tests.serving_helpers import ThreadedServer, local_config, tiny_ranking_artifact

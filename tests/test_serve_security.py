@@ -21,8 +21,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from genrec.loadtest.client import RecommenderClient, user
 from genrec.proto.v1 import recommender_pb2 as pb
-from genrec.serve.client import RecommenderClient, user
 from genrec.serve.server import AdminConfig, ServeConfig, TLSConfig
 from tests.serving_helpers import (
     ADMIN_TOKEN,

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from genrec.loadtest.client import RecommenderClient, user
 from genrec.proto.v1 import recommender_pb2 as pb
 from genrec.serve.batcher import BatchConfig
-from genrec.serve.client import RecommenderClient, user
 from genrec.serve.engine import TorchEngine
 from genrec.serve.failover import EnginePool
 from genrec.serve.requests import Limits

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from genrec.loadtest.client import user
 from genrec.proto.v1 import recommender_pb2 as pb
 from genrec.quant.convert import QuantizeConfig, export
-from genrec.serve.client import user
 from genrec.serve.engine import TorchEngine
 from genrec.serve.requests import Limits, decode
 from genrec.train.job import load_job

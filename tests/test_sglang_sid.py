@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
+from genrec.loadtest.client import user
 from genrec.models.sid import build_semantic_ids
 from genrec.models.sid_decoder import SIDConfig, SIDDecoder
 from genrec.proto.v1 import recommender_pb2 as pb
-from genrec.serve.client import user
 from genrec.serve.engine import TorchEngine
 from genrec.serve.requests import Limits, decode
 from tests.serving_helpers import tiny_sid_artifact

@@ -42,9 +42,9 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from tqdm import tqdm
 
+from genrec.loadtest.client import user as client_user
+from genrec.loadtest.hdr import Histogram
 from genrec.proto.v1 import recommender_pb2 as pb
-from genrec.serve.client import user as client_user
-from genrec.serve.hdr import Histogram
 
 
 @dataclass
