@@ -314,7 +314,7 @@ def summary_line(name: str, f: dict[str, Any]) -> str:
 def prepare_inputs(work: Path) -> None:
     """What both sides read: the job config, a synthetic dataset, the request file, the
     measuring script (all made with this tree's code)."""
-    from genrec.loadtest.runner import make_workload
+    from genrec.loadtest.workload import make_workload
     from genrec.train.data.synthetic import SyntheticConfig, generate
 
     shutil.copy(JOB, work / "job.toml")

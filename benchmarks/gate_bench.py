@@ -86,7 +86,7 @@ class Bench:
     """Both benchmarks of one side, built and warmed up: ``block(kind)`` runs one block."""
 
     def __init__(self, args: argparse.Namespace, run_dir: Path) -> None:
-        from genrec.loadtest.runner import load_workload
+        from genrec.loadtest.workload import load_workload
         from genrec.serve.engine import TorchEngine
         from genrec.serve.requests import Limits, decode
         from genrec.train.data.reader import make_reader

@@ -59,14 +59,10 @@ from genrec.benchmarks.common import (
     update_results_md,
     write_json,
 )
-from genrec.loadtest.runner import (
-    StepResult,
-    load_workload,
-    make_workload,
-    plot,
-    qps_within,
-    sweep,
-)
+from genrec.loadtest.report import plot
+from genrec.loadtest.results import StepResult, qps_within
+from genrec.loadtest.runner import sweep
+from genrec.loadtest.workload import load_workload, make_workload
 from genrec.proto.v1 import recommender_pb2 as pb
 
 SWEEPS = {

@@ -6,7 +6,7 @@ Three servers, each a ``genrec serve`` on 127.0.0.1 with its Prometheus metrics 
 another: ``torch`` (no cache: ``serve.cache.kv_cache_mb = 0``), ``torch-cache`` (the per-user
 K/V cache, its budget sized for the run's active users) and ``sglang`` (its KV pool and radix
 cache, ``serve.cache.pool_tokens`` sized the same way). Each gets the same repeated-user
-workloads (``serve.loadtest.RepeatedUsers``: Zipf-popular users, page views of 3-5 calls with
+workloads (``genrec.loadtest.workload.RepeatedUsers``: Zipf-popular users, page views of 3-5 calls with
 one history, 1-5 events appended between a user's views, ``User.user_id`` set): the serving
 shape (Recommend: history 200, retrieve 100, rank them, return 10) and Rank of 100-500 given
 candidates with histories of 200 / 1,000 / 4,000 / 8,000 events. Per workload:
@@ -14,7 +14,7 @@ candidates with histories of 200 / 1,000 / 4,000 / 8,000 events. Per workload:
 * single requests, closed loop, after a warm-up: p50 / p99 of every call, of each page view's
   first call and of the calls after it ("warm": the history was just sent), Rank with 200
   candidates; warm p50 against torch without cache, as a ratio;
-* an open-loop sweep (serve.loadtest.sweep): p50 / p99 per offered QPS, the max QPS within the
+* an open-loop sweep (genrec.loadtest.runner.sweep): p50 / p99 per offered QPS, the max QPS within the
   p99 budget, and per step the cache's hit rate (cached / history tokens, from /metrics);
 * memory per cached user: the cache's bytes per token (its gauges) times the workload's mean
   history.
@@ -214,7 +214,7 @@ def single_requests(server: Server, method: str, calls: Any, n: int, timeout_s: 
     """``n`` calls one at a time: p50 / p99 of all, of each page view's first call, of the rest."""
     import grpc
 
-    from genrec.loadtest.runner import cache_figures, scrape
+    from genrec.loadtest.scrape import cache_figures, scrape
 
     first: list[float] = []
     warm: list[float] = []
@@ -238,7 +238,7 @@ def single_requests(server: Server, method: str, calls: Any, n: int, timeout_s: 
 
 def workloads(shape: Shape, items: Any, args: argparse.Namespace) -> dict[str, Any]:
     """The shape's three streams (warm-up, single requests, load): one seed, disjoint users."""
-    from genrec.loadtest.runner import RepeatedUsers, RepeatedUserWorkload
+    from genrec.loadtest.workload import RepeatedUsers, RepeatedUserWorkload
 
     def make(part: str, seed: int, **kw: Any) -> RepeatedUserWorkload:
         cfg = RepeatedUsers(users=args.users, zipf=args.zipf, history=shape.history, method=shape.method,
@@ -442,7 +442,8 @@ def arguments() -> argparse.Namespace:
 
 
 def main() -> None:
-    from genrec.loadtest.runner import catalogue_ids, plot
+    from genrec.loadtest.report import plot
+    from genrec.loadtest.workload import catalogue_ids
 
     args = arguments()
     out = Path(args.out)

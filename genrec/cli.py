@@ -169,7 +169,7 @@ def _loadtest_parser(sub: argparse._SubParsersAction) -> None:
                        description="Open-loop (Poisson) load test of genrec.v1.Recommender/Recommend. Latency is "
                        "measured from each request's scheduled send time. Only --target is ever contacted. "
                        "--workload repeated: users who come back with growing histories (Rank or Recommend), "
-                       "set by --repeated.KEY=VALUE overrides (RepeatedUsers in serve/loadtest.py), e.g. "
+                       "set by --repeated.KEY=VALUE overrides (RepeatedUsers in genrec/loadtest/workload.py), e.g. "
                        "--repeated.catalogue=ARTIFACT --repeated.history=4000 --repeated.zipf=1.2 "
                        "--repeated.candidates=[100,500].")
     p.add_argument("--target", help="HOST:PORT of the server under test")
@@ -233,7 +233,7 @@ def _handler(cmd: str) -> Handler:
 
         return cmd_serve
     if cmd == "loadtest":
-        from genrec.loadtest.runner import cmd_loadtest
+        from genrec.loadtest.cli import cmd_loadtest
 
         return cmd_loadtest
     raise SystemExit(f"unknown command {cmd}")

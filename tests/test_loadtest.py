@@ -13,16 +13,14 @@ import numpy as np
 import pytest
 
 from genrec.loadtest.hdr import Histogram
-from genrec.loadtest.runner import (
+from genrec.loadtest.report import markdown, write_outputs
+from genrec.loadtest.runner import sweep
+from genrec.loadtest.scrape import cpu_shares, cpu_times
+from genrec.loadtest.workload import (
     RepeatedUsers,
     RepeatedUserWorkload,
-    cpu_shares,
-    cpu_times,
     load_workload,
     make_workload,
-    markdown,
-    sweep,
-    write_outputs,
 )
 from genrec.proto.v1 import recommender_pb2 as pb
 
@@ -135,7 +133,7 @@ def test_a_step_lasts_long_enough_for_its_minimum_of_calls():
 
 
 def test_a_missed_step_caps_the_max_qps_even_when_a_higher_step_met_the_budget():
-    from genrec.loadtest.runner import StepResult, qps_within
+    from genrec.loadtest.results import StepResult, qps_within
 
     def step(qps: float, p99: float) -> StepResult:
         return StepResult(qps, 1.0, 10, 10, {}, qps, p99, p99, p99, p99, p99, p99, 0)
@@ -256,7 +254,7 @@ def test_the_cli_builds_the_repeated_workload_from_overrides(tiny_synth):
     from argparse import Namespace
 
     from genrec.config import ConfigError
-    from genrec.loadtest.runner import workload_of
+    from genrec.loadtest.cli import workload_of
 
     args = Namespace(workload="repeated", event_messages=False)
     payloads, method, described = workload_of(args, [f'--repeated.catalogue="{tiny_synth}"', "--repeated.history=20",
@@ -288,7 +286,7 @@ genrec_requests_total{{method="Rank",code="OK"}} 15.0
 
 
 def test_the_hit_rate_is_cached_over_history_tokens_between_two_scrapes():
-    from genrec.loadtest.runner import cache_figures, parse_metrics
+    from genrec.loadtest.scrape import cache_figures, parse_metrics
 
     before = parse_metrics(METRICS.format(hist0=1000, hist1=0, cached=200))
     after = parse_metrics(METRICS.format(hist0=2500, hist1=500, cached=1700))
