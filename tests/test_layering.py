@@ -5,6 +5,9 @@
 * kernels import nothing of ours; embedding only kernels; models only embedding and kernels,
   and never torch.distributed, gRPC or SGLang; train never serve, quant, proto, gRPC or SGLang.
 * Serving never loads training code (checked by importing it, in a fresh interpreter).
+* The load generator (``genrec/loadtest/``) is a client: proto + numpy + gRPC. It imports nothing
+  of the server, training, models or the layers below them, nor torch (checked in its source
+  and by importing it in a fresh interpreter); the server never imports it.
 * SGLang: ``serve/sglang_engine.py`` is the one module that imports ``sglang`` (or
   ``sgl_kernel``), at any depth of the tree; every other module reaches it lazily (inside a
   function, ``serve.factory.make_engine``) except ``serve/sglang_models/``, the package SGLang
@@ -35,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # folder -> installed package (pyproject.toml, [tool.setuptools.package-dir])
 PACKAGES = {"genrec": "genrec", "kernels": "genrec.kernels", "embedding": "genrec.embedding",
             "models": "genrec.models", "train": "genrec.train", "quant": "genrec.quant", "serve": "genrec.serve",
-            "proto/genrec": "genrec.proto", "benchmarks": "genrec.benchmarks"}
+            "proto/genrec": "genrec.proto", "benchmarks": "genrec.benchmarks", "genrec/loadtest": "genrec.loadtest"}
 FOLDERS = {"kernels", "embedding", "models", "train", "quant", "serve", "proto", "benchmarks"}
 PRODUCT = ("genrec", "serve", "train", "quant", "models", "embedding", "kernels", "proto/genrec")
 
@@ -90,6 +93,22 @@ def layer_offenders(root: Path, folder: str, allowed: set[str] | None, forbidden
             if outside or _matches(name, set(forbidden)):
                 bad.append(f"{path.relative_to(root)}: {name}")
     return sorted(set(bad))
+
+
+# what a client of the gRPC contract has no use for: everything of ours but the proto and
+# genrec.config (its --repeated.* overrides), and torch
+NOT_FOR_CLIENTS = {"genrec.serve", "genrec.train", "genrec.models", "genrec.quant", "genrec.embedding", "genrec.kernels",
+                   "genrec.benchmarks", "genrec.cli", "torch", "sglang", "sgl_kernel"}
+
+
+def client_offenders(root: Path) -> list[str]:
+    """Imports in genrec/loadtest/ of what a client of the gRPC contract should not need."""
+    return layer_offenders(root, "genrec/loadtest", None, NOT_FOR_CLIENTS)
+
+
+def load_generator_importers(root: Path) -> list[str]:
+    """Imports of the load generator by the server."""
+    return layer_offenders(root, "serve", None, {"genrec.loadtest"})
 
 
 def sglang_offenders(root: Path) -> list[str]:
@@ -157,7 +176,7 @@ def loaded_modules(statements: str) -> list[str]:
 
 
 SERVING = ("import genrec.serve.server, genrec.serve.worker, genrec.serve.engine, genrec.serve.failover, "
-           "genrec.serve.cli, genrec.loadtest.runner, genrec.cli\n"
+           "genrec.serve.cli, genrec.cli\n"
            "from genrec.serve.server import open_engine\n"
            # the CLI's own path: `genrec serve` with a config error exits 2 after its error handling
            "assert genrec.cli.main(['serve', '--serve.port=1']) == 2")
@@ -185,6 +204,18 @@ def test_serving_loads_no_training_code():
     loaded = loaded_modules(SERVING)
     assert "genrec.serve.server" in loaded
     assert [m for m in loaded if _matches(m, {"genrec.train", "genrec.benchmarks", "sglang"})] == []
+
+
+def test_the_load_generator_is_a_client():
+    assert client_offenders(ROOT) == []
+    assert load_generator_importers(ROOT) == []
+
+
+def test_the_load_generator_loads_only_the_contract():
+    # `genrec loadtest` as a user runs it: the command's handler, then what it imports
+    loaded = loaded_modules("import genrec.loadtest.client\nfrom genrec.cli import _handler\n_handler('loadtest')")
+    assert "genrec.loadtest.runner" in loaded and "genrec.proto.v1.recommender_pb2_grpc" in loaded
+    assert [m for m in loaded if _matches(m, NOT_FOR_CLIENTS - {"genrec.cli"})] == []
 
 
 def test_one_module_of_serve_imports_sglang():
@@ -227,6 +258,12 @@ BROKEN = {
     "relative-cycle": ({"serve/a.py": "from . import b\n", "serve/b.py": "from .a import x\n"}, serve_cycles),
     "benchmarks": ({"genrec/cli.py": "from genrec.benchmarks.loadtest import cmd_loadtest\n"}, benchmark_importers),
     "bare": ({"tests/test_x.py": "from serve.server import ServeConfig\n"}, bare_imports),
+    "client-train": ({"genrec/loadtest/workload.py": "def f():\n    from genrec.train.data.schema import read_info\n"},
+                     client_offenders),
+    "client-models": ({"genrec/loadtest/runner.py": "from genrec import models\n"}, client_offenders),
+    "client-torch": ({"genrec/loadtest/report.py": "import torch\n"}, client_offenders),
+    "server-imports-client": ({"serve/server.py": "from genrec.loadtest.client import user\n"},
+                              load_generator_importers),
 }
 
 
