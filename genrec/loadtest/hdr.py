@@ -17,6 +17,9 @@ import numpy as np
 
 
 class Histogram:
+    """Latencies in seconds in, percentiles in seconds out (the upper edge of their bucket, at
+    most the largest value recorded); ``counts[e, s]``: calls in bucket ``s`` of power ``e``."""
+
     def __init__(self, sub_bits: int = 7, max_seconds: float = 3600.0) -> None:
         self.sub = 1 << sub_bits
         self.sub_bits = sub_bits
@@ -32,6 +35,7 @@ class Histogram:
         return min(e, self.exps - 1), min((us >> e) - self.sub // 2, self.sub - 1) if e > 0 else us
 
     def record(self, seconds: float, count: int = 1) -> None:
+        """Add ``count`` values of ``seconds`` (negative ones count as 0)."""
         us = max(int(seconds * 1e6), 0)
         e, s = self._index(us)
         self.counts[e, s] += count
@@ -45,6 +49,7 @@ class Histogram:
         return (((s + self.sub // 2) << e) + (1 << e)) / 1e6
 
     def percentile(self, p: float) -> float:
+        """The value (seconds) at or below which ``p`` percent of the recorded values lie; NaN if none."""
         if self.total == 0:
             return math.nan
         rank = max(1, math.ceil(p / 100 * self.total))
@@ -61,6 +66,7 @@ class Histogram:
         return self.max
 
     def merge(self, other: Histogram) -> None:
+        """Add ``other``'s values (same ``sub_bits`` and ``max_seconds``) to this histogram."""
         self.counts += other.counts
         self.total += other.total
         self.min, self.max = min(self.min, other.min), max(self.max, other.max)
