@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from genrec.cli import main as genrec
-from genrec.serve.client import RecommenderClient, user
+from genrec.loadtest.client import RecommenderClient, user
 from genrec.train.cli import evaluate_run
 from genrec.train.data.synthetic import SyntheticConfig, generate
 from genrec.train.job import load_job
