@@ -77,6 +77,7 @@ SUMMARIES: dict[str, Callable[[dict], tuple[str, str]]] = {
     "ranking_curve": _lazy("ranking_curve", "ranking_curve_summary"),
     "data_reader": _lazy("data_reader", "data_reader_summary"),
     "gate": _lazy("gate_evidence", "gate_summary"),
+    "eval_protocol": _lazy("eval_protocol", "eval_protocol_summary"),
 }
 
 
@@ -93,6 +94,7 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "train_ops": _lazy("train_ops", "train_ops"),
     "data_reader": _lazy("data_reader", "data_reader"),
     "gate": _lazy("gate_evidence", "gate"),
+    "eval_protocol": _lazy("eval_protocol", "eval_protocol"),
 }
 
 

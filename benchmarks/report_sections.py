@@ -94,6 +94,15 @@ def _calibration(by: dict, variant: str, task: str) -> str:
             f"floor {f('ece_floor')}")
 
 
+def _former_rule(ds: str, by: dict) -> str:
+    """A note on retrieval figures measured before the evaluation matched serving (records
+    without ``retrieval_rule``): on logs with repeated targets (the synthetic ones) they
+    counted those targets as hits."""
+    if ds != "synthetic" or all(get(by, f"{v}.retrieval_rule") == "served" for v in ("joint", "retrieval-only")):
+        return ""
+    return "; former rule: repeated targets counted as hits, see the evaluation-as-served section"
+
+
 def ranking(d: dict) -> list[str]:
     recs = d.get("records", [])
     out = ["## Ranking (multi-task, held-out time split)", "",
@@ -117,7 +126,7 @@ def ranking(d: dict) -> list[str]:
                                          "DLRM calibration"], rows), "",
                 f"Retrieval NDCG@10 of the joint model {num(get(by, 'joint.test.ndcg@10'))}, of the "
                 f"retrieval-only model {num(get(by, 'retrieval-only.test.ndcg@10'))} "
-                f"({get(by, 'retrieval-only.date') or MISSING}). Joint: {first.get('epochs')} epochs, "
+                f"({get(by, 'retrieval-only.date') or MISSING}{_former_rule(ds, by)}). Joint: {first.get('epochs')} epochs, "
                 f"{num(first.get('train_seconds', 0) / 60, '.0f')} min. "
                 f"Machine: {machine_text(first.get('machine'))}. Date: {first.get('date', MISSING)}.", ""]
     budget = next((r.get("budget_min") for r in sorted(recs, key=lambda r: r.get("date", ""), reverse=True)
