@@ -42,7 +42,7 @@ def dataset(name: str, cache: Path = ROOT / "data") -> Path:
 def machine() -> dict[str, Any]:
     import torch
 
-    from genrec.train.rundir import cpu_identity
+    from genrec.train.runs.directory import cpu_identity
 
     cpu, isa = cpu_identity()
     return {

@@ -26,8 +26,8 @@ import torch
 
 from genrec.benchmarks.common import ROOT, machine, shown_path, today, update_results_md, write_json
 from genrec.models.inputs import SequenceBatch
-from genrec.train.baselines import Baseline
-from genrec.train.evaluate import RankingMetrics, mask_seen, repeated_targets, target_ranks
+from genrec.train.eval.baselines import Baseline
+from genrec.train.eval.evaluate import RankingMetrics, mask_seen, repeated_targets, target_ranks
 
 RULES = ("served", "former", "no_exclusion")
 KEYS = ("hr@1", "hr@10", "ndcg@10", "mrr")
@@ -110,7 +110,7 @@ def dataset_for(repeat: float) -> Path:
 
 def main() -> None:
     from genrec.train.job import load_job
-    from genrec.train.run import run_training
+    from genrec.train.loop.launch import run_training
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--epochs", type=int, default=5)

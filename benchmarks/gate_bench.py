@@ -49,9 +49,9 @@ def _modules() -> dict[str, str]:
     """Where the measured code came from: each module's file with symlinks resolved."""
     import genrec
     import genrec.serve.engine
-    import genrec.train.trainer
+    import genrec.train.loop.trainer
 
-    return {m.__name__: os.path.realpath(m.__file__) for m in (genrec, genrec.train.trainer, genrec.serve.engine)}
+    return {m.__name__: os.path.realpath(m.__file__) for m in (genrec, genrec.train.loop.trainer, genrec.serve.engine)}
 
 
 def _job(args: argparse.Namespace, extra: list[str] = ()) -> Any:  # noqa: ANN401 - the side's JobConfig
@@ -64,7 +64,7 @@ def _job(args: argparse.Namespace, extra: list[str] = ()) -> Any:  # noqa: ANN40
 def prepare(args: argparse.Namespace) -> None:
     """Trains the job for two steps and exports it to ``args.out/artifact``."""
     from genrec.quant.convert import QuantizeConfig, export
-    from genrec.train.run import run_training
+    from genrec.train.loop.launch import run_training
 
     out = Path(args.out)
     job = _job(args, ["--train.max_steps=2", "--train.evaluate=false", f'--run.out_dir="{out / "runs"}"'])
@@ -92,7 +92,7 @@ class Bench:
         from genrec.train.data.reader import make_reader
         from genrec.train.data.schema import read_info
         from genrec.train.job import build_model, task_masks, tokens_per_event
-        from genrec.train.trainer import Trainer, build_optimizer
+        from genrec.train.loop.trainer import Trainer, build_optimizer
 
         job = _job(args)
         torch.manual_seed(job.train.seed)

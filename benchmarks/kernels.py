@@ -103,7 +103,7 @@ def bench_attention(device: str, rounds: int, reps: int) -> dict:
 def bench_train_step(device: str, rounds: int, steps: int) -> dict:
     from genrec.train.data.reader import make_reader
     from genrec.train.job import build_model, load_job
-    from genrec.train.trainer import build_optimizer
+    from genrec.train.loop.trainer import build_optimizer
 
     data = dataset("ml1m")
     # (compile, the tower's attention backend) per variant: "reference" is the config key

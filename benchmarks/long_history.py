@@ -69,7 +69,7 @@ def user_ranks(model: Any, reader: Any, cfg: Any) -> dict[int, int]:
     user so that two windows can be compared on the same users."""
     import torch
 
-    from genrec.train.evaluate import target_ranks
+    from genrec.train.eval.evaluate import target_ranks
 
     out: dict[int, int] = {}
     corpus = model.corpus_ids
@@ -87,7 +87,7 @@ def user_ranks(model: Any, reader: Any, cfg: Any) -> dict[int, int]:
 def metrics_of(ranks: dict[int, int], users: list[int]) -> dict[str, float]:
     import torch
 
-    from genrec.train.evaluate import RankingMetrics
+    from genrec.train.eval.evaluate import RankingMetrics
 
     m = RankingMetrics((10, 50), (10,))
     m.update(torch.tensor([ranks[u] for u in users]))
@@ -151,7 +151,7 @@ def measure(run: Path, data: Path, blocks: list[int], rel_tol: float, read_test:
     from genrec.benchmarks.common import ROOT
     from genrec.quant.convert import load_training_model, resolve_checkpoint
     from genrec.train.data.reader import make_reader
-    from genrec.train.evaluate import evaluate
+    from genrec.train.eval.evaluate import evaluate
     from genrec.train.job import load_job
 
     run_dir, ckpt = resolve_checkpoint(run)

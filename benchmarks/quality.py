@@ -29,11 +29,11 @@ from genrec.benchmarks.common import (
     update_results_md,
     write_json,
 )
-from genrec.train.baselines import Baseline, evaluate_baseline
 from genrec.train.data.reader import make_reader
 from genrec.train.data.schema import read_info
+from genrec.train.eval.baselines import Baseline, evaluate_baseline
 from genrec.train.job import load_job, resolve_embedding
-from genrec.train.run import run_training
+from genrec.train.loop.launch import run_training
 
 CONFIGS = {"hstu": "configs/hstu.toml", "transformer": "configs/transformer.toml"}
 KEYS = ["hr@10", "ndcg@10", "hr@50", "hr@200", "ndcg@200", "mrr"]
@@ -106,8 +106,8 @@ def test_last(run_dir: Path) -> dict:
     cut by the budget), beside the headline ones of the best-validation checkpoint: the
     validation users (10% of ML-1M: 604) pick an epoch within their noise, and this shows
     what that choice cost or gained."""
-    from genrec.train import checkpoint as ckpt
     from genrec.train.cli import evaluate_run
+    from genrec.train.loop import checkpoint as ckpt
 
     last = ckpt.latest_checkpoint(Path(run_dir) / "checkpoints")
     m, path = evaluate_run(Path(run_dir), str(last), "test")

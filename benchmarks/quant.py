@@ -24,9 +24,9 @@ from genrec.benchmarks.common import RESULTS, dataset, machine, today, update_re
 from genrec.quant.convert import QuantizeConfig, export
 from genrec.quant.load import load_model
 from genrec.train.data.reader import make_reader
-from genrec.train.evaluate import evaluate
+from genrec.train.eval.evaluate import evaluate
 from genrec.train.job import load_job
-from genrec.train.run import run_training
+from genrec.train.loop.launch import run_training
 
 EMB = ("fp32", "fp16", "int8", "int4")
 DENSE = ("fp32", "int8")

@@ -31,7 +31,7 @@ from genrec.benchmarks.common import (
 )
 from genrec.train.data.synthetic import SyntheticConfig, generate
 from genrec.train.job import load_job
-from genrec.train.run import run_training
+from genrec.train.loop.launch import run_training
 
 CONFIGS = {"synthetic": "configs/ranking_synthetic.toml", "ml1m": "configs/ranking_ml1m.toml",
            "kuairand": "configs/ranking_kuairand.toml"}

@@ -42,7 +42,7 @@ from genrec.train.data.files import read_interactions
 from genrec.train.data.reader import ranking_cutoffs
 from genrec.train.data.samples import RankingDataConfig
 from genrec.train.data.synthetic import SyntheticConfig, SyntheticWorld, hidden_users
-from genrec.train.ranking_metrics import auc, normalized_entropy
+from genrec.train.eval.ranking_metrics import auc, normalized_entropy
 
 EVAL_CANDIDATES = RankingDataConfig().eval_candidates  # held-out events per user
 REQUEST = RankingDataConfig().num_candidates  # held-out events per request (reader.py)

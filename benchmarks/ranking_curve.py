@@ -31,7 +31,7 @@ from genrec.benchmarks.ranking_bounds import bounds
 from genrec.train.data.schema import read_info
 from genrec.train.data.synthetic import SyntheticConfig, generate
 from genrec.train.job import load_job
-from genrec.train.run import run_training
+from genrec.train.loop.launch import run_training
 
 BASE_USERS = SyntheticConfig().num_users
 
@@ -57,11 +57,11 @@ def run_scale(m: int, budget: float, threads: int, out_dir: str) -> dict:
 def calibrated_test(run_dir: Path) -> dict[str, float]:
     """rank_test metrics of a run's chosen checkpoint as served; a checkpoint written before
     calibration existed is calibrated on its rank_valid first (in memory), as training does now."""
-    from genrec.train.calibrate import fit_calibration
     from genrec.train.cli import load_run_model
     from genrec.train.data.reader import make_reader
+    from genrec.train.eval.calibrate import fit_calibration
+    from genrec.train.eval.ranking_metrics import evaluate_ranking
     from genrec.train.job import task_masks
-    from genrec.train.ranking_metrics import evaluate_ranking
 
     job, model, emb, _ = load_run_model(run_dir, None, None)
     tasks = task_masks(job, read_info(job.data.path))

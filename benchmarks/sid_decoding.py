@@ -45,7 +45,7 @@ def tiny_artifact(out: Path) -> Path:
     from genrec.quant.convert import QuantizeConfig, export, load_training_model, resolve_checkpoint
     from genrec.train.data.synthetic import SyntheticConfig, generate
     from genrec.train.job import load_job
-    from genrec.train.run import run_training
+    from genrec.train.loop.launch import run_training
 
     data = out / "data"
     generate(SyntheticConfig(num_users=300, num_items=600, num_topics=8, median_len=12, max_len=60, seed=3,

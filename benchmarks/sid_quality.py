@@ -32,14 +32,14 @@ KEYS = ("hr@10", "ndcg@10", "hr@50", "mrr")
 
 def train(config: str, overrides: list[str]) -> tuple[Path, dict]:
     from genrec.train.job import load_job
-    from genrec.train.run import run_training
+    from genrec.train.loop.launch import run_training
 
     return run_training(load_job(config, overrides))
 
 
 def build_codebook(dense_run: Path, out: Path, levels: tuple[int, ...], seed: int = 0) -> dict:
     from genrec.models.sid import build_semantic_ids
-    from genrec.train.checkpoint import resolve_checkpoint
+    from genrec.train.loop.checkpoint import resolve_checkpoint
     from genrec.train.sid_build import load_item_vectors, write
 
     run_dir, checkpoint = resolve_checkpoint(dense_run)
@@ -58,7 +58,7 @@ def merged_recall(run_dir: Path, dense_k: int = 100, gen_k: int = 50) -> dict:
     share of decoded items that are catalogue items outside the user's history."""
     from genrec.train.cli import load_run_model
     from genrec.train.data.reader import make_reader
-    from genrec.train.evaluate import mask_seen
+    from genrec.train.eval.evaluate import mask_seen
 
     job, model, emb, _ = load_run_model(run_dir, None, None)
     model.eval()

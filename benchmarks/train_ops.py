@@ -18,7 +18,7 @@ One process runs the training loop of ``genrec train --config configs/hstu.toml`
   per-interval record of a step, without the step) timed over many iterations, against the
   step time;
 * MFU: model FLOPs a step (counted once) over the step time, against the matmul peak;
-* a profile of ``--profile-steps`` steps (``train.profiling``), its summary kept.
+* a profile of ``--profile-steps`` steps (``train.observe.profiling``), its summary kept.
 
     python -m genrec.benchmarks.train_ops [--steps 40] [--rounds 6] [--ab-steps 16] [--profile-steps 8]
 
@@ -43,9 +43,9 @@ import torch
 from genrec.benchmarks.common import dataset, machine, today, write_json
 from genrec.train.data.reader import make_reader
 from genrec.train.job import build_model, load_job
-from genrec.train.profiling import StepProfiler
-from genrec.train.stepstats import PARTS, StepStats
-from genrec.train.trainer import Trainer, build_optimizer
+from genrec.train.loop.trainer import Trainer, build_optimizer
+from genrec.train.observe.profiling import StepProfiler
+from genrec.train.observe.stepstats import PARTS, StepStats
 
 
 def build_trainer(config: str, run_dir: Path, threads: int) -> tuple[Trainer, Any]:

@@ -34,7 +34,7 @@ from genrec.models.inputs import SequenceBatch
 from genrec.models.recommender import GenerativeRecommender
 from genrec.train.data.reader import make_reader
 from genrec.train.job import build_model, load_job
-from genrec.train.trainer import build_optimizer
+from genrec.train.loop.trainer import build_optimizer
 
 
 def naive_loss(model: GenerativeRecommender, batch: SequenceBatch) -> torch.Tensor:

@@ -221,7 +221,7 @@ def _handler(cmd: str) -> Handler:
 
         return cmd_quantize
     if cmd == "runs":
-        from genrec.train.runs import cmd_runs
+        from genrec.train.runs.browse import cmd_runs
 
         return cmd_runs
     if cmd == "sid":
@@ -244,9 +244,9 @@ def _handler(cmd: str) -> Handler:
 # cannot have been raised, and `genrec serve` must not load training code to catch it.
 USER_ERRORS = {"genrec.config": ("ConfigError",), "genrec.embedding.spec": ("IdOutOfRange",),
                "genrec.models.sid": ("SemanticIdError",),
-               "genrec.quant.artifact": ("ArtifactError",), "genrec.train.checkpoint": ("IncompatibleCheckpoint",),
+               "genrec.quant.artifact": ("ArtifactError",), "genrec.train.loop.checkpoint": ("IncompatibleCheckpoint",),
                "genrec.train.data.schema": ("DataFormatError",),
-               "genrec.train.diagnose": ("NonFiniteError",)}  # its diagnosis is already written and printed
+               "genrec.train.observe.diagnose": ("NonFiniteError",)}  # its diagnosis is already written and printed
 
 
 def _user_error(e: BaseException) -> bool:

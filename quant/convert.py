@@ -31,9 +31,9 @@ from genrec.quant.dense import dense_bytes, dense_tensors
 from genrec.quant.embeddings import Scheme as EmbScheme
 from genrec.quant.embeddings import table_bytes, table_tensors
 from genrec.quant.load import SID_PREFIX, load_model
-from genrec.train import checkpoint as ckpt
-from genrec.train.checkpoint import resolve_checkpoint  # noqa: F401 - re-exported (benchmarks, tests)
-from genrec.train.rundir import code_version
+from genrec.train.loop import checkpoint as ckpt
+from genrec.train.loop.checkpoint import resolve_checkpoint  # noqa: F401 - re-exported (benchmarks, tests)
+from genrec.train.runs.directory import code_version
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,8 @@ def export(
 ) -> dict[str, Any]:
     """Writes the artifact and returns the report (sizes and accuracy before / after)."""
     from genrec.train.data.reader import make_reader
-    from genrec.train.evaluate import evaluate
-    from genrec.train.logs import progress as batches_with_progress
+    from genrec.train.eval.evaluate import evaluate
+    from genrec.train.observe.logs import progress as batches_with_progress
 
     bar = tqdm(total=5, desc="quantize", disable=not progress, unit="step")
     run_dir, ckpt_dir = resolve_checkpoint(checkpoint)

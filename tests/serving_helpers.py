@@ -17,7 +17,7 @@ from genrec.models.sid import build_semantic_ids
 from genrec.quant.convert import QuantizeConfig, export, load_training_model, resolve_checkpoint
 from genrec.serve.server import RecommenderServer, ServeConfig
 from genrec.train.job import load_job
-from genrec.train.run import run_training
+from genrec.train.loop.launch import run_training
 from tests.conftest import tiny_job_overrides
 
 RANKING_TOML = """

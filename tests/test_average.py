@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from genrec.config import ConfigError
-from genrec.train import checkpoint as ckpt
-from genrec.train.average import AveragedWeights
 from genrec.train.job import load_job
-from genrec.train.run import run_training
+from genrec.train.loop import checkpoint as ckpt
+from genrec.train.loop.average import AveragedWeights
+from genrec.train.loop.launch import run_training
 from tests.conftest import tiny_job_overrides
 
 

@@ -16,8 +16,8 @@ from genrec.models.calibration import Calibrator, fit_isotonic, pav
 from genrec.models.dlrm import PooledDLRM
 from genrec.models.ranking import RankingConfig
 from genrec.quant.dense import dense_tensors, load_dense
-from genrec.train import checkpoint as ckpt
-from genrec.train.ranking_metrics import ece, ece_floor, reliability
+from genrec.train.eval.ranking_metrics import ece, ece_floor, reliability
+from genrec.train.loop import checkpoint as ckpt
 from tests.test_ranking import HACT, HIST, TASKS, emb_cfg, make_batch, model
 
 
@@ -215,7 +215,7 @@ def calibrated_run(tiny_synth, tmp_path_factory):
     whose served model holds the training weights exactly."""
     from genrec.quant.convert import QuantizeConfig, export
     from genrec.train.job import load_job
-    from genrec.train.run import run_training
+    from genrec.train.loop.launch import run_training
     from tests.conftest import tiny_job_overrides
     from tests.serving_helpers import RANKING_TOML
 

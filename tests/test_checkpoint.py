@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from genrec.train.checkpoint import latest_checkpoint
 from genrec.train.cli import evaluate_run
 from genrec.train.job import load_job
-from genrec.train.run import run_training
-from genrec.train.trainer import Trainer
+from genrec.train.loop.checkpoint import latest_checkpoint
+from genrec.train.loop.launch import run_training
+from genrec.train.loop.trainer import Trainer
 from tests.conftest import TINY_TABLES, tiny_job_overrides
 from tests.dist.trajectory import SCHEDULE, assert_same_trajectory
 

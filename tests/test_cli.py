@@ -131,9 +131,9 @@ def test_eval_needs_a_run_or_a_baseline_with_data(capfd, tmp_path):
 def test_data_train_eval_round_trip(tmp_path, tiny_config):
     """The installed entry point end to end: data -> train (with overrides) -> eval of the run
     and of a baseline, each printing what the run directory holds."""
-    from genrec.train.baselines import Baseline, evaluate_baseline
     from genrec.train.data.reader import make_reader
     from genrec.train.data.schema import read_info
+    from genrec.train.eval.baselines import Baseline, evaluate_baseline
     from genrec.train.job import load_job, resolve_embedding
 
     data = tmp_path / "synth"
@@ -200,7 +200,7 @@ def test_malformed_data_is_named(capfd, tmp_path):
 
 
 def test_cpu_identity_tells_cpu_generations_apart(tmp_path):
-    from genrec.train.rundir import cpu_identity
+    from genrec.train.runs.directory import cpu_identity
 
     def info(model: int, flags: str) -> Path:
         f = tmp_path / f"cpuinfo{model}"

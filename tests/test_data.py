@@ -13,7 +13,7 @@ from genrec.train.data.convert import convert_movielens, convert_ratings, conver
 from genrec.train.data.reader import SequenceReader, holds_valid
 from genrec.train.data.schema import DataFormatError, Layout, read_info
 from genrec.train.data.synthetic import SyntheticConfig, SyntheticWorld, generate
-from genrec.train.ranking_metrics import auc
+from genrec.train.eval.ranking_metrics import auc
 
 
 def rows(path):
@@ -416,7 +416,7 @@ def test_verify_reads_every_row_group_and_checks_the_manifest(tmp_path):
 
 
 def test_baselines_name_a_damaged_dataset_file(tmp_path):
-    from genrec.train.baselines import Baseline
+    from genrec.train.eval.baselines import Baseline
 
     src = tmp_path / "seq.txt"
     src.write_text("".join(f"{u} 1 2 3 4 5\n" for u in range(50)))

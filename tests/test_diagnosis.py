@@ -1,4 +1,4 @@
-"""Failure diagnosis (train.diagnose, train.watchdog): each fault injected, its diagnosis
+"""Failure diagnosis (train.observe.diagnose, train.observe.watchdog): each fault injected, its diagnosis
 checked for the right names.
 
 * a NaN in one layer's output at step N: the diagnosis names that layer and step, the
@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from genrec.train.diagnose import (
+from genrec.train.job import load_job
+from genrec.train.loop.launch import run_training
+from genrec.train.observe.diagnose import (
     Diagnoser,
     DiagnosisLog,
     FirstNonFinite,
@@ -29,9 +31,7 @@ from genrec.train.diagnose import (
     load_batch,
     save_batch,
 )
-from genrec.train.job import load_job
-from genrec.train.run import run_training
-from genrec.train.watchdog import COLLECTIVES, Watchdog, behind, stall_summary
+from genrec.train.observe.watchdog import COLLECTIVES, Watchdog, behind, stall_summary
 from tests.conftest import tiny_job_overrides
 
 

@@ -272,8 +272,8 @@ sharding = "row_wise"
 
 
 def test_checkpoint_of_another_feature_spec_is_refused_naming_the_table(two_rank_run):
-    from genrec.train import checkpoint as ckpt
     from genrec.train.job import build_model, load_job
+    from genrec.train.loop import checkpoint as ckpt
 
     run_dir = two_rank_run / "dist" / "straight"
     job = load_job(run_dir / "config.toml", ["--embedding.tables=[{name=\"item\", features=[\"item\"], dim=8}]"])
@@ -286,7 +286,7 @@ def test_checkpoint_of_another_feature_spec_is_refused_naming_the_table(two_rank
 def test_strategy_replicates_under_torchrun_on_cpu_only_when_the_tables_train_in_adam(monkeypatch):
     from genrec.config import ConfigError
     from genrec.embedding.spec import EmbeddingConfig, TableConfig
-    from genrec.train.parallel import DistContext, ParallelConfig, replicate, strategy
+    from genrec.train.loop.parallel import DistContext, ParallelConfig, replicate, strategy
 
     assert strategy(ParallelConfig()) == "none"  # one process, AdamW everywhere: the plain model
     assert strategy(ParallelConfig(sparse_optimizer="rowwise_adagrad")) == "dmp"
@@ -356,7 +356,7 @@ def test_one_process_run_killed_and_resumed_from_the_cli_ends_like_an_uninterrup
 def _any_rank_worker(rank: int, init: str, flags: list[bool], out: str) -> None:
     import torch.distributed as dist
 
-    from genrec.train.trainer import any_rank
+    from genrec.train.loop.trainer import any_rank
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=len(flags))
     try:
         Path(out, str(rank)).write_text(json.dumps(any_rank(flags[rank])))

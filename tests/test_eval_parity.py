@@ -17,7 +17,7 @@ from genrec.loadtest.client import RecommenderClient, user
 from genrec.train.cli import evaluate_run
 from genrec.train.data.synthetic import SyntheticConfig, generate
 from genrec.train.job import load_job
-from genrec.train.run import run_training
+from genrec.train.loop.launch import run_training
 from tests.conftest import TINY_TABLES, tiny_job_overrides
 from tests.serving_helpers import ThreadedServer
 

@@ -246,7 +246,7 @@ BROKEN = {
                      lambda r: layer_offenders(r, "models", {"embedding", "kernels"})),
     "models-distributed": ({"models/hstu.py": "import torch.distributed as dist\n"},
                            lambda r: layer_offenders(r, "models", {"embedding", "kernels"}, {"torch.distributed"})),
-    "train": ({"train/trainer.py": "from genrec.quant.load import load_model\n"},
+    "train": ({"train/loop/trainer.py": "from genrec.quant.load import load_model\n"},
               lambda r: layer_offenders(r, "train", None, {"genrec.quant"})),
     "sglang-twice": ({"serve/sglang_engine.py": "import sglang\n", "serve/other.py": "from sglang.srt import x\n"},
                      sglang_offenders),
@@ -279,5 +279,5 @@ def test_each_check_fails_on_a_broken_tree(tmp_path, name):
 
 
 def test_the_serving_check_sees_training_code_when_it_is_loaded():
-    loaded = loaded_modules("import genrec.serve.server, genrec.train.checkpoint")
+    loaded = loaded_modules("import genrec.serve.server, genrec.train.loop.checkpoint")
     assert [m for m in loaded if _matches(m, {"genrec.train"})]

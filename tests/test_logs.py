@@ -1,4 +1,4 @@
-"""A job's log file (train.logs) and the progress bars of the long commands.
+"""A job's log file (train.observe.logs) and the progress bars of the long commands.
 
 * a training run appends what it says to RUN/train.log (start line, validation, results);
   one that dies writes why, with the traceback, and ``genrec runs list`` shows it failed;
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from genrec.train.diagnose import NonFiniteError
 from genrec.train.job import load_job
-from genrec.train.logs import log, log_file, run_log
-from genrec.train.run import run_training
-from genrec.train.runs import last_failure, summary
+from genrec.train.loop.launch import run_training
+from genrec.train.observe.diagnose import NonFiniteError
+from genrec.train.observe.logs import log, log_file, run_log
+from genrec.train.runs.browse import last_failure, summary
 from tests.conftest import tiny_job_overrides
 
 

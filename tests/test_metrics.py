@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from genrec.train.evaluate import RankingMetrics, target_ranks
+from genrec.train.eval.evaluate import RankingMetrics, target_ranks
 
 
 def test_metrics_on_hand_computed_ranks():
@@ -79,8 +79,8 @@ def test_target_outside_corpus_is_an_error():
 
 
 def test_transition_baseline_counts_the_models_training_span(tmp_path):
-    from genrec.train.baselines import Baseline
     from genrec.train.data.convert import convert_sequences
+    from genrec.train.eval.baselines import Baseline
 
     src = tmp_path / "seq.txt"
     src.write_text("1 1 2 3 4 5\n2 1 2 3 9 8\n")

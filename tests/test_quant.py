@@ -25,9 +25,9 @@ from genrec.quant.dense import (
 from genrec.quant.embeddings import dequantize, quantize_weight
 from genrec.quant.load import load_model
 from genrec.train.data.reader import make_reader
-from genrec.train.evaluate import evaluate
+from genrec.train.eval.evaluate import evaluate
 from genrec.train.job import load_job
-from genrec.train.run import run_training
+from genrec.train.loop.launch import run_training
 from tests.conftest import tiny_job_overrides
 
 

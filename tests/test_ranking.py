@@ -15,7 +15,7 @@ from genrec.models.recommender import GenerativeRecommender, ModelConfig
 from genrec.train.data.reader import SequenceReader, ranking_cutoffs
 from genrec.train.data.samples import RankingDataConfig
 from genrec.train.data.schema import read_info
-from genrec.train.ranking_metrics import auc, gauc, logloss, normalized_entropy
+from genrec.train.eval.ranking_metrics import auc, gauc, logloss, normalized_entropy
 
 TASKS = (TaskConfig("click", ("click",)), TaskConfig("conversion", ("conversion",), weight=0.5))
 

@@ -7,7 +7,7 @@ import json
 from genrec.cli import main as genrec
 from genrec.config import dump_toml
 from genrec.train.job import JobConfig
-from genrec.train.runs import find_runs, summary
+from genrec.train.runs.browse import find_runs, summary
 
 
 def fake_run(root, name, data, results=None, metric="ndcg@10", dirty=False, metrics=True):

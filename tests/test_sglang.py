@@ -15,7 +15,7 @@ from genrec.quant.convert import QuantizeConfig, export
 from genrec.serve.engine import TorchEngine
 from genrec.serve.requests import Limits, decode
 from genrec.train.job import load_job
-from genrec.train.run import run_training
+from genrec.train.loop.launch import run_training
 from tests.conftest import tiny_job_overrides
 from tests.serving_helpers import RANKING_TOML, ThreadedServer
 

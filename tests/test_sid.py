@@ -208,9 +208,9 @@ def test_sid_build_help_and_user_errors(capfd, tmp_path):
 
 
 def test_sid_build_on_a_tiny_trained_run(capfd, tiny_synth, tmp_path):
-    from genrec.train import checkpoint as ckpt
     from genrec.train.job import load_job
-    from genrec.train.run import run_training
+    from genrec.train.loop import checkpoint as ckpt
+    from genrec.train.loop.launch import run_training
     from genrec.train.sid_build import load_item_vectors
 
     cfg = tmp_path / "tiny.toml"

@@ -10,7 +10,7 @@ import torch
 from genrec.config import ConfigError, load_config
 from genrec.models.sid import SemanticIds, build_semantic_ids
 from genrec.models.sid_decoder import SIDConfig, SIDDecoder
-from genrec.train.evaluate import generated_ranks
+from genrec.train.eval.evaluate import generated_ranks
 
 ITEMS = torch.arange(1, 201)
 
@@ -112,10 +112,10 @@ def test_a_generative_run_starts_from_a_dense_run_and_evaluates_both_channels(ti
     """configs/sid.toml end to end on a tiny dataset: a dense run -> its codebook -> a run with
     the decoder started from the dense run (train.init_from) -> dense and decoded metrics from
     training and from ``genrec eval --run``, the same."""
-    from genrec.train import checkpoint as ckpt
     from genrec.train.cli import evaluate_run
     from genrec.train.job import build_model, load_job
-    from genrec.train.run import run_training
+    from genrec.train.loop import checkpoint as ckpt
+    from genrec.train.loop.launch import run_training
     from genrec.train.sid_build import load_item_vectors
     from tests.conftest import TINY_TABLES, tiny_job_overrides
 

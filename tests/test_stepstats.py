@@ -1,4 +1,4 @@
-"""Step-time accounting and profiles (train.stepstats, train.profiling).
+"""Step-time accounting and profiles (train.observe.stepstats, train.observe.profiling).
 
 The checks are of bookkeeping, never of speed: the recorded parts of a step add up to the
 recorded step time, FLOPs are counted as torch counts them, a profile writes its trace and
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from genrec.train.job import load_job
-from genrec.train.run import run_training
-from genrec.train.stepstats import PARTS, CommTimes, FlopCount, StepStats, matmul_peak
+from genrec.train.loop.launch import run_training
+from genrec.train.observe.stepstats import PARTS, CommTimes, FlopCount, StepStats, matmul_peak
 from tests.conftest import tiny_job_overrides
 
 

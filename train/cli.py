@@ -77,7 +77,7 @@ def _inspect(path: Path, verify: bool = False) -> int:
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from genrec.config import dump_toml
     from genrec.train.job import load_job
-    from genrec.train.run import run_training
+    from genrec.train.loop.launch import run_training
 
     if args.resume:
         job = load_job(Path(args.resume) / "config.toml", overrides)
@@ -92,7 +92,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _print_results(run_dir: Path, results: dict) -> None:
-    from genrec.train.evaluate import format_table
+    from genrec.train.eval.evaluate import format_table
 
     best = f"; best epoch {results['best_epoch']}" if "best_epoch" in results else ""
     print(f"\nrun: {run_dir}  ({results['epochs']} epochs, {results['train_seconds']:.0f}s of training, "
@@ -108,7 +108,7 @@ def task_table(metrics: dict, split: str) -> str:
     """The ranking tasks' metrics (``<task>/<metric>`` keys) as a markdown table, one row per
     task: AUC, GAUC, NE and ECE of the calibrated probabilities (what serving returns), and
     NE and ECE of the raw sigmoids beside them."""
-    from genrec.train.evaluate import format_table
+    from genrec.train.eval.evaluate import format_table
 
     tasks = sorted({k.split("/")[0] for k in metrics if "/" in k})
     keys = ["auc", "gauc", "ne", "ece", "ne_uncalibrated", "ece_uncalibrated", "logloss", "oracle_auc",
@@ -119,8 +119,8 @@ def task_table(metrics: dict, split: str) -> str:
 def load_run_model(run: Path, checkpoint: str | None, data: str | None):  # noqa: ANN201
     """(job, model with the checkpoint loaded, embedding config, checkpoint path) of a run:
     ``checkpoint`` default its best, else its newest; ``data`` another dataset directory."""
-    from genrec.train import checkpoint as ckpt
     from genrec.train.job import build_model, load_job
+    from genrec.train.loop import checkpoint as ckpt
 
     overrides = [f'--data.path="{data}"'] if data else []
     job = load_job(run / "config.toml", overrides)
@@ -141,10 +141,10 @@ def evaluate_run(run: Path, checkpoint: str | None, split: str, data: str | None
     metrics (HR, NDCG, MRR), and with ranking tasks those of ``rank_<split>`` (keys
     ``<task>/<metric>``: the checkpoint's calibrated probabilities, as served)."""
     from genrec.train.data.reader import make_reader
-    from genrec.train.evaluate import evaluate
+    from genrec.train.eval.evaluate import evaluate
+    from genrec.train.eval.ranking_metrics import evaluate_ranking
     from genrec.train.job import task_masks, tokens_per_event
-    from genrec.train.logs import progress
-    from genrec.train.ranking_metrics import evaluate_ranking
+    from genrec.train.observe.logs import progress
 
     job, model, emb, path = load_run_model(run, checkpoint, data)
     metrics: dict = {}
@@ -162,11 +162,11 @@ def evaluate_run(run: Path, checkpoint: str | None, split: str, data: str | None
 
 def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from genrec.train.data.reader import make_reader
-    from genrec.train.evaluate import format_table
-    from genrec.train.logs import log, progress, run_log
+    from genrec.train.eval.evaluate import format_table
+    from genrec.train.observe.logs import log, progress, run_log
 
     if args.baseline:
-        from genrec.train.baselines import Baseline, evaluate_baseline
+        from genrec.train.eval.baselines import Baseline, evaluate_baseline
         from genrec.train.job import JobConfig, resolve_embedding
 
         if not args.data:
@@ -199,13 +199,13 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def cmd_demo(args: argparse.Namespace, overrides: list[str]) -> int:
     """Synthetic data (if missing) -> train configs/demo.toml -> baselines -> one table."""
-    from genrec.train.baselines import Baseline, evaluate_baseline
     from genrec.train.data.reader import make_reader
     from genrec.train.data.synthetic import SyntheticConfig, generate
-    from genrec.train.evaluate import format_table
+    from genrec.train.eval.baselines import Baseline, evaluate_baseline
+    from genrec.train.eval.evaluate import format_table
     from genrec.train.job import load_job, resolve_embedding
-    from genrec.train.logs import progress
-    from genrec.train.run import run_training
+    from genrec.train.loop.launch import run_training
+    from genrec.train.observe.logs import progress
 
     data = Path(args.data)
     if not (data / "dataset.json").exists():

@@ -26,8 +26,8 @@ from genrec.models.sid import SemanticIds
 from genrec.models.sid_decoder import SIDConfig
 from genrec.train.data.reader import DataConfig
 from genrec.train.data.schema import DatasetInfo, read_info, read_items
-from genrec.train.evaluate import EvalConfig
-from genrec.train.parallel import ParallelConfig
+from genrec.train.eval.evaluate import EvalConfig
+from genrec.train.loop.parallel import ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class TrainConfig:
     checkpoint_every_steps: int = 0  # extra mid-epoch checkpoints; 0: only at evaluations
     keep_checkpoints: int = 2
     compile: bool = False
-    # exponential moving average of the weights (train.average): validation, the test and
+    # exponential moving average of the weights (train.loop.average): validation, the test and
     # checkpoints' model read the average; 0 = off. Not with sharded (DMP) tables.
     ema_decay: float = 0.0
     evaluate: bool = True  # false: train only (throughput runs): no validation, no test
@@ -84,20 +84,20 @@ class TrainConfig:
     progress: bool = True
     # where each logged interval's step time goes (data / forward / backward / optimizer,
     # collectives), model FLOPs, MFU and peak memory, in metrics.jsonl and on the progress bar
-    # (train.stepstats); on a GPU it synchronizes at each part's end, so false leaves it out
+    # (train.observe.stepstats); on a GPU it synchronizes at each part's end, so false leaves it out
     step_stats: bool = True
     # "START:END": a torch.profiler trace and summary of steps START..END-1 in RUN/profile/
-    # (train.profiling); "" = none
+    # (train.observe.profiling); "" = none
     profile_steps: str = ""
     # a step whose loss exceeds this many times the median of the last 100 is flagged in
-    # RUN/diagnosis.jsonl (train.diagnose); 0 = no check
+    # RUN/diagnosis.jsonl (train.observe.diagnose); 0 = no check
     loss_spike_factor: float = 3.0
     # a step running longer than max(10 x the recent median, this many seconds) dumps every
-    # rank's stacks and names the rank behind and each rank's collective (train.watchdog);
+    # rank's stacks and names the rank behind and each rank's collective (train.observe.watchdog);
     # 0 = no watchdog
     watchdog_min_s: float = 60.0
     # a diagnosis file RUN/diagnosis/nonfinite_step<N>_rank<r>.json: run that step again from
-    # its saved weights, batch and RNG state instead of training (train.diagnose)
+    # its saved weights, batch and RNG state instead of training (train.observe.diagnose)
     replay: str = ""
     # also write metrics.jsonl's records as TensorBoard scalars to RUN/tensorboard/ (needs the
     # `tensorboard` extra; the run directory stays the source of truth)
@@ -118,7 +118,7 @@ class TrainConfig:
             raise ConfigError(f"train.loss_spike_factor = {self.loss_spike_factor}: must be above 1 (0 turns the check off)")
         if self.watchdog_min_s < 0:
             raise ConfigError(f"train.watchdog_min_s = {self.watchdog_min_s}: must be 0 or more (0 turns the watchdog off)")
-        from genrec.train.profiling import parse_steps
+        from genrec.train.observe.profiling import parse_steps
 
         parse_steps(self.profile_steps)  # names the field and the form when it is malformed
         if self.eval_every_epochs < 1:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from genrec.models.sid import SemanticIds, build_semantic_ids
-from genrec.train import checkpoint as ckpt
+from genrec.train.loop import checkpoint as ckpt
 
 LOOKUP_ROWS = 1 << 16  # item rows looked up (and normalised) at a time
 

@@ -24,7 +24,7 @@ from genrec.models.inputs import SequenceBatch
 from genrec.models.ranking import RankingConfig, TaskConfig
 from genrec.models.recommender import GenerativeRecommender, ModelConfig
 from genrec.models.retrieval import RetrievalConfig
-from genrec.train.parallel import ParallelConfig, init_distributed, parallelize, replicate
+from genrec.train.loop.parallel import ParallelConfig, init_distributed, parallelize, replicate
 
 SPARSE_LR, DENSE_LR = 0.1, 0.05
 
@@ -75,7 +75,7 @@ def main() -> None:
     par = parallelize(model, emb, ParallelConfig(sparse_optimizer="sgd"), 2 * SPARSE_LR,
                       lambda ps: torch.optim.SGD(list(ps), lr=2 * DENSE_LR), ctx, batch_size=3)
     par.model.load_state_dict({k: v.clone() for k, v in start.items()})  # the sharded modules consume it
-    # the step's LR as a schedule sets it (train.trainer.Trainer.set_lr): on every param group,
+    # the step's LR as a schedule sets it (train.loop.trainer.Trainer.set_lr): on every param group,
     # then zero_grad() before the forward, which hands it to the fused optimizers that update
     # the tables inside backward (else they would step with the 2x LR they were built with)
     for g in par.optimizer.param_groups:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from genrec.train import checkpoint as ckpt
+from genrec.train.loop import checkpoint as ckpt
 
 # how a trainer's own warm-up + cosine decay is written in a test's TOML config
 SCHEDULE = """

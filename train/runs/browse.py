@@ -167,7 +167,7 @@ def _plot(runs: list[Path], rows: list[dict[str, Any]], out: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from genrec.train.rundir import read_metrics
+    from genrec.train.runs.directory import read_metrics
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for run, row in zip(runs, rows):

@@ -29,7 +29,7 @@ Every diagnosis is one JSON line in ``RUN/diagnosis.jsonl`` (``kind``, ``rank``,
   path, step and epoch, torchrun's restart count, and a world size other than the one that
   wrote it; a restart that finds no checkpoint says it starts over.
 
-Hangs and stragglers are ``train.watchdog``'s.
+Hangs and stragglers are ``train.observe.watchdog``'s.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from genrec.models.inputs import SequenceBatch
-from genrec.train.logs import log
-from genrec.train.parallel import no_sync
+from genrec.train.loop.parallel import no_sync
+from genrec.train.observe.logs import log
 
 SPIKE_WINDOW, SPIKE_WARMUP = 100, 20
 
@@ -327,7 +327,7 @@ class Diagnoser:
     def _save(self, t: Any, batch: SequenceBatch, step: int) -> Path:
         """The weights (before the step's update) as a checkpoint ``diagnosis/step_<N>``, every
         rank together, and this rank's batch; returns the JSON that replays them."""
-        from genrec.train import checkpoint as ckpt
+        from genrec.train.loop import checkpoint as ckpt
 
         self.dir.mkdir(parents=True, exist_ok=True)
         weights = ckpt.save_checkpoint(self.dir, step, t.io.state(), {"trainer": dict(t.state.__dict__)})
@@ -350,7 +350,7 @@ class Diagnoser:
     def replay(self, t: Any, path: Path) -> dict[str, Any]:
         """Runs the saved step again (see the module docstring); returns the results of a
         replay that came out finite (one that does not raises ``NonFiniteError``)."""
-        from genrec.train import checkpoint as ckpt
+        from genrec.train.loop import checkpoint as ckpt
 
         path = Path(path)
         if self.world_size > 1:  # each rank its own batch

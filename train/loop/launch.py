@@ -19,15 +19,21 @@ import torch.distributed as dist
 
 from genrec.config import ConfigError
 from genrec.embedding.spec import IdOutOfRange
-from genrec.train import checkpoint as ckpt
-from genrec.train.checkpoint import warm_start
 from genrec.train.data.reader import make_reader
 from genrec.train.data.schema import DataFormatError, read_info
 from genrec.train.job import JobConfig, build_model, task_masks, tokens_per_event
-from genrec.train.logs import log, run_log
-from genrec.train.parallel import DistContext, init_distributed, parallelize, replicate, strategy
-from genrec.train.rundir import new_run_dir, remove_unused_run_dir, write_run_files
-from genrec.train.trainer import Trainer, build_optimizer
+from genrec.train.loop import checkpoint as ckpt
+from genrec.train.loop.checkpoint import warm_start
+from genrec.train.loop.parallel import (
+    DistContext,
+    init_distributed,
+    parallelize,
+    replicate,
+    strategy,
+)
+from genrec.train.loop.trainer import Trainer, build_optimizer
+from genrec.train.observe.logs import log, run_log
+from genrec.train.runs.directory import new_run_dir, remove_unused_run_dir, write_run_files
 
 
 def seed_everything(seed: int) -> None:
@@ -87,7 +93,7 @@ def _train(job: JobConfig, run_dir: Path | None, ctx: DistContext, state: dict[s
     seed_everything(job.train.seed)
     how = strategy(job.train.parallel) if ctx.distributed else "none"
     if how == "dmp" and job.train.ema_decay > 0:
-        raise ConfigError("train.ema_decay averages unsharded weights; TorchRec's sharded tables (train.parallel."
+        raise ConfigError("train.ema_decay averages unsharded weights; TorchRec's sharded tables (train.loop.parallel."
                           "mode = 'dmp') are not averaged: set train.ema_decay = 0 or mode = 'ddp'")
     # DMP materializes the (sharded) tables itself; a replica builds them whole
     model, emb = build_model(job, sparse_device=torch.device("meta") if how == "dmp" else None)

@@ -1,7 +1,7 @@
 """The training loop: steps, schedule, validation, early stopping, checkpoints, test.
 
 One ``Trainer`` serves one process or every rank of a distributed job: it is handed a
-model that may already be parallelized (``train.parallel``), plus the inner module for
+model that may already be parallelized (``train.loop.parallel``), plus the inner module for
 evaluation, and a ``reduce`` function that sums tensors across ranks (identity alone).
 
 Order of a run: resume from the newest checkpoint if there is one -> epochs of steps
@@ -12,7 +12,7 @@ budget or ``patience`` evaluations without improvement -> reload the chosen chec
 best on one evaluation, or on the mean of a trailing ``select_window`` of them; with
 ``select_within_se``, the newest within that many standard errors of the best) ->
 with ranking tasks, fit the probability calibrator on ``rank_valid`` and write it into
-that checkpoint (``train.calibrate``) -> test -> ``results.json`` and ``curves.png``.
+that checkpoint (``train.eval.calibrate``) -> test -> ``results.json`` and ``curves.png``.
 """
 
 from __future__ import annotations
@@ -35,20 +35,20 @@ import torch
 from tqdm import tqdm
 
 from genrec.models.calibration import is_calibration_key
-from genrec.train import checkpoint as ckpt
-from genrec.train.average import AveragedWeights
-from genrec.train.calibrate import fit_calibration
 from genrec.train.data.reader import SequenceReader
-from genrec.train.diagnose import Diagnoser
-from genrec.train.evaluate import EvalConfig, evaluate
+from genrec.train.eval.calibrate import fit_calibration
+from genrec.train.eval.evaluate import EvalConfig, evaluate
+from genrec.train.eval.ranking_metrics import evaluate_ranking
 from genrec.train.job import OptimConfig, TrainConfig
-from genrec.train.logs import log, progress
-from genrec.train.parallel import time_collectives
-from genrec.train.profiling import StepProfiler
-from genrec.train.ranking_metrics import evaluate_ranking
-from genrec.train.rundir import MetricsLog, plot_curves
-from genrec.train.stepstats import StepStats, count_model_flops
-from genrec.train.watchdog import Watchdog, collective
+from genrec.train.loop import checkpoint as ckpt
+from genrec.train.loop.average import AveragedWeights
+from genrec.train.loop.parallel import time_collectives
+from genrec.train.observe.diagnose import Diagnoser
+from genrec.train.observe.logs import log, progress
+from genrec.train.observe.profiling import StepProfiler
+from genrec.train.observe.stepstats import StepStats, count_model_flops
+from genrec.train.observe.watchdog import Watchdog, collective
+from genrec.train.runs.directory import MetricsLog, plot_curves
 
 
 def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
@@ -175,9 +175,9 @@ class Trainer:
         # already decayed LR (or, for TorchRec's keyed optimizers, no group state at all), and a
         # base read back from it after a resume applied the schedule twice.
         self.base_lrs = [g["lr"] for g in optimizer.param_groups]
-        # a job that explains itself: step accounting (train.stepstats), a profile on request
-        # (train.profiling), diagnoses of non-finite steps, spikes and resumes (train.diagnose)
-        # and of stalls (train.watchdog)
+        # a job that explains itself: step accounting (train.observe.stepstats), a profile on request
+        # (train.observe.profiling), diagnoses of non-finite steps, spikes and resumes (train.observe.diagnose)
+        # and of stalls (train.observe.watchdog)
         self.stats = StepStats(device, cfg.step_stats, torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
         if world_size > 1:  # the collectives' timers and the watchdog's markers
             time_collectives(model, self.stats.comm)
@@ -335,7 +335,7 @@ class Trainer:
         bar.close()
 
     def step_record(self) -> dict[str, Any]:
-        """The logged interval's step accounting (``train.stepstats``); distributed, the peak
+        """The logged interval's step accounting (``train.observe.stepstats``); distributed, the peak
         memory of every rank (one small all-reduce: each rank fills its own slot)."""
         rec = self.stats.take()
         if rec and self.world_size > 1:
@@ -421,7 +421,7 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Trains to a stop condition, then tests the best checkpoint; returns results."""
-        if self.cfg.replay:  # one saved step run again instead (train.diagnose)
+        if self.cfg.replay:  # one saved step run again instead (train.observe.diagnose)
             return self.diag.replay(self, Path(self.cfg.replay))
         self.resume()
         head = getattr(self.module, "ranking", None)

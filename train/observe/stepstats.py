@@ -28,7 +28,7 @@ embedding all-to-alls (their calls and ``wait()``s, in forward and backward; glo
 run them asynchronously, so what is left is the exposed part); ``all_reduce`` is the wall
 time during which at least one DDP gradient bucket was in flight, which overlaps the
 backward: it says how long the reduction took, not how much of the backward it cost
-(``train.parallel`` installs both timers).
+(``train.loop.parallel`` installs both timers).
 
 Model FLOPs are counted once, on the first batch of a process (``FlopCounterMode`` over a
 forward and backward of its own, ``count_model_flops``; the optimizer's are left out, as MFU
@@ -56,7 +56,7 @@ SHORT = {"data": "d", "forward": "f", "backward": "b", "optimizer": "o", "checkp
 
 
 class CommTimes:
-    """Collective times reported by the hooks ``train.parallel`` installs; callbacks may run
+    """Collective times reported by the hooks ``train.loop.parallel`` installs; callbacks may run
     on the backend's threads (list appends and float adds are atomic under the GIL)."""
 
     def __init__(self) -> None:
@@ -98,7 +98,7 @@ def cache_dir() -> Path:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    from genrec.train.rundir import cpu_identity
+    from genrec.train.runs.directory import cpu_identity
 
     return cpu_identity()[0] or "cpu"
 
@@ -171,7 +171,7 @@ def count_model_flops(model: torch.nn.Module, batch: Any, autocast: Callable[[],
     optimizers (DMP) a backward would update the tables, so the forward alone is counted
     (in eval mode, where managed-collision tables do not move either) and the step taken as
     three times it (the backward's two GEMMs per forward GEMM)."""
-    from genrec.train.parallel import has_sharded_tables, no_sync
+    from genrec.train.loop.parallel import has_sharded_tables, no_sync
 
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
@@ -217,7 +217,7 @@ class StepStats:
         self.comm = CommTimes()
         self.flops_per_step: int | None = None  # counted on the first step (count_flops)
         self.peak: dict[str, Any] | None = None
-        self.profiling = False  # train.profiling turns each phase into a named trace range
+        self.profiling = False  # train.observe.profiling turns each phase into a named trace range
         self.totals = dict.fromkeys(PARTS, 0.0)  # since start: what a profile's summary reads
         self._sync = torch.cuda.synchronize if self.device.type == "cuda" else None
         self._restart = False

@@ -3,7 +3,7 @@
 
     RUN/profile/trace_rank{r}.json     Chrome / Perfetto trace (https://ui.perfetto.dev), with
                                        each step's phases as ``genrec.<part>`` ranges
-    RUN/profile/summary_rank{r}.txt    the phases' shares (the step clock of train.stepstats),
+    RUN/profile/summary_rank{r}.txt    the phases' shares (the step clock of train.observe.stepstats),
                                        op time by kind, top operators by self time, and what
                                        bounds the step
 
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from genrec.config import ConfigError
-from genrec.train.stepstats import PARTS, StepStats
+from genrec.train.observe.stepstats import PARTS, StepStats
 
 MATMUL = ("mm", "matmul", "linear", "bmm", "addmv", "dot", "conv", "gemm", "scaled_dot_product", "baddbmm", "einsum")
 COMM = ("all_to_all", "alltoall", "all2all", "_dist]", "all_reduce", "allreduce", "all_gather", "allgather", "broadcast", "barrier",

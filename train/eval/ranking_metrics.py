@@ -205,7 +205,7 @@ def evaluate_ranking(
     ``plot``, their reliability diagram, before and after calibration, as that PNG."""
     pred = predict_ranking(model, batches, device, total_batches)
     if plot is not None:
-        from genrec.train.calibrate import plot_reliability  # matplotlib, only when plotting
+        from genrec.train.eval.calibrate import plot_reliability  # matplotlib, only when plotting
 
         plot_reliability(pred, tasks, plot)
     return task_metrics(pred, tasks)

@@ -5,7 +5,7 @@ Two pieces:
 * ``COLLECTIVES``, this process's collective calls in progress. The calls genrec makes
   (``DistContext.reduce / barrier / broadcast``, the trainer's stop vote, the step-stats
   gather) enter it through ``collective(name)``; the DDP comm hook and the all-to-all timer
-  ``train.parallel`` installs enter it for DDP's gradient buckets and TorchRec's all-to-alls.
+  ``train.loop.parallel`` installs enter it for DDP's gradient buckets and TorchRec's all-to-alls.
   Each entry gets this process's next sequence number, so ranks can be compared: every rank
   makes the same collectives in the same order, and a rank that has entered fewer (or has
   entered the same one without launching it) is behind the others. It is process-wide state
@@ -144,7 +144,7 @@ def stall_summary(states: list[dict[str, Any]], step: int, elapsed: float, limit
 
 class Watchdog:
     """Watches the steps of one rank (see the module docstring). ``report(kind, line, **fields)``
-    writes a diagnosis (``train.diagnose.DiagnosisLog.write``)."""
+    writes a diagnosis (``train.observe.diagnose.DiagnosisLog.write``)."""
 
     def __init__(self, diag_dir: Path, rank: int, world_size: int, min_s: float,
                  report: Callable[..., None], poll_s: float = 0.25) -> None:

@@ -4,7 +4,7 @@ Order (``Trainer.finish``): the chosen checkpoint is loaded -> :func:`fit_calibr
 scores the ``rank_valid`` split with it (uncalibrated sigmoids, every rank's share gathered
 so that all ranks fit the same map) and fits ``model.ranking.calibrator`` (isotonic, see
 ``models.calibration``) -> the fitted buffers are written into that checkpoint
-(``train.checkpoint.amend_checkpoint``), so ``genrec eval``, ``genrec quantize`` and every
+(``train.loop.checkpoint.amend_checkpoint``), so ``genrec eval``, ``genrec quantize`` and every
 serving engine apply it -> the test split is scored once, calibrated (``evaluate_ranking``
 reports the raw sigmoids' NE and ECE beside it).
 
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from genrec.train.ranking_metrics import (
+from genrec.train.eval.ranking_metrics import (
     RankingPredictions,
     ece,
     predict_ranking,

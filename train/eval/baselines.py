@@ -22,7 +22,7 @@ import torch
 from genrec.train.data.files import InteractionFiles
 from genrec.train.data.reader import SequenceReader, train_events
 from genrec.train.data.schema import arrow_errors
-from genrec.train.evaluate import EvalConfig, RankingMetrics, target_ranks
+from genrec.train.eval.evaluate import EvalConfig, RankingMetrics, target_ranks
 
 
 class Baseline:

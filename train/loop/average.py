@@ -8,9 +8,9 @@ averaged tensors (so ``genrec eval``, ``genrec quantize`` and serving load them 
 and the weights the optimizer trains travel beside them under ``train_weights`` (read only
 when training resumes, which then continues the same trajectory).
 
-Wraps a checkpoint I/O object (``train.checkpoint.PlainState`` or
-``train.parallel.Replicated``: unsharded tensors, the same on every rank). TorchRec's
-sharded tables (DMP) are not averaged: ``train.run`` refuses that combination.
+Wraps a checkpoint I/O object (``train.loop.checkpoint.PlainState`` or
+``train.loop.parallel.Replicated``: unsharded tensors, the same on every rank). TorchRec's
+sharded tables (DMP) are not averaged: ``train.loop.launch`` refuses that combination.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ RAW = "train_weights"
 
 class AveragedWeights:
     """Checkpoint I/O (``state`` / ``load`` / ``init_optimizer_state``, for
-    ``train.checkpoint.restore``) over ``io``, plus :meth:`update` after each step and :meth:`applied` for evaluation."""
+    ``train.loop.checkpoint.restore``) over ``io``, plus :meth:`update` after each step and :meth:`applied` for evaluation."""
 
     def __init__(self, io: Any, module: torch.nn.Module, decay: float) -> None:
         if not 0.0 < decay < 1.0:

@@ -146,7 +146,7 @@ def load_checkpoint(
 class PlainState:
     """What a checkpoint holds of an unsharded (or DDP/FSDP) model and its optimizer.
 
-    ``train.parallel.Parallelized`` offers the same four methods for a DMP model."""
+    ``train.loop.parallel.Parallelized`` offers the same four methods for a DMP model."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         self.model, self.optimizer = model, optimizer

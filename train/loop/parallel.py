@@ -44,7 +44,7 @@ from torch import nn
 
 from genrec.config import ConfigError
 from genrec.embedding.spec import EmbeddingConfig
-from genrec.train.watchdog import COLLECTIVES, collective
+from genrec.train.observe.watchdog import COLLECTIVES, collective
 
 SparseOptimizer = Literal["adam", "rowwise_adagrad", "adagrad", "sgd"]
 CPU_EC_SHARDINGS = ("table_wise", "row_wise", "column_wise")
@@ -287,7 +287,7 @@ class Replicated:
 
     def __init__(self, model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimizer,
                  tables: list[str]) -> None:
-        from genrec.train.checkpoint import PlainState
+        from genrec.train.loop.checkpoint import PlainState
 
         self.model, self.module, self.optimizer, self.tables = model, module, optimizer, tables
         self.dense_params = [p for p in module.parameters() if p.requires_grad]
@@ -314,7 +314,7 @@ def replicate(model: nn.Module, emb: EmbeddingConfig, make_optimizer, ctx: DistC
                       [t.name for t in emb.tables])
 
 
-# ----- timing and marking the collectives inside DDP and DMP (train.stepstats, train.watchdog) -----
+# ----- timing and marking the collectives inside DDP and DMP (train.observe.stepstats, train.observe.watchdog) -----
 def _timed_all_reduce(state: tuple[Any, Any], bucket):  # noqa: ANN001, ANN202
     """DDP's default all-reduce (average) of one gradient bucket (a ``dist.GradBucket``),
     timed from the bucket's readiness to its completion and marked for the watchdog while in
@@ -408,7 +408,7 @@ def no_sync(model: nn.Module) -> contextlib.ExitStack:
 
 
 def time_collectives(model: nn.Module, comm: Any) -> list[str]:
-    """Installs the collective timers ``train.stepstats`` reports (``comm`` is its
+    """Installs the collective timers ``train.observe.stepstats`` reports (``comm`` is its
     ``CommTimes``) and the watchdog's markers: a comm hook on every DDP module in ``model``
     (the same averaging all-reduce DDP runs by default, in Python), and, when ``model``
     holds TorchRec sharded modules, a wrapper around ``torch.distributed.all_to_all_single``

@@ -5,7 +5,7 @@
       version.json     git commit and whether the tree was dirty
       env.json         python / torch / torchrec / fbgemm versions, CPU, threads, world size
       metrics.jsonl    one JSON object per log step and per evaluation
-      checkpoints/     DCP checkpoints (see train.checkpoint)
+      checkpoints/     DCP checkpoints (see train.loop.checkpoint)
       curves.png       training loss and validation metrics
       results.json     best validation and the test metrics at the best checkpoint
 """
