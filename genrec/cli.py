@@ -202,7 +202,9 @@ def _loadtest_parser(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from genrec import __version__
 
-    parser = argparse.ArgumentParser(prog="genrec", description=__doc__.split("\n\n")[0])
+    # plain text: --help is read in a terminal, not rendered (the module docstring is reST)
+    parser = argparse.ArgumentParser(prog="genrec", description="The genrec command: one entry point, a "
+                                     "subcommand per job.")
     parser.add_argument("--version", action="version", version=f"genrec {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     for add in (_demo_parser, _data_parser, _train_parser, _eval_parser, _runs_parser, _quantize_parser, _sid_parser,

@@ -1,6 +1,7 @@
 """The genrec command: what each subcommand does (in process, tiny data), and one end-to-end
 round trip through ``python -m genrec.cli`` subprocesses."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -55,6 +56,25 @@ def test_help_names_each_commands_own_usage_and_options(capfd, cmd, words):
     assert code == 0
     for w in words:
         assert w in out, w
+
+
+def _parsers(parser):
+    """``parser`` and every subcommand's parser under it."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_every_help_is_plain_text():
+    """--help is read in a terminal: no reStructuredText from docstrings (``genrec``, :func:)."""
+    from genrec.cli import build_parser
+
+    for p in _parsers(build_parser()):
+        text = p.format_help()
+        for markup in ("``", ":func:", ":class:", ":mod:", ":meth:"):
+            assert markup not in text, f"{p.prog} --help: {markup}"
 
 
 def inspect_output(out):
