@@ -154,7 +154,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 def test_a_nan_in_one_layer_is_named_and_its_batch_replays(tiny_synth, tiny_config, tmp_path, monkeypatch, capsys):
     base = tiny_job_overrides(tiny_synth, tmp_path) + ["--train.log_every_steps=1", "--train.evaluate=false"]
-    monkeypatch.setenv("GENREC_INJECT_NAN", "tower.layers.1:5")
+    monkeypatch.setenv("GENREC_FAULTS", "nan=tower.layers.1:5")
     with pytest.raises(NonFiniteError, match=r"step 5 \(rank 0\): first non-finite output: tower.layers.1 \(HSTULayer\), "
                                              "from finite inputs"):
         run_training(load_job(tiny_config, base + ["--run.name=bad", "--run.id=bad"]))
@@ -171,7 +171,7 @@ def test_a_nan_in_one_layer_is_named_and_its_batch_replays(tiny_synth, tiny_conf
     with pytest.raises(NonFiniteError, match=r"step 5 \(rank 0\): first non-finite output: tower.layers.1 "):
         run_training(load_job(run_dir / "config.toml", again), run_dir)
     # without it, the saved weights, batch and RNG give the loss an unbroken run had at step 5
-    monkeypatch.delenv("GENREC_INJECT_NAN")
+    monkeypatch.delenv("GENREC_FAULTS")
     _, res = run_training(load_job(run_dir / "config.toml", again), run_dir)
     clean_dir, _ = run_training(load_job(tiny_config, base + ["--run.name=clean", "--train.max_steps=5"]))
     assert res["stopped"] == "replay" and res["replay"]["step"] == 5
@@ -184,7 +184,7 @@ def test_a_killed_run_says_what_it_resumed_from(tiny_synth, tiny_config, tmp_pat
 
     args = [sys.executable, "-m", "genrec.cli", "train", "--config", str(tiny_config),
             *tiny_job_overrides(tiny_synth, tmp_path), "--train.checkpoint_every_steps=4", "--run.id=k"]
-    proc = run(args, env={**ENV, "GENREC_FAULT_INJECT": "0:6"}, check=False)
+    proc = run(args, env={**ENV, "GENREC_FAULTS": "kill=0:6"}, check=False)
     assert proc.returncode == -9
     run_dir = tmp_path / "tiny" / "k"
     again = run([sys.executable, "-m", "genrec.cli", "train", "--resume", str(run_dir), "--train.max_steps=7"])
@@ -201,7 +201,7 @@ def test_a_rank_asleep_in_a_collective_is_named_by_the_watchdog(tiny_synth, tmp_
     normally."""
     from tests.test_distributed import DDP_CONFIG, ENV, TORCHRUN, free_port, run, train_args
 
-    env = {**ENV, "GENREC_FAULT_STALL": "1:6:12"}
+    env = {**ENV, "GENREC_FAULTS": "stall=1:6:12"}
     run(TORCHRUN + ["--nproc-per-node", "2", "--master-port", str(free_port())]
         + train_args(tiny_synth, tmp_path, "stall", ["--train.watchdog_min_s=2", "--train.max_steps=8",
                                                       "--train.evaluate=false"], config=DDP_CONFIG), env=env)

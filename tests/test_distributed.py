@@ -188,7 +188,7 @@ def test_one_process_checkpoint_resumes_on_two_ranks(tiny_synth, tmp_path):
 
 
 def test_killed_worker_is_restarted_and_ends_like_an_uninterrupted_run(tiny_synth, two_rank_run):
-    env = {**ENV, "GENREC_FAULT_INJECT": "1:7"}  # rank 1 SIGKILLs itself after step 7 (checkpoint at 4)
+    env = {**ENV, "GENREC_FAULTS": "kill=1:7"}  # rank 1 SIGKILLs itself after step 7 (checkpoint at 4)
     # the c10d rendezvous (as in production) starts every restart in a fresh store round; a
     # static --master-port store can hand the new workers the dead ones' addresses
     proc = run(TORCHRUN + ["--nproc-per-node", "2", "--max-restarts", "3", "--rdzv-backend", "c10d",
@@ -322,7 +322,7 @@ def test_replicated_run_evaluates_the_same_in_one_process(ddp_run):
 
 
 def test_replicated_run_with_a_killed_worker_ends_like_an_uninterrupted_one(tiny_synth, ddp_run):
-    env = {**ENV, "GENREC_FAULT_INJECT": "1:7"}
+    env = {**ENV, "GENREC_FAULTS": "kill=1:7"}
     run(TORCHRUN + ["--nproc-per-node", "2", "--max-restarts", "3", "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
         + train_args(tiny_synth, ddp_run, "killed", config=DDP_CONFIG), env=env)
@@ -342,7 +342,7 @@ def test_one_process_run_killed_and_resumed_from_the_cli_ends_like_an_uninterrup
     config = DDP_CONFIG  # in one process: train.parallel.mode "auto" trains the plain model
     run([sys.executable] + train_args(tiny_synth, tmp_path, "straight", config=config))
     proc = run([sys.executable] + train_args(tiny_synth, tmp_path, "killed", config=config),
-               env={**ENV, "GENREC_FAULT_INJECT": "0:7"}, check=False)
+               env={**ENV, "GENREC_FAULTS": "kill=0:7"}, check=False)
     run_dir = tmp_path / "dist" / "killed"
     assert proc.returncode == -9 and not (run_dir / "results.json").exists()
     run([sys.executable, "-m", "genrec.cli", "train", "--resume", str(run_dir)])
@@ -387,7 +387,7 @@ def test_partitioned_data_on_two_ranks_survives_a_killed_worker_and_trains_the_s
     generate(cfg, data, progress=False, layout=Layout(files=3, partition="date"))
     assert len(list((data / "interactions").rglob("*.parquet"))) >= 3
     launch = TORCHRUN + ["--nproc-per-node", "2", "--max-restarts", "3", "--rdzv-backend", "c10d"]
-    for run_id, env in (("straight", ENV), ("killed", {**ENV, "GENREC_FAULT_INJECT": "1:7"})):
+    for run_id, env in (("straight", ENV), ("killed", {**ENV, "GENREC_FAULTS": "kill=1:7"})):
         run(launch + ["--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
             + train_args(data, tmp_path, run_id, config=DDP_CONFIG), env=env)
     killed = tmp_path / "dist" / "killed"

@@ -83,7 +83,7 @@ def test_a_training_run_logs_to_its_directory_and_a_failed_one_says_why(tiny_syn
     assert [e.value for e in loss] == pytest.approx([r["loss"] for r in train], rel=1e-6)
     assert {"train/time_ms/forward", "train/mfu", "valid/ndcg@10", "test/ndcg@10"} <= set(board.Tags()["scalars"])
 
-    monkeypatch.setenv("GENREC_INJECT_NAN", "tower.layers.0:3")
+    monkeypatch.setenv("GENREC_FAULTS", "nan=tower.layers.0:3")
     with pytest.raises(NonFiniteError):
         run_training(load_job(tiny_config, base + ["--run.name=bad", "--run.id=bad", "--train.log_every_steps=1"]))
     bad = tmp_path / "bad" / "bad"

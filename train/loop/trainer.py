@@ -23,8 +23,6 @@ import ctypes.util
 import functools
 import json
 import math
-import os
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +41,7 @@ from genrec.train.job import OptimConfig, TrainConfig
 from genrec.train.loop import checkpoint as ckpt
 from genrec.train.loop.average import AveragedWeights
 from genrec.train.loop.parallel import time_collectives
+from genrec.train.observe import faults
 from genrec.train.observe.diagnose import Diagnoser
 from genrec.train.observe.logs import log, progress
 from genrec.train.observe.profiling import StepProfiler
@@ -60,17 +59,6 @@ def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
         return 1.0
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def maybe_inject_fault(rank: int, step: int) -> None:
-    """Chaos testing: ``GENREC_FAULT_INJECT=RANK:STEP`` SIGKILLs that rank after that step,
-    on the first attempt only (torchrun's restart count 0), to exercise recovery."""
-    spec = os.environ.get("GENREC_FAULT_INJECT")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    r, s = (int(x) for x in spec.split(":"))
-    if r == rank and s == step:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def all_reduce_max(t: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
@@ -329,7 +317,7 @@ class Trainer:
                 if stop:
                     self.state.stopped = stop
                     break
-                maybe_inject_fault(self.rank, self.state.step)
+                faults.kill_after_step(self.rank, self.state.step)  # a test's fault (observe.faults)
         self.profiler.close()
         self.state.train_seconds += time.perf_counter() - started
         bar.close()

@@ -52,6 +52,7 @@ from safetensors.torch import load_file, save_file
 
 from genrec.models.inputs import SequenceBatch
 from genrec.train.loop.parallel import no_sync
+from genrec.train.observe import faults
 from genrec.train.observe.logs import log
 
 SPIKE_WINDOW, SPIKE_WARMUP = 100, 20
@@ -225,7 +226,7 @@ class Diagnoser:
         self.rng: torch.Tensor | None = None
         self.device_rng: torch.Tensor | None = None
         self.replaying: Path | None = None
-        self._inject_nan(module)
+        faults.install_nan(module, lambda: self.step)  # a test's nan fault (observe.faults)
 
     # ----- every step -------------------------------------------------------------------------
     def step_begins(self, step: int) -> None:
@@ -369,21 +370,3 @@ class Diagnoser:
                        f"loss {losses['loss']:.6g}; the fault did not reproduce", step=meta["step"], losses=losses)
         return {"stopped": "replay", "epochs": t.state.epoch, "steps": t.state.step, "train_seconds": 0.0,
                 "replay": {"step": meta["step"], "finite": True, "losses": losses}}
-
-    # ----- the test fault ---------------------------------------------------------------------
-    def _inject_nan(self, module: torch.nn.Module) -> None:
-        """Test fault: ``GENREC_INJECT_NAN=MODULE:STEP`` makes submodule MODULE (a dotted path
-        in the model) output NaN at step STEP (the step's number as logged)."""
-        spec = os.environ.get("GENREC_INJECT_NAN")
-        if not spec:
-            return
-        name, step = spec.rsplit(":", 1)
-
-        def hook(mod: torch.nn.Module, args: tuple, out: Any) -> Any:
-            if self.step != int(step):
-                return None
-            if isinstance(out, torch.Tensor):
-                return out * float("nan")
-            return (out[0] * float("nan"), *out[1:])
-
-        module.get_submodule(name).register_forward_hook(hook)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import json
-import os
 import statistics
 import sys
 import threading
@@ -38,6 +37,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from genrec.train.observe import faults
 
 STALL_FACTOR = 10.0  # a step this many times the recent median is a stall (and at least watchdog_min_s)
 HISTORY = 50  # recent steps the median is taken over
@@ -88,15 +89,12 @@ class Collectives:
             return {"entered": self.entered, "open": sorted((dict(v) for v in self.open.values()), key=lambda v: v["seq"])}
 
     def _maybe_stall(self) -> None:
-        """Test fault: ``GENREC_FAULT_STALL=RANK:STEP:SECONDS`` makes that rank sleep inside the
-        first collective it enters during that step (before launching it), once."""
-        spec = os.environ.get("GENREC_FAULT_STALL")
-        if not spec:
-            return
-        rank, step, seconds = spec.split(":")
-        if int(rank) == self.rank and int(step) == self.step and self.step not in self._stalled:
+        """A test's ``stall`` fault (:mod:`genrec.train.observe.faults`): this rank sleeps inside
+        the first collective it enters during that step (before launching it), once."""
+        seconds = faults.stall_seconds(self.rank, self.step)
+        if seconds and self.step not in self._stalled:
             self._stalled.add(self.step)
-            time.sleep(float(seconds))
+            time.sleep(seconds)
 
 
 COLLECTIVES = Collectives()
