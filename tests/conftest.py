@@ -52,7 +52,7 @@ SIGNS = (
     ("dist", ("torchrun", "TORCHRUN", "torch.distributed.run", "mp.spawn", "init_process_group")),
     ("serving", ("ThreadedServer", "grpc.server(", "grpc.aio.server(", "EngineProcess(", "FailoverEngine(",
                  "EnginePool(", '"genrec.cli", "serve"', "tiny_ranking_artifact(", "QuantizeConfig(")),
-    ("dist", ("run_training(", 'genrec("train"')),
+    ("dist", ("run_training(", 'genrec("train"', 'genrec("demo"')),
 )
 
 

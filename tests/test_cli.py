@@ -188,6 +188,20 @@ def test_data_train_eval_round_trip(tmp_path, tiny_config):
     assert base == pytest.approx(want, abs=1e-9) and base["hr@10"] > 0
 
 
+def test_demo_output_holds_no_library_warning(tmp_path, tiny_config):
+    """genrec demo's console ends in the table: PyTorch's DCP warning on saving / loading a
+    checkpoint in one process ('torch.distributed is disabled ...') goes to RUN/train.log."""
+    data = tmp_path / "synth"
+    genrec("data", "synth", "--out", data, "--no-progress", "--num_users=120", "--num_items=300",
+           "--num_topics=4", "--median_len=10")
+    proc = genrec("demo", "--data", data, "--config", tiny_config, *tiny_job_overrides(data, tmp_path / "runs"),
+                  "--train.max_epochs=1", "--model.hstu.num_layers=1")
+    assert "Warning" not in proc.stdout + proc.stderr, proc.stderr
+    assert "popular baseline (test)" in proc.stdout
+    (run,) = (tmp_path / "runs" / "tiny").iterdir()
+    assert "UserWarning: torch.distributed is disabled" in (run / "train.log").read_text()
+
+
 def test_partitioned_data_trains_and_evaluates(capfd, tmp_path, tiny_config):
     """``genrec data synth --partition date --files 2`` writes a folder of date partitions that
     inspect, verify, train and the baselines read, with the counts of the one-file dataset."""

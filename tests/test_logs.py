@@ -9,10 +9,13 @@
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,23 @@ from genrec.train.observe.diagnose import NonFiniteError
 from genrec.train.observe.logs import log, log_file, run_log
 from genrec.train.runs.browse import last_failure, summary
 from tests.conftest import tiny_job_overrides
+
+
+def test_a_library_warning_goes_to_the_file_even_with_a_root_handler(tmp_path):
+    """Importing fbgemm_gpu gives the root logger a stderr handler; a warning raised inside
+    run_log (DCP's 'torch.distributed is disabled ...') must not reach it."""
+    root, console = logging.getLogger(), io.StringIO()
+    handler = logging.StreamHandler(console)
+    root.addHandler(handler)
+    try:
+        with run_log(tmp_path) as path, warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("torch.distributed is disabled (a test)", UserWarning, stacklevel=1)
+    finally:
+        root.removeHandler(handler)
+    assert console.getvalue() == ""
+    assert "UserWarning: torch.distributed is disabled (a test)" in path.read_text()
+    assert logging.getLogger("py.warnings").propagate  # as it was outside the block
 
 
 def test_run_log_appends_per_rank_and_prints_rank_0_and_diagnoses(tmp_path, capsys):

@@ -205,7 +205,7 @@ def cmd_demo(args: argparse.Namespace, overrides: list[str]) -> int:
     from genrec.train.eval.evaluate import format_table
     from genrec.train.job import load_job, resolve_embedding
     from genrec.train.loop.launch import run_training
-    from genrec.train.observe.logs import progress
+    from genrec.train.observe.logs import progress, run_log
 
     data = Path(args.data)
     if not (data / "dataset.json").exists():
@@ -215,10 +215,11 @@ def cmd_demo(args: argparse.Namespace, overrides: list[str]) -> int:
     run_dir, results = run_training(job)
     rows = {f"{job.model.tower} (test)": results["test"]}
     emb_cfg = resolve_embedding(job.embedding, read_info(data))
-    for kind in ("popular", "transition"):
-        reader = make_reader(replace(job.data, context_features=False), "test", emb_cfg, job.model.max_seq_len)
-        rows[f"{kind} baseline (test)"] = evaluate_baseline(Baseline(data, kind, job.data.valid_users),
-                                                            progress(reader, f"{kind} baseline"), job.eval)
+    with run_log(run_dir):  # the baselines' warnings, too, go to RUN/train.log, not above the table
+        for kind in ("popular", "transition"):
+            reader = make_reader(replace(job.data, context_features=False), "test", emb_cfg, job.model.max_seq_len)
+            rows[f"{kind} baseline (test)"] = evaluate_baseline(Baseline(data, kind, job.data.valid_users),
+                                                                progress(reader, f"{kind} baseline"), job.eval)
     print(f"\nrun directory: {run_dir}  ({results['epochs']} epochs, {results['train_seconds']:.0f}s training)")
     print(format_table(rows))
     return 0

@@ -4,7 +4,8 @@ Messages go through the ``genrec.train`` logger. On the console they print as be
 message, through ``tqdm.write`` so a progress bar stays whole; under torchrun only rank 0's,
 except diagnoses, which every rank prints). While :func:`run_log` is open they are also
 appended to ``RUN/<name>.log`` (rank 0) or ``RUN/<name>.rank<r>.log`` with the time, rank,
-level and logger, together with Python warnings and, when the job dies, the exception and its
+level and logger, together with Python warnings (to the file alone, so a library's warning
+does not break up the console's output) and, when the job dies, the exception and its
 traceback: a job that failed overnight says why in its run directory. A resumed or restarted
 job appends to the same file.
 """
@@ -62,10 +63,13 @@ def run_log(run_dir: Path, rank: int = 0, name: str = "train") -> Iterator[Path]
     handler = logging.FileHandler(path, mode="a", encoding="utf-8")
     handler.setFormatter(logging.Formatter(FORMAT.format(rank=rank)))
     warned = logging.getLogger("py.warnings")
-    before = _console.rank
+    before, propagated = _console.rank, warned.propagate
     _console.rank = rank
     log.addHandler(handler)
     warned.addHandler(handler)
+    # the file only: importing fbgemm_gpu logs through the root logger, which gives the root a
+    # stderr handler (logging.basicConfig), and a propagated warning would print there too
+    warned.propagate = False
     logging.captureWarnings(True)
     try:
         yield path
@@ -76,6 +80,7 @@ def run_log(run_dir: Path, rank: int = 0, name: str = "train") -> Iterator[Path]
         raise
     finally:
         logging.captureWarnings(False)
+        warned.propagate = propagated
         warned.removeHandler(handler)
         log.removeHandler(handler)
         handler.close()
