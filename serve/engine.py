@@ -284,7 +284,7 @@ class TorchEngine:
         for i, w in enumerate(works):
             got = _channels(retrieved[i]) if i in retrieved else None
             if i not in to_rank:
-                results.append(_retrieved_result(got))
+                results.append(_retrieved_result(got, w))
                 continue
             _, out_ids, bids = to_rank[i]
             tasks = {t: probs[i][:, j] for j, t in enumerate(self.schema.tasks)}
@@ -449,9 +449,12 @@ def _channels(got: tuple[np.ndarray, np.ndarray] | Retrieved) -> Retrieved:
     return Retrieved(ids, scores, scores, None)
 
 
-def _retrieved_result(got: Retrieved) -> Result:
-    """The result of a work its retrieval alone orders (Retrieve; Recommend without ranking)."""
-    return Result(got.ids, got.scores.astype(np.float64), got.dense, generative_scores=got.generative)
+def _retrieved_result(got: Retrieved, w: Work) -> Result:
+    """The result of a work its retrieval alone orders (Retrieve; Recommend without ranking):
+    a Recommend keeps the first ``top_k`` it retrieved, as a ranked one keeps its best ``top_k``."""
+    keep = slice(w.top_k) if w.kind == "recommend" else slice(None)
+    gen = got.generative[keep] if got.generative is not None else None
+    return Result(got.ids[keep], got.scores[keep].astype(np.float64), got.dense[keep], generative_scores=gen)
 
 
 def _top(ids: np.ndarray, vals: np.ndarray, works: list[tuple[int, Work]]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -501,7 +504,7 @@ class NaiveTorchEngine(TorchEngine):
         retrieves = w.kind == "retrieve" or w.candidates is None
         got = _channels(self.retrieve_sources(users, [(0, w)])[0]) if retrieves else None
         if got is not None and (w.kind == "retrieve" or not self.schema.tasks or w.objective == "retrieval"):
-            result = _retrieved_result(got)
+            result = _retrieved_result(got, w)
             result.compute_ms = (time.perf_counter() - t0) * 1e3
             return result
         if w.candidates is not None:

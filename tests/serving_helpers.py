@@ -12,9 +12,17 @@ from pathlib import Path
 
 import torch
 
+from genrec.config import to_dict
+from genrec.embedding.spec import EmbeddingConfig, TableConfig
 from genrec.loadtest.client import RecommenderClient
+from genrec.models.hstu import HSTUConfig
+from genrec.models.ranking import RankingConfig, TaskConfig
+from genrec.models.recommender import GenerativeRecommender, ModelConfig
 from genrec.models.sid import build_semantic_ids
+from genrec.quant.artifact import Manifest, save_artifact
 from genrec.quant.convert import QuantizeConfig, export, load_training_model, resolve_checkpoint
+from genrec.quant.dense import dense_tensors
+from genrec.quant.embeddings import table_tensors
 from genrec.serve.server import RecommenderServer, ServeConfig
 from genrec.train.job import load_job
 from genrec.train.loop.launch import run_training
@@ -59,6 +67,29 @@ def tiny_ranking_artifact(data: Path, out: Path, tower: str = "hstu", embeddings
     art = out / f"artifact-{tower}-{embeddings}"
     export(run_dir, art, QuantizeConfig(embeddings=embeddings), progress=False)
     return art
+
+
+UNTRAINED_TASKS = (TaskConfig("click", ("click",)), TaskConfig("conversion", ("conversion",)))
+
+
+def untrained_artifact(out: Path, ranking: bool = True, items: int = 200, window: int = 32) -> Path:
+    """A small untrained HSTU model (2 heads, summed actions, a pooled context feature) written
+    as an fp32 artifact in a second, no training: with ranking tasks (click, conversion) or,
+    ``ranking=False``, retrieval only. Items 1..``items``; a history window of ``window`` events."""
+    torch.manual_seed(0)
+    tables = (TableConfig("item", ("item",), dim=16, num_embeddings=items + 1),
+              TableConfig("action", ("action",), dim=16, num_embeddings=8),
+              TableConfig("region", ("region",), dim=8, num_embeddings=5, pooling="sum"))
+    hstu = HSTUConfig(num_layers=2, num_heads=2, qk_dim=8, v_dim=8, dropout=0.0, num_time_buckets=16)
+    tasks = UNTRAINED_TASKS if ranking else ()
+    cfg = ModelConfig(tower="hstu", max_seq_len=window + 1, input_dropout=0.0, hstu=hstu,
+                      ranking=RankingConfig(tasks=tasks, dropout=0.0))
+    emb = EmbeddingConfig(tables=tables)
+    m = GenerativeRecommender(cfg, emb, torch.arange(1, items + 1)).eval()
+    manifest = Manifest(model=to_dict(cfg), embedding=to_dict(emb),
+                        quantization={"embeddings": "fp32", "dense": "fp32", "row_alignment": 16})
+    return save_artifact(out, manifest, {"embeddings.safetensors": table_tensors(m.sparse, "fp32"),
+                                         "dense.safetensors": dense_tensors(m, "fp32")})
 
 
 def tiny_dense_run(data: Path, out: Path, max_steps: int = 6) -> Path:
