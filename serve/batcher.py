@@ -3,8 +3,9 @@
 Handlers ``await batcher.submit(work)``. One loop takes work off the queue: it waits for
 the first item, then up to ``max_wait_ms`` (or until ``max_batch`` items) for more, drops
 items whose deadline has passed (they fail with DEADLINE_EXCEEDED without costing model
-time), and runs the batch on the engine in a worker thread (an engine process: over its
-pipe from the loop) so the event loop keeps accepting calls. ``max_inflight`` batches may be
+time), and runs the batch with the engine's ``run_async`` (serve.contract.Engine: an engine
+process over its pipe from the loop, an in-process engine in a worker thread) so the event
+loop keeps accepting calls. ``max_inflight`` batches may be
 in flight at once: for one engine process, they pipeline (the next waits in the pipe while
 one computes, so the engine never idles while the front-end collects results and sends more);
 for replicas, one each; in-process, they share the CPU (torch releases the GIL).
@@ -26,10 +27,9 @@ import asyncio
 import collections
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from genrec.serve.engine import Result, run_stamped
+from genrec.serve.contract import Engine, Result
 from genrec.serve.requests import Work
 
 
@@ -101,7 +101,7 @@ def _batch_seconds(results: list[Result]) -> float:
 
 
 class Batcher:
-    def __init__(self, engine_fn: Callable[[], object], cfg: BatchConfig,
+    def __init__(self, engine_fn: Callable[[], Engine], cfg: BatchConfig,
                  on_batch: Callable[[int, int], None] | None = None) -> None:
         """``engine_fn`` returns the current engine (read per batch, so a reload swaps it
         between batches); ``on_batch(batch_size, queue_depth)`` feeds metrics."""
@@ -109,7 +109,6 @@ class Batcher:
         self.queue: collections.deque[tuple[Work, asyncio.Future]] = collections.deque()
         self.wakeup = asyncio.Event()
         self.inflight = max(cfg.max_inflight, 1)
-        self.pool = ThreadPoolExecutor(max_workers=self.inflight, thread_name_prefix="engine")
         self.slots = asyncio.Semaphore(self.inflight)
         self.closing = False
         self.running: set[asyncio.Task] = set()
@@ -138,9 +137,7 @@ class Batcher:
         """Batches the engine computes side by side: one per replica, or every batch in flight
         for an engine that merges them (``batches_together``: SGLang's continuous batching)."""
         engine = self.engine_fn()
-        if getattr(engine, "batches_together", False):
-            return self.inflight
-        return max(len(getattr(engine, "replicas", ())), 1)
+        return self.inflight if engine.batches_together else max(engine.parallel, 1)
 
     def admit(self, deadline: float) -> None:
         """Raises ``Overloaded`` (or ``ShuttingDown``) at once for a call that would not start in
@@ -182,7 +179,8 @@ class Batcher:
                 await asyncio.wait_for(self.wakeup.wait(), timeout=max(end - time.monotonic(), 0))
             except TimeoutError:
                 break
-        batch, now = [], time.monotonic()
+        batch: list[tuple[Work, asyncio.Future]] = []
+        now = time.monotonic()
         while self.queue and len(batch) < self.cfg.max_batch:
             work, fut = self.queue.popleft()
             if fut.done():  # the caller went away
@@ -213,10 +211,7 @@ class Batcher:
             engine = self.engine_fn()
             works = [w for w, _ in batch]
             sent = time.monotonic()
-            if hasattr(engine, "run_async"):  # an engine process: the pipe is awaited on the loop
-                results = await engine.run_async(works)
-            else:  # an in-process engine computes in the executor thread (it drops the GIL in its kernels)
-                results = await asyncio.get_running_loop().run_in_executor(self.pool, run_stamped, engine, works)
+            results = await engine.run_async(works)
             back = time.monotonic()
             if results:
                 self.cost.observe(len(results), _batch_seconds(results))
@@ -243,4 +238,3 @@ class Batcher:
         for _, fut in self.queue:
             if not fut.done():
                 fut.set_exception(ShuttingDown("the server shut down before this request ran"))
-        self.pool.shutdown(wait=False)

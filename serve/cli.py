@@ -74,7 +74,7 @@ def _on_reload_failure(task: asyncio.Task) -> None:
 async def _serve(cfg: ServeConfig, replica_cpus: list[tuple[int, ...]]) -> None:
     server = RecommenderServer(cfg, cfg.artifact, replica_cpus=replica_cpus)
     port = await server.start()
-    path = getattr(server.engine, "path", None)  # the torch engine's tower: native, padded or jagged
+    path = server.engine.path  # how the torch engine runs the tower: native, padded or jagged
     print(f"genrec serving {server.engine.version} ({cfg.engine}{f', {path} path' if path else ''}) on {cfg.host}:{port}",
           flush=True)
     if server.admin_server:

@@ -36,9 +36,9 @@ import logging
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -48,6 +48,7 @@ from genrec.models.inputs import SequenceBatch, history_capacity
 from genrec.models.recommender import GenerativeRecommender
 from genrec.quant.artifact import Manifest
 from genrec.quant.load import load_model
+from genrec.serve.contract import InProcessEngine, Result, run_stamped  # noqa: F401 - re-exported
 from genrec.serve.kvcache import KVCache, token_bytes
 from genrec.serve.packed import PackedPath, context_kjt, packed_supports  # noqa: F401 - re-exported
 from genrec.serve.requests import ModelSchema, UserInput, Work, history_window
@@ -57,6 +58,15 @@ log = logging.getLogger("genrec.serve")
 # reciprocal-rank fusion's constant (Cormack et al., 2009): an item at rank r of a list adds
 # 1 / (RRF_K + r); 60 keeps a list's head from outweighing agreement between the lists
 RRF_K = 60
+
+
+class Asks(Protocol):
+    """What retrieval reads of a work (``Work``; the SGLang model's per-request payload)."""
+
+    @property
+    def retrieve_k(self) -> int: ...
+
+    def excluded(self) -> np.ndarray | None: ...
 
 
 class Retrieved(NamedTuple):
@@ -69,43 +79,9 @@ class Retrieved(NamedTuple):
     generative: np.ndarray | None  # [n] decoder log-probabilities, NaN where the decoder did not (None: dense only)
 
 
-@dataclass
-class Result:
-    item_ids: np.ndarray  # [k] in final order
-    scores: np.ndarray  # [k] the ordering value
-    retrieval_scores: np.ndarray | None = None  # [k] dense logits (NaN: not retrieved by the dense source)
-    tasks: dict[str, np.ndarray] = field(default_factory=dict)  # task -> [k]
-    compute_ms: float = 0.0
-    batch_size: int = 1
-    # time.monotonic() when the batcher handed the batch to the engine, when the engine began it
-    # (the same clock in an engine process: system-wide; 0: not stamped) and when the results came back
-    sent: float = 0.0
-    started: float = 0.0
-    back: float = 0.0
-    # the per-user K/V cache (serve.kvcache): the request's history tokens (its window), those
-    # reused from the cache, those of other users evicted to keep its own, and whether it was
-    # looked up (a user_id, the cache on); ``cache_gauges``: the cache after its batch (KVCache.gauges)
-    history_tokens: int = 0
-    cached_tokens: int = 0
-    evicted_tokens: int = 0
-    cache_lookup: bool = False
-    cache_gauges: dict[str, int] | None = None
-    prefilled_tokens: int = 0  # history tokens the tower computed for it (SGLang: in the pass that ended it)
-    generative_scores: np.ndarray | None = None  # [k] decoder log-probabilities (NaN: not generated)
-
-
-def run_stamped(engine, works: list[Work]) -> list[Result]:  # noqa: ANN001 - any engine
-    """``engine.run(works)``, each result stamped with the time the batch began."""
-    started = time.monotonic()
-    results = engine.run(works)
-    for r in results:
-        r.started = started
-    return results
-
-
 def schema_of(model: GenerativeRecommender) -> ModelSchema:
     emb = model.embedding_cfg
-    actions = emb.table_of("action").num_embeddings.bit_length() - 1 if "action" in emb.sequence_features else 0
+    actions = (emb.table_of("action").num_embeddings or 1).bit_length() - 1 if "action" in emb.sequence_features else 0
     tasks = tuple(t.name for t in model.cfg.ranking.tasks)
     tpe = 2 if model.interleaved else 1
     sid = model.sid_head
@@ -149,7 +125,7 @@ def collate_users(users: list[UserInput], model: GenerativeRecommender, device: 
     return batch.to(device)
 
 
-class TorchEngine:
+class TorchEngine(InProcessEngine):
     """The PyTorch engine (the embedded default), CPU or GPU."""
 
     name = "torch"
@@ -254,7 +230,7 @@ class TorchEngine:
             self.cache.count_history(sum(tokens))
         for i, (w, r) in enumerate(zip(works, results)):
             r.history_tokens = tokens[i]
-            if cached is not None:
+            if cached is not None and evicted is not None:
                 r.cached_tokens, r.evicted_tokens = int(cached[i]), int(evicted[i])
                 r.cache_lookup, r.cache_gauges = bool(w.user.user_id), gauges
         return results
@@ -272,7 +248,7 @@ class TorchEngine:
             if w.kind == "retrieve" or (i in retrieved and (not self.schema.tasks or w.objective == "retrieval")):
                 continue
             if w.candidates is not None:
-                to_rank[i] = (w.candidates, w.candidate_ids, w.bids)
+                to_rank[i] = _given(w.candidates, w)
             else:
                 ids = retrieved[i][0]
                 to_rank[i] = (ids, ids, np.ones(ids.size))
@@ -283,16 +259,13 @@ class TorchEngine:
         results = []
         for i, w in enumerate(works):
             got = _channels(retrieved[i]) if i in retrieved else None
-            if i not in to_rank:
-                results.append(_retrieved_result(got, w))
+            if i not in to_rank:  # (a work not ranked is one that retrieved)
+                results.append(_retrieved_result(_channels(retrieved[i]), w))
                 continue
             _, out_ids, bids = to_rank[i]
             tasks = {t: probs[i][:, j] for j, t in enumerate(self.schema.tasks)}
-            value = self.order(w.objective, tasks, bids, got.scores if got else None)
-            keep = np.argsort(-value, kind="stable")[: w.top_k] if w.kind == "recommend" else np.arange(value.size)
-            results.append(Result(out_ids[keep], value[keep], got.dense[keep] if got else None,
-                                  {t: v[keep] for t, v in tasks.items()},
-                                  generative_scores=got.generative[keep] if got and got.generative is not None else None))
+            results.append(_ranked_result(w, out_ids, self.order(w.objective, tasks, bids, got.scores if got else None),
+                                          tasks, got))
         self._mark("order", t)
         ms = (time.perf_counter() - t0) * 1e3
         for r in results:
@@ -381,7 +354,7 @@ class TorchEngine:
             out[i] = Retrieved(ids[order], fused[order], d_sc[order], g_sc[order])
         return out
 
-    def retrieve(self, users: torch.Tensor, works: list[tuple[int, Work]]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    def retrieve(self, users: torch.Tensor, works: Sequence[tuple[int, Asks]]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Exact top-k over the whole catalogue, one matmul for all (row, work) pairs, each
         work's :meth:`Work.excluded` items masked (fewer than ``retrieve_k`` come back where
         the mask leaves fewer in the catalogue). Every engine's retrieval is this one."""
@@ -390,9 +363,10 @@ class TorchEngine:
             users = users[torch.tensor(rows, device=users.device)]
         k = max(w.retrieve_k for _, w in works)
         excluded = [w.excluded() for _, w in works]
-        if self.items_native is not None:  # one native call: GEMM, exclusions masked, top-k
+        kernels = self.packed.kernels if self.packed is not None else None
+        if self.items_native is not None and kernels is not None:  # one native call: GEMM, exclusions masked, top-k
             exclude = [_NONE if e is None else e for e in excluded]
-            pos, vals = self.packed.kernels.retrieve(users, self.items_native, self.corpus_np, self.model.head.cfg.temperature,
+            pos, vals = kernels.retrieve(users, self.items_native, self.corpus_np, self.model.head.cfg.temperature,
                                              exclude if any(e is not None for e in excluded) else None, k)
             return _top(self.corpus_np[pos], vals, works)
         # = model.head.scores(users, items): the same product and temperature, the items pre-transposed
@@ -408,7 +382,7 @@ class TorchEngine:
         top = torch.topk(scores, k, dim=1)
         return _top(self.corpus_np[top.indices.cpu().numpy()], top.values.cpu().numpy(), works)
 
-    def score(self, state, to_rank: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> dict[int, np.ndarray]:  # noqa: ANN001
+    def score(self, state, to_rank: Mapping[int, tuple[np.ndarray, ...]]) -> dict[int, np.ndarray]:  # noqa: ANN001
         """Task probabilities of every work's candidates, scored against the cached histories
         in micro-batches that mix users: {work: [c, tasks]}."""
         if not to_rank:
@@ -457,7 +431,22 @@ def _retrieved_result(got: Retrieved, w: Work) -> Result:
     return Result(got.ids[keep], got.scores[keep].astype(np.float64), got.dense[keep], generative_scores=gen)
 
 
-def _top(ids: np.ndarray, vals: np.ndarray, works: list[tuple[int, Work]]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+def _given(candidates: np.ndarray, w: Work) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A work's given candidates to rank: (table rows, ids to return, bids; 1 where none came)."""
+    ids = w.candidate_ids if w.candidate_ids is not None else candidates
+    return candidates, ids, w.bids if w.bids is not None else np.ones(candidates.size)
+
+
+def _ranked_result(w: Work, out_ids: np.ndarray, value: np.ndarray, tasks: dict[str, np.ndarray],
+                   got: Retrieved | None) -> Result:
+    """The result of a ranked work: its items ordered by ``value`` [c] (a Recommend's best
+    ``top_k``, a Rank's all), with their task probabilities and retrieval scores (``got``)."""
+    keep = np.argsort(-value, kind="stable")[: w.top_k] if w.kind == "recommend" else np.arange(value.size)
+    return Result(out_ids[keep], value[keep], got.dense[keep] if got else None, {t: v[keep] for t, v in tasks.items()},
+                  generative_scores=got.generative[keep] if got and got.generative is not None else None)
+
+
+def _top(ids: np.ndarray, vals: np.ndarray, works: Sequence[tuple[int, Asks]]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """{work: (ids, scores)}: row j's first ``retrieve_k`` of ids / vals [b, k] (best first),
     masked ones (-inf: excluded, sorted last) left out."""
     out = {}
@@ -508,16 +497,13 @@ class NaiveTorchEngine(TorchEngine):
             result.compute_ms = (time.perf_counter() - t0) * 1e3
             return result
         if w.candidates is not None:
-            cands, out_ids, bids = w.candidates, w.candidate_ids, w.bids
-        else:
+            cands, out_ids, bids = _given(w.candidates, w)
+        elif got is not None:
             cands = out_ids = got.ids
             bids = np.ones(cands.size)
         batch = collate_users([w.user], self.model, self.device, candidates=[cands], window_block=self.window_block)
         probs = self.model.rank(batch).float().cpu().numpy()
         tasks = {t: probs[:, j] for j, t in enumerate(self.schema.tasks)}
-        value = self.order(w.objective, tasks, bids, got.scores if got else None)
-        keep = np.argsort(-value, kind="stable")[: w.top_k] if w.kind == "recommend" else np.arange(value.size)
-        return Result(out_ids[keep], value[keep], got.dense[keep] if got else None,
-                      {t: v[keep] for t, v in tasks.items()},
-                      generative_scores=got.generative[keep] if got and got.generative is not None else None,
-                      compute_ms=(time.perf_counter() - t0) * 1e3)
+        result = _ranked_result(w, out_ids, self.order(w.objective, tasks, bids, got.scores if got else None), tasks, got)
+        result.compute_ms = (time.perf_counter() - t0) * 1e3
+        return result

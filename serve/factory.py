@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import gc
 
+from genrec.serve.contract import Engine
 from genrec.serve.kvcache import CacheConfig
 
 
-def make_engine(kind: str, artifact: str, device: str, cache: CacheConfig | None = None):  # noqa: ANN201
+def make_engine(kind: str, artifact: str, device: str, cache: CacheConfig | None = None) -> Engine:
     """The engine ``kind`` (torch, naive or sglang) for ``artifact``, in this process, with the
     K/V cache and history window of ``cache`` ([serve.cache]; None: each engine's own defaults).
     Engines are imported lazily: the SGLang one pulls in SGLang, which only that engine needs."""

@@ -1,8 +1,8 @@
 """Several engine processes behind one engine interface.
 
 ``serve.worker.EngineProcess`` is one engine in one child process; the engines here are made
-of several, and the server holds them like any engine (name, version, schema, manifest, tower,
-path, artifact, stages, run, run_async, close, restarts)::
+of several, and the server holds them like any engine (``serve.contract.Engine``; plus
+artifact and restarts)::
 
     FailoverEngine   one serving process + a warm standby that takes over when it dies
     EnginePool       replicas of one artifact; each batch runs on a free one
@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import wait as wait_handles
 
+from genrec.serve.contract import Result
 from genrec.serve.requests import Work
 from genrec.serve.worker import (
     STANDBY_NICE,
@@ -42,9 +43,9 @@ def _threads(pid: int) -> list[int]:
         return [pid]
 
 
-def _pin(pid: int, cpus: tuple[int, ...]) -> None:
+def _pin(pid: int | None, cpus: tuple[int, ...]) -> None:
     """Moves every thread of process ``pid`` onto ``cpus`` (torch's pool threads included)."""
-    if not cpus or not hasattr(os, "sched_setaffinity"):
+    if not cpus or pid is None or not hasattr(os, "sched_setaffinity"):
         return
     for tid in _threads(pid):
         try:
@@ -53,10 +54,12 @@ def _pin(pid: int, cpus: tuple[int, ...]) -> None:
             pass
 
 
-def _foreground(pid: int) -> None:
+def _foreground(pid: int | None) -> None:
     """Every thread of ``pid`` back to the normal policy, where permitted (leaving SCHED_IDLE
     needs CAP_SYS_NICE; without it a promoted standby stays idle-priority, which costs nothing on
     CPUs of its own, the case of an engine pinned by serve.engine_cpus)."""
+    if pid is None:
+        return
     for tid in _threads(pid):
         try:
             os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
@@ -67,7 +70,7 @@ def _foreground(pid: int) -> None:
 
 def _exited(engine: EngineProcess) -> bool:
     """Whether the child has exited, from its sentinel (no waitpid: that races a join elsewhere)."""
-    return bool(wait_handles([engine.proc.sentinel], 0))
+    return bool(wait_handles([engine.process.sentinel], 0))
 
 
 class FailoverEngine:
@@ -78,8 +81,8 @@ class FailoverEngine:
     process may use; it is pinned to ``settings.cpus`` (the engine's CPUs) only when it takes
     over.
 
-    Same interface as :class:`EngineProcess` (name, version, schema, manifest, tower, path,
-    artifact, stages, run, run_async, close, restarts), plus ``available`` and :meth:`on_state`.
+    The engine contract (``serve.contract.Engine``) as :class:`EngineProcess` keeps it (plus
+    artifact and restarts), with ``available`` and :meth:`on_state` following its processes.
 
     * A batch that fails because its engine died (:class:`EngineDied`: a crash, or killed as
       hung) runs once more on the engine that took over, unless every caller's deadline has
@@ -107,7 +110,7 @@ class FailoverEngine:
         self._filler: threading.Thread | None = None  # starts engines while a slot is empty
         self._due = 0  # engines lost in service and not yet replaced
         self._retired: dict[str, float] = {}  # stages of engines gone
-        self._hooks: list[Callable[[bool], None]] = []
+        self._hooks: list[Callable[[bool], object]] = []
         self._reported = False  # `available` as last told to the hooks
         self._notifying = threading.Lock()  # hooks see the changes in order
         self._stop = threading.Event()  # ends the filler's back-off on close
@@ -125,12 +128,15 @@ class FailoverEngine:
         self._refill()
 
     # ----- what the server reads --------------------------------------------------------------
+    batches_together = False
+    parallel = 1  # (the standby idles)
+
     @property
     def available(self) -> bool:
         """Some engine process can answer now."""
         return self.active is not None and not self.closed
 
-    def on_state(self, hook: Callable[[bool], None]) -> None:
+    def on_state(self, hook: Callable[[bool], object]) -> None:
         """``hook(available)`` on each change of ``available``, in order, from whichever thread
         saw it (a watcher thread, the event loop): keep it short and thread-safe, e.g. a
         ``loop.call_soon_threadsafe``. Not called once closed."""
@@ -161,7 +167,7 @@ class FailoverEngine:
             raise err
         return nxt
 
-    def run(self, works: list[Work]) -> list:
+    def run(self, works: list[Work]) -> list[Result]:
         engine = self._serving()
         try:
             return engine.run(works)
@@ -169,7 +175,7 @@ class FailoverEngine:
             nxt = self._after(engine, e, works)
         return nxt.run(works)
 
-    async def run_async(self, works: list[Work]) -> list:
+    async def run_async(self, works: list[Work]) -> list[Result]:
         engine = self._serving()
         try:
             return await engine.run_async(works)
@@ -213,13 +219,13 @@ class FailoverEngine:
                     self._due -= 1
                     self.restarts += 1
                 if self.active is None:
-                    _pin(engine.proc.pid, self.settings.cpus)
+                    _pin(engine.process.pid, self.settings.cpus)
                     self.active = engine
                 else:
                     self.standby = engine
                 self._changed.notify_all()
                 log.info("%s engine process %d ready (%s)", "standby" if engine is self.standby else "serving",
-                         engine.proc.pid, self.artifact)
+                         engine.process.pid, self.artifact)
         if not placed:
             engine.close()
             return False
@@ -228,7 +234,7 @@ class FailoverEngine:
         return True
 
     def _watch(self, engine: EngineProcess) -> None:
-        wait_handles([engine.proc.sentinel])  # until the process exits
+        wait_handles([engine.process.sentinel])  # until the process exits
         self._lost(engine)
         engine.close()
 
@@ -241,18 +247,18 @@ class FailoverEngine:
                 if nxt is not None and _exited(nxt):  # died too; its watcher will find no slot
                     self._due, nxt = self._due + 1, None
                 if nxt is not None:
-                    _pin(nxt.proc.pid, self.settings.cpus)  # the dead one's CPUs are free now
-                    _foreground(nxt.proc.pid)
+                    _pin(nxt.process.pid, self.settings.cpus)  # the dead one's CPUs are free now
+                    _foreground(nxt.process.pid)
                 self.active = nxt
             elif engine is self.standby:
                 self.standby = None
             else:
                 return
             self._due += 1
-            for k, v in engine._last_stages.items():
+            for k, v in engine.last_stages.items():
                 self._retired[k] = self._retired.get(k, 0.0) + v
             self._changed.notify_all()
-        engine.proc.kill()  # (an engine killed as hung is gone already) so its watcher wakes
+        engine.process.kill()  # (an engine killed as hung is gone already) so its watcher wakes
         self._notify()
         self._refill()
 
@@ -319,7 +325,7 @@ class FailoverEngine:
         self._stop.set()
         for engine in engines:  # the starting one first: killed at once
             engine.close(timeout)
-            for k, v in engine._last_stages.items():
+            for k, v in engine.last_stages.items():
                 self._retired[k] = self._retired.get(k, 0.0) + v
         # an engine the filler started just before: it finds no slot and stops it, before we return
         if filler is not None and filler is not threading.current_thread():
@@ -343,25 +349,41 @@ class EnginePool:
     a host with few, one pinned engine can have the better tail (compare ``torch`` and
     ``torch-replicas2`` in benchmarks/RESULTS.md, serving)."""
 
-    def __init__(self, replicas: list[EngineProcess]) -> None:
+    def __init__(self, replicas: list[EngineProcess | FailoverEngine]) -> None:
         if not replicas:
             raise ValueError("EnginePool needs at least one engine")
         self.replicas = replicas
         first = replicas[0]
         self.name, self.version, self.schema = first.name, first.version, first.schema
         self.manifest, self.tower, self.artifact, self.path = first.manifest, first.tower, first.artifact, first.path
-        self.idle: queue.SimpleQueue[EngineProcess] = queue.SimpleQueue()
+        self.idle: queue.SimpleQueue[EngineProcess | FailoverEngine] = queue.SimpleQueue()
         for r in replicas:
             self.idle.put(r)
 
-    def run(self, works: list[Work]) -> list:
+    # ----- the engine contract (serve.contract.Engine) -----------------------------------------
+    batches_together = False
+
+    @property
+    def parallel(self) -> int:
+        """One batch per replica at once."""
+        return len(self.replicas)
+
+    @property
+    def available(self) -> bool:
+        """Some replica can answer (each replaces a dead child on its next batch)."""
+        return any(r.available for r in self.replicas)
+
+    def on_state(self, hook: Callable[[bool], object]) -> None:
+        """Nothing to tell: the replicas restart their own children (EngineProcess.on_state)."""
+
+    def run(self, works: list[Work]) -> list[Result]:
         engine = self.idle.get()
         try:
             return engine.run(works)
         finally:
             self.idle.put(engine)
 
-    async def run_async(self, works: list[Work]) -> list:
+    async def run_async(self, works: list[Work]) -> list[Result]:
         try:
             engine = self.idle.get_nowait()
         except queue.Empty:  # every replica busy: wait for one in a thread

@@ -13,6 +13,7 @@ in the same pass; the ranking MLP applies each user's context once, not per cand
 from __future__ import annotations
 
 import ctypes
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -25,6 +26,14 @@ from genrec.serve.requests import UserInput
 _P = ctypes.c_void_p
 _ptr = ptr
 _NONE = np.zeros(0, np.int64)
+T = TypeVar("T")
+
+
+def _needed(value: T | None, what: str) -> T:
+    """``value``, which a caller may only ask for where the artifact allows it natively."""
+    if value is None:
+        raise ValueError(f"ServeKernels.{what}: not served natively for this artifact; run the model's op")
+    return value
 
 
 class NativeRows:
@@ -87,7 +96,10 @@ class ServeKernels:
         """The ranking MLP for the native call: (widths [nl + 1] int32, pointers, tensors kept
         alive), the last layer padded to 8 zero columns; None where it is not Linear / SiLU
         (/ Dropout) layers with hidden widths in whole 8-float vectors (PyTorch runs it then)."""
-        mods = list(self.model.ranking.mlp)
+        ranking = self.model.ranking
+        if ranking is None:
+            return None
+        mods = list(ranking.mlp)
         linears = [mod for mod in mods if isinstance(mod, torch.nn.Linear)]
         if not all(isinstance(mod, torch.nn.Linear | torch.nn.SiLU | torch.nn.Dropout) for mod in mods) or not linears:
             return None
@@ -123,9 +135,10 @@ class ServeKernels:
             return None
         feats, width = self._pooled_columns()
         rows = [self.pooled[f] for f, *_ in feats]
-        if any(r.table is None for r in rows):
+        tables = [t for r in rows if (t := r.table) is not None]
+        if len(tables) < len(rows):
             return None
-        arrays = (np.array([r.table[0] for r in rows], np.uint64), np.array([r.nrows for r in rows], np.int64),
+        arrays = (np.array([t[0] for t in tables], np.uint64), np.array([r.nrows for r in rows], np.int64),
                   np.array([r.row_bytes for r in rows], np.int64), np.array([r.bits for r in rows], np.int32),
                   np.array([d for _, _, d, _ in feats], np.int32), np.array([mn for *_, mn in feats], np.int32),
                   np.array([c for _, c, _, _ in feats], np.int32))
@@ -138,23 +151,25 @@ class ServeKernels:
         ``item_rows`` [N, D] (when given) also gets the raw item rows."""
         x = torch.empty(items.size, self.dim)
         scale = float(self.model.scale)
+        rows = _needed(self.rows, "rows")
         if self.fused_tokens:  # one call: the same three passes as below
             items = np.ascontiguousarray(items, dtype=np.int64)
             acts = None if actions is None else np.ascontiguousarray(actions, dtype=np.int64)
             pos = np.ascontiguousarray(positions, dtype=np.int64)
-            act_table = self.rows["action"].table if acts is not None else (None, 0, 0, 0)
-            rc = self.lib.genrec_tokens(*self.rows[self.model.item_feature].table, *act_table, *self.pos.table,
+            act_table = _needed(rows["action"].table, "rows") if acts is not None else (None, 0, 0, 0)
+            rc = self.lib.genrec_tokens(*_needed(rows[self.model.item_feature].table, "rows"), *act_table,
+                                        *_needed(self.pos.table, "pos"),
                                         self.dim, items.size, _ptr(items), None if acts is None else _ptr(acts),
                                         _ptr(pos), scale, _ptr(x), None if item_rows is None else _ptr(item_rows))
             if rc:
                 raise ValueError("an id outside its table's rows")
             return x
-        self.rows[self.model.item_feature].gather(items, x, scale)
+        rows[self.model.item_feature].gather(items, x, scale)
         if actions is not None:
-            self.rows["action"].gather(actions, x, scale, accumulate=True)
+            rows["action"].gather(actions, x, scale, accumulate=True)
         self.pos.gather(positions, x, accumulate=True)
         if item_rows is not None:
-            self.rows[self.model.item_feature].gather(items, item_rows)
+            rows[self.model.item_feature].gather(items, item_rows)
         return x
 
     def context(self, users: list[UserInput]) -> torch.Tensor:
@@ -173,11 +188,12 @@ class ServeKernels:
             return out
         feats, width = self._pooled_columns()
         out = torch.zeros(len(users), width)
+        pooled = _needed(self.pooled, "pooled")
         for f, column, dim, mean in feats:
             ids = [u.context.get(f, _NONE) for u in users]
             counts = np.array([a.size for a in ids], np.int64)
             if counts.sum():
-                self.pooled[f].gather(np.concatenate(ids), out, accumulate=True,
+                pooled[f].gather(np.concatenate(ids), out, accumulate=True,
                                       dst=np.repeat(np.arange(len(users)), counts), column=column)
                 if mean:
                     out[:, column : column + dim] /= torch.from_numpy(np.maximum(counts, 1)).float()[:, None]
@@ -212,7 +228,7 @@ class ServeKernels:
              users: np.ndarray) -> torch.Tensor:
         """The ranking head's logits [N, tasks] (needs ``self.mlp``) for candidates grouped by
         user (``cand_offsets`` [U+1], ``users`` [U] rows of ``context`` [B, E]): h, item_rows [N, D]."""
-        widths, ptrs, _ = self.mlp
+        widths, ptrs, _ = _needed(self.mlp, "mlp")
         ctx = context.float().contiguous() if context is not None else None
         e = ctx.shape[1] if ctx is not None else 0
         if widths[0] != 3 * self.dim + e:

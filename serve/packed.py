@@ -19,7 +19,7 @@ from torchrec import KeyedJaggedTensor
 from genrec.kernels import hstu_native
 from genrec.models.hstu import CachedHistory, HSTUTower, JaggedMeta, PagedMeta
 from genrec.models.inputs import history_capacity
-from genrec.models.recommender import GenerativeRecommender, HistoryState
+from genrec.models.recommender import GenerativeRecommender, HistoryState, TowerBackend
 from genrec.serve.kvcache import Entry, KVCache
 from genrec.serve.native import ServeKernels
 from genrec.serve.requests import UserInput, history_window
@@ -54,12 +54,13 @@ def pack_users(users: list[UserInput], cap: int, has_action: bool, block: int = 
     items = np.concatenate([u.items[c:] for u, c in zip(users, cuts)]).astype(np.int64, copy=False)
     actions = (np.concatenate([u.actions[c:] for u, c in zip(users, cuts)]).astype(np.int64, copy=False)
                if has_action else np.zeros_like(items))
-    times, qtimes = [], []
+    times: list[np.ndarray] = []
+    qtimes: list[np.ndarray] = []
     for u, c, h in zip(users, cuts, lengths):
         if u.has_time:
             t = u.times[c:]
             times.append(t)
-            qtimes += [t[1:], [u.request_time]]
+            qtimes += [t[1:], np.array([u.request_time])]
         else:
             times.append(np.arange(h))
             qtimes.append(np.arange(1, h + 1))
@@ -85,7 +86,7 @@ class PackedPath:
     (:func:`history_window`). :meth:`encode_cached` encodes with a per-user K/V cache, reusing
     the prefixes :meth:`min_prefix` allows (``cache_reuse``)."""
 
-    def __init__(self, model: GenerativeRecommender, backend: str = "torch", micro_batch: int = 4096,
+    def __init__(self, model: GenerativeRecommender, backend: TowerBackend = "torch", micro_batch: int = 4096,
                  stages: dict[str, float] | None = None, window_block: int = 1, cache_reuse: str = "auto") -> None:
         if not packed_supports(model):
             raise ValueError("the packed path needs an HSTU tower with summed action encoding and no other "
@@ -184,10 +185,11 @@ class PackedPath:
         t0 = self._mark("history_tower", t0)
         evicted = np.zeros(b, np.int64)
         for i, u in enumerate(users):
-            if u.user_id:
+            pair = kv[i]  # (every user with an id has its keys / values)
+            if u.user_id and pair is not None:
                 s, e = offsets[i], offsets[i + 1]
                 evicted[i] = cache.put(u.user_id, Entry(items[s:e].copy(), actions[s:e].copy(), tk[s:e].copy(),
-                                                        tq[s:e].copy(), *kv[i]))
+                                                        tq[s:e].copy(), *pair))
         self._mark("cache_update", t0)
         return vec, state, prefix, evicted
 
@@ -220,8 +222,8 @@ class PackedPath:
             vec_c, state_c = self._encode(x[torch.from_numpy(np.isin(owner, cold))], lens[cold], tk[rows], tq[rows], None)
             vec[torch.from_numpy(cold)] = vec_c
             cold_offsets = np.concatenate([[0], np.cumsum(lens[cold])])
-            for j, (k, v) in zip(cold, _split_kv(m.tower, state_c.history, cold_offsets, [True] * cold.size)):
-                kv[j] = (k, v)
+            for j, pair in zip(cold, _split_kv(m.tower, state_c.history, cold_offsets, [True] * cold.size)):
+                kv[j] = pair
         new = np.isin(owner, warm)
         vec_w, kv_w = self._extend(x[torch.from_numpy(new)], [entries[i] for i in warm], prefix[warm], lens[warm],
                                    tk, tq, offsets[warm])
@@ -278,18 +280,20 @@ class PackedPath:
         tasks = len(m.cfg.ranking.tasks)
         if counts.sum() == 0:
             return [np.zeros((0, tasks), np.float32) for _ in candidates]
-        probs = []
+        parts = []
         for group in micro_batches(counts, self.micro_batch):  # (batch index, first, end) per user piece
-            probs.append(self._score_group(state, np.array([users[i] for i, _, _ in group], np.int64),
+            parts.append(self._score_group(state, np.array([users[i] for i, _, _ in group], np.int64),
                                            [candidates[i][s:e] for i, s, e in group],
                                            np.array([e - s for _, s, e in group], np.int64)))
-        probs = np.concatenate(probs)
-        return np.split(probs, np.cumsum(counts)[:-1])
+        return np.split(np.concatenate(parts), np.cumsum(counts)[:-1])
 
     def _score_group(self, state: HistoryState, users: np.ndarray, candidates: list[np.ndarray],
                      counts: np.ndarray) -> np.ndarray:
         t0 = time.perf_counter()
         m, k = self.model, self.kernels
+        ranking = m.ranking
+        if ranking is None:
+            raise ValueError("this model has no ranking tasks (model.ranking.tasks)")
         owner = np.repeat(users, counts)  # each candidate's batch user, grouped by user
         cands = np.concatenate(candidates).astype(np.int64, copy=False)
         owner_t = torch.from_numpy(owner)
@@ -307,8 +311,8 @@ class PackedPath:
             cand_offsets = np.concatenate([[0], np.cumsum(counts)])
             logits = k.rank(h, rows, state.context, cand_offsets, users)
         else:
-            logits = m.ranking(h, rows, state.context[owner_t] if state.context is not None else None)
-        probs = m.ranking.probabilities(logits).numpy()
+            logits = ranking(h, rows, state.context[owner_t] if state.context is not None else None)
+        probs = ranking.probabilities(logits).numpy()
         self._mark("ranking_head", t0)
         return probs
 
@@ -349,7 +353,7 @@ def _split_kv(tower: HSTUTower, hist: CachedHistory, offsets: np.ndarray,
 
 
 def _packed_history(tower: HSTUTower, kv: list[tuple[torch.Tensor, torch.Tensor]], offsets: np.ndarray,
-                    tk: np.ndarray, tq: np.ndarray, backend: str) -> CachedHistory:
+                    tk: np.ndarray, tq: np.ndarray, backend: TowerBackend) -> CachedHistory:
     """One packed history of the batch from each user's keys / values [layers, n, H D]: what
     ``encode_history`` gives on ``backend``, for ``tower.extend`` to score candidates against."""
     k = kv[0][0] if len(kv) == 1 else torch.cat([p[0] for p in kv], dim=1)

@@ -251,11 +251,10 @@ def _history(user: pb.User) -> tuple[np.ndarray, np.ndarray, np.ndarray, Callabl
         if len(getattr(cols, col)) not in (0, n):
             raise InvalidRequest(f"user.history_columns.{col}: has {len(getattr(cols, col))} values for {n} "
                                  "item_ids; send one per item or none")
-    out = [np.fromiter(cols.item_ids, np.int64, n)]
-    for col in ("timestamps", "actions"):
-        values = getattr(cols, col)
-        out.append(np.fromiter(values, np.int64, n) if len(values) else np.zeros(n, np.int64))
-    return (*out, where)
+    items = np.fromiter(cols.item_ids, np.int64, n)
+    times, actions = (np.fromiter(v, np.int64, n) if len(v) else np.zeros(n, np.int64)
+                      for v in (cols.timestamps, cols.actions))
+    return items, times, actions, where
 
 
 def _context(user: pb.User, schema: ModelSchema) -> dict[str, np.ndarray]:

@@ -34,7 +34,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -43,7 +43,7 @@ from grpc_reflection.v1alpha import reflection
 from genrec.proto.v1 import recommender_pb2 as pb
 from genrec.quant.artifact import ArtifactError, check_artifact
 from genrec.serve.batcher import BatchConfig, Batcher, DeadlineExceeded, Overloaded, ShuttingDown
-from genrec.serve.engine import Result
+from genrec.serve.contract import Engine, Result
 from genrec.serve.factory import make_engine, quiet_gc
 from genrec.serve.failover import EnginePool, open_engine_process
 from genrec.serve.kvcache import CacheConfig
@@ -55,6 +55,9 @@ log = logging.getLogger("genrec.serve")
 RECOMMENDER = "genrec.v1.Recommender"
 ADMIN = "genrec.v1.Admin"
 MAX_PATH = 4096
+
+
+EngineKind = Literal["torch", "naive", "sglang"]
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,7 @@ class ServeConfig:
     host: str = "0.0.0.0"
     port: int = 50051
     metrics_port: int = 0  # Prometheus HTTP exposition; 0 = off
-    engine: Literal["torch", "naive", "sglang"] = "torch"
+    engine: EngineKind = "torch"
     device: str = "cpu"
     default_timeout_ms: float = 1000.0  # deadline for calls that set none
     grace_s: float = 10.0
@@ -170,7 +173,7 @@ def batch_inflight(cfg: ServeConfig) -> int:
 SGLANG_MAX_BEAM = 256  # SGLangEngine's max_beam, which make_engine leaves at its default
 
 
-def open_engine(cfg: ServeConfig, artifact: str, replica_cpus: Sequence[tuple[int, ...]] = ()):  # noqa: ANN201
+def open_engine(cfg: ServeConfig, artifact: str, replica_cpus: Sequence[tuple[int, ...]] = ()) -> Engine:
     """The engine the config asks for: in child processes, or in this one. ``replica_cpus``: the
     CPUs of each engine process (() for each: where the OS puts it)."""
     if cfg.engine == "sglang" and cfg.limits.max_beam > SGLANG_MAX_BEAM:
@@ -289,13 +292,13 @@ class RecommenderServer:
     ``genrec serve`` planned them from ``cfg.engine_cpus`` (() for each: not pinned); reloads
     keep them."""
 
-    def __init__(self, cfg: ServeConfig, artifact: str | Path | None = None, engine=None,  # noqa: ANN001
+    def __init__(self, cfg: ServeConfig, artifact: str | Path | None = None, engine: Engine | None = None,
                  replica_cpus: Sequence[tuple[int, ...]] = ()) -> None:
         artifact = str(artifact or cfg.artifact)
         if not artifact:
             raise ValueError("serve.artifact is empty: name the artifact folder to serve")
         self.cfg, self.artifact, self.replica_cpus = cfg, artifact, tuple(replica_cpus)
-        self.engine = engine if engine is not None else open_engine(cfg, artifact, self.replica_cpus)
+        self.engine: Engine = engine if engine is not None else open_engine(cfg, artifact, self.replica_cpus)
         self.owns_engine = engine is None  # an engine handed in is closed by whoever made it
         self.metrics = ServerMetrics()
         self.metrics.model.labels(self.engine.version, self.engine.name).set(1)
@@ -319,8 +322,8 @@ class RecommenderServer:
         conn = self.cfg.connections
         self.server = grpc.aio.server(options=_server_options(conn, self.cfg.limits),
                                       maximum_concurrent_rpcs=conn.max_concurrent_rpcs)
-        handlers = {m: grpc.unary_unary_rpc_method_handler(self._handler(k))
-                    for m, k in (("Recommend", "recommend"), ("Retrieve", "retrieve"), ("Rank", "rank"))}
+        kinds: dict[str, Kind] = {"Recommend": "recommend", "Retrieve": "retrieve", "Rank": "rank"}
+        handlers = {m: grpc.unary_unary_rpc_method_handler(self._handler(k)) for m, k in kinds.items()}
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(RECOMMENDER, handlers),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (RECOMMENDER, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
@@ -348,17 +351,16 @@ class RecommenderServer:
         await self.admin_server.start()
         log.info("admin on %s:%d (token required; loads under %s)", a.host, self.admin_port, self.artifact_root)
 
-    def _observe(self, engine) -> None:  # noqa: ANN001 - any engine
+    def _observe(self, engine: Engine) -> None:
         """Health follows the engine: an engine with a standby reports when no process of it can
         answer (``available``); hooks come from its threads, so they hop onto the loop."""
-        if hasattr(engine, "on_state"):
-            loop = asyncio.get_running_loop()
-            engine.on_state(lambda _ok: loop.call_soon_threadsafe(lambda: loop.create_task(self._set_health())))
+        loop = asyncio.get_running_loop()
+        engine.on_state(lambda _ok: loop.call_soon_threadsafe(lambda: loop.create_task(self._set_health())))
 
     async def _set_health(self) -> None:
         if self._stopping:
             return
-        ok = getattr(self.engine, "available", True)  # (the current engine: a hook of a replaced one does no harm)
+        ok = self.engine.available  # (the current engine: a hook of a replaced one does no harm)
         status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
         self.metrics.engine_available.set(1 if ok else 0)
         for svc in ("", RECOMMENDER):
@@ -377,7 +379,7 @@ class RecommenderServer:
             await self.batcher.drain(grace)
         if self.server:
             await self.server.stop(grace)
-        if self.owns_engine and hasattr(self.engine, "close"):
+        if self.owns_engine:
             try:
                 await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, self.engine.close), grace + 5)
             except TimeoutError:
@@ -398,7 +400,7 @@ class RecommenderServer:
         async with self._reloading:
             t0 = time.monotonic()
             loop = asyncio.get_running_loop()
-            cfg = replace(self.cfg, engine=self.engine.name)
+            cfg = replace(self.cfg, engine=cast(EngineKind, self.engine.name))  # (an engine is one of the kinds)
             engine = await loop.run_in_executor(None, open_engine, cfg, path, self.replica_cpus)
             if self._stopping:
                 loop.run_in_executor(None, engine.close).add_done_callback(_log_failure)
@@ -408,7 +410,7 @@ class RecommenderServer:
             await self._set_health()
             self.metrics.model.labels(old.version, old.name).set(0)
             self.metrics.model.labels(engine.version, engine.name).set(1)
-            if self.owns_engine and hasattr(old, "close"):  # e.g. an engine process: stops after its batch in flight
+            if self.owns_engine:  # e.g. an engine process: stops after its batch in flight
                 loop.run_in_executor(None, old.close).add_done_callback(_log_failure)
             self.owns_engine = True
             quiet_gc()
@@ -440,6 +442,7 @@ class RecommenderServer:
                 self.metrics.requests.labels(kind, code.name).inc()
                 self.metrics.latency.labels(kind).observe(time.monotonic() - t0)
             await context.abort(code, bounded(msg))
+            raise AssertionError("context.abort returned")  # (it raises: not reached)
 
         return handle
 
@@ -447,14 +450,17 @@ class RecommenderServer:
         remaining = context.time_remaining()
         budget = self.cfg.default_timeout_ms / 1e3 if remaining is None or math.isinf(remaining) else remaining
         deadline = t0 + budget
-        self.batcher.admit(deadline)  # before decoding: a refusal costs next to nothing
+        batcher = self.batcher
+        if batcher is None:
+            raise ShuttingDown("the server has not started")
+        batcher.admit(deadline)  # before decoding: a refusal costs next to nothing
         engine = self.engine
         work = decode(kind, data, engine.schema, self.cfg.limits)
         decoded = time.monotonic()
         self.stages["decode"] += decoded - t0
         work.deadline = deadline
-        self.metrics.queue_depth.set(self.batcher.depth)
-        result = await self.batcher.submit(work, timeout=max(work.deadline - time.monotonic(), 0))
+        self.metrics.queue_depth.set(batcher.depth)
+        result = await batcher.submit(work, timeout=max(work.deadline - time.monotonic(), 0))
         started = result.started or result.sent  # when the engine began the batch
         timing = pb.Timing(queue_ms=(time.monotonic() - t0) * 1e3 - result.compute_ms,
                            compute_ms=result.compute_ms, batch_size=result.batch_size,
@@ -464,7 +470,7 @@ class RecommenderServer:
         self.metrics.on_result(result)
         t1 = time.monotonic()
         items = _scored(result, engine.schema.tasks)
-        cls = {"recommend": pb.RecommendResponse, "retrieve": pb.RetrieveResponse, "rank": pb.RankResponse}[kind]
+        cls: Any = {"recommend": pb.RecommendResponse, "retrieve": pb.RetrieveResponse, "rank": pb.RankResponse}[kind]
         out = cls(items=items, model_version=engine.version, timing=timing).SerializeToString()
         self.stages["encode_response"] += time.monotonic() - t1
         self.served += 1
@@ -472,7 +478,7 @@ class RecommenderServer:
 
     def profile(self) -> dict[str, object]:
         """Seconds per stage since start (server side + the engine's), and calls served."""
-        return {"served": self.served, "stages_s": {**self.stages, **getattr(self.engine, "stages", {})}}
+        return {"served": self.served, "stages_s": {**self.stages, **self.engine.stages}}
 
     # ----- Admin ----------------------------------------------------------------------------
     def _admin(self, method):  # noqa: ANN001, ANN202 - an async gRPC handler
@@ -504,6 +510,7 @@ class RecommenderServer:
             finally:
                 self.metrics.requests.labels(f"admin_{name}", code.name).inc()
             await context.abort(code, bounded(msg))
+            raise AssertionError("context.abort returned")  # (it raises: not reached)
 
         return handle
 
@@ -512,7 +519,8 @@ class RecommenderServer:
         if not sent:
             raise AdminError(grpc.StatusCode.UNAUTHENTICATED, "Admin needs 'authorization: Bearer <token>' metadata")
         value = sent[0].encode() if isinstance(sent[0], str) else sent[0]
-        if not (value.startswith(b"Bearer ") and hmac.compare_digest(value[7:], self.admin_token)):
+        token = self.admin_token
+        if token is None or not (value.startswith(b"Bearer ") and hmac.compare_digest(value[7:], token)):
             raise AdminError(grpc.StatusCode.PERMISSION_DENIED, "wrong admin token")
 
     def resolve_artifact(self, path: str) -> Path:

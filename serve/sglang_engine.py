@@ -177,7 +177,10 @@ class GenRecHSTU(nn.Module):
         torch.set_num_threads(int(getattr(config, "genrec_threads", 1)) or torch.get_num_threads())
         self.engine = TorchEngine(config.genrec_artifact)
         self.model = self.engine.model.eval()
-        self.packed = self.engine.packed  # its token lookups and context (SGLangEngine checked it exists)
+        packed = self.engine.packed  # its token lookups and context (SGLangEngine checked it exists)
+        if packed is None:
+            raise ValueError("GenRecHSTU serves HSTU models with the summed action encoding (the packed path)")
+        self.packed = packed
         self.tasks = len(self.engine.schema.tasks)
         self.slot_times: torch.Tensor | None = None  # [pool slots] each slot's event time
         max_beam = int(getattr(config, "genrec_max_beam", 0))
@@ -225,7 +228,7 @@ class GenRecHSTU(nn.Module):
             if done:
                 self._finish(part, done, h, kv, rows)
         info = None
-        if beams:  # after the tower: a beam may read a prompt its tower request registered in this pass
+        if beams and self.sid is not None:  # after the tower: a beam may read a prompt its tower request registered
             last = torch.as_tensor(np.cumsum(ext) - 1)[beams]
             tokens, levels = input_ids[last].to(torch.int64), positions[last].to(torch.int64)
             tickets = tokens - TICKET_BASE
@@ -254,6 +257,8 @@ class GenRecHSTU(nn.Module):
         r2t = get_req_to_token_pool().req_to_token
         prompt_slots = r2t[fb.req_pool_indices.to(torch.int64), 0].to(torch.int64)
         tickets = self._ticket_slots()[prompt_slots]
+        if self.sid is None:
+            raise ValueError("GenRecHSTU: a decode step, but this model has no semantic-ID decoder")
         out, results = self.sid.step(tickets, input_ids.to(torch.int64), positions.to(torch.int64))
         info = {SID_INFO: [results.get(i) for i in range(out.shape[0])]}
         return LogitsProcessorOutput(next_token_logits=out, hidden_states=None, customized_info=info)
@@ -338,7 +343,7 @@ class GenRecHSTU(nn.Module):
                    pool.get_value_buffer(i)[flat].to(users.dtype).view(-1, c.num_heads, c.v_dim))
                   for i in range(len(m.tower.layers))]
         request = torch.tensor([payloads[i]["qtimes"][-1] for i in done], dtype=torch.int64)
-        times = self.slot_times[flat] if m.tower.time_bias else None
+        times = self.slot_times[flat] if m.tower.time_bias and self.slot_times is not None else None
         none = np.zeros(0, np.int64)
         ctx = self.packed.context([UserInput(none, none, none, True, 0, {n: np.asarray(v, np.int64) for n, v in
                                                                          payloads[i]["context"].items()}) for i in done])
@@ -418,6 +423,7 @@ class SGLangEngine(TorchEngine):
         self.sid = SIDSteps(head, max_beam) if head is not None else None
         self.max_beam = max_beam if head is not None else 0
         self._tickets = itertools.count(1)
+        self.closed = False
         if self.sid is not None:  # a beam holds one req-to-token row per live sequence
             max_running += beam_rows
         self.ckpt = Path(tempfile.mkdtemp(prefix="genrec-sglang-"))
@@ -456,6 +462,9 @@ class SGLangEngine(TorchEngine):
 
     def close(self) -> None:
         """Stops SGLang's processes and the loop its client tasks live on."""
+        if self.closed:
+            return
+        self.closed = True
 
         async def stop() -> None:
             watchdog = getattr(self.engine.tokenizer_manager, "_subprocess_watchdog", None)
@@ -476,6 +485,7 @@ class SGLangEngine(TorchEngine):
         asyncio.run_coroutine_threadsafe(stop(), self.loop).result()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+        super().close()  # the threads run_async hands batches to
 
     def cache_stats(self) -> dict:
         """Counters since start: calls that reused cached tokens (hits) or none (misses),
@@ -507,7 +517,7 @@ class SGLangEngine(TorchEngine):
         payload = {"items": items.tolist(), "actions": actions.tolist(), "times": tk.tolist(), "qtimes": tq.tolist(),
                    "k": int(w.retrieve_k) if dense else 0,
                    "excluded": None if excluded is None or not dense else excluded.tolist(),
-                   "rank": rank, "candidates": given.tolist() if rank == "given" else None,
+                   "rank": rank, "candidates": given.tolist() if rank == "given" and given is not None else None,
                    "context": {k: v.tolist() for k, v in w.user.context.items()},
                    "ticket": ticket, "beam": self._beam_of(w) if ticket is not None else 0,
                    "seen": None if excluded is None or ticket is None else excluded.tolist()}
@@ -527,7 +537,7 @@ class SGLangEngine(TorchEngine):
         return _Req([TICKET_BASE + ticket], None, f"sid:{ticket}", beam)
 
     def _params(self, r: _Req) -> dict:
-        if r.payload is not None:
+        if r.payload is not None or self.sid is None:  # (a beam only where there is a decoder)
             return {"max_new_tokens": 1, "custom_params": {PAYLOAD: r.payload}}
         if r.beam == 1:  # greedy decoding (SGLang's beam search needs two)
             return {"max_new_tokens": self.sid.levels, "ignore_eos": True, "temperature": 0.0}
@@ -610,11 +620,11 @@ class SGLangEngine(TorchEngine):
         tasks = len(self.schema.tasks)
         hist = cached = hits = 0
         for i, (o, r) in enumerate(zip(outs, reqs)):
-            row = self._row(o)
+            row, p = self._row(o), r.payload or {}  # (every tower request has its payload)
             n_ret, computed[i] = int(row[0]), int(row[2])
-            if n_ret or r.payload["k"]:
+            if n_ret or p.get("k"):
                 dense[i] = (self.corpus_np[row[3 : 3 + n_ret].astype(np.int64)], row[3 + n_ret : 3 + 2 * n_ret].copy())
-            if r.payload["rank"] != "none":
+            if p.get("rank", "none") != "none":
                 probs[i] = self._probs(row)
             n, c = len(r.ids), int(o["meta_info"].get("cached_tokens", 0))
             hist, cached, hits = hist + n, cached + c, hits + (c > 0)
@@ -634,8 +644,8 @@ class SGLangEngine(TorchEngine):
             probs.setdefault(i, np.zeros((to_rank[i][0].size, tasks), np.float32))
         results = self.finish(works, retrieved, to_rank, probs, t0)
         gauges = {"capacity_tokens": self.pool_tokens, "bytes": self.pool_tokens * self.bytes_per_token}
-        for i, (r, o, q, w) in enumerate(zip(results, outs, reqs, works)):
-            r.history_tokens, r.cached_tokens = len(q.ids), int(o["meta_info"].get("cached_tokens", 0))
-            r.prefilled_tokens = computed[i]  # by the pass that ended the request (all of them, unchunked)
-            r.cache_lookup, r.cache_gauges = bool(w.user.user_id), gauges
+        for i, (res, o, q, w) in enumerate(zip(results, outs, reqs, works)):
+            res.history_tokens, res.cached_tokens = len(q.ids), int(o["meta_info"].get("cached_tokens", 0))
+            res.prefilled_tokens = computed[i]  # by the pass that ended the request (all of them, unchunked)
+            res.cache_lookup, res.cache_gauges = bool(w.user.user_id), gauges
         return results

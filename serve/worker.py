@@ -32,12 +32,14 @@ import multiprocessing as mp
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_handles
 from typing import Any, Literal
 
 from genrec.quant.artifact import Manifest
+from genrec.serve.contract import Result, run_stamped
 from genrec.serve.kvcache import CacheConfig
 from genrec.serve.requests import ModelSchema, Work
 
@@ -154,7 +156,6 @@ def _child(conn: Connection, kind: str, artifact: str, device: str, settings: Pr
 
     import torch
 
-    from genrec.serve.engine import run_stamped
     from genrec.serve.factory import make_engine, quiet_gc
 
     # Ctrl-C reaches the whole process group: the front-end drains and then stops this
@@ -173,7 +174,7 @@ def _child(conn: Connection, kind: str, artifact: str, device: str, settings: Pr
         return
     quiet_gc()
     conn.send(("ready", {"name": engine.name, "version": engine.version, "schema": engine.schema,
-                         "manifest": engine.manifest, "tower": engine.tower, "path": getattr(engine, "path", None)}))
+                         "manifest": engine.manifest, "tower": engine.tower, "path": engine.path}))
     poll_s = settings.poll_ms / 1e3
     served = False  # no spinning before the first request: a standby idles blocked on its pipe
     while True:
@@ -252,7 +253,7 @@ class EngineProcess:
             with self._guard:
                 self._starting = False
         if tag == "error":
-            self.proc.join(5)
+            self.process.join(5)
             raise body
         meta: dict[str, Any] = body
         self.name: str = meta["name"]
@@ -262,24 +263,31 @@ class EngineProcess:
         self.tower: str = meta["tower"]
         self.path: str | None = meta.get("path")  # how the engine runs the tower (TorchEngine.path)
 
+    @property
+    def process(self) -> mp.process.BaseProcess:
+        """The child process (:meth:`start` made it; EngineProcessError before)."""
+        if self.proc is None:
+            raise EngineProcessError(f"the engine process for {self.artifact} was never started")
+        return self.proc
+
     def _await_ready(self) -> tuple[str, Any]:
         """The child's first message, within ``start_timeout_s``. A child that exits (or is
         killed by close()) closes its end of the pipe: the wait ends at once on the EOF."""
         timeout = self.settings.start_timeout_s
         if not self.conn.poll(timeout):
-            self.proc.kill()
-            self.proc.join(5)
+            self.process.kill()
+            self.process.join(5)
             raise EngineProcessError(f"engine process did not load {self.artifact} in {timeout:g}s "
                                      "(start_timeout_s) and was killed")
         try:
             return self.conn.recv()
         except (EOFError, OSError):  # (a reset, not an EOF, when the child died with bytes unread)
-            self.proc.join(5)
+            self.process.join(5)
             if self._closing:
                 raise EngineProcessError(f"engine process loading {self.artifact} was stopped: "
                                          "closed while it started") from None
             raise EngineProcessError(f"engine process exited while loading {self.artifact} "
-                                     f"(exit code {self.proc.exitcode})") from None
+                                     f"(exit code {self.process.exitcode})") from None
 
     @property
     def _then(self) -> str:
@@ -289,9 +297,9 @@ class EngineProcess:
         with self.lock:
             if self.closed:
                 raise EngineProcessError("the engine process was closed")
-            if not self.proc.is_alive():
+            if not self.process.is_alive():
                 if not self.restart:
-                    raise EngineDied(f"engine process died (exit code {self.proc.exitcode})")
+                    raise EngineDied(f"engine process died (exit code {self.process.exitcode})")
                 self.restarts += 1
                 self.start()
             tag, body = self._exchange(op, payload, timeout=self.settings.hang_s)
@@ -306,18 +314,32 @@ class EngineProcess:
         try:
             self.conn.send((op, payload))
             if timeout is not None and not self.conn.poll(timeout):
-                self.proc.kill()
-                self.proc.join(1)
+                self.process.kill()
+                self.process.join(1)
                 raise EngineDied(f"engine process did not answer '{op}' in {timeout:g}s and was killed{self._then}")
             return self.conn.recv()
         except (EOFError, BrokenPipeError, ConnectionResetError):
-            self.proc.join(1)
-            raise EngineDied(f"engine process died (exit code {self.proc.exitcode}){self._then}") from None
+            self.process.join(1)
+            raise EngineDied(f"engine process died (exit code {self.process.exitcode}){self._then}") from None
 
-    def run(self, works: list[Work]) -> list:
+    # ----- the engine contract (serve.contract.Engine) -----------------------------------------
+    batches_together = False  # one batch at a time in the child (more wait in its pipe)
+    parallel = 1
+
+    @property
+    def available(self) -> bool:
+        """Open: a dead child is replaced by the next batch (``restart``), so a batch can be
+        answered unless the process was closed."""
+        return not self.closed
+
+    def on_state(self, hook: Callable[[bool], object]) -> None:
+        """Nothing to tell: ``available`` changes only by :meth:`close` (a FailoverEngine,
+        which replaces processes itself, reports its own)."""
+
+    def run(self, works: list[Work]) -> list[Result]:
         return self._call("run", works)
 
-    async def run_async(self, works: list[Work]) -> list:
+    async def run_async(self, works: list[Work]) -> list[Result]:
         """``run`` from the event loop without a thread: the batch is sent from the loop and the
         replies read when the pipe turns readable, which saves the executor thread's two wake-ups
         per batch. Batches pipeline: more are sent while one computes (the child takes them in
@@ -326,9 +348,9 @@ class EngineProcess:
         control call holding the pipe, a dead child (restarted in ``run``) or a loop without
         ``add_reader`` go through ``run`` in a thread."""
         loop = asyncio.get_running_loop()
-        if self.closed or not self.proc.is_alive():
+        if self.closed or not self.process.is_alive():
             if not self.closed and not self.restart:  # nothing for a thread to do but fail
-                raise EngineDied(f"engine process died (exit code {self.proc.exitcode})")
+                raise EngineDied(f"engine process died (exit code {self.process.exitcode})")
             return await loop.run_in_executor(None, self.run, works)
         if not self._pending:  # the pipeline is idle: it takes the pipe until its last reply is in
             if not self.lock.acquire(blocking=False):
@@ -374,21 +396,26 @@ class EngineProcess:
         """``hang_s`` after a batch was sent: if its reply is still to come, the child is killed
         and what it had fails."""
         if reply in self._pending:
-            self.proc.kill()
+            self.process.kill()
             self._died(loop, f"did not answer a batch in {self.settings.hang_s:g}s and was killed")
 
     def _died(self, loop: asyncio.AbstractEventLoop, why: str = "") -> None:
         """The child went away with batches in flight: they fail, the pipe is free again."""
         if not self._pending:
             return
-        self.proc.join(1)
-        err = EngineDied(f"engine process {why or f'died (exit code {self.proc.exitcode})'}{self._then}")
+        self.process.join(1)
+        err = EngineDied(f"engine process {why or f'died (exit code {self.process.exitcode})'}{self._then}")
         while self._pending:
             reply = self._pending.popleft()
             if not reply.done():
                 reply.set_exception(err)
         loop.remove_reader(self.conn.fileno())
         self.lock.release()
+
+    @property
+    def last_stages(self) -> dict[str, float]:
+        """:attr:`stages` as last read from the child (no call: for a child that died or closed)."""
+        return self._last_stages
 
     @property
     def stages(self) -> dict[str, float]:
@@ -411,10 +438,10 @@ class EngineProcess:
             self._closing = True
             starting = self._starting
             if starting:
-                self.proc.kill()
+                self.process.kill()
         if starting:  # the start owns the pipe until it raises (and reaps the child): wait for the exit only
             self.closed = True
-            wait_handles([self.proc.sentinel], timeout)
+            wait_handles([self.process.sentinel], timeout)
             return
         got = self.lock.acquire(timeout=timeout)
         try:
@@ -423,16 +450,16 @@ class EngineProcess:
             self.closed = True
             if self.proc is None:  # never started
                 return
-            if self.proc.is_alive() and got:
+            if self.process.is_alive() and got:
                 try:
                     self._last_stages = self._exchange("stages", timeout=timeout)[1]
                     self._exchange("stop", timeout=timeout)
                 except EngineProcessError:
                     pass
-                self.proc.join(timeout)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(timeout)
+                self.process.join(timeout)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(timeout)
             if got:  # (else the stuck batch's call still reads it: killing the child ends that read)
                 self.conn.close()
         finally:

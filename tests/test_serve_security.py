@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -350,14 +351,12 @@ def test_batch_cost_model_recovers_a_fixed_and_a_per_call_part():
 
 def test_admission_spreads_the_wait_over_batches_an_engine_runs_together():
     """SGLang merges the batches in flight into its own: a call does not wait for them one by one."""
-    from types import SimpleNamespace
-
     from genrec.serve.batcher import BatchConfig, Batcher
 
     async def waits() -> tuple[float, float]:
         out = []
         for together in (False, True):
-            engine = SimpleNamespace(batches_together=together)
+            engine = SimpleNamespace(batches_together=together, parallel=1)
             b = Batcher(lambda e=engine: e, BatchConfig(max_batch=4, max_queue=100, max_queue_ms=10, max_inflight=4))
             for _ in range(20):
                 b.cost.observe(1, 0.015)  # 15 ms a call (fitted as a batch's fixed cost)
@@ -373,7 +372,8 @@ def test_admission_refuses_at_once_what_could_not_start_in_time():
     from genrec.serve.batcher import BatchConfig, Batcher, Overloaded
 
     async def scenario() -> list[str]:
-        b = Batcher(lambda: None, BatchConfig(max_batch=4, max_queue=100, max_queue_ms=10))
+        engine = SimpleNamespace(batches_together=False, parallel=1)
+        b = Batcher(lambda: engine, BatchConfig(max_batch=4, max_queue=100, max_queue_ms=10))
         out = []
         now = time.monotonic()
         b.admit(now + 1)  # nothing known yet: admitted
