@@ -23,7 +23,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,29 @@ class HSTUConfig:
     time_bias: bool = True
     num_time_buckets: int = 64
     attention_backend: Literal["auto", "reference", "coded", "triton"] = "auto"
+
+    def kv_dims(self) -> KVDims:
+        """The K/V cache shape of a tower of this config (:meth:`HSTUTower.kv_dims`)."""
+        return KVDims(self.num_layers, self.num_heads, self.qk_dim, self.v_dim)
+
+
+class KVDims(NamedTuple):
+    """What one cached token holds in a tower: per layer, ``heads`` keys of ``key_dim`` and
+    values of ``value_dim``. E.g. an HSTU tower of 2 layers, 2 heads, qk 8, v 8: keys
+    [T, 2, 8] and values [T, 2, 8] per layer; ``key_width`` = ``value_width`` = 16."""
+
+    layers: int
+    heads: int
+    key_dim: int  # per head
+    value_dim: int  # per head
+
+    @property
+    def key_width(self) -> int:
+        return self.heads * self.key_dim
+
+    @property
+    def value_width(self) -> int:
+        return self.heads * self.value_dim
 
 
 @dataclass
@@ -222,9 +245,14 @@ class HSTUTower(nn.Module):
 
     def __init__(self, cfg: HSTUConfig, dim: int, max_seq_len: int) -> None:
         super().__init__()
+        self.cfg = cfg
         self.layers = nn.ModuleList(HSTULayer(cfg, dim, max_seq_len) for _ in range(cfg.num_layers))
         self.final_norm = nn.LayerNorm(dim)
         self.time_bias = cfg.time_bias
+
+    def kv_dims(self) -> KVDims:
+        """The shape of the keys / values it caches per token (its layers and heads)."""
+        return self.cfg.kv_dims()
 
     def forward(self, x: torch.Tensor, meta: JaggedMeta, cache: list | None = None,
                 last_only: bool = False) -> torch.Tensor:
@@ -301,9 +329,9 @@ class HSTUTower(nn.Module):
         when the native backend encoded it."""
         if hist.layers or hist.native is None:
             return hist.layers
-        c, k, v = self.layers[0].cfg, hist.native.k, hist.native.v
+        c, k, v = self.kv_dims(), hist.native.k, hist.native.v
         t = k.shape[1]
-        return [(k[i].view(t, c.num_heads, c.qk_dim), v[i].view(t, c.num_heads, c.v_dim)) for i in range(k.shape[0])]
+        return [(k[i].view(t, c.heads, c.key_dim), v[i].view(t, c.heads, c.value_dim)) for i in range(k.shape[0])]
 
     # ---- the native backend: this tower's weights for the kernel -----------------------------
     def native_supported(self) -> bool:

@@ -180,7 +180,7 @@ class SIDDecoder(nn.Module):
         scores = torch.zeros(b, 1, device=dev)  # [B, k] beams' log-probabilities
         nodes = torch.zeros(b, 1, dtype=torch.long, device=dev)
         codes = torch.zeros(b, 1, 0, dtype=torch.long, device=dev)
-        exhausted = self._exhausted(seen) if seen is not None and seen[0].numel() else None
+        exhausted = self.exhausted(seen) if seen is not None and seen[0].numel() else None
         for level in range(self.levels):
             k = nodes.shape[1]
             safe = nodes.clamp(min=0).reshape(-1)  # a dead beam (-inf) walks on from the root, still -inf
@@ -200,7 +200,7 @@ class SIDDecoder(nn.Module):
         decoder outputs at this level ``out`` [B * k, d] and nodes [B * k] -> the ``beam`` best
         (prefix, code) pairs per user: their log-probabilities, parent prefix, code and child
         node, each [B, n] (-inf where fewer exist). Children all of whose items ``exhausted``
-        (:meth:`_exhausted`) says the user has are left out, the rest keep their probability."""
+        (:meth:`exhausted`) says the user has are left out, the rest keep their probability."""
         b, k = scores.shape
         logp = self.level_logits(out, level, nodes).reshape(b, k, -1)
         child = self.sid.step(nodes, level).reshape(b, k, -1)
@@ -218,7 +218,7 @@ class SIDDecoder(nn.Module):
             self._sizes_of = (self.sid, sizes)
         return self._sizes_of[1]
 
-    def _exhausted(self, seen: tuple[torch.Tensor, torch.Tensor]) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    def exhausted(self, seen: tuple[torch.Tensor, torch.Tensor]) -> Callable[[torch.Tensor, int], torch.Tensor]:
         """A function (child nodes [B, ...] at ``level``, level) -> whether every item under each
         child is in its user's history: a beam there could only end on items left out."""
         ids, lengths = seen

@@ -17,7 +17,7 @@ from torch import nn
 from genrec.kernels.hstu_attention import attention_mask
 from genrec.kernels.jagged import jagged_index, jagged_to_padded, padded_to_jagged
 from genrec.models.dropout import Dropout
-from genrec.models.hstu import CachedHistory, JaggedMeta
+from genrec.models.hstu import CachedHistory, JaggedMeta, KVDims
 
 
 @dataclass(frozen=True)
@@ -100,8 +100,14 @@ class TransformerTower(nn.Module):
 
     def __init__(self, cfg: TransformerConfig, dim: int, max_seq_len: int) -> None:
         super().__init__()
+        self.cfg, self.dim = cfg, dim
         self.layers = nn.ModuleList(TransformerLayer(cfg, dim) for _ in range(cfg.num_layers))
         self.final_norm = nn.RMSNorm(dim)
+
+    def kv_dims(self) -> KVDims:
+        """The shape of the keys / values it caches per token (its layers and heads)."""
+        head = self.dim // self.cfg.num_heads
+        return KVDims(self.cfg.num_layers, self.cfg.num_heads, head, head)
 
     def forward(self, x: torch.Tensor, meta: JaggedMeta, cache: list | None = None,
                 last_only: bool = False) -> torch.Tensor:

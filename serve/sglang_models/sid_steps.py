@@ -40,29 +40,44 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from genrec.models.sid import SemanticIds
 from genrec.models.sid_decoder import SIDDecoder
 
 DEAD_LOGIT = -1e30  # finite (no NaN in a log-softmax), below any real log-probability
 MAX_TICKETS = 1 << 14  # prompts kept for beams not yet ended (a lost beam's is dropped, oldest first)
 
 
-class SIDSteps:
-    """Example: ``steps = SIDSteps(model.sid_head, max_beam=256)``; a prefill row of a beam
-    prompted with h [D] -> ``steps.logits(h[None], torch.tensor([0]), torch.tensor([0]),
-    torch.tensor([True]))`` [1, steps.size] (level 0: the root's children)."""
+def trie_nodes(sid: SemanticIds) -> list[int]:
+    """[L + 1] the trie's nodes at each depth (depth 0: the root; depth L: the items)."""
+    return [1] + [int(c.shape[0]) for c in sid.children[1:]] + [int(sid.leaf_item.numel())]
 
-    def __init__(self, head: SIDDecoder, max_beam: int) -> None:
-        self.head = head
-        sid = head.sid
-        self.levels = head.levels
+
+class SIDVocab:
+    """The vocabulary SGLang decodes the beams of ``sid``'s trie over (module docstring):
+    ``dead`` = 2 x ``max_beam`` padding ids, then the depth-d nodes from ``base[d]``, ``size``
+    ids in all, ``levels`` levels. What the engine's front end needs (no decoder there)."""
+
+    def __init__(self, sid: SemanticIds, max_beam: int) -> None:
+        self.levels = sid.num_levels
         self.dead = 2 * max_beam
-        nodes = [1] + [int(c.shape[0]) for c in sid.children[1:]] + [int(sid.leaf_item.numel())]
+        nodes = trie_nodes(sid)
         self.nodes = nodes  # [L + 1] nodes at each depth (depth 0: the root)
         self.base = [0] * (self.levels + 1)
         self.size = self.dead
         for d in range(1, self.levels + 1):
             self.base[d] = self.size
             self.size += nodes[d]
+
+
+class SIDSteps(SIDVocab):
+    """Example: ``steps = SIDSteps(model.sid_head, max_beam=256)``; a prefill row of a beam
+    prompted with h [D] -> ``steps.logits(h[None], torch.tensor([0]), torch.tensor([0]),
+    torch.tensor([True]))`` [1, steps.size] (level 0: the root's children)."""
+
+    def __init__(self, head: SIDDecoder, max_beam: int) -> None:
+        super().__init__(head.sid, max_beam)
+        self.head = head
+        sid, nodes = head.sid, self.nodes
         # paths[d] [nodes(d), d]: the codes of each depth-d node
         self.paths = [torch.zeros(1, 0, dtype=torch.long)]
         for level, table in enumerate(sid.children):
@@ -136,7 +151,7 @@ class SIDSteps:
         """An intermediate level of one beam that leaves items out, as ``SIDDecoder.beam_search``
         selects it: its rows' nodes [R] at ``level`` < L-1 and decoder outputs [R, level + 1, d]
         -> the (row, child node) pairs [n] it keeps (n <= beam). A child all of whose items are
-        left out (``exhausted``: ``SIDDecoder._exhausted``'s function) is dropped, the others
+        left out (``exhausted``: ``SIDDecoder.exhausted``'s function) is dropped, the others
         keep their probability under the decoder: SGLang's own selection cannot do this (it
         renormalises each row over the logits it gets), so the model picks and SGLang follows."""
         scores = self.prefix_scores(nodes, hidden, level)
@@ -184,7 +199,7 @@ class Ticket:
     prompt: torch.Tensor
     beam: int
     seen: np.ndarray | None
-    exhausted: object = None  # SIDDecoder._exhausted's function for ``seen`` (built at first use)
+    exhausted: object = None  # SIDDecoder.exhausted's function for ``seen`` (built at first use)
 
 
 class SIDBeams:
@@ -202,10 +217,10 @@ class SIDBeams:
             self.tickets.popitem(last=False)
 
     def _exhausted(self, k: Ticket):  # noqa: ANN202
-        """``SIDDecoder._exhausted``'s function for the beam's left-out items (None: none)."""
+        """``SIDDecoder.exhausted``'s function for the beam's left-out items (None: none)."""
         if k.exhausted is None and k.seen is not None and k.seen.size:
             seen = torch.from_numpy(k.seen)
-            k.exhausted = self.steps.head._exhausted((seen, torch.tensor([seen.numel()])))
+            k.exhausted = self.steps.head.exhausted((seen, torch.tensor([seen.numel()])))
         return k.exhausted
 
     def step(self, tickets: torch.Tensor, tokens: torch.Tensor, levels: torch.Tensor,
