@@ -10,7 +10,7 @@ requests (ML-1M HSTU; history up to 200, retrieve 100, rank 100, return 10):
    S(B) = fixed + per_request * B; for the engine's default path (the packed path with the
    tower's native backend, ``kernels.hstu_native``) and, side by side on the same batches in
    alternation, the packed path with the tower in PyTorch (``TorchEngine(native=False)``,
-   reported as "padded", its old name) and the model's batch path (``TorchEngine(padded=False)``);
+   reported as "padded", its old name) and the model's batch path (``TorchEngine(packed=False)``);
 2. the open-loop latency the engine alone (the default path) would give: Poisson arrivals at each offered QPS,
    continuous batching (whatever queued while a batch ran forms the next, up to 32, as the
    server's ``--max-wait-ms 0``), each batch taking the measured S(B) (interpolated), p50 and
@@ -102,7 +102,7 @@ def main() -> None:
     os.sched_setaffinity(0, {cpu})  # one core, as the served engine process
     peak = peak_gflops(1)
     engines = {"default": TorchEngine(artifact), "padded": TorchEngine(artifact, native=False),
-               "jagged": TorchEngine(artifact, padded=False)}
+               "jagged": TorchEngine(artifact, packed=False)}
     if engines["default"].packed is None:
         raise SystemExit("this artifact's model does not take the packed path (serve.packed.packed_supports)")
     works = [decode("recommend", p, engines["default"].schema, Limits()) for p in payloads[:500]]

@@ -5,7 +5,7 @@ retrieve 100 from the whole catalogue, rank the 100, return 10. Servers, each a 
 ``genrec serve`` process on 127.0.0.1, load-tested one after another by the open-loop
 harness from this process:
 
-* (a) naive: one request at a time, eager, history encoded twice (``--engine naive``);
+* (a) naive: one request at a time, eager, history encoded twice (``benchmarks/naive_engine.py``);
 * (b) torch: cross-request batching, history encoded once (``--engine torch``), up to three
   batches pipelined through the engine process (the default), which busy-polls its pipe between
   batches (``serve.process.poll_ms``);
@@ -187,9 +187,11 @@ def start_server(engine: str, artifact: Path, threads: int, profile_out: Path | 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), **ENV.get(engine, {})}
     if profile_out is not None:
         env["GENREC_PROFILE_OUT"] = str(profile_out)
-    cmd = [sys.executable, "-m", "genrec.cli", "serve", "--artifact", str(artifact), "--engine", ENGINE.get(engine, engine),
-           "--host", "127.0.0.1", "--port", "0", "--threads", str(threads), "--serve.batch.max_queue=512",
-           *SERVER_ARGS[engine], *extra]
+    # the naive baseline lives in benchmarks/naive_engine.py: genrec serve with its engine
+    serve = (["-m", "genrec.benchmarks.naive_engine"] if engine == "naive"
+             else ["-m", "genrec.cli", "serve", "--engine", ENGINE.get(engine, engine)])
+    cmd = [sys.executable, *serve, "--artifact", str(artifact), "--host", "127.0.0.1", "--port", "0",
+           "--threads", str(threads), "--serve.batch.max_queue=512", *SERVER_ARGS[engine], *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     layout: dict = {"engine_cpus": [], "front_end_cpus": []}
     deadline = time.time() + timeout_s

@@ -155,9 +155,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", help="TOML file with a [serve] section, e.g. configs/serve.toml")
     p.add_argument("--artifact", help="serve.artifact: artifact directory written by 'genrec quantize'")
-    p.add_argument("--engine", choices=["torch", "sglang", "naive"],
-                   help="serve.engine (default torch): torch: batched PyTorch engine; sglang: the tower inside SGLang; "
-                   "naive: one request at a time, history encoded twice (the load-test baseline)")
+    p.add_argument("--engine", choices=["torch", "sglang"],
+                   help="serve.engine (default torch): torch: batched PyTorch engine; sglang: the tower inside SGLang "
+                   "(the load-test baseline, one request at a time: python -m genrec.benchmarks.naive_engine)")
     p.add_argument("--host", help="serve.host (default 0.0.0.0)")
     p.add_argument("--port", type=int, help="serve.port (default 50051)")
     p.add_argument("--threads", type=int, help="serve.process.threads: torch intra-op threads per engine (default 0: "

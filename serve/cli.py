@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from genrec.config import ConfigError, load_config
+from genrec.serve.contract import EngineBuilder
 from genrec.serve.server import RecommenderServer, ServeConfig, kill_engine_processes
 from genrec.serve.worker import plan_cpus
 
@@ -56,7 +57,7 @@ def serve_config(args: argparse.Namespace, overrides: list[str]) -> ServeConfig:
 def engine_cpus(cfg: ServeConfig, available: tuple[int, ...]) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
     """(each engine replica's CPUs, front-end CPUs) from ``cfg.engine_cpus``; pinning applies only
     when the engines have their own processes."""
-    if not cfg.engine_process or cfg.engine not in ("torch", "naive"):
+    if not cfg.engine_process or cfg.engine != "torch":
         return [], ()
     spec = cfg.engine_cpus
     spec = ",".join(map(str, spec)) if isinstance(spec, tuple) else str(spec)
@@ -71,10 +72,10 @@ def _on_reload_failure(task: asyncio.Task) -> None:
         logging.getLogger("genrec.serve").error("SIGHUP reload failed: %s", task.exception())
 
 
-async def _serve(cfg: ServeConfig, replica_cpus: list[tuple[int, ...]]) -> None:
-    server = RecommenderServer(cfg, cfg.artifact, replica_cpus=replica_cpus)
+async def _serve(cfg: ServeConfig, replica_cpus: list[tuple[int, ...]], build: EngineBuilder | None = None) -> None:
+    server = RecommenderServer(cfg, cfg.artifact, replica_cpus=replica_cpus, build=build)
     port = await server.start()
-    path = server.engine.path  # how the torch engine runs the tower: native, padded or jagged
+    path = server.engine.path  # how the torch engine runs the tower: native, packed or jagged
     print(f"genrec serving {server.engine.version} ({cfg.engine}{f', {path} path' if path else ''}) on {cfg.host}:{port}",
           flush=True)
     if server.admin_server:
@@ -108,7 +109,9 @@ def _exit_now() -> None:
     os._exit(1)
 
 
-def cmd_serve(args: argparse.Namespace, overrides: list[str]) -> int:
+def cmd_serve(args: argparse.Namespace, overrides: list[str], build: EngineBuilder | None = None) -> int:
+    """``genrec serve``; ``build``: makes the engine instead of the kind ``serve.engine`` names
+    (the benchmarks' naive baseline)."""
     cfg = serve_config(args, overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     if cfg.process.threads:
@@ -121,5 +124,5 @@ def cmd_serve(args: argparse.Namespace, overrides: list[str]) -> int:
               + "; front-end on CPU " + (",".join(map(str, front)) or "any"), flush=True)
     torch.set_float32_matmul_precision(cfg.process.matmul_precision)
     sys.setswitchinterval(GIL_SWITCH_S)
-    asyncio.run(_serve(cfg, engine))
+    asyncio.run(_serve(cfg, engine, build))
     return 0

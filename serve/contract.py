@@ -4,7 +4,7 @@ An engine takes a batch of validated ``Work`` (serve.requests) and returns one :
 each, in order. Every engine, and every wrapper that stands in for one, implements
 :class:`Engine`::
 
-    TorchEngine, NaiveTorchEngine   serve.engine: the model in this process (InProcessEngine)
+    TorchEngine                     serve.engine: the model in this process (InProcessEngine)
     SGLangEngine                    serve.sglang_engine: the model in SGLang's scheduler (InProcessEngine)
     EngineProcess                   serve.worker: an engine in a child process
     FailoverEngine                  serve.failover: an engine process and a warm standby
@@ -33,6 +33,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from genrec.quant.artifact import Manifest
+    from genrec.serve.kvcache import CacheConfig
     from genrec.serve.requests import ModelSchema, Work
 
 
@@ -71,7 +72,7 @@ class Engine(Protocol):
 
     @property
     def name(self) -> str:
-        """The engine kind (``ServeConfig.engine``: torch, naive, sglang): a reload builds the same."""
+        """The engine kind (``ServeConfig.engine``: torch, sglang; the benchmarks' naive): a reload builds the same."""
 
     @property
     def version(self) -> str:
@@ -127,6 +128,14 @@ class Engine(Protocol):
 
 class Runs(Protocol):
     def run(self, works: list[Work]) -> list[Result]: ...
+
+
+class EngineBuilder(Protocol):
+    """Builds the engine ``kind`` for ``artifact`` in this process (``serve.factory.make_engine``,
+    or a builder handed to the server for an engine of its own, e.g. the benchmarks' naive
+    baseline). An engine process calls it in the child: it must pickle (a module-level function)."""
+
+    def __call__(self, kind: str, artifact: str, device: str, cache: CacheConfig | None = None) -> Engine: ...
 
 
 def run_stamped(engine: Runs, works: list[Work]) -> list[Result]:

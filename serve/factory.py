@@ -14,7 +14,7 @@ from genrec.serve.kvcache import CacheConfig
 
 
 def make_engine(kind: str, artifact: str, device: str, cache: CacheConfig | None = None) -> Engine:
-    """The engine ``kind`` (torch, naive or sglang) for ``artifact``, in this process, with the
+    """The engine ``kind`` (torch or sglang) for ``artifact``, in this process, with the
     K/V cache and history window of ``cache`` ([serve.cache]; None: each engine's own defaults).
     Engines are imported lazily: the SGLang one pulls in SGLang, which only that engine needs."""
     if kind == "sglang":
@@ -23,12 +23,13 @@ def make_engine(kind: str, artifact: str, device: str, cache: CacheConfig | None
         if cache is None:
             return SGLangEngine(artifact, device=device)
         return SGLangEngine(artifact, device=device, pool_tokens=cache.pool_tokens, window_block=cache.window_block)
-    from genrec.serve.engine import NaiveTorchEngine, TorchEngine
+    if kind != "torch":
+        raise ValueError(f"engine '{kind}': serve torch or sglang (the naive baseline is the benchmarks': "
+                         "python -m genrec.benchmarks.naive_engine)")
+    from genrec.serve.engine import TorchEngine
 
     if cache is None:
-        return (NaiveTorchEngine if kind == "naive" else TorchEngine)(artifact, device=device)
-    if kind == "naive":  # the baseline: the same window, no cache
-        return NaiveTorchEngine(artifact, device=device, window_block=cache.window_block)
+        return TorchEngine(artifact, device=device)
     return TorchEngine(artifact, device=device, kv_cache_mb=cache.kv_cache_mb, window_block=cache.window_block)
 
 

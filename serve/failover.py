@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import wait as wait_handles
 
-from genrec.serve.contract import Result
+from genrec.serve.contract import EngineBuilder, Result
 from genrec.serve.requests import Work
 from genrec.serve.worker import (
     STANDBY_NICE,
@@ -97,8 +97,8 @@ class FailoverEngine:
       thread cancels it (or the standby's start) and stops every process."""
 
     def __init__(self, kind: str, artifact: str, device: str = "cpu",
-                 settings: ProcessSettings | None = None, start: bool = True) -> None:
-        self.kind, self.artifact, self.device = kind, str(artifact), device
+                 settings: ProcessSettings | None = None, start: bool = True, build: EngineBuilder | None = None) -> None:
+        self.kind, self.artifact, self.device, self.build = kind, str(artifact), device, build
         self.settings = settings or ProcessSettings()
         self.active: EngineProcess | None = None  # answers batches
         self.standby: EngineProcess | None = None  # loaded, idle, takes over when `active` dies
@@ -197,7 +197,7 @@ class FailoverEngine:
         """A started engine process (restart=False: a dead one is replaced here, not in-line)."""
         engine = EngineProcess(self.kind, self.artifact, self.device,
                                replace(self.settings, cpus=cpus, nice=self.settings.nice + nice),
-                               start=False, restart=False)
+                               start=False, restart=False, build=self.build)
         with self._mu:
             if self.closed:
                 raise EngineProcessError(f"engine for {self.artifact} closed while it started")
@@ -332,13 +332,14 @@ class FailoverEngine:
             filler.join(timeout)
 
 
-def open_engine_process(kind: str, artifact: str, device: str = "cpu",
-                        settings: ProcessSettings | None = None) -> EngineProcess | FailoverEngine:
-    """The engine process for ``settings``: with a warm standby (``settings.standby``) or one process."""
+def open_engine_process(kind: str, artifact: str, device: str = "cpu", settings: ProcessSettings | None = None,
+                        build: EngineBuilder | None = None) -> EngineProcess | FailoverEngine:
+    """The engine process for ``settings``: with a warm standby (``settings.standby``) or one
+    process; ``build`` makes the engine in each (default: ``serve.factory.make_engine``)."""
     settings = settings or ProcessSettings()
     if settings.standby:
-        return FailoverEngine(kind, artifact, device, settings)
-    return EngineProcess(kind, artifact, device, settings)
+        return FailoverEngine(kind, artifact, device, settings, build=build)
+    return EngineProcess(kind, artifact, device, settings, build=build)
 
 
 class EnginePool:

@@ -14,59 +14,29 @@ import time
 
 import numpy as np
 import torch
-from torchrec import KeyedJaggedTensor
 
+from genrec.embedding.spec import EmbeddingConfig
 from genrec.kernels import hstu_native
 from genrec.models.hstu import CachedHistory, HSTUTower, JaggedMeta, PagedMeta
 from genrec.models.inputs import history_capacity
-from genrec.models.recommender import GenerativeRecommender, HistoryState, TowerBackend
+from genrec.models.recommender import GenerativeRecommender, HistoryState, ModelConfig, TowerBackend
+from genrec.serve.accounting import mark
 from genrec.serve.kvcache import Entry, KVCache
+from genrec.serve.layout import context_kjt, pack_users
 from genrec.serve.native import ServeKernels
 from genrec.serve.requests import UserInput, history_window
 
 
-def context_kjt(users: list[UserInput], names: list[str]) -> KeyedJaggedTensor:
-    """The users' context features as the pooled tables take them (a feature a user lacks: no ids)."""
-    vals = [u.context.get(f, np.zeros(0, np.int64)) for f in names for u in users]
-    return KeyedJaggedTensor(keys=names, values=torch.from_numpy(np.concatenate(vals)),
-                             lengths=torch.tensor([v.size for v in vals], dtype=torch.int64))
+def packed_covers(cfg: ModelConfig, emb: EmbeddingConfig) -> bool:
+    """Whether the packed path computes a model of these configs: an HSTU tower with the summed
+    action encoding (one token per event) and no other sequence features."""
+    return (cfg.arch == "generative" and cfg.tower == "hstu" and cfg.ranking.encoding != "interleaved"
+            and set(emb.sequence_features) <= {emb.item_feature, "action"})
 
 
 def packed_supports(model: GenerativeRecommender) -> bool:
-    """Whether the packed path computes this model: an HSTU tower with the summed action
-    encoding (one token per event) and no other sequence features."""
-    feats = set(model.sparse.sequence_features)
-    return (model.cfg.arch == "generative" and model.cfg.tower == "hstu" and not model.interleaved
-            and feats <= {model.item_feature, "action"})
-
-
-def pack_users(users: list[UserInput], cap: int, has_action: bool, block: int = 1) -> tuple[np.ndarray, ...]:
-    """The batch's history rows packed (user by user, each cut to its window of at most ``cap``
-    events moving in steps of ``block``, :func:`history_window`):
-    items, actions (0 without an action table), event and query times (int64, as sent),
-    positions [T], and lengths [B]. Users without timestamps use positions as times (event
-    j at j, queried at j + 1), as ``models.tokens`` does; a history's last row is queried at
-    the request time."""
-    cuts = [history_window(u.items.size, cap, block) for u in users]
-    lengths = np.array([u.items.size - c for u, c in zip(users, cuts)], np.int64)
-    if lengths.size == 0 or lengths.min() < 1:
-        raise ValueError("every user needs at least one history event")
-    items = np.concatenate([u.items[c:] for u, c in zip(users, cuts)]).astype(np.int64, copy=False)
-    actions = (np.concatenate([u.actions[c:] for u, c in zip(users, cuts)]).astype(np.int64, copy=False)
-               if has_action else np.zeros_like(items))
-    times: list[np.ndarray] = []
-    qtimes: list[np.ndarray] = []
-    for u, c, h in zip(users, cuts, lengths):
-        if u.has_time:
-            t = u.times[c:]
-            times.append(t)
-            qtimes += [t[1:], np.array([u.request_time])]
-        else:
-            times.append(np.arange(h))
-            qtimes.append(np.arange(1, h + 1))
-    positions = np.concatenate([np.arange(h) for h in lengths])
-    return (items, actions, np.concatenate(times).astype(np.int64), np.concatenate(qtimes).astype(np.int64),
-            positions, lengths)
+    """:func:`packed_covers` for ``model``."""
+    return packed_covers(model.cfg, model.embedding_cfg)
 
 
 # cache_reuse="auto" on the native backend (PackedPath.min_prefix): below this window the
@@ -98,7 +68,7 @@ class PackedPath:
         self.kernels = ServeKernels(model) if backend == "native" else None
         if backend == "native":  # the weights laid out for the kernel now, not on the first request
             model.tower.native_weights()
-        # the events offline evaluation reads (serve.engine.schema_of: the same function)
+        # the events offline evaluation reads (serve.layout.schema_of: the same function)
         self.cap = history_capacity(model.cfg.max_seq_len, 2 if model.interleaved else 1, bool(model.cfg.ranking.tasks))
         history_window(self.cap, self.cap, window_block)  # (a block outside 1..cap: the error names it)
         self.block = window_block
@@ -109,9 +79,7 @@ class PackedPath:
         self.stages = stages if stages is not None else {}  # seconds per stage, summed over calls
 
     def _mark(self, stage: str, t0: float) -> float:
-        now = time.perf_counter()
-        self.stages[stage] = self.stages.get(stage, 0.0) + now - t0
-        return now
+        return mark(self.stages, stage, t0)
 
     def encode(self, users: list[UserInput]) -> tuple[torch.Tensor, HistoryState]:
         """User vectors [B, D] and the encoded histories, through ``model.encode_history_tokens``."""
@@ -238,10 +206,10 @@ class PackedPath:
         """Warm users' new tokens x (rows ``prefix[i]..lens[i]-1`` of each, in order) over their
         cached prefixes: (user vectors [W, D], each user's k / v [layers, n, H D] afterwards)."""
         tower, w, big = self.model.tower, lens.size, int(lens.max())
-        c = tower.layers[0].cfg
-        layers, kw, vw = len(tower.layers), c.num_heads * c.qk_dim, c.num_heads * c.v_dim
+        c = tower.kv_dims()
         dtype = x.dtype
-        kp, vp = torch.empty(layers, w, big, kw, dtype=dtype), torch.empty(layers, w, big, vw, dtype=dtype)
+        kp = torch.empty(c.layers, w, big, c.key_width, dtype=dtype)
+        vp = torch.empty(c.layers, w, big, c.value_width, dtype=dtype)
         for i, (e, p, n) in enumerate(zip(entries, prefix, lens)):
             kp[:, i, :p], vp[:, i, :p] = e.k[:, :p], e.v[:, :p]
             if n < big:  # padding the op reads (masked, so it must be finite)
@@ -255,7 +223,7 @@ class PackedPath:
         meta = PagedMeta(seq, index, torch.from_numpy(lens), key_times, torch.from_numpy(tq[rows]))
 
         def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            keys, values = kp[layer].view(w, big, c.num_heads, c.qk_dim), vp[layer].view(w, big, c.num_heads, c.v_dim)
+            keys, values = kp[layer].view(w, big, c.heads, c.key_dim), vp[layer].view(w, big, c.heads, c.value_dim)
             keys[seq, index], values[seq, index] = k, v
             return keys, values
 
@@ -364,6 +332,6 @@ def _packed_history(tower: HSTUTower, kv: list[tuple[torch.Tensor, torch.Tensor]
         timed = tower.time_bias
         native = hstu_native.history(k, v, off, times if timed else None, request if timed else None)
         return CachedHistory([], off, times, request, native)
-    c, t = tower.layers[0].cfg, k.shape[1]
-    layers = [(k[i].view(t, c.num_heads, c.qk_dim), v[i].view(t, c.num_heads, c.v_dim)) for i in range(k.shape[0])]
+    c, t = tower.kv_dims(), k.shape[1]
+    layers = [(k[i].view(t, c.heads, c.key_dim), v[i].view(t, c.heads, c.value_dim)) for i in range(k.shape[0])]
     return CachedHistory(layers, off, times, request)

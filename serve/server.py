@@ -34,7 +34,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, cast, get_args
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -43,7 +43,7 @@ from grpc_reflection.v1alpha import reflection
 from genrec.proto.v1 import recommender_pb2 as pb
 from genrec.quant.artifact import ArtifactError, check_artifact
 from genrec.serve.batcher import BatchConfig, Batcher, DeadlineExceeded, Overloaded, ShuttingDown
-from genrec.serve.contract import Engine, Result
+from genrec.serve.contract import Engine, EngineBuilder, Result
 from genrec.serve.factory import make_engine, quiet_gc
 from genrec.serve.failover import EnginePool, open_engine_process
 from genrec.serve.kvcache import CacheConfig
@@ -57,7 +57,7 @@ ADMIN = "genrec.v1.Admin"
 MAX_PATH = 4096
 
 
-EngineKind = Literal["torch", "naive", "sglang"]
+EngineKind = Literal["torch", "sglang"]
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ class ServeConfig:
     connections: ConnectionConfig = field(default_factory=ConnectionConfig)
     # the engines' per-user K/V cache and the history window it relies on (serve.kvcache)
     cache: CacheConfig = field(default_factory=CacheConfig)
-    # run the torch / naive engine in its own process (serve.worker): no GIL shared with
+    # run the torch engine in its own process (serve.worker): no GIL shared with
     # the front-end; the SGLang engine always runs in the server process
     engine_process: bool = True
     process: ProcessSettings = field(default_factory=ProcessSettings)
@@ -173,9 +173,11 @@ def batch_inflight(cfg: ServeConfig) -> int:
 SGLANG_MAX_BEAM = 256  # SGLangEngine's max_beam, which make_engine leaves at its default
 
 
-def open_engine(cfg: ServeConfig, artifact: str, replica_cpus: Sequence[tuple[int, ...]] = ()) -> Engine:
+def open_engine(cfg: ServeConfig, artifact: str, replica_cpus: Sequence[tuple[int, ...]] = (),
+                build: EngineBuilder | None = None) -> Engine:
     """The engine the config asks for: in child processes, or in this one. ``replica_cpus``: the
-    CPUs of each engine process (() for each: where the OS puts it)."""
+    CPUs of each engine process (() for each: where the OS puts it); ``build``: makes the engine
+    (default: ``serve.factory.make_engine``, the kinds of ``serve.engine``)."""
     if cfg.engine == "sglang" and cfg.limits.max_beam > SGLANG_MAX_BEAM:
         raise ValueError(f"serve.limits.max_beam = {cfg.limits.max_beam}: the sglang engine decodes beams of at most "
                          f"{SGLANG_MAX_BEAM} (its vocabulary carries 2 x that many padding ids)")
@@ -188,12 +190,12 @@ def open_engine(cfg: ServeConfig, artifact: str, replica_cpus: Sequence[tuple[in
         single = cfg.engine_replicas == 1
         engines = [open_engine_process(cfg.engine, artifact, cfg.device,
                                        replace(cfg.process, cpus=c, standby=cfg.process.standby and single,
-                                               cache=cfg.cache))
+                                               cache=cfg.cache), build=build)
                    for c in cpus]
         return engines[0] if len(engines) == 1 else EnginePool(engines)
     if cfg.engine_replicas != 1:
         raise ValueError("serve.engine_replicas > 1 needs the engine in its own process (serve.engine_process = true)")
-    return make_engine(cfg.engine, artifact, cfg.device, cfg.cache)
+    return (build or make_engine)(cfg.engine, artifact, cfg.device, cfg.cache)
 
 
 def kill_engine_processes() -> None:
@@ -290,15 +292,15 @@ class RecommenderServer:
     """Serves ``artifact`` (default: ``cfg.artifact``) on the engine ``cfg`` asks for, or on
     ``engine`` when one is handed in. ``replica_cpus``: the CPUs of each engine process, as
     ``genrec serve`` planned them from ``cfg.engine_cpus`` (() for each: not pinned); reloads
-    keep them."""
+    keep them. ``build``: makes the engines (default: the kind ``cfg.engine`` names)."""
 
     def __init__(self, cfg: ServeConfig, artifact: str | Path | None = None, engine: Engine | None = None,
-                 replica_cpus: Sequence[tuple[int, ...]] = ()) -> None:
+                 replica_cpus: Sequence[tuple[int, ...]] = (), build: EngineBuilder | None = None) -> None:
         artifact = str(artifact or cfg.artifact)
         if not artifact:
             raise ValueError("serve.artifact is empty: name the artifact folder to serve")
-        self.cfg, self.artifact, self.replica_cpus = cfg, artifact, tuple(replica_cpus)
-        self.engine: Engine = engine if engine is not None else open_engine(cfg, artifact, self.replica_cpus)
+        self.cfg, self.artifact, self.replica_cpus, self.build = cfg, artifact, tuple(replica_cpus), build
+        self.engine: Engine = engine if engine is not None else open_engine(cfg, artifact, self.replica_cpus, build)
         self.owns_engine = engine is None  # an engine handed in is closed by whoever made it
         self.metrics = ServerMetrics()
         self.metrics.model.labels(self.engine.version, self.engine.name).set(1)
@@ -400,8 +402,9 @@ class RecommenderServer:
         async with self._reloading:
             t0 = time.monotonic()
             loop = asyncio.get_running_loop()
-            cfg = replace(self.cfg, engine=cast(EngineKind, self.engine.name))  # (an engine is one of the kinds)
-            engine = await loop.run_in_executor(None, open_engine, cfg, path, self.replica_cpus)
+            kind = self.engine.name  # (an engine handed in: the same kind again)
+            cfg = replace(self.cfg, engine=cast(EngineKind, kind)) if kind in get_args(EngineKind) else self.cfg
+            engine = await loop.run_in_executor(None, open_engine, cfg, path, self.replica_cpus, self.build)
             if self._stopping:
                 loop.run_in_executor(None, engine.close).add_done_callback(_log_failure)
                 raise ShuttingDown("the server is shutting down; the new artifact was not swapped in")

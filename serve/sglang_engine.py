@@ -98,10 +98,16 @@ from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor  # n
 
 from genrec.models.hstu import CachedHistory, JaggedMeta, PagedMeta  # noqa: E402
 from genrec.models.recommender import HistoryState  # noqa: E402
-from genrec.serve.engine import Result, TorchEngine  # noqa: E402
-from genrec.serve.packed import pack_users, packed_supports  # noqa: E402
+from genrec.serve.accounting import mark, stamp  # noqa: E402
+from genrec.serve.catalogue import read_served  # noqa: E402
+from genrec.serve.contract import InProcessEngine, Result  # noqa: E402
+from genrec.serve.engine import TorchEngine  # noqa: E402
+from genrec.serve.layout import pack_users  # noqa: E402
+from genrec.serve.packed import packed_covers  # noqa: E402
+from genrec.serve.ranking import Ranking  # noqa: E402
 from genrec.serve.requests import UserInput, Work  # noqa: E402
-from genrec.serve.sglang_models.sid_steps import SIDBeams, SIDSteps  # noqa: E402
+from genrec.serve.retrieval import merge_sources  # noqa: E402
+from genrec.serve.sglang_models.sid_steps import SIDBeams, SIDSteps, SIDVocab  # noqa: E402
 
 VOCAB = 4  # the dummy logits' width of a model without a semantic-ID decoder (nothing is decoded)
 TICKET_BASE = 1 << 62  # a beam's one prompt token: TICKET_BASE + its ticket (never a trie node id)
@@ -132,7 +138,7 @@ class KeepLogits(CustomLogitProcessor):
 
 
 class _Retrieval:
-    """What ``TorchEngine.retrieve`` reads of a work: k and the excluded rows."""
+    """What ``Catalogue.top_k`` reads of a work: k and the excluded rows (``catalogue.Asks``)."""
 
     def __init__(self, k: int, excluded: np.ndarray | None) -> None:
         self.retrieve_k, self._excluded = k, excluded
@@ -315,11 +321,11 @@ class GenRecHSTU(nn.Module):
         times = (torch.from_numpy(cols["times"]), torch.from_numpy(cols["qtimes"])) if m.tower.time_bias else (None, None)
         meta = JaggedMeta(offsets, max(ext), times[0], times[1], None)
         last, hist = m.tower.encode_history(x, meta, backend="native")
-        c = m.tower.layers[0].cfg
+        c = m.tower.kv_dims()
         for i, (k, v) in enumerate(zip(hist.native.k, hist.native.v)):
             kb, vb = pool.get_key_buffer(i), pool.get_value_buffer(i)
-            kb[loc] = k.view(-1, c.num_heads, c.qk_dim).to(kb.dtype)
-            vb[loc] = v.view(-1, c.num_heads, c.v_dim).to(vb.dtype)
+            kb[loc] = k.view(-1, c.heads, c.key_dim).to(kb.dtype)
+            vb[loc] = v.view(-1, c.heads, c.value_dim).to(vb.dtype)
         h = x.new_zeros(x.shape[0], last.shape[1])
         h[offsets[1:] - 1] = last.to(h.dtype)
         return h
@@ -338,10 +344,10 @@ class GenRecHSTU(nn.Module):
         flat = torch.cat([slots[i, : int(lengths[i])] for i in done])
         offsets = torch.zeros(len(done) + 1, dtype=torch.int64)
         offsets[1:] = torch.cumsum(lengths[done], 0)
-        c = m.tower.layers[0].cfg
-        layers = [(pool.get_key_buffer(i)[flat].to(users.dtype).view(-1, c.num_heads, c.qk_dim),
-                   pool.get_value_buffer(i)[flat].to(users.dtype).view(-1, c.num_heads, c.v_dim))
-                  for i in range(len(m.tower.layers))]
+        c = m.tower.kv_dims()
+        layers = [(pool.get_key_buffer(i)[flat].to(users.dtype).view(-1, c.heads, c.key_dim),
+                   pool.get_value_buffer(i)[flat].to(users.dtype).view(-1, c.heads, c.value_dim))
+                  for i in range(c.layers)]
         request = torch.tensor([payloads[i]["qtimes"][-1] for i in done], dtype=torch.int64)
         times = self.slot_times[flat] if m.tower.time_bias and self.slot_times is not None else None
         none = np.zeros(0, np.int64)
@@ -351,7 +357,7 @@ class GenRecHSTU(nn.Module):
                              lengths[done].clone(), ctx)
         need = [(j, _Retrieval(payloads[i]["k"], _array(payloads[i]["excluded"])))
                 for j, i in enumerate(done) if payloads[i]["k"]]
-        found = eng.retrieve(users, need) if need else {}
+        found = eng.catalogue.top_k(users, need) if need else {}
         to_rank = {}
         for j, i in enumerate(done):
             p = payloads[i]
@@ -388,8 +394,11 @@ class _Req:
     beam: int = 0
 
 
-class SGLangEngine(TorchEngine):
-    """Same interface and answers as TorchEngine; histories cached in SGLang's KV pool.
+class SGLangEngine(InProcessEngine):
+    """Same contract (serve.contract.Engine) and answers as TorchEngine; histories cached in
+    SGLang's KV pool. This front end reads the artifact's configs, catalogue and semantic IDs
+    (serve.catalogue.read_served), never its model: the model runs in SGLang's scheduler
+    (GenRecHSTU).
 
     ``pool_tokens``: the KV pool's size in tokens (size it for the active users' histories:
     bytes per token = layers x heads x (qk + v dims) x 4); ``window_block``: the history
@@ -407,30 +416,37 @@ class SGLangEngine(TorchEngine):
     def __init__(self, artifact: str | Path, device: str = "cpu", pool_tokens: int = 262144, window_block: int = 1,
                  chunk_tokens: int = 4096, max_running: int = 64, threads: int = 1, max_beam: int = 256,
                  beam_rows: int = 1024) -> None:
-        super().__init__(artifact, device=device, window_block=window_block)
-        if not packed_supports(self.model):
+        served = read_served(artifact)
+        if not packed_covers(served.model, served.embedding):
             raise ValueError("the SGLang engine serves HSTU models with the summed action encoding; "
                              "serve this model with engine = \"torch\"")
-        c = self.model.tower.layers[0].cfg
+        self.artifact, self.manifest, self.schema, self.version = str(artifact), served.manifest, served.schema, served.version
+        self.tower, self.corpus_np = served.model.tower, served.ids
+        self.ranking = Ranking(self.schema.tasks)
+        self.stages: dict[str, float] = {}
+        if window_block < 1:
+            raise ValueError(f"serve.cache.window_block = {window_block}; it must be at least 1")
         self.cap = self.schema.max_history
-        self.bytes_per_token = len(self.model.tower.layers) * c.num_heads * (c.qk_dim + c.v_dim) * 4
+        self.window_block = min(window_block, self.cap)  # at most the window itself
+        c = served.model.hstu.kv_dims()
+        self.bytes_per_token = c.layers * (c.key_width + c.value_width) * 4
         self.pool_tokens = pool_tokens
-        self.has_action = "action" in self.model.sparse.sequence_features
+        self.has_action = "action" in served.embedding.sequence_features
         self._stats = {"hits": 0, "misses": 0, "history_tokens": 0, "cached_tokens": 0}
         self._lock = threading.Lock()
         # the semantic-ID decoder's beams: SGLang's beam search over trie-node tokens (SIDSteps)
-        head = self.model.sid_head
-        self.sid = SIDSteps(head, max_beam) if head is not None else None
-        self.max_beam = max_beam if head is not None else 0
+        self.sid = SIDVocab(served.sid, max_beam) if served.sid is not None else None
+        self.max_beam = max_beam if self.sid is not None else 0
         self._tickets = itertools.count(1)
         self.closed = False
         if self.sid is not None:  # a beam holds one req-to-token row per live sequence
             max_running += beam_rows
         self.ckpt = Path(tempfile.mkdtemp(prefix="genrec-sglang-"))
-        cfg = {"architectures": ["GenRecHSTU"], "model_type": "llama", "hidden_size": self.model.embedding_cfg.dim,
-               "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_heads, "head_dim": c.qk_dim,
-               "v_head_dim": c.v_dim, "num_hidden_layers": len(self.model.tower.layers), "intermediate_size": 1,
-               "vocab_size": self.sid.size if self.sid is not None else VOCAB, "max_position_embeddings": self.model.cfg.max_seq_len + 16,  # SGLang keeps a few positions back
+        cfg = {"architectures": ["GenRecHSTU"], "model_type": "llama", "hidden_size": served.embedding.dim,
+               "num_attention_heads": c.heads, "num_key_value_heads": c.heads, "head_dim": c.key_dim,
+               "v_head_dim": c.value_dim, "num_hidden_layers": c.layers, "intermediate_size": 1,
+               "vocab_size": self.sid.size if self.sid is not None else VOCAB,
+               "max_position_embeddings": served.model.max_seq_len + 16,  # SGLang keeps a few positions back
                "torch_dtype": "float32", "genrec_artifact": str(Path(artifact).resolve()), "genrec_threads": threads,
                "genrec_max_beam": self.max_beam}
         (self.ckpt / "config.json").write_text(json.dumps(cfg))
@@ -506,11 +522,11 @@ class SGLangEngine(TorchEngine):
         ids = event_token_ids(items, actions, tk, tq).tolist()
         retrieve = (w.kind == "retrieve" or w.candidates is None) and candidates is None
         dense = retrieve and w.source != "generative"
-        # what plan_ranking will rank (a model without tasks has nothing to score: run() fills zeros);
+        # what Ranking.plan will rank (a model without tasks has nothing to score: run() fills zeros);
         # a work whose candidates come from its beam ranks them in a second call
         none = np.zeros(0, np.int64)
         ranks = candidates is not None or (
-            bool(self.schema.tasks) and 0 in self.plan_ranking([w], {0: (none, none)} if retrieve else {}))
+            bool(self.schema.tasks) and 0 in self.ranking.plan([w], {0: (none, none)} if retrieve else {}))
         given = candidates if candidates is not None else (None if retrieve else w.candidates)
         rank = "none" if not ranks or (retrieve and w.source != "dense") else ("retrieved" if retrieve else "given")
         excluded = w.excluded() if retrieve else None
@@ -634,15 +650,18 @@ class SGLangEngine(TorchEngine):
             s["misses"] += len(works) - hits
             s["history_tokens"] += hist
             s["cached_tokens"] += cached
-        retrieved = self.merge_sources(retrieving, dense, generated) if beams else dense
-        to_rank = self.plan_ranking(works, retrieved)
+        retrieved = merge_sources(retrieving, dense, generated) if beams else dense
+        to_rank = self.ranking.plan(works, retrieved)
         later = [i for i in to_rank if i in beams]  # ranks what its beam found: a second call, history cached
         if later:
             second = self._call([self._request(works[i], candidates=to_rank[i][0]) for i in later], {})[0]
             probs.update({i: self._probs(self._row(o)) for i, o in zip(later, second)})
         for i in to_rank:  # a model without tasks ranks nothing: its candidates keep their order
             probs.setdefault(i, np.zeros((to_rank[i][0].size, tasks), np.float32))
-        results = self.finish(works, retrieved, to_rank, probs, t0)
+        t = time.perf_counter()
+        results = self.ranking.results(works, retrieved, to_rank, probs)
+        mark(self.stages, "order", t)
+        stamp(results, t0)
         gauges = {"capacity_tokens": self.pool_tokens, "bytes": self.pool_tokens * self.bytes_per_token}
         for i, (res, o, q, w) in enumerate(zip(results, outs, reqs, works)):
             res.history_tokens, res.cached_tokens = len(q.ids), int(o["meta_info"].get("cached_tokens", 0))

@@ -10,8 +10,8 @@ batching (``serve.batcher``) and hands each batch over a pipe::
     Batcher -> EngineProcess.run(works) --pickle--> engine.run(works)
             <-- results | the engine's exception --
 
-It stands in for the engine object the server holds (name, version, schema, manifest,
-tower, stages, ``run``), so batching, deadlines, reload and metrics are unchanged. A batch
+It stands in for the engine object the server holds (the engine contract,
+``serve.contract.Engine``), so batching, deadlines, reload and metrics are unchanged. A batch
 costs two pipe transfers of its validated arrays. From the event
 loop, batches pipeline (``run_async``): the child takes them in order, the next already in
 its pipe when one finishes. If the child dies, the batches in flight fail (INTERNAL) and the
@@ -39,7 +39,7 @@ from multiprocessing.connection import wait as wait_handles
 from typing import Any, Literal
 
 from genrec.quant.artifact import Manifest
-from genrec.serve.contract import Result, run_stamped
+from genrec.serve.contract import EngineBuilder, Result, run_stamped
 from genrec.serve.kvcache import CacheConfig
 from genrec.serve.requests import ModelSchema, Work
 
@@ -147,7 +147,8 @@ def _exit_with_parent() -> None:
     threading.Thread(target=wait, name="genrec-exit-with-parent", daemon=True).start()
 
 
-def _child(conn: Connection, kind: str, artifact: str, device: str, settings: ProcessSettings) -> None:
+def _child(conn: Connection, kind: str, artifact: str, device: str, settings: ProcessSettings,
+           build: EngineBuilder | None) -> None:
     import signal
 
     _exit_with_parent()  # first: loading (imports included) can take long, and can hang
@@ -168,7 +169,7 @@ def _child(conn: Connection, kind: str, artifact: str, device: str, settings: Pr
         torch.set_num_threads(settings.threads)
     torch.set_float32_matmul_precision(settings.matmul_precision)
     try:
-        engine = make_engine(kind, artifact, device, settings.cache)
+        engine = (build or make_engine)(kind, artifact, device, settings.cache)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", e))
         return
@@ -208,11 +209,13 @@ class EngineProcess:
     ``start=False``: the child is started by :meth:`start`, so another thread holding the object
     can cancel a start in progress with :meth:`close`. ``restart=False``: a dead child is not
     replaced by the next batch, which fails with :class:`EngineDied` instead (for an owner that
-    replaces engines itself, :class:`FailoverEngine`)."""
+    replaces engines itself, :class:`FailoverEngine`). ``build``: makes the engine in the child
+    (default: ``serve.factory.make_engine``)."""
 
     def __init__(self, kind: str, artifact: str, device: str = "cpu",
-                 settings: ProcessSettings | None = None, start: bool = True, restart: bool = True) -> None:
-        self.kind, self.artifact, self.device = kind, str(artifact), device
+                 settings: ProcessSettings | None = None, start: bool = True, restart: bool = True,
+                 build: EngineBuilder | None = None) -> None:
+        self.kind, self.artifact, self.device, self.build = kind, str(artifact), device, build
         self.settings = settings or ProcessSettings()
         self.restart = restart
         self.lock = threading.Lock()  # held by a control call, a thread's batch, or the loop's pipelined batches
@@ -234,7 +237,7 @@ class EngineProcess:
         killed) or was cancelled by :meth:`close`; the child's own error (a bad artifact) as is."""
         ctx = mp.get_context("spawn")  # a fresh interpreter: no torch thread pools inherited by fork
         conn, child = ctx.Pipe()
-        proc = ctx.Process(target=_child, args=(child, self.kind, self.artifact, self.device, self.settings),
+        proc = ctx.Process(target=_child, args=(child, self.kind, self.artifact, self.device, self.settings, self.build),
                            name=f"genrec-engine-{self.kind}", daemon=True)
         with self._guard:
             if self._closing:

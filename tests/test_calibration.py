@@ -250,9 +250,10 @@ def test_served_probabilities_are_the_offline_calibrated_ones(calibrated_run):
     """Every engine (the gRPC server's default, the packed path on the PyTorch backend, the
     batch path, the naive engine) serves model.rank's calibrated probabilities, which differ
     from the raw sigmoids: a path that skipped the calibrator fails here."""
+    from genrec.benchmarks.naive_engine import NaiveTorchEngine
     from genrec.loadtest.client import RecommenderClient, user
     from genrec.quant.convert import load_training_model, resolve_checkpoint
-    from genrec.serve.engine import NaiveTorchEngine, TorchEngine, collate_users
+    from genrec.serve.engine import TorchEngine, collate_users
     from genrec.serve.requests import Limits, Work, decode_user
     from tests.serving_helpers import ThreadedServer
 
@@ -275,7 +276,7 @@ def test_served_probabilities_are_the_offline_calibrated_ones(calibrated_run):
     works = [Work("rank", decode_user(u, schema, Limits()), candidates=np.array([x for x, _ in c]),
                   candidate_ids=np.array([x for x, _ in c]), bids=np.ones(len(c)), objective="click")
              for u, c in requests]
-    engines = [TorchEngine(art, padded=True, native=False), TorchEngine(art, padded=False), NaiveTorchEngine(art)]
+    engines = [TorchEngine(art, packed=True, native=False), TorchEngine(art, packed=False), NaiveTorchEngine(art)]
     by_engine = [[np.stack([r.tasks["click"], r.tasks["conversion"]], 1) for r in e.run(works)] for e in engines]
     with torch.no_grad():
         for k, w in enumerate(works):

@@ -19,10 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from genrec.benchmarks.naive_engine import NaiveTorchEngine
+from genrec.loadtest.client import user
 from genrec.proto.v1 import recommender_pb2 as pb
-from genrec.serve.client import user
 from genrec.serve.contract import Engine
-from genrec.serve.engine import NaiveTorchEngine, TorchEngine
+from genrec.serve.engine import TorchEngine
 from genrec.serve.requests import DEFAULT_TOP_K, Limits, Work, decode
 from tests.serving_helpers import untrained_artifact
 
@@ -44,7 +45,7 @@ def _torch(kind: str, artifact):  # noqa: ANN001, ANN202 - one of the in-process
     return {"native": lambda: TorchEngine(artifact, native=True),
             "packed": lambda: TorchEngine(artifact, native=False),
             "cached": lambda: TorchEngine(artifact, kv_cache_mb=4, cache_reuse="always"),
-            "jagged": lambda: TorchEngine(artifact, padded=False),
+            "jagged": lambda: TorchEngine(artifact, packed=False),
             "naive": lambda: NaiveTorchEngine(artifact)}[kind]()
 
 

@@ -14,12 +14,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from genrec.benchmarks.naive_engine import NaiveTorchEngine
 from genrec.loadtest.client import RecommenderClient, user
 from genrec.proto.v1 import recommender_pb2 as pb
 from genrec.quant.convert import QuantizeConfig, export, load_training_model, resolve_checkpoint
 from genrec.quant.load import load_model
-from genrec.serve.engine import RRF_K, NaiveTorchEngine, TorchEngine, collate_users, schema_of
+from genrec.serve.engine import TorchEngine
+from genrec.serve.layout import collate_users, schema_of
 from genrec.serve.requests import Limits, Work, decode_user
+from genrec.serve.retrieval import RRF_K
 from tests.serving_helpers import ThreadedServer, local_config, tiny_sid_artifact
 
 pytestmark = pytest.mark.serving

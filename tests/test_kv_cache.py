@@ -64,7 +64,7 @@ def _engines(artifact: Path, backend: str, mb: float = 64.0, block: int = 1) -> 
     ref = TorchEngine(artifact, native=native, window_block=block)
     # (on the native backend, "auto" reuses no prefix of windows this short: test_reuse_policy)
     cached = TorchEngine(artifact, native=native, kv_cache_mb=mb, window_block=block, cache_reuse="always")
-    assert cached.path == ref.path == ("native" if native else "padded")
+    assert cached.path == ref.path == ("native" if native else "packed")
     return ref, cached
 
 
@@ -299,7 +299,7 @@ def test_no_cache_and_calls_without_user_id_are_todays_engine(artifact):
         assert (y.cached_tokens, y.cache_lookup) == (0, False)
     assert a[0].cache_gauges is None and b[0].cache_gauges == on.cache.gauges()
     assert on.cache_stats()["users"] == 0 and off.cache_stats()["history_tokens"] == 2 * (10 + 40)
-    jagged = TorchEngine(artifact, padded=False, kv_cache_mb=1)  # the batch path has no cache: runs without
+    jagged = TorchEngine(artifact, packed=False, kv_cache_mb=1)  # the batch path has no cache: runs without
     named_users = [named(u, f"j{i}") for i, u in enumerate(users)]
     for x, y in zip(jagged.run(works(named_users)), jagged.run(works(named_users))):
         assert (x.cached_tokens, y.cached_tokens, y.cache_lookup) == (0, 0, False)

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 import genrec.serve.requests as requests
+from genrec.benchmarks.naive_engine import NaiveTorchEngine
 from genrec.loadtest.client import user
 from genrec.proto.v1 import recommender_pb2 as pb
 from genrec.serve.batcher import BatchConfig
-from genrec.serve.engine import NaiveTorchEngine, TorchEngine
+from genrec.serve.engine import TorchEngine
 from genrec.serve.requests import MAX_DETAIL, InvalidRequest, Limits, decode
 from tests.serving_helpers import ThreadedServer, local_config, tiny_ranking_artifact
 
@@ -183,10 +184,10 @@ def _ids(result) -> list[int]:  # noqa: ANN001
     return [int(i) for i in result.item_ids]
 
 
-@pytest.mark.parametrize("path", ["native", "padded", "jagged", "naive"])
+@pytest.mark.parametrize("path", ["native", "packed", "jagged", "naive"])
 def test_every_engine_drops_exclude_items_from_retrieval(artifact, engine, path):
-    e = {"native": lambda: engine, "padded": lambda: TorchEngine(artifact, native=False),
-         "jagged": lambda: TorchEngine(artifact, padded=False), "naive": lambda: NaiveTorchEngine(artifact)}[path]()
+    e = {"native": lambda: engine, "packed": lambda: TorchEngine(artifact, native=False),
+         "jagged": lambda: TorchEngine(artifact, packed=False), "naive": lambda: NaiveTorchEngine(artifact)}[path]()
     if path == "native" and e.path != "native":
         pytest.skip("the native library does not build here")
     u = user(events(6), CTX)

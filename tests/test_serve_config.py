@@ -33,7 +33,7 @@ def test_the_cli_with_no_flags_runs_serveconfig_defaults():
 
 
 def test_a_serve_file_round_trips(tmp_path):
-    cfg = ServeConfig(artifact="runs/art", port=50100, engine="naive", engine_cpus=(2, 3), engine_replicas=2,
+    cfg = ServeConfig(artifact="runs/art", port=50100, engine="sglang", engine_cpus=(2, 3), engine_replicas=2,
                       batch=BatchConfig(max_batch=8, max_inflight=2), process=ProcessSettings(threads=1, poll_ms=5.0),
                       cache=CacheConfig(kv_cache_mb=64.0, window_block=16, pool_tokens=4096))
     f = tmp_path / "serve.toml"
@@ -100,7 +100,7 @@ def test_the_cache_section_reaches_the_engine_in_process_and_in_an_engine_proces
     cache = CacheConfig(kv_cache_mb=8.0, window_block=4, pool_tokens=512)
     seen = []
     monkeypatch.setattr(server, "make_engine", lambda kind, art, device, c: seen.append(c) or "engine")
-    monkeypatch.setattr(server, "open_engine_process", lambda kind, art, device, settings: seen.append(settings) or "proc")
+    monkeypatch.setattr(server, "open_engine_process", lambda kind, art, device, settings, build=None: seen.append(settings) or "proc")
     assert open_engine(ServeConfig(engine_process=False, cache=cache), "a") == "engine"
     assert open_engine(ServeConfig(cache=cache), "a") == "proc"
     assert seen[0] == cache and seen[1].cache == cache and seen[1].standby

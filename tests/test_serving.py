@@ -636,7 +636,7 @@ def test_generated_proto_code_is_current(tmp_path):
 
 
 def test_naive_engine_returns_the_same_answers_as_the_batched_engine(artifacts):
-    from genrec.serve.engine import NaiveTorchEngine
+    from genrec.benchmarks.naive_engine import NaiveTorchEngine
     from genrec.serve.requests import decode
 
     fast, naive = TorchEngine(artifacts["hstu"]), NaiveTorchEngine(artifacts["hstu"])
@@ -649,21 +649,21 @@ def test_naive_engine_returns_the_same_answers_as_the_batched_engine(artifacts):
         np.testing.assert_allclose(a.scores, b.scores, rtol=1e-5, atol=1e-7)
 
 
-def test_the_engine_paths_native_padded_and_jagged_answer_alike(artifacts, monkeypatch):
+def test_the_engine_paths_native_packed_and_jagged_answer_alike(artifacts, monkeypatch):
     from genrec.serve.native import library
     from genrec.serve.requests import decode
 
     default = TorchEngine(artifacts["hstu"])
-    assert default.path == ("native" if library() is not None else "padded")
-    padded, jagged = TorchEngine(artifacts["hstu"], native=False), TorchEngine(artifacts["hstu"], padded=False)
-    assert (padded.path, jagged.path) == ("padded", "jagged")
+    assert default.path == ("native" if library() is not None else "packed")
+    packed, jagged = TorchEngine(artifacts["hstu"], native=False), TorchEngine(artifacts["hstu"], packed=False)
+    assert (packed.path, jagged.path) == ("packed", "jagged")
     monkeypatch.setenv("GENREC_NATIVE", "0")
-    assert TorchEngine(artifacts["hstu"]).path == "padded"
+    assert TorchEngine(artifacts["hstu"]).path == "packed"
     works = []
     for seed in range(5):
         req = pb.RecommendRequest(user=user(history(3 + 7 * seed, seed), CTX), retrieve_k=30, top_k=8)
         works.append(decode("recommend", req.SerializeToString(), default.schema, Limits()))
-    for a, b, c in zip(default.run(works), padded.run(works), jagged.run(works)):
+    for a, b, c in zip(default.run(works), packed.run(works), jagged.run(works)):
         np.testing.assert_array_equal(a.item_ids, c.item_ids)
         np.testing.assert_array_equal(b.item_ids, c.item_ids)
         np.testing.assert_allclose(a.scores, c.scores, rtol=1e-4, atol=1e-7)
