@@ -76,7 +76,7 @@ async def _serve(cfg: ServeConfig, replica_cpus: list[tuple[int, ...]], build: E
     server = RecommenderServer(cfg, cfg.artifact, replica_cpus=replica_cpus, build=build)
     port = await server.start()
     path = server.engine.path  # how the torch engine runs the tower: native, packed or jagged
-    print(f"genrec serving {server.engine.version} ({cfg.engine}{f', {path} path' if path else ''}) on {cfg.host}:{port}",
+    print(f"genrec serving {server.engine.version} ({server.engine.name}{f', {path} path' if path else ''}) on {cfg.host}:{port}",
           flush=True)
     if server.admin_server:
         print(f"admin on {cfg.admin.host}:{server.admin_port} (bearer token of {cfg.admin.token_file})", flush=True)
