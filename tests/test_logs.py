@@ -42,7 +42,21 @@ def test_a_library_warning_goes_to_the_file_even_with_a_root_handler(tmp_path):
         root.removeHandler(handler)
     assert console.getvalue() == ""
     assert "UserWarning: torch.distributed is disabled (a test)" in path.read_text()
-    assert logging.getLogger("py.warnings").propagate  # as it was outside the block
+
+
+def test_genrec_own_warning_reaches_the_console_and_the_file(tmp_path, capsys):
+    """A warning genrec itself issues is addressed to the user (e.g. a managed-collision
+    checkpoint evaluated on fewer ranks than trained it): stderr and the file, while a
+    library's goes to the file alone."""
+    import genrec.train.loop.checkpoint as ours
+
+    with run_log(tmp_path) as path, warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn_explicit("tables were trained on 2 ranks (a test)", UserWarning, ours.__file__, 1)
+        warnings.warn_explicit("a library speaks (a test)", UserWarning, warnings.__file__, 1)
+    err = capsys.readouterr().err
+    assert "trained on 2 ranks (a test)" in err and "a library speaks" not in err
+    assert "trained on 2 ranks (a test)" in path.read_text() and "a library speaks" in path.read_text()
 
 
 def test_run_log_appends_per_rank_and_prints_rank_0_and_diagnoses(tmp_path, capsys):

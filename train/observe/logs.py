@@ -4,8 +4,9 @@ Messages go through the ``genrec.train`` logger. On the console they print as be
 message, through ``tqdm.write`` so a progress bar stays whole; under torchrun only rank 0's,
 except diagnoses, which every rank prints). While :func:`run_log` is open they are also
 appended to ``RUN/<name>.log`` (rank 0) or ``RUN/<name>.rank<r>.log`` with the time, rank,
-level and logger, together with Python warnings (to the file alone, so a library's warning
-does not break up the console's output) and, when the job dies, the exception and its
+level and logger, together with Python warnings: a library's to the file alone (so it does not
+break up the console's output), genrec's own (addressed to the user, e.g. a checkpoint read on
+fewer ranks than wrote it) to the file and, as always, stderr; and, when the job dies, the exception and its
 traceback: a job that failed overnight says why in its run directory. A resumed or restarted
 job appends to the same file.
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -49,6 +52,16 @@ log.setLevel(logging.INFO)
 log.propagate = False  # the console handler prints it; no second copy from a root handler
 
 FORMAT = "%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"
+# the folder holding genrec's packages (the repository in an editable install, else
+# site-packages/genrec) and the package folders in it: a warning issued from these is ours
+_ROOT = Path(__file__).resolve().parents[2]
+_PACKAGES = ("genrec", "train", "serve", "models", "embedding", "quant", "kernels", "benchmarks", "configs")
+
+
+def ours(filename: str) -> bool:
+    """Whether ``filename`` is a module of genrec (not of a library it calls)."""
+    path = Path(filename).resolve()
+    return path.parent == _ROOT or any(path.is_relative_to(_ROOT / d) for d in _PACKAGES)
 
 
 def log_file(run_dir: Path, rank: int, name: str = "train") -> Path:
@@ -62,15 +75,18 @@ def run_log(run_dir: Path, rank: int = 0, name: str = "train") -> Iterator[Path]
     path = log_file(run_dir, rank, name)
     handler = logging.FileHandler(path, mode="a", encoding="utf-8")
     handler.setFormatter(logging.Formatter(FORMAT.format(rank=rank)))
-    warned = logging.getLogger("py.warnings")
-    before, propagated = _console.rank, warned.propagate
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001, ANN202 - warnings' hook
+        text = warnings.formatwarning(message, category, filename, lineno, line).rstrip()
+        handler.handle(log.makeRecord("py.warnings", logging.WARNING, filename, lineno, text, None, None))
+        if ours(filename):  # genrec's own warnings are for the user: stderr too, as Python prints them
+            sys.stderr.write(text + "\n")
+
+    before = _console.rank
     _console.rank = rank
     log.addHandler(handler)
-    warned.addHandler(handler)
-    # the file only: importing fbgemm_gpu logs through the root logger, which gives the root a
-    # stderr handler (logging.basicConfig), and a propagated warning would print there too
-    warned.propagate = False
-    logging.captureWarnings(True)
+    warnings.showwarning = show
     try:
         yield path
     except BaseException as e:
@@ -79,9 +95,7 @@ def run_log(run_dir: Path, rank: int = 0, name: str = "train") -> Iterator[Path]
                                       None, (type(e), e, e.__traceback__)))
         raise
     finally:
-        logging.captureWarnings(False)
-        warned.propagate = propagated
-        warned.removeHandler(handler)
+        warnings.showwarning = shown
         log.removeHandler(handler)
         handler.close()
         _console.rank = before
