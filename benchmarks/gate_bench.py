@@ -44,14 +44,33 @@ from typing import Any
 
 import torch
 
+# modules that moved, by their path now and before (a base before the 2026-12-04 layout, where
+# train/ was flat and the load generator lived in serve/): each side imports its own
+MOVED = {"genrec.train.loop.trainer": "genrec.train.trainer", "genrec.train.loop.launch": "genrec.train.run",
+         "genrec.loadtest.workload": "genrec.serve.loadtest"}
+
+
+def _module(name: str) -> Any:  # noqa: ANN401 - a module
+    """``name``, or where it was before it moved (:data:`MOVED`). The old path is tried first:
+    only a side from before the move has it, while the new path could still be found outside the
+    side's tree (the editable install's finder maps genrec.* to the checkout it came from)."""
+    import importlib
+
+    if name in MOVED:
+        try:
+            return importlib.import_module(MOVED[name])
+        except ModuleNotFoundError:
+            pass
+    return importlib.import_module(name)
+
 
 def _modules() -> dict[str, str]:
     """Where the measured code came from: each module's file with symlinks resolved."""
     import genrec
     import genrec.serve.engine
-    import genrec.train.loop.trainer
 
-    return {m.__name__: os.path.realpath(m.__file__) for m in (genrec, genrec.train.loop.trainer, genrec.serve.engine)}
+    trainer = _module("genrec.train.loop.trainer")
+    return {m.__name__: os.path.realpath(m.__file__) for m in (genrec, trainer, genrec.serve.engine)}
 
 
 def _job(args: argparse.Namespace, extra: list[str] = ()) -> Any:  # noqa: ANN401 - the side's JobConfig
@@ -64,7 +83,8 @@ def _job(args: argparse.Namespace, extra: list[str] = ()) -> Any:  # noqa: ANN40
 def prepare(args: argparse.Namespace) -> None:
     """Trains the job for two steps and exports it to ``args.out/artifact``."""
     from genrec.quant.convert import QuantizeConfig, export
-    from genrec.train.loop.launch import run_training
+
+    run_training = _module("genrec.train.loop.launch").run_training
 
     out = Path(args.out)
     job = _job(args, ["--train.max_steps=2", "--train.evaluate=false", f'--run.out_dir="{out / "runs"}"'])
@@ -86,13 +106,15 @@ class Bench:
     """Both benchmarks of one side, built and warmed up: ``block(kind)`` runs one block."""
 
     def __init__(self, args: argparse.Namespace, run_dir: Path) -> None:
-        from genrec.loadtest.workload import load_workload
         from genrec.serve.engine import TorchEngine
         from genrec.serve.requests import Limits, decode
         from genrec.train.data.reader import make_reader
         from genrec.train.data.schema import read_info
         from genrec.train.job import build_model, task_masks, tokens_per_event
-        from genrec.train.loop.trainer import Trainer, build_optimizer
+
+        load_workload = _module("genrec.loadtest.workload").load_workload
+        trainer = _module("genrec.train.loop.trainer")
+        Trainer, build_optimizer = trainer.Trainer, trainer.build_optimizer  # noqa: N806 - a class
 
         job = _job(args)
         torch.manual_seed(job.train.seed)
