@@ -90,14 +90,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--candidates", type=int, default=200)
     p.add_argument("--reps", type=int, default=10)
     a = p.parse_args(argv)
-    shape = (a.device, a.users, a.history, a.new, a.candidates)
-    h32, c32, ms32 = run(*shape, torch.float32, a.reps)
-    h16, c16, ms16 = run(*shape, torch.bfloat16, a.reps)
+    print(json.dumps(check(a.device, a.users, a.history, a.new, a.candidates, a.reps)))
+
+
+def check(device: str, users: int, history: int, new: int, candidates: int, reps: int = 10) -> dict:
+    """The bf16 pool against the fp32 one at one shape: times and relative errors."""
+    shape = (device, users, history, new, candidates)
+    h32, c32, ms32 = run(*shape, torch.float32, reps)
+    h16, c16, ms16 = run(*shape, torch.bfloat16, reps)
     rel = lambda x, y: float((x - y).abs().max() / y.abs().max())  # noqa: E731
-    print(json.dumps({"device": torch.cuda.get_device_name(0) if a.device == "cuda" else a.device,
-                      "users": a.users, "history": a.history, "new": a.new, "candidates": a.candidates,
-                      "ms_fp32_pool": round(ms32, 3), "ms_bf16_pool": round(ms16, 3),
-                      "bf16_vs_fp32_rel_err_new": rel(h16, h32), "bf16_vs_fp32_rel_err_candidates": rel(c16, c32)}))
+    return {"device": torch.cuda.get_device_name(0) if device == "cuda" else device,
+            "users": users, "history": history, "new": new, "candidates": candidates,
+            "ms_fp32_pool": round(ms32, 3), "ms_bf16_pool": round(ms16, 3),
+            "bf16_vs_fp32_rel_err_new": rel(h16, h32), "bf16_vs_fp32_rel_err_candidates": rel(c16, c32)}
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ FILE_TIERS = {
     "test_serving.py": "serving", "test_serve_security.py": "serving", "test_engine_failover.py": "serving",
     "test_request_limits.py": "serving", "test_loadtest.py": "serving",
     "test_sglang.py": "sglang", "test_sglang_sid.py": "sglang",
+    "test_gpu_check.py": "dist",  # its dry run trains a tiny tower and runs the paged check (~30 s)
 }
 # file::test (without parameters) -> tier, for what SIGNS cannot see (a helper does the work)
 TEST_TIERS = {
