@@ -81,7 +81,8 @@ def step_kernel_tests(device: str, tiny: bool) -> dict[str, Any]:
     if tiny:
         args.append("--collect-only")
     p = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
-    tail = (p.stdout + p.stderr).strip().splitlines()[-1:] or [""]
+    lines = [x for x in (p.stdout + p.stderr).strip().splitlines() if x.strip()]
+    tail = [next((x for x in reversed(lines) if re.search(r"\d+ (passed|failed|errors?)", x)), lines[-1] if lines else "")]
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped)", tail[0])}
     collected = re.search(r"(\d+)(?: tests? collected)?$", tail[0]) if tiny else None
     if collected:

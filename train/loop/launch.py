@@ -26,6 +26,7 @@ from genrec.train.loop import checkpoint as ckpt
 from genrec.train.loop.checkpoint import warm_start
 from genrec.train.loop.parallel import (
     DistContext,
+    checkpoint_layers,
     init_distributed,
     parallelize,
     replicate,
@@ -124,7 +125,7 @@ def _train(job: JobConfig, run_dir: Path | None, ctx: DistContext, state: dict[s
         if ctx.distributed and job.train.init_from:
             raise ConfigError("train.init_from works in one process (not under torchrun) for now")
         if ctx.distributed:
-            par = (replicate(model, emb, dense_optimizer, ctx) if how == "ddp" else
+            par = (replicate(model, emb, dense_optimizer, ctx, job.train.parallel) if how == "ddp" else
                    parallelize(model, emb, job.train.parallel, optim.lr, dense_optimizer, ctx, per_rank.batch_size))
             if job.train.compile:
                 par.module.tower.compile(dynamic=True)
@@ -136,6 +137,8 @@ def _train(job: JobConfig, run_dir: Path | None, ctx: DistContext, state: dict[s
                               world_size=ctx.world_size)
         else:
             model = model.to(ctx.device)
+            if job.train.parallel.activation_checkpointing:
+                checkpoint_layers(model)
             optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], optim)
             if job.train.compile:
                 model.tower.compile(dynamic=True)

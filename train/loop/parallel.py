@@ -30,6 +30,7 @@ planner offers no row-wise for pooled tables on CPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import time
@@ -67,6 +68,16 @@ class ParallelConfig:
     # collectives (and joining the group) fail after this long instead of hanging; with
     # torchrun --max-restarts a stuck worker group then restarts
     timeout_s: float = 300.0
+    # how the dense part (tower, heads, position table) trains beside DMP's sharded tables:
+    # ddp: replicated on every rank, gradients all-reduced; fsdp: FSDP2 (fully_shard per tower
+    # layer, then the rest), parameters, gradients and optimizer state split across ranks and
+    # all-gathered one layer at a time, for towers whose weights + AdamW state outgrow a rank
+    dense: Literal["ddp", "fsdp"] = "ddp"
+    # fsdp only: the dtype layers compute in (the all-gathered weights are cast to it); the
+    # sharded master weights, the optimizer and the gradient reductions stay fp32
+    fsdp_param_dtype: Literal["fp32", "bf16"] = "fp32"
+    # recompute each tower layer's activations in backward instead of keeping them (ddp or fsdp)
+    activation_checkpointing: bool = False
 
 
 @dataclass
@@ -185,7 +196,8 @@ def sparse_optimizer(cfg: ParallelConfig, lr: float) -> tuple[type, dict[str, fl
     }[cfg.sparse_optimizer]
 
 
-def sharding_plan(model: nn.Module, emb: EmbeddingConfig, ctx: DistContext, sharders: list, batch_size: int):  # noqa: ANN201
+def sharding_plan(model: nn.Module, emb: EmbeddingConfig, ctx: DistContext, sharders: list, batch_size: int,  # noqa: ANN201
+                  data_parallel: bool = True):
     from torchrec.distributed.planner import (
         EmbeddingShardingPlanner,
         ParameterConstraints,
@@ -198,6 +210,10 @@ def sharding_plan(model: nn.Module, emb: EmbeddingConfig, ctx: DistContext, shar
         types = [t.sharding] if t.sharding != "auto" else None
         if types is None and ctx.device.type == "cpu":
             types = list(CPU_EC_SHARDINGS if t.pooling == "none" else CPU_EBC_SHARDINGS)
+        if types is None and not data_parallel:
+            types = ["table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise"]
+        if types and not data_parallel:
+            types = [x for x in types if x != "data_parallel"]
         if t.oov == "mch":
             types = ["row_wise"]
         if types or kernels:
@@ -262,23 +278,101 @@ def parallelize(model: nn.Module, emb: EmbeddingConfig, cfg: ParallelConfig, lr:
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     check_plan(emb, cfg, ctx.device)
-    # (1) the plan: which table goes where, and how
+    fsdp = cfg.dense == "fsdp"
+    if fsdp and any(t.sharding == "data_parallel" for t in emb.tables):
+        raise ConfigError("train.parallel.dense = 'fsdp' leaves no DDP to all-reduce data-parallel tables' gradients; "
+                          "set those tables' sharding to 'auto' or a model-parallel one, or dense = 'ddp'")
+    if cfg.activation_checkpointing:
+        checkpoint_layers(model)
+    # (1) the plan: which table goes where, and how (under FSDP no table is data parallel:
+    # nothing would all-reduce its gradients)
     sharders = sharders_for(emb)
-    plan = sharding_plan(model, emb, ctx, sharders, batch_size)
+    plan = sharding_plan(model, emb, ctx, sharders, batch_size, data_parallel=not fsdp)
     # (2) the fused sparse optimizer on every table that will be sharded (data-parallel
     # tables are replicated parameters: DDP averages their gradients, AdamW updates them)
     replicated = {t for mp in plan.plan.values() for t, p in mp.items() if p.sharding_type == "data_parallel"}
     opt_cls, opt_kw = sparse_optimizer(cfg, lr)
     fused = [p for name, p in model.sparse.named_parameters() if name.split(".")[-2] not in replicated]
     apply_optimizer_in_backward(opt_cls, fused, opt_kw)
-    # (3) shard the tables (model parallel), DDP the rest (data parallel)
+    # (3) shard the tables (model parallel), DDP the rest (data parallel); or, with dense =
+    # "fsdp", leave the rest to (3b)
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
-                                   device=ctx.device, plan=plan, sharders=sharders)
+                                   device=ctx.device, plan=plan, sharders=sharders,
+                                   data_parallel_wrapper=_NoDataParallel() if fsdp else None)
+    if fsdp:  # (3b) the dense part fully sharded; before (4): FSDP swaps in its own (DTensor) parameters
+        shard_dense(dmp.module, cfg, ctx)
     # (4) one optimizer: fused (sparse) + AdamW (dense); keys are parameter names
     dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     dense_opt = KeyedOptimizerWrapper(dense, make_dense_optimizer)
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense_opt])
     return Parallelized(dmp, dmp.module, optimizer, list(dense.values()), dense_opt, plan)
+
+
+class _NoDataParallel:
+    """DMP's data-parallel wrapper that wraps nothing: FSDP takes the dense part (shard_dense)."""
+
+    def wrap(self, dmp: nn.Module, env: Any, device: torch.device) -> None:
+        return None
+
+
+def checkpoint_layers(model: nn.Module) -> int:
+    """Activation checkpointing per tower layer: each layer's forward runs under
+    ``torch.utils.checkpoint`` (non-reentrant), so backward recomputes its activations instead
+    of keeping them. Set on the instance's ``forward``, not by a wrapper module, so parameter
+    names (and with them checkpoints) stay those of the plain model. Returns the layer count."""
+    from torch.utils.checkpoint import checkpoint
+
+    layers = list(getattr(model.tower, "layers", []))
+    for layer in layers:
+        plain = type(layer).forward.__get__(layer)
+        layer.forward = functools.partial(checkpoint, plain, use_reentrant=False)
+    return len(layers)
+
+
+def shard_dense(module: nn.Module, cfg: ParallelConfig, ctx: DistContext) -> None:
+    """FSDP2 over the dense part of a DMP model, in place: one ``fully_shard`` unit per tower
+    layer (all-gathered just before it runs, freed after), then the root for the rest
+    (position table, final norm, heads), the sharded tables left out (``ignored_params``).
+    Each parameter becomes a DTensor holding 1/world of its rows on this rank; the optimizer,
+    built after this, keeps its state in the same shards. Mixed precision: the tower layers
+    compute in ``fsdp_param_dtype`` (their weights all-gathered in it, their inputs cast to it)
+    and hand fp32 back; the rest (position table, final norm, heads: the logits and the loss)
+    stays fp32, as the tables' outputs are, and so do the reduce-scatters and master weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    low = torch.bfloat16 if cfg.fsdp_param_dtype == "bf16" else None
+    layer_mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32,
+                                    output_dtype=torch.float32 if low is not None else None)
+    for layer in getattr(module.tower, "layers", []):
+        fully_shard(layer, mesh=mesh, mp_policy=layer_mp)
+    tables = set(module.sparse.parameters())
+    fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32), ignored_params=tables)
+
+
+def fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def full_params(model: nn.Module) -> Any:
+    """Every FSDP unit of ``model`` all-gathered for the block, and kept so: evaluation calls
+    methods besides ``forward`` (``user_states``, ``item_embeddings``, a layer's
+    ``forward_last``), which FSDP's hooks do not see. A no-op without FSDP. Every rank enters
+    it (the all-gathers are collectives)."""
+    units = fsdp_modules(model)
+    for m in units:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in units:
+            m.reshard()
+            m.set_reshard_after_forward(True, recurse=False)
 
 
 class Replicated:
@@ -299,11 +393,18 @@ class Replicated:
         return {name: f"replicated on ranks {ranks} (DDP, dense AdamW)" for name in self.tables}
 
 
-def replicate(model: nn.Module, emb: EmbeddingConfig, make_optimizer, ctx: DistContext) -> Replicated:  # noqa: ANN001
+def replicate(model: nn.Module, emb: EmbeddingConfig, make_optimizer, ctx: DistContext,  # noqa: ANN001
+              cfg: ParallelConfig | None = None) -> Replicated:
     """``mode = "ddp"``: the whole model (tables included) under torch DDP, one optimizer over
     all parameters: gradients are averaged across ranks, as DMP's DDP does for dense ones."""
     from torch.nn.parallel import DistributedDataParallel
 
+    cfg = cfg or ParallelConfig()
+    if cfg.dense == "fsdp":
+        raise ConfigError("train.parallel.dense = 'fsdp' shards the dense part beside TorchRec's sharded tables: set "
+                          "mode = 'dmp' with a fused sparse_optimizer ('rowwise_adagrad', 'adagrad', 'sgd'), or dense = 'ddp'")
+    if cfg.activation_checkpointing:
+        checkpoint_layers(model)
     for t in emb.tables:
         if t.sharding not in ("auto", "data_parallel"):
             raise ConfigError(f"table '{t.name}': sharding '{t.sharding}' with train.parallel.mode = 'ddp', which "
@@ -404,6 +505,9 @@ def no_sync(model: nn.Module) -> contextlib.ExitStack:
     for m in model.modules():
         if isinstance(m, DistributedDataParallel):
             stack.enter_context(m.no_sync())
+    for m in fsdp_modules(model):  # FSDP: no reduce-scatter; gradients accumulate unsharded
+        m.set_requires_gradient_sync(False, recurse=False)
+        stack.callback(m.set_requires_gradient_sync, True, recurse=False)
     return stack
 
 

@@ -40,7 +40,7 @@ from genrec.train.eval.ranking_metrics import evaluate_ranking
 from genrec.train.job import OptimConfig, TrainConfig
 from genrec.train.loop import checkpoint as ckpt
 from genrec.train.loop.average import AveragedWeights
-from genrec.train.loop.parallel import time_collectives
+from genrec.train.loop.parallel import full_params, time_collectives
 from genrec.train.observe import faults
 from genrec.train.observe.diagnose import Diagnoser
 from genrec.train.observe.logs import log, progress
@@ -349,11 +349,12 @@ class Trainer:
             if self.world_size > 1:  # every rank must make as many (collective) forwards
                 total = int(self.reduce_max(torch.tensor([len(reader)])).item())
             batches = progress(reader, split, enabled=self.cfg.progress and self.rank == 0)
-            if split.startswith("rank_"):
-                plot = self.run_dir / "reliability_test.png" if split == "rank_test" and self.rank == 0 else None
-                out.update(evaluate_ranking(self.module, batches, self.tasks, self.device, total, plot))
-            else:
-                out.update(evaluate(self.module, batches, self.eval_cfg, self.device, self.reduce, total))
+            with full_params(self.module):  # FSDP: the whole dense part, for methods besides forward
+                if split.startswith("rank_"):
+                    plot = self.run_dir / "reliability_test.png" if split == "rank_test" and self.rank == 0 else None
+                    out.update(evaluate_ranking(self.module, batches, self.tasks, self.device, total, plot))
+                else:
+                    out.update(evaluate(self.module, batches, self.eval_cfg, self.device, self.reduce, total))
         return out
 
     def reduce_max(self, t: torch.Tensor) -> torch.Tensor:
@@ -456,8 +457,9 @@ class Trainer:
         reader.set_epoch(0)
         total = int(self.reduce_max(torch.tensor([len(reader)])).item()) if self.world_size > 1 else None
         batches = progress(reader, "calibration", enabled=self.cfg.progress and self.rank == 0)
-        summary = fit_calibration(self.module, batches, self.tasks, self.device, total, self.reduce, self.rank,
-                                  self.world_size, self.run_dir / "reliability_valid.png" if self.rank == 0 else None)
+        with full_params(self.module):
+            summary = fit_calibration(self.module, batches, self.tasks, self.device, total, self.reduce, self.rank,
+                                      self.world_size, self.run_dir / "reliability_valid.png" if self.rank == 0 else None)
         fitted = {k: v.clone() for k, v in self.module.named_buffers() if is_calibration_key(k)}
         ckpt.amend_checkpoint(self.io, best, self.module, fitted)
         ckpt.restore(self.io, best, with_optimizer=False)  # the evaluated weights (averages), calibrated
