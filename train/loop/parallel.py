@@ -8,7 +8,11 @@
    DMP (``apply_optimizer_in_backward``) so TorchRec fuses it into fbgemm's lookup kernel,
    which updates the rows inside backward (data-parallel tables stay with the dense AdamW);
 3. ``DistributedModelParallel``: shards the tables across ranks (model parallel) and wraps
-   the dense remainder in DDP (data parallel);
+   the dense remainder in DDP (data parallel); or, with ``dense = "fsdp"``, wraps nothing and
+   (3b) ``shard_dense`` applies FSDP2 to the dense remainder: one ``fully_shard`` unit per tower
+   layer, then the root with the tables left out, so each rank keeps 1/world of the dense
+   weights, gradients and optimizer state (optionally bf16 compute; activation checkpointing
+   per layer, in either mode, is applied first, on the unsharded model);
 4. one optimizer: DMP's fused optimizer + AdamW over the dense parameters (a
    ``CombinedOptimizer``), whose state keys are the model's parameter names, so checkpoints
    move between world sizes.
