@@ -78,6 +78,7 @@ SUMMARIES: dict[str, Callable[[dict], tuple[str, str]]] = {
     "data_reader": _lazy("data_reader", "data_reader_summary"),
     "gate": _lazy("gate_evidence", "gate_summary"),
     "eval_protocol": _lazy("eval_protocol", "eval_protocol_summary"),
+    "fsdp_memory": _lazy("fsdp_memory", "fsdp_memory_summary"),
 }
 
 
@@ -95,6 +96,7 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "data_reader": _lazy("data_reader", "data_reader"),
     "gate": _lazy("gate_evidence", "gate"),
     "eval_protocol": _lazy("eval_protocol", "eval_protocol"),
+    "fsdp_memory": _lazy("fsdp_memory", "fsdp_memory"),
 }
 
 
