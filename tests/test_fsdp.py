@@ -7,7 +7,8 @@
   allowed over the run), with activation checkpointing on (recomputation is the same math);
 * its checkpoint (each dense tensor written as 2 row shards) reshards: one process evaluates
   it as the run did, it resumes on 1 rank with the same metrics, and on 2 DDP ranks it
-  continues the FSDP run's trajectory to the same end;
+  continues the FSDP run's trajectory to the same end; a one-process DDP checkpoint resumes
+  on 2 FSDP ranks with the same metrics;
 * a killed worker under FSDP is restarted by torchrun and ends exactly as the straight run;
 * bf16 compute (``fsdp_param_dtype``) trains within bf16's rounding of the fp32 run;
 * configurations FSDP cannot serve are refused, naming the fix.
@@ -98,6 +99,20 @@ def test_fsdp_checkpoint_evaluates_in_one_process_and_resumes_on_one_and_on_two_
     assert_close_trajectory(runs / "dist" / "fsdp", part, rel=1e-5)
     for k in METRICS:
         assert results(runs, "part")["test"][k] == pytest.approx(results(runs, "fsdp")["test"][k], abs=1e-3), k
+
+
+def test_one_process_ddp_checkpoint_resumes_on_two_fsdp_ranks(tiny_synth, tmp_path):
+    """1 -> 2 and DDP -> FSDP: a one-process run (DMP, a world of one, dense DDP) stopped at
+    step 6 resumes on 2 FSDP ranks, which load its whole tensors as row shards and test the
+    same model."""
+    run([sys.executable] + train_args(tiny_synth, tmp_path, "one", ["--train.max_steps=6"]))
+    first = results(tmp_path, "one")
+    run(two_ranks() + ["-m", "genrec.cli", "train", "--resume", str(tmp_path / "dist" / "one"),
+                       '--train.parallel.dense="fsdp"'])
+    again = results(tmp_path, "one")
+    assert again["steps"] == first["steps"] == 6
+    for k in METRICS:
+        assert again["test"][k] == pytest.approx(first["test"][k], abs=1e-9), k
 
 
 def test_fsdp_killed_worker_is_restarted_and_ends_like_an_uninterrupted_run(tiny_synth, runs):
