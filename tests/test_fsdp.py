@@ -11,7 +11,8 @@
   on 2 FSDP ranks with the same metrics;
 * a killed worker under FSDP is restarted by torchrun and ends exactly as the straight run;
 * bf16 compute (``fsdp_param_dtype``) trains within bf16's rounding of the fp32 run;
-* configurations FSDP cannot serve are refused, naming the fix.
+* configurations FSDP cannot serve are refused, naming the fix (data-parallel tables; bf16
+  layer compute with ranking tasks, whose evaluation runs layers outside forward).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import shutil
 import sys
 
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.dist.trajectory import assert_same_trajectory, checkpoint_tensors, train_records
@@ -150,3 +152,9 @@ def test_fsdp_refuses_what_it_cannot_shard():
                                               sharding="data_parallel")))
     with pytest.raises(ConfigError, match="data-parallel tables' gradients"):
         parallelize(None, emb, ParallelConfig(dense="fsdp", sparse_optimizer="sgd"), 0.1, None, DistContext(), 8)
+    ranker = torch.nn.Module()
+    ranker.ranking = torch.nn.Linear(2, 1)
+    with pytest.raises(ConfigError, match="'bf16' cannot evaluate ranking tasks.*train.precision = 'bf16'"):
+        parallelize(ranker, EmbeddingConfig(tables=emb.tables[:1]),
+                    ParallelConfig(dense="fsdp", sparse_optimizer="sgd", fsdp_param_dtype="bf16"), 0.1, None,
+                    DistContext(), 8)

@@ -286,6 +286,13 @@ def parallelize(model: nn.Module, emb: EmbeddingConfig, cfg: ParallelConfig, lr:
     if fsdp and any(t.sharding == "data_parallel" for t in emb.tables):
         raise ConfigError("train.parallel.dense = 'fsdp' leaves no DDP to all-reduce data-parallel tables' gradients; "
                           "set those tables' sharding to 'auto' or a model-parallel one, or dense = 'ddp'")
+    if fsdp and cfg.fsdp_param_dtype != "fp32" and getattr(model, "ranking", None) is not None:
+        # ranking evaluation runs the layers outside forward (encode_history: a layer's
+        # forward_last, then forward_cached), past FSDP's input casts: fp32 inputs meet bf16 weights
+        raise ConfigError("train.parallel.fsdp_param_dtype = 'bf16' cannot evaluate ranking tasks (their evaluation "
+                          "runs tower layers outside forward, where FSDP does not cast the inputs); use "
+                          "fsdp_param_dtype = 'fp32' with train.precision = 'bf16' (autocast: bf16 compute, fp32 "
+                          "weights and reductions)")
     if cfg.activation_checkpointing:
         checkpoint_layers(model)
     # (1) the plan: which table goes where, and how (under FSDP no table is data parallel:
