@@ -76,6 +76,10 @@ def test_fsdp_trains_the_ddp_trajectory_with_dense_tensors_sharded(runs):
     meta = {n: dcp.FileSystemReader(str(p)).read_metadata().state_dict_metadata for n, p in last.items()}
     key = "model.tower.layers.0.uvqk.weight"
     assert len(meta["fsdp"][key].chunks) == 2 and len(meta["ddp"][key].chunks) == 1
+    plan = json.loads((runs / "dist" / "fsdp" / "sharding.json").read_text())
+    assert plan["item"].startswith("row_wise on ranks [0, 1]")
+    assert plan["(dense)"] == "FSDP2 over ranks [0, 1]: 3 units (2 tower layers + the rest)"
+    assert "(dense)" not in json.loads((runs / "dist" / "ddp" / "sharding.json").read_text())
 
 
 def test_fsdp_checkpoint_evaluates_in_one_process_and_resumes_on_one_and_on_two_ddp_ranks(tiny_synth, runs):

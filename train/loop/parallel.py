@@ -268,6 +268,10 @@ class Parallelized:
         for module_plan in self.plan.plan.values():
             for table, p in module_plan.items():
                 out[table] = f"{p.sharding_type} on ranks {p.ranks} ({p.compute_kernel})"
+        units = fsdp_modules(self.module)
+        if units:  # the dense part's layout, beside the tables' (DDP: replicated, the default)
+            out["(dense)"] = (f"FSDP2 over ranks {list(range(dist.get_world_size()))}: {len(units)} units "
+                              f"({len(units) - 1} tower layers + the rest)")
         return out
 
 
