@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 import math
 import multiprocessing as mp
@@ -87,6 +88,19 @@ class AdminConfig:
     artifact_root: str = ""
     load_timeout_s: float = 300.0  # an artifact check and engine start that take longer fail
     tls: TLSConfig = field(default_factory=TLSConfig)
+    # plaintext Admin on a non-loopback host: refused unless this says the network is trusted
+    # (the token would cross it in the clear); give admin.tls (or tls) instead where you can
+    insecure: bool = False
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address, IPv6 in brackets or not) is this host only."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # another name: it may resolve to any interface
 
 
 @dataclass(frozen=True)
@@ -152,6 +166,12 @@ class ServeConfig:
                              "[serve.cache]")
         if self.engine_replicas < 1:
             raise ValueError(f"serve.engine_replicas = {self.engine_replicas}; it must be at least 1")
+        a = self.admin
+        if a.token_file and not is_loopback(a.host) and not (a.tls.enabled or self.tls.enabled) and not a.insecure:
+            raise ValueError(f"serve.admin.host = {a.host!r} is not loopback and Admin has no TLS: its bearer token "
+                             "would cross the network in plaintext. Set serve.admin.tls.cert / .key (or serve.tls), "
+                             "bind serve.admin.host = \"127.0.0.1\", or set serve.admin.insecure = true on a "
+                             "trusted network")
 
 
 SGLANG_INFLIGHT = 4  # batches handed to the SGLang engine at once (serve.batch.max_inflight = 0)

@@ -104,3 +104,19 @@ def test_the_cache_section_reaches_the_engine_in_process_and_in_an_engine_proces
     assert open_engine(ServeConfig(engine_process=False, cache=cache), "a") == "engine"
     assert open_engine(ServeConfig(cache=cache), "a") == "proc"
     assert seen[0] == cache and seen[1].cache == cache and seen[1].standby
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "admin.internal", "::"])
+def test_plaintext_admin_on_a_non_loopback_host_is_refused_naming_the_key(host):
+    """Admin's bearer token must not cross a network in the clear by accident: off loopback
+    it needs TLS (its own, or the public port's) or an explicit serve.admin.insecure."""
+    with pytest.raises(ConfigError, match=r"serve\.admin\.insecure") as e:
+        _cfg("--artifact", "a", "--serve.admin.token_file=t", f"--serve.admin.host={host}")
+    assert "serve.admin.tls" in str(e.value)
+    ok = [_cfg("--artifact", "a", "--serve.admin.token_file=t", f"--serve.admin.host={host}", *extra)
+          for extra in (["--serve.admin.insecure=true"], ["--serve.admin.tls.cert=c", "--serve.admin.tls.key=k"],
+                        ["--serve.tls.cert=c", "--serve.tls.key=k"])]
+    assert all(c.admin.host == host for c in ok)
+    for loopback in ("127.0.0.1", "localhost", "::1", "[::1]"):  # loopback, or Admin off: no TLS needed
+        assert _cfg("--artifact", "a", "--serve.admin.token_file=t", f"--serve.admin.host={loopback}").admin.host
+    assert _cfg("--artifact", "a", f"--serve.admin.host={host}").admin.host == host
