@@ -31,6 +31,7 @@ import ipaddress
 import logging
 import math
 import multiprocessing as mp
+import stat
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -264,6 +265,12 @@ def bounded(message: str, limit: int = MAX_DETAIL) -> str:
 
 
 def _read_token(path: str) -> bytes:
+    """The Admin token in ``path``, a file its owner alone may read or write: a token others
+    can read is anyone's on this host (and one others can write, theirs to choose)."""
+    mode = Path(path).stat().st_mode
+    if mode & 0o077:
+        raise ValueError(f"admin token file {path} is readable or writable by group or others (mode "
+                         f"{stat.S_IMODE(mode):o}): run 'chmod 600 {path}' (serve.admin.token_file)")
     token = Path(path).read_bytes().strip()
     if len(token) < 16:
         raise ValueError(f"admin token file {path}: the token must be at least 16 characters")
@@ -320,6 +327,8 @@ class RecommenderServer:
         if not artifact:
             raise ValueError("serve.artifact is empty: name the artifact folder to serve")
         self.cfg, self.artifact, self.replica_cpus, self.build = cfg, artifact, tuple(replica_cpus), build
+        # the token first: a config error is refused before an engine starts
+        self.admin_token = _read_token(cfg.admin.token_file) if cfg.admin.token_file else None
         self.engine: Engine = engine if engine is not None else open_engine(cfg, artifact, self.replica_cpus, build)
         self.owns_engine = engine is None  # an engine handed in is closed by whoever made it
         self.metrics = ServerMetrics()
@@ -329,7 +338,6 @@ class RecommenderServer:
         self.batcher: Batcher | None = None
         self.health = health.aio.HealthServicer()
         self.port = self.admin_port = 0
-        self.admin_token = _read_token(cfg.admin.token_file) if cfg.admin.token_file else None
         self.artifact_root = Path(cfg.admin.artifact_root or Path(artifact).resolve().parent).resolve()
         self._reloading = asyncio.Lock()
         self._stopping = False

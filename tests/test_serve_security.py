@@ -119,6 +119,23 @@ def test_a_symlink_out_of_the_root_is_refused(server, root, tmp_path):
         (root / "link").unlink()
 
 
+
+def test_an_admin_token_file_others_can_read_or_write_is_refused_before_an_engine_starts(tmp_path):
+    from genrec.serve.server import RecommenderServer
+
+    token = tmp_path / "admin.token"
+    token.write_text(ADMIN_TOKEN)
+    for mode in (0o644, 0o640, 0o604, 0o620, 0o602):
+        token.chmod(mode)
+        cfg = local_config(admin=AdminConfig(token_file=str(token)))
+        with pytest.raises(ValueError, match=f"{re.escape(str(token))}.*chmod 600"):
+            RecommenderServer(cfg, str(tmp_path / "no-artifact"))  # (refused before the artifact is opened)
+    token.chmod(0o600)
+    with pytest.raises(Exception) as e:  # the token passes; the missing artifact is what fails now
+        RecommenderServer(local_config(admin=AdminConfig(token_file=str(token))), str(tmp_path / "no-artifact"))
+    assert "chmod" not in str(e.value)
+
+
 def _bad_artifact(root: Path, name: str) -> Path:
     d = root / name
     shutil.rmtree(d, ignore_errors=True)
