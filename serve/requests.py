@@ -109,6 +109,9 @@ class Limits:
     max_context_ids: int = 256  # ids of one context feature
     max_beam: int = 256  # beam of generative retrieval (its work: beam x levels decoder rows per user)
     max_request_bytes: int = 0  # a request's size; 0: the largest the limits above allow
+    # the longest deadline honoured (ms): a call asking more is served as if it asked this, so
+    # a 300 s deadline on the largest shape cannot hold a queue slot or an engine for 300 s
+    max_deadline_ms: float = 10_000.0
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

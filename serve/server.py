@@ -480,6 +480,7 @@ class RecommenderServer:
     async def _serve(self, kind: Kind, data: bytes, context: grpc.aio.ServicerContext, t0: float) -> bytes:
         remaining = context.time_remaining()
         budget = self.cfg.default_timeout_ms / 1e3 if remaining is None or math.isinf(remaining) else remaining
+        budget = min(budget, self.cfg.limits.max_deadline_ms / 1e3)  # clamped, not refused: we just won't hold it longer
         deadline = t0 + budget
         batcher = self.batcher
         if batcher is None:

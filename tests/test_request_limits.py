@@ -5,6 +5,7 @@ fuzz of the three calls over random and mutated bytes that never gets UNKNOWN or
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import grpc
@@ -16,6 +17,7 @@ from genrec.benchmarks.naive_engine import NaiveTorchEngine
 from genrec.loadtest.client import user
 from genrec.proto.v1 import recommender_pb2 as pb
 from genrec.serve.batcher import BatchConfig
+from genrec.serve.contract import InProcessEngine
 from genrec.serve.engine import TorchEngine
 from genrec.serve.requests import MAX_DETAIL, InvalidRequest, Limits, decode
 from tests.serving_helpers import ThreadedServer, local_config, tiny_ranking_artifact
@@ -177,6 +179,56 @@ def test_the_largest_request_the_limits_allow_is_within_their_byte_bound():
         for data, unpacked in _largest(lim):
             assert len(data) + unpacked <= lim.request_bytes(), (lim, len(data) + unpacked, lim.request_bytes())
             requests._size(data, lim)  # not refused on its size
+
+
+
+# ---- the longest deadline honoured ------------------------------------------------------------
+class SlowEngine(InProcessEngine):
+    """A real engine whose batches take ``delay`` seconds each."""
+
+    def __init__(self, inner: TorchEngine, delay: float) -> None:
+        self.inner, self.delay, self.works_run = inner, delay, 0
+        self.name, self.version, self.schema, self.manifest, self.tower, self.stages = (
+            inner.name, inner.version, inner.schema, inner.manifest, inner.tower, inner.stages)
+
+    def run(self, works):  # noqa: ANN001, ANN201
+        time.sleep(self.delay)
+        self.works_run += len(works)
+        return self.inner.run(works)
+
+
+def test_a_client_deadline_past_max_deadline_ms_is_clamped_so_no_queued_call_waits_longer(artifact, engine):
+    """Clients send a 60 s deadline; the server holds no call longer than limits.max_deadline_ms
+    (here 400 ms): behind a 1.5 s batch, each queued call ends (DEADLINE_EXCEEDED, or refused at
+    admission) by the bound, unrun, instead of waiting its turn for seconds."""
+    bound = 0.4
+    slow = SlowEngine(engine, delay=1.5)
+    cfg = local_config(limits=Limits(max_deadline_ms=bound * 1e3),
+                       batch=BatchConfig(max_batch=1, max_wait_ms=0, max_inflight=1, max_queue_ms=0))
+    srv = ThreadedServer(artifact, cfg, engine=slow)
+    ch, rpc = calls(srv.target)
+    try:
+        body = pb.RetrieveRequest(user=user(events(5), CTX), k=5).SerializeToString()
+        out: list[tuple[grpc.StatusCode, float]] = []
+
+        def one() -> None:
+            t = time.monotonic()
+            code = status(rpc["Retrieve"], body)[0]  # (a 60 s client deadline)
+            out.append((code, time.monotonic() - t))
+
+        threads = [threading.Thread(target=one) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert len(out) == 4
+        assert {c for c, _ in out} <= {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}, out
+        assert max(s for _, s in out) < bound + 0.6, out  # well before the first batch (1.5 s) ends
+        time.sleep(1.6)
+        assert slow.works_run <= 1  # only the first started; the queued ones were dropped unrun
+    finally:
+        ch.close()
+        srv.stop()
 
 
 # ---- exclude_items and histories longer than the window -------------------------------------
