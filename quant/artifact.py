@@ -46,6 +46,10 @@ class ArtifactError(ValueError):
     """An artifact cannot be loaded; the message names the file / tensor and the problem."""
 
 
+class OutsideRoot(ArtifactError):
+    """A file of the artifact (or its folder) resolves outside the folder loads are allowed from."""
+
+
 def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
@@ -141,16 +145,36 @@ def read_manifest(path: str | Path) -> Manifest:
     return Manifest(**{k: v for k, v in raw.items() if k in known})
 
 
-def check_artifact(path: str | Path) -> Manifest:
+def _inside(path: Path, root: Path, what: str) -> None:
+    """Refuses ``path`` unless it resolves (every symlink followed) below ``root`` (resolved)."""
+    try:
+        resolved = path.resolve()
+    except (OSError, RuntimeError) as e:
+        raise ArtifactError(f"{path}: {what} cannot be resolved ({type(e).__name__})") from None
+    if not resolved.is_relative_to(root):
+        raise OutsideRoot(f"{path}: {what} resolves to {resolved}, outside the artifact root {root}; "
+                          "every file of an artifact loaded from a request must lie below it (copy it there)")
+
+
+def check_artifact(path: str | Path, root: str | Path | None = None) -> Manifest:
     """The manifest of ``path`` after the checks that need no tensor read: every listed file
     is one of the format's own names (no path of the manifest's choosing is ever opened), a
-    regular file in the folder, of the size the manifest says. Cheap (a few stat calls), so a
-    server runs it before it starts an engine for a path it was handed."""
+    regular file in the folder, of the size the manifest says; with ``root``, the folder, its
+    manifest and every listed file resolve (symlinks followed) below ``root``, checked before
+    each is read. Cheap (a few stat calls), so a server runs it before it starts an engine
+    for a path it was handed."""
     path = Path(path)
+    if root is not None:
+        root = Path(root).resolve()
+        _inside(path, root, "the artifact folder")
+        _inside(path / MANIFEST, root, MANIFEST)
     manifest = read_manifest(path)
     for fname in manifest.files:
         if fname not in FILES:
             raise ArtifactError(f"{path / MANIFEST}: lists the file {fname[:64]!r}; an artifact holds only {list(FILES)}")
+    if root is not None:
+        for fname in manifest.files:
+            _inside(path / fname, root, f"{fname} (listed in {MANIFEST})")
     for fname in FILES:
         meta = manifest.files.get(fname)
         if not isinstance(meta, dict) or not isinstance(meta.get("bytes"), int) or not isinstance(meta.get("sha256"), str):

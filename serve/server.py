@@ -43,7 +43,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from genrec.proto.v1 import recommender_pb2 as pb
-from genrec.quant.artifact import ArtifactError, check_artifact
+from genrec.quant.artifact import ArtifactError, OutsideRoot, check_artifact
 from genrec.serve.batcher import BatchConfig, Batcher, DeadlineExceeded, Overloaded, ShuttingDown
 from genrec.serve.contract import Engine, EngineBuilder, Result
 from genrec.serve.factory import make_engine, quiet_gc
@@ -525,6 +525,8 @@ class RecommenderServer:
                 return (await method(data, context)).SerializeToString()
             except AdminError as e:
                 code, msg = e.code, str(e)
+            except OutsideRoot as e:  # (an ArtifactError: before the catch-all of those)
+                code, msg = grpc.StatusCode.PERMISSION_DENIED, f"artifact: {e}"
             except InvalidRequest as e:
                 code, msg = grpc.StatusCode.INVALID_ARGUMENT, str(e)
             except ArtifactError as e:
@@ -578,9 +580,11 @@ class RecommenderServer:
         loop = asyncio.get_running_loop()
         timeout = self.cfg.admin.load_timeout_s
         # the cheap checks (stat calls, a bounded JSON read) before any engine starts: a wrong
-        # path costs milliseconds, not an engine process
+        # path costs milliseconds, not an engine process; every file must resolve below the root
+        # (a symlinked file is followed: one pointing out of the root is refused)
         try:
-            await asyncio.wait_for(loop.run_in_executor(None, check_artifact, path), min(timeout, 30.0))
+            await asyncio.wait_for(loop.run_in_executor(None, check_artifact, path, self.artifact_root),
+                                   min(timeout, 30.0))
         except TimeoutError:
             raise AdminError(grpc.StatusCode.DEADLINE_EXCEEDED, "path: the artifact check did not finish in time") from None
         version = await asyncio.shield(self.reload(str(path)))

@@ -120,6 +120,28 @@ def test_a_symlink_out_of_the_root_is_refused(server, root, tmp_path):
 
 
 
+@pytest.mark.parametrize("name", ["dense.safetensors", "manifest.json"])
+def test_a_file_symlinked_out_of_the_root_is_refused_naming_it_and_the_root(server, root, tmp_path, name):
+    """The folder lies below the root but one of its files is a symlink to a copy outside it:
+    refused before any engine starts, naming the file and the root (what the manifest lists,
+    and the manifest itself, are resolved)."""
+    d = _bad_artifact(root, "escape")
+    outside = tmp_path / name
+    shutil.copy(root / "live" / name, outside)  # (the same bytes: only where it lies is wrong)
+    (d / name).unlink()
+    (d / name).symlink_to(outside)
+    before, engine = len(mp.active_children()), server.server.engine
+    code, detail = load(server, "escape")
+    assert code == grpc.StatusCode.PERMISSION_DENIED, (code, detail)
+    assert name in detail and "outside the artifact root" in detail and str(root.resolve()) in detail
+    assert server.server.engine is engine and len(mp.active_children()) == before
+    from genrec.quant.artifact import OutsideRoot, check_artifact
+
+    with pytest.raises(OutsideRoot, match=name):
+        check_artifact(d, root)
+    check_artifact(d)  # (no root: an operator's own artifact may link its files anywhere)
+
+
 def test_an_admin_token_file_others_can_read_or_write_is_refused_before_an_engine_starts(tmp_path):
     from genrec.serve.server import RecommenderServer
 
