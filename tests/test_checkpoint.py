@@ -1,11 +1,15 @@
 """A job stopped mid-epoch and resumed from its checkpoint follows the same trajectory."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
+import torch
 
 from genrec.train.cli import evaluate_run
 from genrec.train.job import load_job
+from genrec.train.loop import checkpoint as ckpt
 from genrec.train.loop.checkpoint import latest_checkpoint
 from genrec.train.loop.launch import run_training
 from genrec.train.loop.trainer import Trainer
@@ -104,3 +108,54 @@ def test_the_newest_checkpoint_within_one_standard_error_of_the_best_is_chosen(
     assert res["best_epoch"] == chosen and res["best_step"] == valid[chosen] == test["step"]
     if within_se:
         assert res["valid_peak"] == {"epoch": 7, "ndcg@10": 0.26, "ndcg@10_se": 0.02}
+
+
+def test_a_checkpoint_is_fsynced_before_its_rename_and_the_rename_after(tmp_path, monkeypatch):
+    """A power loss after the rename must not publish a checkpoint whose bytes were still in
+    the page cache: every file and the folder are fsynced before the rename, the parent after."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, Path.rename
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(self: Path, target):  # noqa: ANN001, ANN202
+        events.append(("rename", str(self)))
+        return real_rename(self, target)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(Path, "rename", rename)
+    root = tmp_path / "checkpoints"
+    final = ckpt.save_checkpoint(root, 3, {"model": {"w": torch.arange(6.0)}}, {"trainer": {"step": 3}})
+    tmp = str(root / f".{final.name}.tmp")
+    (at,) = [i for i, (kind, p) in enumerate(events) if kind == "rename" and p == tmp]
+    before = {p for kind, p in events[:at] if kind == "fsync"}
+    files = {str(p).replace(str(final), tmp) for p in final.rglob("*")}
+    assert files and files | {tmp} <= before, sorted(files - before)
+    assert ("fsync", str(root)) in events[at + 1:]
+
+
+def test_resume_falls_back_from_a_damaged_newest_checkpoint_and_says_so(tiny_synth, tiny_config, tmp_path):
+    """The newest checkpoint truncated (a crash mid-write that the rename did not cover, a full
+    disk): --resume takes the one before it, the log names the damaged one and why, and it
+    is set aside, not counted as a checkpoint again."""
+    base = tiny_job_overrides(tiny_synth, tmp_path) + ["--run.name=damaged", "--train.max_epochs=1",
+                                                       "--train.checkpoint_every_steps=2", "--train.keep_checkpoints=3"]
+    run_dir, _ = run_training(load_job(tiny_config, base + ["--train.max_steps=4"]))
+    root = run_dir / "checkpoints"
+    newest = latest_checkpoint(root)
+    assert newest is not None and newest.name == "step_00000004"
+    shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    _, res = run_training(load_job(run_dir / "config.toml", ["--train.max_steps=6"]), run_dir)
+    assert res["steps"] == 6
+    recs = [json.loads(line) for line in (run_dir / "diagnosis.jsonl").read_text().splitlines()]
+    (bad,) = [r for r in recs if r["kind"] == "damaged_checkpoint"]
+    assert bad["checkpoint"] == str(newest) and bad["why"] and bad["used"].endswith("step_00000002")
+    (resumed,) = [r for r in recs if r["kind"] == "resumed"]
+    assert resumed["checkpoint"].endswith("step_00000002") and resumed["step"] == 2
+    log = (run_dir / "train.log").read_text()
+    assert f"checkpoint {newest} is damaged" in log and "step_00000002" in log
+    assert (root / "damaged_step_00000004").is_dir()

@@ -1,7 +1,8 @@
 """Checkpoints with ``torch.distributed.checkpoint`` (DCP).
 
-Layout (one directory per step, written under a temporary name and renamed when every
-rank has finished, so a killed job never leaves a half-written ``step_*``)::
+Layout (one directory per step, written under a temporary name, its files and folder
+fsynced, and renamed when every rank has finished, so neither a killed job nor a power loss
+leaves a half-written ``step_*``; the parent folder is fsynced after the rename)::
 
     checkpoints/step_00001200/
       .metadata, __*_*.distcp        DCP: model and optimizer tensors (sharded or not)
@@ -16,10 +17,12 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -29,6 +32,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from genrec.models.calibration import is_calibration_key
 
 PREFIX = "step_"
+DAMAGED = "damaged_"  # a checkpoint that failed to load on resume, set aside under this prefix
+T = TypeVar("T")
 
 
 def _rank_world() -> tuple[int, int]:
@@ -97,6 +102,24 @@ def model_optim_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
     return {"model": msd, "optim": osd}
 
 
+def fsync_path(path: Path) -> None:
+    """Flushes ``path`` (a file, or a folder's entries) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: Path) -> None:
+    """Flushes every file below ``folder``, then each folder (deepest first, ``folder`` last):
+    a rename of ``folder`` afterwards never publishes files whose bytes are still in the page cache."""
+    for p in sorted(folder.rglob("*"), key=lambda q: len(q.parts), reverse=True):
+        if p.is_file() or p.is_dir():
+            fsync_path(p)
+    fsync_path(folder)
+
+
 def save_checkpoint(root: Path, step: int, tensors: dict[str, Any], trainer_state: dict[str, Any]) -> Path:
     """Writes ``tensors`` (model / optimizer state) and the trainer state to ``root/step_<step>``
     atomically; returns its path."""
@@ -111,11 +134,61 @@ def save_checkpoint(root: Path, step: int, tensors: dict[str, Any], trainer_stat
     body = {**trainer_state, "world_size": world, "rank": rank}
     (tmp / f"trainer_state.rank{rank}.json").write_text(json.dumps(body, indent=1))
     _barrier()
-    if rank == 0:
+    if rank == 0:  # (every rank's files are written: the barrier above)
+        fsync_tree(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
+        fsync_path(root)  # the rename itself
     _barrier()
     return final
+
+
+def _everywhere(ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank (the ranks must agree on which checkpoint they resume)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return ok
+    flags: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, ok)
+    return all(flags)
+
+
+def _why(e: BaseException) -> str:
+    """A one-line reason: DCP's own exception (a BaseException) wraps each rank's cause."""
+    if isinstance(e, dcp.CheckpointException) and e.failures:
+        rank, (cause, _) = next(iter(e.failures.items()))
+        return f"rank {rank}: " + _why(cause)
+    return " ".join(f"{type(e).__name__}: {e}".split())[:300]
+
+
+def load_newest(root: Path, load: Callable[[Path], T]) -> tuple[Path, T, list[tuple[Path, str]]] | None:
+    """The newest finished checkpoint under ``root`` that ``load`` reads without an error on
+    every rank: (its path, what ``load`` returned, the newer ones that failed with why, newest
+    first), or None when ``root`` holds none. A damaged checkpoint (a truncated or missing
+    file) is skipped for the one before it and, once one loads, set aside as
+    ``damaged_step_*`` (kept for a look, no longer counted as a checkpoint). An incompatible
+    one (another model or feature spec) is a config error and raises, as does a root where
+    none loads. Every rank calls this."""
+    found = complete_checkpoints(root)
+    damaged: list[tuple[Path, str]] = []
+    for path in reversed(found):
+        try:
+            out, why = load(path), ""
+        except IncompatibleCheckpoint:
+            raise
+        except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - whatever a damaged file raises
+            out, why = None, _why(e)
+        if _everywhere(not why):
+            _barrier()
+            if _rank_world()[0] == 0:
+                for bad, _ in damaged:
+                    bad.rename(bad.with_name(DAMAGED + bad.name))
+            _barrier()
+            return path, cast(T, out), damaged
+        damaged.append((path, why or "it failed to load on another rank"))
+    if damaged:
+        raise RuntimeError(f"no checkpoint under {root} loads: " +
+                           "; ".join(f"{p.name}: {why}" for p, why in damaged))
+    return None
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:

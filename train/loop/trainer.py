@@ -182,13 +182,23 @@ class Trainer:
         ckpt.prune_checkpoints(self.ckpt_root, self.cfg.keep_checkpoints, {best} if best else set())
         return path
 
-    def resume(self, path: Path | None = None) -> bool:
-        path = path or ckpt.latest_checkpoint(self.ckpt_root)
-        if path is None:
-            self.diag.resumed(None, 0, 0, None)  # a torchrun restart says it starts over
-            return False
+    def _load(self, path: Path) -> dict[str, Any]:
         ckpt.restore(self.io, path)
-        body = ckpt.load_trainer_state(path)
+        return ckpt.load_trainer_state(path)
+
+    def resume(self, path: Path | None = None) -> bool:
+        """Resumes from ``path``, or else from the newest checkpoint that loads: a damaged newer
+        one (truncated by a crash, a full disk) is set aside and named in the log with why."""
+        if path is not None:
+            body = self._load(path)
+        else:
+            found = ckpt.load_newest(self.ckpt_root, self._load)
+            if found is None:
+                self.diag.resumed(None, 0, 0, None)  # a torchrun restart says it starts over
+                return False
+            path, body, damaged = found
+            for bad, why in damaged:
+                self.diag.damaged_checkpoint(bad, why, path)
         self.state = TrainState(**{**body["trainer"], "stopped": ""})
         self.train_reader.load_state_dict(body["reader"])
         if body.get("world_size") == self.world_size:

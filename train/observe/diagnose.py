@@ -28,6 +28,8 @@ Every diagnosis is one JSON line in ``RUN/diagnosis.jsonl`` (``kind``, ``rank``,
 * **resume** (``kind: "resumed"``): what a (re)started job resumed from: the checkpoint's
   path, step and epoch, torchrun's restart count, and a world size other than the one that
   wrote it; a restart that finds no checkpoint says it starts over.
+* **damaged checkpoint** (``kind: "damaged_checkpoint"``): a newer checkpoint that failed to
+  load on resume (a truncated or missing file): its path, why, and the one resumed instead.
 
 Hangs and stragglers are ``train.observe.watchdog``'s.
 """
@@ -251,6 +253,15 @@ class Diagnoser:
             self.log.write("loss_spike", f"loss spike at step {step} (rank {self.rank}): {loss:.4g} is "
                            f"{loss / med:.1f}x the median {med:.4g} of the last {len(self.spikes.recent) - 1} steps",
                            step=step, loss=loss, median=med, factor=self.spikes.factor)
+
+    def damaged_checkpoint(self, path: Path, why: str, used: Path) -> None:
+        """Says that checkpoint ``path`` failed to load (``why``) and ``used`` was resumed instead."""
+        if self.rank != 0:
+            return
+        aside = path.with_name("damaged_" + path.name)
+        self.log.write("damaged_checkpoint", f"checkpoint {path} is damaged and was skipped ({why}); resuming from "
+                       f"the newest one that loads, {used.name}, instead (the damaged one is kept as {aside.name})",
+                       checkpoint=str(path), why=why, used=str(used), kept_as=str(aside))
 
     def resumed(self, path: Path | None, step: int, epoch: int, written_world: int | None) -> None:
         """Says what a (re)started job resumed from (rank 0; the ranks share the checkpoint)."""
