@@ -129,7 +129,8 @@ def schema_for(context_features: Iterable[str], extra_columns: dict[str, str] | 
     return pa.schema(fields)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flushes ``path`` (a file, or a folder's entries) to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -171,7 +172,7 @@ class StagedDir:
             for name in files:
                 with open(Path(folder) / name, "rb") as fh:
                     os.fsync(fh.fileno())
-            _fsync_dir(Path(folder))
+            fsync_path(Path(folder))
         check_replaceable(self.out)  # it may have changed while we worked
         if self.out.is_dir() and any(self.out.iterdir()):
             # rename() only replaces an empty directory: move the old dataset aside first
@@ -185,7 +186,7 @@ class StagedDir:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(self.tmp, self.out)
-        _fsync_dir(self.out.parent)
+        fsync_path(self.out.parent)
 
     def discard(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)

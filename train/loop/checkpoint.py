@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import shutil
 import warnings
 from collections.abc import Callable
@@ -30,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from genrec.models.calibration import is_calibration_key
+from genrec.train.data.schema import fsync_path
 
 PREFIX = "step_"
 DAMAGED = "damaged_"  # a checkpoint that failed to load on resume, set aside under this prefix
@@ -100,15 +100,6 @@ def model_optim_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
         return {"model": msd}
     msd, osd = get_state_dict(model, optimizer, options=opts)
     return {"model": msd, "optim": osd}
-
-
-def fsync_path(path: Path) -> None:
-    """Flushes ``path`` (a file, or a folder's entries) to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_tree(folder: Path) -> None:
