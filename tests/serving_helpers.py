@@ -7,6 +7,7 @@ import asyncio
 import os
 import tempfile
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from genrec.quant.artifact import Manifest, save_artifact
 from genrec.quant.convert import QuantizeConfig, export, load_training_model, resolve_checkpoint
 from genrec.quant.dense import dense_tensors
 from genrec.quant.embeddings import table_tensors
+from genrec.serve.contract import InProcessEngine
+from genrec.serve.engine import TorchEngine
 from genrec.serve.server import RecommenderServer, ServeConfig
 from genrec.train.job import load_job
 from genrec.train.loop.launch import run_training
@@ -172,3 +175,18 @@ class ThreadedServer:
         self.call(self.server.stop(grace))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+
+
+class SlowEngine(InProcessEngine):
+    """A real engine whose batches take at least ``delay`` seconds (a known capacity)."""
+
+    def __init__(self, inner: TorchEngine, delay: float) -> None:
+        self.inner, self.delay = inner, delay
+        self.works_run = 0
+        self.name, self.version, self.schema, self.manifest, self.tower, self.stages = (
+            inner.name, inner.version, inner.schema, inner.manifest, inner.tower, inner.stages)
+
+    def run(self, works):  # noqa: ANN001, ANN201
+        time.sleep(self.delay)
+        self.works_run += len(works)
+        return self.inner.run(works)

@@ -17,10 +17,9 @@ from genrec.benchmarks.naive_engine import NaiveTorchEngine
 from genrec.loadtest.client import user
 from genrec.proto.v1 import recommender_pb2 as pb
 from genrec.serve.batcher import BatchConfig
-from genrec.serve.contract import InProcessEngine
 from genrec.serve.engine import TorchEngine
 from genrec.serve.requests import MAX_DETAIL, InvalidRequest, Limits, decode
-from tests.serving_helpers import ThreadedServer, local_config, tiny_ranking_artifact
+from tests.serving_helpers import SlowEngine, ThreadedServer, local_config, tiny_ranking_artifact
 
 T0 = 1_700_000_000
 CTX = {"region": [3]}
@@ -183,18 +182,6 @@ def test_the_largest_request_the_limits_allow_is_within_their_byte_bound():
 
 
 # ---- the longest deadline honoured ------------------------------------------------------------
-class SlowEngine(InProcessEngine):
-    """A real engine whose batches take ``delay`` seconds each."""
-
-    def __init__(self, inner: TorchEngine, delay: float) -> None:
-        self.inner, self.delay, self.works_run = inner, delay, 0
-        self.name, self.version, self.schema, self.manifest, self.tower, self.stages = (
-            inner.name, inner.version, inner.schema, inner.manifest, inner.tower, inner.stages)
-
-    def run(self, works):  # noqa: ANN001, ANN201
-        time.sleep(self.delay)
-        self.works_run += len(works)
-        return self.inner.run(works)
 
 
 def test_a_client_deadline_past_max_deadline_ms_is_clamped_so_no_queued_call_waits_longer(artifact, engine):

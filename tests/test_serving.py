@@ -23,13 +23,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from genrec.loadtest.client import RecommenderClient, user
 from genrec.proto.v1 import recommender_pb2 as pb
 from genrec.serve.batcher import BatchConfig
-from genrec.serve.contract import InProcessEngine
 from genrec.serve.engine import TorchEngine
 from genrec.serve.failover import EnginePool
 from genrec.serve.requests import Limits
 from genrec.serve.server import SGLANG_INFLIGHT, ServeConfig, batch_inflight, open_engine
 from genrec.serve.worker import EngineProcess, ProcessSettings, plan_cpus
-from tests.serving_helpers import ThreadedServer, local_config, tiny_ranking_artifact
+from tests.serving_helpers import SlowEngine, ThreadedServer, local_config, tiny_ranking_artifact
 
 ROOT = Path(__file__).resolve().parents[1]
 T0 = 1_700_000_000
@@ -209,19 +208,6 @@ def test_ten_thousand_fuzzed_requests_are_invalid_argument_and_the_server_stays_
         srv.stop()
 
 
-class SlowEngine(InProcessEngine):
-    """A real engine whose batches take at least ``delay`` seconds (a known capacity)."""
-
-    def __init__(self, inner: TorchEngine, delay: float) -> None:
-        self.inner, self.delay = inner, delay
-        self.works_run = 0
-        self.name, self.version, self.schema, self.manifest, self.tower, self.stages = (
-            inner.name, inner.version, inner.schema, inner.manifest, inner.tower, inner.stages)
-
-    def run(self, works):  # noqa: ANN001, ANN201
-        time.sleep(self.delay)
-        self.works_run += len(works)
-        return self.inner.run(works)
 
 
 def test_overload_is_shed_quickly_memory_stays_bounded_and_service_recovers(artifacts):
