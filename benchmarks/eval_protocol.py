@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -69,13 +70,12 @@ class ThreeRules:
 
 
 @torch.no_grad()
-def score_run(run_dir: Path) -> dict:
-    from genrec.train.cli import load_run_model
+def score_run(job: Any, model: torch.nn.Module, emb: Any) -> dict:  # noqa: ANN401 - a run's JobConfig
+    """The run's model (``load_run_model``) on the test split, three ways."""
     from genrec.train.data.reader import make_reader
     from genrec.train.data.schema import read_info
     from genrec.train.job import task_masks
 
-    job, model, emb, _ = load_run_model(run_dir, None, None)
     model.eval()
     corpus = model.corpus_ids
     items = model.item_embeddings(corpus)
@@ -86,11 +86,10 @@ def score_run(run_dir: Path) -> dict:
     return rules.result()
 
 
-def score_baseline(data: Path, kind: str, run_dir: Path) -> dict:
-    from genrec.train.cli import load_run_model
+def score_baseline(data: Path, kind: str, job: Any, emb: Any) -> dict:  # noqa: ANN401
+    """A baseline counted on the run's training span, on the same test users, three ways."""
     from genrec.train.data.reader import make_reader
 
-    job, _, emb, _ = load_run_model(run_dir, None, None)
     base = Baseline(data, kind, job.data.valid_users)
     rules = ThreeRules()
     for batch in make_reader(job.data, "test", emb, job.model.max_seq_len):
@@ -109,6 +108,7 @@ def dataset_for(repeat: float) -> Path:
 
 
 def main() -> None:
+    from genrec.train.cli import load_run_model
     from genrec.train.job import load_job
     from genrec.train.loop.launch import run_training
 
@@ -126,8 +126,9 @@ def main() -> None:
                         f"--run.name=eval_protocol_repeat{repeat:g}"]
                        + ([f"--train.threads={args.threads}"] if args.threads else []))
         run_dir, res = run_training(job)
-        rows = {"hstu (demo config)": score_run(run_dir)}
-        rows.update({f"{kind} baseline": score_baseline(data, kind, run_dir) for kind in ("popular", "transition")})
+        job, model, emb, _ = load_run_model(run_dir, None, None)  # once: the model and both baselines
+        rows = {"hstu (demo config)": score_run(job, model, emb)}
+        rows.update({f"{kind} baseline": score_baseline(data, kind, job, emb) for kind in ("popular", "transition")})
         records.append({"data": shown_path(data), "synthetic_repeat": repeat, "epochs": res["epochs"],
                         "run_dir": shown_path(run_dir), "rows": rows})
         print(records[-1])
