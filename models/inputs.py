@@ -81,7 +81,7 @@ def history_capacity(max_seq_len: int, tokens_per_event: int = 1, ranked: bool =
     candidates, which sit right after the history; a retrieval-only model reads the user state
     at the last history event and fills every position. Interleaved action tokens
     (``tokens_per_event`` 2) halve it. Offline evaluation (``train.data.reader``) and serving
-    (``serve.engine.schema_of``) take the window from here, so both read the same events.
+    (``serve.layout.served_schema``, ``serve.packed``) take the window from here, so both read the same events.
 
     >>> history_capacity(200), history_capacity(200, ranked=True), history_capacity(200, 2, True)
     (200, 199, 99)

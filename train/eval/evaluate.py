@@ -2,7 +2,8 @@
 
 For every user: score the whole catalogue with the user vector, drop the items already in
 the user's (untruncated) history, and find the rank of the held-out target among the
-rest. Ranks are 0-based: rank 0 is a hit at 1. Metrics are means over users (each with
+rest, as the server's list would have it: a target that repeats a history item can never be
+returned, so it ranks N (a miss at every cut-off; ``target_ranks``). Ranks are 0-based: rank 0 is a hit at 1. Metrics are means over users (each with
 its standard error, ``<metric>_se``: the spread of the per-user values over sqrt(users),
 what a checkpoint choice on a few hundred validation users has to allow for):
 
