@@ -108,13 +108,18 @@ def is_loopback(host: str) -> bool:
 class ConnectionConfig:
     """Limits of the public listener, enforced by gRPC before a handler runs."""
 
-    # calls being handled at once; gRPC refuses more at once with RESOURCE_EXHAUSTED, before any
-    # of our Python runs for them (the cheapest refusal there is: the front-end's CPU stays with the
-    # calls it serves). Size it to max QPS x the latency budget with headroom (e.g. 300/s x 15 ms = 5),
-    # plus health checks: beyond what admission control would admit anyway
-    max_concurrent_rpcs: int = 64
-    # a request larger than this is refused unread (RESOURCE_EXHAUSTED); 0: the largest request the
-    # limits allow (serve.requests.Limits.request_bytes), so a valid request is never cut off
+    # calls being handled at once (each holds a handler slot from arrival to reply); gRPC refuses
+    # more at once with RESOURCE_EXHAUSTED ("Concurrent RPC limit exceeded!") before our handler
+    # runs. Size it to max QPS x the latency budget with headroom (e.g. 500/s x 30 ms = 15), plus
+    # health checks: admission control (serve.batch) decides which of these are served
+    max_concurrent_rpcs: int = 32
+    # calls gRPC's core holds unaccepted while the front-end is busy (its event loop saturated:
+    # the handler slots above turn over only as fast as Python runs). Past it the core refuses a
+    # new call itself, in C, in well under a millisecond, with no Python run for it: the status is
+    # gRPC's own CANCELLED (its core has no other for it). Unbounded (gRPC's default soft limit is
+    # 1000), these calls waited in the core until their deadline: at 4x capacity every call
+    # waited ~1 s and most were never served (issue 46)
+    max_pending_calls: int = 8
     max_message_bytes: int = 0
     keepalive_time_s: float = 60.0  # ping an idle connection this often ...
     keepalive_timeout_s: float = 20.0  # ... and close it if the ping goes unanswered this long
@@ -312,7 +317,9 @@ def _server_options(c: ConnectionConfig, limits: Limits) -> list[tuple[str, int]
             ("grpc.max_connection_age_grace_ms", ms(c.max_connection_age_grace_s)),
             # clients may ping every 10 s without data; more often is abuse and closes the connection
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-            ("grpc.http2.max_ping_strikes", 2)]
+            ("grpc.http2.max_ping_strikes", 2),
+            ("grpc.server.max_pending_requests", c.max_pending_calls),
+            ("grpc.server.max_pending_requests_hard_limit", c.max_pending_calls)]
 
 
 class RecommenderServer:

@@ -4,6 +4,7 @@ replicas, graceful shutdown. Tiny models; every call goes through grpcio."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 import os
 import random
 import re
@@ -720,5 +721,37 @@ def test_history_as_columns_is_the_same_request_and_its_errors_name_the_column(a
             c.retrieve(cols(timestamps=[T0]), k=5)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert e.value.details().startswith("user.history_columns.timestamps")
+    finally:
+        srv.stop()
+
+
+def test_calls_past_the_pending_bound_are_refused_by_grpc_core_while_the_front_end_is_busy(artifacts):
+    """A front-end whose event loop is saturated (blocked here for 1.5 s) cannot take calls off
+    gRPC's core. Past ``connections.max_pending_calls`` the core refuses new ones itself, at once;
+    unbounded, every call waited in the core for its deadline (the 4x-overload collapse)."""
+    cfg = local_config(connections=replace(local_config().connections, max_pending_calls=2))
+    srv = ThreadedServer(artifacts["hstu"], cfg)
+    try:
+        c = RecommenderClient(srv.target, timeout_s=1.0)
+        u = user(history(6), CTX)
+        c.retrieve(u, k=5)  # connected and warm
+        srv.loop.call_soon_threadsafe(time.sleep, 1.5)  # the front-end busy: no handler runs
+        time.sleep(0.05)
+        results: list[tuple[str, float]] = []
+
+        def one(_):
+            t = time.perf_counter()
+            try:
+                c.retrieve(u, k=5)
+                results.append(("OK", time.perf_counter() - t))
+            except grpc.RpcError as e:
+                results.append((e.code().name, time.perf_counter() - t))
+
+        with ThreadPoolExecutor(30) as pool:
+            list(pool.map(one, range(30)))
+        fast = [code for code, t in results if t < 0.5]
+        assert len(fast) >= 25 and set(fast) == {"CANCELLED"}, results  # refused, not left to expire
+        time.sleep(1.6)
+        assert len(c.retrieve(u, k=5).items) == 5  # the front-end back: served again
     finally:
         srv.stop()

@@ -35,6 +35,10 @@ from genrec.loadtest.results import LoadTestResult, StepResult, qps_within
 from genrec.loadtest.scrape import cache_figures, cpu_shares, cpu_times, scrape
 from genrec.proto.v1 import recommender_pb2 as pb
 
+# a refusal: the server's admission (RESOURCE_EXHAUSTED), or gRPC's core refusing a call past the
+# server's pending bound (CANCELLED: this generator never cancels a call itself)
+REFUSALS = frozenset({"RESOURCE_EXHAUSTED", "CANCELLED"})
+
 RESPONSES = {"Recommend": pb.RecommendResponse, "Retrieve": pb.RetrieveResponse, "Rank": pb.RankResponse}
 Payloads = Sequence[bytes] | Iterator[bytes]  # a list (sent round and round) or a stream (read on)
 
@@ -78,7 +82,7 @@ class _Recorder:
             self.codes[code] += 1
             if self.calls is not None:
                 self.calls.append((scheduled - self.start, took, code))
-            if code == "RESOURCE_EXHAUSTED":
+            if code in REFUSALS:
                 self.refused.record(took)
             if reply is not None:
                 self.latency.record(took)
