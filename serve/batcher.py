@@ -19,6 +19,11 @@ about ``max_queue_ms`` of work: admitted calls keep their latency, refused ones 
 microseconds and can go elsewhere, and the engine stays busy with calls that will be served
 in time instead of ones whose callers gave up (goodput stays near capacity). A full queue
 (``max_queue``, a memory bound) refuses as well.
+
+Fair queueing: each caller (``submit(..., caller=)``: a tenant, serve.admission) has its own
+queue, and a batch takes calls from the callers' queues in turn (round robin), so a caller
+that floods the server waits behind its own backlog, not others behind it; admission predicts
+each call's wait from the calls that will run before it under that order.
 """
 
 from __future__ import annotations
@@ -106,7 +111,9 @@ class Batcher:
         """``engine_fn`` returns the current engine (read per batch, so a reload swaps it
         between batches); ``on_batch(batch_size, queue_depth)`` feeds metrics."""
         self.engine_fn, self.cfg, self.on_batch = engine_fn, cfg, on_batch
-        self.queue: collections.deque[tuple[Work, asyncio.Future]] = collections.deque()
+        # per caller, in arrival order of the callers' first queued call (round robin from the front)
+        self.queues: dict[str, collections.deque[tuple[Work, asyncio.Future]]] = {}
+        self.queued = 0
         self.wakeup = asyncio.Event()
         self.inflight = max(cfg.max_inflight, 1)
         self.slots = asyncio.Semaphore(self.inflight)
@@ -121,14 +128,22 @@ class Batcher:
 
     @property
     def depth(self) -> int:
-        return len(self.queue)
+        return self.queued
 
-    def predicted_wait(self, cost: tuple[float, float] | None = None) -> float:
-        """Seconds until a call arriving now would start: the batches in flight, then the
-        queue's calls (in batches of up to ``max_batch``), at the fitted cost ``(a, c)`` (default:
-        the current fit), spread over the engines that run batches side by side."""
+    def ahead(self, caller: str = "") -> int:
+        """Queued calls that would run before a call ``caller`` sends now: under round robin, up to
+        one more than its own queue's length from each other caller, and its whole own queue."""
+        mine = len(self.queues.get(caller, ()))
+        if len(self.queues) <= 1 or self.queued <= mine + 1:
+            return self.queued
+        return sum(min(len(q), mine + 1) if c != caller else mine for c, q in self.queues.items())
+
+    def predicted_wait(self, cost: tuple[float, float] | None = None, caller: str = "") -> float:
+        """Seconds until a call ``caller`` sends now would start: the batches in flight, then the
+        queued calls ahead of it (:meth:`ahead`, in batches of up to ``max_batch``), at the fitted
+        cost ``(a, c)`` (default: the current fit), spread over the engines that run batches side by side."""
         a, c = cost or self.cost.coefficients() or (0.0, 0.0)
-        queued = len(self.queue)
+        queued = self.ahead(caller)
         batches = len(self.running) + -(-queued // self.cfg.max_batch)
         return (a * batches + c * (self.inflight_calls + queued)) / self.parallel
 
@@ -139,15 +154,15 @@ class Batcher:
         engine = self.engine_fn()
         return self.inflight if engine.batches_together else max(engine.parallel, 1)
 
-    def admit(self, deadline: float) -> None:
+    def admit(self, deadline: float, caller: str = "") -> None:
         """Raises ``Overloaded`` (or ``ShuttingDown``) at once for a call that would not start in
         time; cheap enough to run before a request is decoded."""
         if self.closing:
             raise ShuttingDown("the server is shutting down")
-        if len(self.queue) >= self.cfg.max_queue:
+        if self.queued >= self.cfg.max_queue:
             raise Overloaded(f"queue full ({self.cfg.max_queue} requests waiting); retry with backoff")
         a, c = self.cost.coefficients() or (0.0, 0.0)  # (fitted once per call: this runs on every call)
-        wait = self.predicted_wait((a, c))
+        wait = self.predicted_wait((a, c), caller)
         if self.cfg.max_queue_ms > 0 and wait * 1e3 > self.cfg.max_queue_ms:
             raise Overloaded(f"overloaded: a call would wait ~{wait * 1e3:.0f} ms to start, more than the "
                              f"server's {self.cfg.max_queue_ms:g} ms; retry with backoff or another replica")
@@ -155,25 +170,40 @@ class Batcher:
             raise Overloaded(f"overloaded: a call would wait ~{wait * 1e3:.0f} ms to start and could not finish "
                              "before its deadline; retry with backoff or another replica")
 
-    async def submit(self, work: Work, timeout: float | None = None) -> Result:
+    async def submit(self, work: Work, timeout: float | None = None, caller: str = "") -> Result:
         """The work's result; ``timeout`` (s): TimeoutError after it, and the work is dropped
-        unrun if it is still queued (its future cancelled). The future is awaited directly, so
-        a call costs no task of its own."""
+        unrun if it is still queued (its future cancelled). ``caller``: whose queue it joins (fair
+        queueing). The future is awaited directly, so a call costs no task of its own."""
         if self.closing:
             raise ShuttingDown("the server is shutting down")
-        if len(self.queue) >= self.cfg.max_queue:
+        if self.queued >= self.cfg.max_queue:
             raise Overloaded(f"queue full ({self.cfg.max_queue} requests waiting); retry with backoff")
         fut = asyncio.get_running_loop().create_future()
-        self.queue.append((work, fut))
+        q = self.queues.get(caller)
+        if q is None:
+            q = self.queues[caller] = collections.deque()
+        q.append((work, fut))
+        self.queued += 1
         self.wakeup.set()
         return await (fut if timeout is None else asyncio.wait_for(fut, timeout))
 
+    def _take(self) -> tuple[Work, asyncio.Future]:
+        """The next call in round-robin order: the front caller's oldest; that caller then moves
+        to the back (or leaves, its queue empty)."""
+        caller = next(iter(self.queues))
+        q = self.queues.pop(caller)
+        item = q.popleft()
+        if q:
+            self.queues[caller] = q  # (re-inserted: now last in turn)
+        self.queued -= 1
+        return item
+
     async def _collect(self) -> list[tuple[Work, asyncio.Future]]:
-        while not self.queue:
+        while not self.queued:
             self.wakeup.clear()
             await self.wakeup.wait()
         end = time.monotonic() + self.cfg.max_wait_ms / 1e3
-        while len(self.queue) < self.cfg.max_batch and time.monotonic() < end:
+        while self.queued < self.cfg.max_batch and time.monotonic() < end:
             self.wakeup.clear()
             try:
                 await asyncio.wait_for(self.wakeup.wait(), timeout=max(end - time.monotonic(), 0))
@@ -181,8 +211,8 @@ class Batcher:
                 break
         batch: list[tuple[Work, asyncio.Future]] = []
         now = time.monotonic()
-        while self.queue and len(batch) < self.cfg.max_batch:
-            work, fut = self.queue.popleft()
+        while self.queued and len(batch) < self.cfg.max_batch:
+            work, fut = self._take()
             if fut.done():  # the caller went away
                 continue
             if work.deadline <= now:
@@ -200,7 +230,7 @@ class Batcher:
                 self.slots.release()
                 continue
             if self.on_batch:
-                self.on_batch(len(batch), len(self.queue))
+                self.on_batch(len(batch), self.queued)
             task = loop.create_task(self._run(batch))
             self.running.add(task)
             task.add_done_callback(self.running.discard)
@@ -231,10 +261,10 @@ class Batcher:
         """Stops taking work, lets queued and running batches finish (up to ``timeout``)."""
         self.closing = True
         end = time.monotonic() + timeout
-        while (self.queue or self.running) and time.monotonic() < end:
+        while (self.queued or self.running) and time.monotonic() < end:
             await asyncio.sleep(0.01)
         if self.loop_task:
             self.loop_task.cancel()
-        for _, fut in self.queue:
+        for _, fut in (item for q in self.queues.values() for item in q):
             if not fut.done():
                 fut.set_exception(ShuttingDown("the server shut down before this request ran"))

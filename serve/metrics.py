@@ -25,6 +25,9 @@ class ServerMetrics:
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.batch_size = Histogram("genrec_batch_size", "Requests per engine batch",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.refused_callers = Counter("genrec_caller_refused", "Calls refused for being past their caller's share "
+                                       "(serve.fair; tenants with a quota by name, the rest as 'other')",
+                                       ["tenant"], registry=r)
         self.queue_depth = Gauge("genrec_queue_depth", "Requests waiting for a batch", registry=r)
         self.engine_available = Gauge("genrec_engine_available", "1 while some engine process can answer",
                                       registry=r)

@@ -44,6 +44,7 @@ from grpc_reflection.v1alpha import reflection
 
 from genrec.proto.v1 import recommender_pb2 as pb
 from genrec.quant.artifact import ArtifactError, OutsideRoot, check_artifact
+from genrec.serve.admission import FairConfig, Shares, caller_of
 from genrec.serve.batcher import BatchConfig, Batcher, DeadlineExceeded, Overloaded, ShuttingDown
 from genrec.serve.contract import Engine, EngineBuilder, Result
 from genrec.serve.factory import make_engine, quiet_gc
@@ -148,6 +149,7 @@ class ServeConfig:
     tls: TLSConfig = field(default_factory=TLSConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
     connections: ConnectionConfig = field(default_factory=ConnectionConfig)
+    fair: FairConfig = field(default_factory=FairConfig)  # per-caller shares (serve.admission)
     # the engines' per-user K/V cache and the history window it relies on (serve.kvcache)
     cache: CacheConfig = field(default_factory=CacheConfig)
     # run the torch engine in its own process (serve.worker): no GIL shared with
@@ -343,6 +345,7 @@ class RecommenderServer:
         self.server: grpc.aio.Server | None = None
         self.admin_server: grpc.aio.Server | None = None
         self.batcher: Batcher | None = None
+        self.shares = Shares(cfg.fair, cfg.connections.max_concurrent_rpcs)
         self.health = health.aio.HealthServicer()
         self.port = self.admin_port = 0
         self.artifact_root = Path(cfg.admin.artifact_root or Path(artifact).resolve().parent).resolve()
@@ -492,14 +495,26 @@ class RecommenderServer:
         batcher = self.batcher
         if batcher is None:
             raise ShuttingDown("the server has not started")
-        batcher.admit(deadline)  # before decoding: a refusal costs next to nothing
+        caller = caller_of(context.invocation_metadata(), context.peer(), self.cfg.fair.metadata_key)
+        try:
+            self.shares.acquire(caller)  # its share of the server, then the server's admission
+        except Overloaded:
+            self.metrics.refused_callers.labels(self.shares.label(caller)).inc()
+            raise
+        try:
+            batcher.admit(deadline, caller)  # before decoding: a refusal costs next to nothing
+            return await self._run(kind, data, batcher, deadline, caller, t0)
+        finally:
+            self.shares.release(caller)
+
+    async def _run(self, kind: Kind, data: bytes, batcher: Batcher, deadline: float, caller: str, t0: float) -> bytes:
         engine = self.engine
         work = decode(kind, data, engine.schema, self.cfg.limits)
         decoded = time.monotonic()
         self.stages["decode"] += decoded - t0
         work.deadline = deadline
         self.metrics.queue_depth.set(batcher.depth)
-        result = await batcher.submit(work, timeout=max(work.deadline - time.monotonic(), 0))
+        result = await batcher.submit(work, timeout=max(work.deadline - time.monotonic(), 0), caller=caller)
         started = result.started or result.sent  # when the engine began the batch
         timing = pb.Timing(queue_ms=(time.monotonic() - t0) * 1e3 - result.compute_ms,
                            compute_ms=result.compute_ms, batch_size=result.batch_size,

@@ -5,6 +5,7 @@ and a shutdown that completes whatever state Admin was left in."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import multiprocessing as mp
 import os
@@ -413,24 +414,30 @@ def test_admission_refuses_at_once_what_could_not_start_in_time():
     async def scenario() -> list[str]:
         engine = SimpleNamespace(batches_together=False, parallel=1)
         b = Batcher(lambda: engine, BatchConfig(max_batch=4, max_queue=100, max_queue_ms=10))
+
+        def fill(n: int) -> None:
+            b.queues.setdefault("", collections.deque()).extend([(None, None)] * n)
+            b.queued += n
+
         out = []
         now = time.monotonic()
         b.admit(now + 1)  # nothing known yet: admitted
         for _ in range(20):
             b.cost.observe(4, 0.008)  # 2 ms a call
         b.admit(now + 1)  # empty queue: ~2 ms to finish
-        b.queue.extend([(None, None)] * 4)  # 8 ms of work ahead: within 10 ms
+        fill(4)  # 8 ms of work ahead: within 10 ms
         b.admit(now + 1)
         try:
             b.admit(now + 0.005)  # but not within this caller's 5 ms
         except Overloaded as e:
             out.append(str(e))
-        b.queue.extend([(None, None)] * 2)  # 12 ms ahead: past max_queue_ms
+        fill(2)  # 12 ms ahead: past max_queue_ms
         try:
             b.admit(now + 1)
         except Overloaded as e:
             out.append(str(e))
-        b.queue.clear()
+        b.queues.clear()
+        b.queued = 0
         b.inflight_calls = 8  # two batches of four in the engine: 16 ms
         b.running = {1, 2}
         try:

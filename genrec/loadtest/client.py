@@ -47,16 +47,19 @@ def user(history: Sequence[int | tuple[int, int, int]], context: dict[str, Seque
 
 class RecommenderClient:
     """Recommender calls on ``targets``; Admin calls on ``admin_target`` (the server's own Admin
-    listener) with ``admin_token`` as its bearer token."""
+    listener) with ``admin_token`` as its bearer token. ``tenant``: the caller's name, sent as
+    ``tenant`` metadata on every call (the server's fair shares, serve.admission)."""
 
     def __init__(self, targets: str | Sequence[str], timeout_s: float = 2.0, admin_target: str | None = None,
-                 admin_token: str | None = None, credentials: grpc.ChannelCredentials | None = None) -> None:
+                 admin_token: str | None = None, credentials: grpc.ChannelCredentials | None = None,
+                 tenant: str = "") -> None:
         self.channel = channel_for(targets, credentials)
         self.stub = pb_grpc.RecommenderStub(self.channel)
         self.admin_channel = channel_for(admin_target, credentials) if admin_target else None
         self.admin = pb_grpc.AdminStub(self.admin_channel) if self.admin_channel else None
         self.admin_metadata = (("authorization", f"Bearer {admin_token}"),) if admin_token else ()
         self.timeout = timeout_s
+        self.metadata = (("tenant", tenant),) if tenant else ()
 
     def recommend(self, u: pb.User, retrieve_k: int = 0, top_k: int = 0,
                   candidates: Sequence[tuple[int, float]] = (), objective: str = "",
@@ -69,16 +72,16 @@ class RecommenderClient:
         req = pb.RecommendRequest(user=u, retrieve_k=retrieve_k, top_k=top_k, objective=objective,
                                   candidates=[pb.Candidate(item_id=i, bid=b) for i, b in candidates],
                                   exclude_items=list(exclude_items), source=source, beam=beam)
-        return self.stub.Recommend(req, timeout=self.timeout)
+        return self.stub.Recommend(req, timeout=self.timeout, metadata=self.metadata)
 
     def retrieve(self, u: pb.User, k: int = 0, exclude_items: Sequence[int] = (),
                  source: int = pb.RETRIEVAL_SOURCE_DENSE, beam: int = 0) -> pb.RetrieveResponse:
         req = pb.RetrieveRequest(user=u, k=k, exclude_items=list(exclude_items), source=source, beam=beam)
-        return self.stub.Retrieve(req, timeout=self.timeout)
+        return self.stub.Retrieve(req, timeout=self.timeout, metadata=self.metadata)
 
     def rank(self, u: pb.User, candidates: Sequence[tuple[int, float]], objective: str = "") -> pb.RankResponse:
         req = pb.RankRequest(user=u, objective=objective, candidates=[pb.Candidate(item_id=i, bid=b) for i, b in candidates])
-        return self.stub.Rank(req, timeout=self.timeout)
+        return self.stub.Rank(req, timeout=self.timeout, metadata=self.metadata)
 
     def _admin_stub(self) -> pb_grpc.AdminStub:
         if self.admin is None:

@@ -1,0 +1,129 @@
+"""Fair shares between callers: who a call is from, and how much of the server it may hold.
+
+The ads pipeline is several callers (tenants) on one serving tier; a retry storm from one of
+them must not take the others' latency. Three layers, cheapest first, each checked before a
+request is decoded:
+
+1. gRPC's core (serve.server.ConnectionConfig): handler slots and the pending bound, for
+   everyone at once (it cannot tell callers apart).
+2. :class:`Shares` (here): a caller's calls at once (``max_share`` of the handler slots, or
+   its quota's ``max_concurrent``) and its rate (a token bucket, ``qps``): past either, its
+   call is refused with RESOURCE_EXHAUSTED naming the caller, while other callers are admitted.
+3. The batcher's fair queue (serve.batcher): each caller queues on its own and batches take
+   calls from the callers in turn, so admitted calls of a flooding caller wait behind each
+   other, not in front of everyone else's.
+
+A caller is the value of the ``tenant`` metadata key (``metadata_key``), or without one its
+peer's address (host, not port: one client's connections are one caller). A tenant name is
+a claim, not an identity (anyone can send any name): put authentication in front (mTLS, a
+proxy) where callers are not trusted; what this bounds is how much of the server one name gets.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from genrec.serve.batcher import Overloaded
+
+MAX_NAME = 64  # characters of a caller's name kept (longer names are cut: a bounded key)
+
+
+@dataclass(frozen=True)
+class TenantQuota:
+    """One tenant's limits (``[[serve.fair.quotas]]``)."""
+
+    tenant: str  # the metadata value it sends
+    max_concurrent: int = 0  # its calls in the server at once (0: the share every caller gets)
+    qps: float = 0.0  # calls admitted per second, sustained (0: no rate limit)
+    burst_s: float = 1.0  # seconds of qps it may send at once (the token bucket's depth)
+
+
+@dataclass(frozen=True)
+class FairConfig:
+    """``[serve.fair]``: per-caller limits, checked before a request is decoded."""
+
+    enabled: bool = True
+    metadata_key: str = "tenant"  # callers name themselves with this metadata key
+    # a caller's calls at once, as a fraction of the handler slots (connections.max_concurrent_rpcs):
+    # one caller alone cannot take every slot, whatever it sends
+    max_share: float = 0.5
+    quotas: tuple[TenantQuota, ...] = field(default_factory=tuple)  # named tenants' own limits
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_share <= 1:
+            raise ValueError(f"serve.fair.max_share = {self.max_share}; it must be in (0, 1]")
+        names = [q.tenant for q in self.quotas]
+        if len(set(names)) != len(names) or "" in names:
+            raise ValueError(f"serve.fair.quotas name each tenant once, none empty: {names}")
+
+
+def caller_of(metadata: tuple | None, peer: str, key: str) -> str:
+    """The caller's name: its ``key`` metadata value, else its peer's host ("ipv4:10.0.0.7")."""
+    for k, v in metadata or ():
+        if k == key:
+            return (v if isinstance(v, str) else v.decode(errors="replace"))[:MAX_NAME]
+    host = peer.rsplit(":", 1)[0] if peer.count(":") >= 2 or peer.startswith("ipv4:") else peer
+    return host[:MAX_NAME]
+
+
+class _Bucket:
+    """A token bucket: ``rate`` tokens a second, at most ``depth`` held."""
+
+    def __init__(self, rate: float, depth: float) -> None:
+        self.rate, self.depth, self.tokens, self.at = rate, depth, depth, time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.depth, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
+class Shares:
+    """Calls each caller holds now, and its rate; :meth:`acquire` before the work,
+    :meth:`release` after (in a ``finally``). Runs on the event loop: no locks."""
+
+    def __init__(self, cfg: FairConfig, slots: int) -> None:
+        self.cfg = cfg
+        self.default = max(1, int(cfg.max_share * slots))
+        self.quotas = {q.tenant: q for q in cfg.quotas}
+        self.buckets = {q.tenant: _Bucket(q.qps, max(q.qps * q.burst_s, 1.0)) for q in cfg.quotas if q.qps > 0}
+        self.held: dict[str, int] = {}
+        self.refused: dict[str, int] = {}
+
+    def label(self, caller: str) -> str:
+        """A bounded metrics label: the tenant's name where it has a quota, else "other"."""
+        return caller if caller in self.quotas else "other"
+
+    def acquire(self, caller: str) -> None:
+        """Counts a call of ``caller`` in, or raises ``Overloaded`` naming the limit it passed."""
+        if not self.cfg.enabled:
+            return
+        quota = self.quotas.get(caller)
+        limit = quota.max_concurrent if quota and quota.max_concurrent else self.default
+        held = self.held.get(caller, 0)
+        if held >= limit:
+            self._refuse(caller)
+            raise Overloaded(f"caller {caller!r} has {held} calls in the server, its share; retry with backoff")
+        bucket = self.buckets.get(caller)
+        if bucket is not None and not bucket.take():
+            self._refuse(caller)
+            raise Overloaded(f"caller {caller!r} is past its rate ({bucket.rate:g} calls/s); retry with backoff")
+        self.held[caller] = held + 1
+
+    def release(self, caller: str) -> None:
+        if not self.cfg.enabled:
+            return
+        held = self.held.get(caller, 0) - 1
+        if held > 0:
+            self.held[caller] = held
+        else:
+            self.held.pop(caller, None)  # (callers come and go: the dict holds only those in the server)
+
+    def _refuse(self, caller: str) -> None:
+        key = self.label(caller)
+        self.refused[key] = self.refused.get(key, 0) + 1

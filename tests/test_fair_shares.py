@@ -1,0 +1,127 @@
+"""Fair shares between callers (serve.admission, serve.batcher's fair queue): a caller past its
+share is refused while another keeps being served."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from genrec.loadtest.client import RecommenderClient, user
+from genrec.serve.admission import FairConfig, Shares, TenantQuota, caller_of
+from genrec.serve.batcher import BatchConfig, Batcher, Overloaded
+from genrec.serve.engine import TorchEngine
+from tests.serving_helpers import SlowEngine, ThreadedServer, local_config, tiny_ranking_artifact
+
+T0 = 1_700_000_000
+
+@pytest.mark.unit
+def test_a_caller_is_its_tenant_metadata_else_its_peer_host():
+    assert caller_of((("tenant", "ads"),), "ipv4:10.0.0.7:5123", "tenant") == "ads"
+    assert caller_of((("other", "x"),), "ipv4:10.0.0.7:5123", "tenant") == "ipv4:10.0.0.7"
+    assert caller_of((), "ipv6:[::1]:5123", "tenant") == "ipv6:[::1]"
+    assert len(caller_of((("tenant", "x" * 500),), "", "tenant")) == 64  # a bounded key
+
+
+@pytest.mark.unit
+def test_shares_bound_each_callers_calls_at_once_and_its_rate():
+    cfg = FairConfig(max_share=0.25, quotas=(TenantQuota("ads", max_concurrent=3), TenantQuota("feed", qps=1.0,
+                                                                                               burst_s=2.0)))
+    s = Shares(cfg, slots=16)  # 4 at once for anyone without a quota of its own
+    for _ in range(4):
+        s.acquire("peer-a")
+    with pytest.raises(Overloaded, match="'peer-a' has 4 calls"):
+        s.acquire("peer-a")
+    s.acquire("peer-b")  # another caller is not held back by peer-a
+    for _ in range(3):
+        s.acquire("ads")
+    with pytest.raises(Overloaded, match="'ads'"):
+        s.acquire("ads")
+    s.release("peer-a")
+    s.acquire("peer-a")  # a released call frees its place
+    s.acquire("feed")
+    s.acquire("feed")  # a burst of 2
+    with pytest.raises(Overloaded, match="rate"):
+        s.acquire("feed")
+    assert s.refused == {"other": 1, "ads": 1, "feed": 1}
+    for _ in range(5):
+        s.release("peer-b")  # more releases than acquires leave no entry behind
+    assert "peer-b" not in s.held
+    with pytest.raises(ValueError, match="max_share"):
+        FairConfig(max_share=0)
+
+
+@pytest.mark.unit
+def test_batches_take_callers_in_turn_so_a_backlog_delays_only_its_own_caller():
+    async def scenario() -> tuple[list[str], float, float]:
+        engine = SimpleNamespace(batches_together=False, parallel=1)
+        b = Batcher(lambda: engine, BatchConfig(max_batch=4, max_wait_ms=0))
+        loop = asyncio.get_running_loop()
+        def work(name: str) -> SimpleNamespace:
+            return SimpleNamespace(name=name, deadline=time.monotonic() + 60)
+
+        for i in range(12):  # a flood from one caller ...
+            b.queues.setdefault("flood", collections.deque()).append((work(f"f{i}"), loop.create_future()))
+        b.queued = 12
+        b.queues["quiet"] = collections.deque([(work("q0"), loop.create_future())])
+        b.queued += 1
+        for _ in range(10):
+            b.cost.observe(4, 0.004)  # 1 ms a call
+        waits = b.predicted_wait(caller="quiet"), b.predicted_wait(caller="flood")
+        batch = await b._collect()
+        return [w.name for w, _ in batch], *waits
+
+    first, quiet_wait, flood_wait = asyncio.run(scenario())
+    assert "q0" in first  # ... and one call of another caller rides in the first batch
+    assert quiet_wait < flood_wait / 3  # and admission knows: the quiet caller's wait is short
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_synth, tmp_path_factory):
+    return tiny_ranking_artifact(tiny_synth, tmp_path_factory.mktemp("fair"))
+
+
+@pytest.mark.serving
+def test_a_flooding_tenant_is_refused_past_its_share_while_another_is_served(artifact):
+    engine = SlowEngine(TorchEngine(artifact), delay=0.05)  # ~80 calls/s at batches of 4
+    cfg = local_config(batch=BatchConfig(max_batch=4, max_wait_ms=1, max_queue=64, max_queue_ms=200),
+                       fair=FairConfig(max_share=0.25))
+    srv = ThreadedServer(artifact, cfg, engine=engine)
+    try:
+        u = user([(i + 1, T0 + 60 * i, 1) for i in range(6)], {"region": [3]})
+        flood = RecommenderClient(srv.target, timeout_s=5, tenant="flood")
+        quiet = RecommenderClient(srv.target, timeout_s=5, tenant="quiet")
+        stop = threading.Event()
+        flood_codes: list[str] = []
+
+        def flooding(_):
+            while not stop.is_set():
+                try:
+                    flood.retrieve(u, k=5)
+                    flood_codes.append("OK")
+                except grpc.RpcError as e:
+                    flood_codes.append(e.code().name + ":" + (e.details() or ""))
+
+        with ThreadPoolExecutor(32) as pool:
+            for i in range(32):
+                pool.submit(flooding, i)
+            time.sleep(0.5)
+            quiet_codes = []
+            for _ in range(15):
+                try:
+                    quiet.retrieve(u, k=5)
+                    quiet_codes.append("OK")
+                except grpc.RpcError as e:
+                    quiet_codes.append(e.code().name)
+            stop.set()
+        assert quiet_codes == ["OK"] * 15, quiet_codes
+        refused = [c for c in flood_codes if c.startswith("RESOURCE_EXHAUSTED")]
+        assert refused and any("caller 'flood'" in c for c in refused), set(flood_codes)
+    finally:
+        srv.stop()
