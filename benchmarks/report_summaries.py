@@ -88,7 +88,9 @@ def serving_scale_summary(d: dict) -> tuple[str, str]:
 
 def resilience_summary(d: dict) -> tuple[str, str]:
     cap = d.get("capacity_qps")
-    at4 = next((r for r in get(d, "servers.admission (default).overload") or [] if r.get("multiple") == 4), {})
+    servers = d.get("servers", {})
+    runs = servers.get("default") or servers.get("admission (default)") or {}  # (the name before issue 46)
+    at4 = next((r for r in runs.get("overload", []) if r.get("multiple") == 4), {})
     good = at4.get("goodput")
     return (f"goodput at 4x offered {num(good / cap if good is not None and cap else None, '.2f', 'x')} capacity; "
             f"engine SIGKILL {num(get(d, 'engine_kill.failed_pct'), '.2f', '%')} failed",

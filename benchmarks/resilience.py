@@ -1,16 +1,23 @@
-"""Resilience benchmark: the serving tier under overload, an engine crash and a shutdown.
+"""Resilience benchmark: the serving tier under overload, between callers, an engine crash
+and a shutdown, measured the way a client sees it.
 
-One run, one artifact, ``genrec serve`` processes on 127.0.0.1 (engine process pinned to the
-last CPU, the front-end and this load generator on the others), open-loop Poisson load:
+One run, one artifact, ``genrec serve`` processes on 127.0.0.1. Where the machine has two or
+more CPUs the whole server (front-end and engine processes) is pinned to the last CPU and
+this load generator to the others, so that the generator does not take the server's CPU
+(recorded as ``pinning``). Open-loop Poisson load; an answer after its deadline is a failure:
 
 * capacity: the most calls per second the default server answers, from a sweep of offered
   loads that stops once it answers less than 90% of what is offered (beside it, the highest
   step within the p99 budget, ``--slo-p99-ms``);
-* overload: 2x and 4x that capacity offered for ``--overload-s`` each, against the default
-  server (admission control on) and, side by side, one with it off (``--serve.batch.max_queue_ms=0``, no
-  cap on concurrent calls: the queue alone bounds the backlog, as before admission control).
-  Goodput (answered calls per second, and those within 2x the budget), how fast refusals came
-  back, the admitted calls' p99, the server's memory;
+* overload: 2x, 4x and 8x that capacity offered for ``--overload-s`` each, against the default
+  server and, side by side, one with the former defaults (64 handler slots, gRPC's own
+  pending bound of 1000, no per-caller shares): goodput (answered calls per second, and those
+  within 2x the budget) as a multiple of capacity, how fast refusals came back, the answered
+  calls' p99, the server's memory, the generator's own lateness;
+* recovery: right after the 8x spike, half of capacity: when the p99 of 250 ms windows is back
+  within 1.5x of its value before the spike;
+* two callers: one (tenant ``quiet``) at a quarter of capacity alone, then beside another
+  (tenant ``flood``) offering 4x capacity: the quiet caller's p99 (failures count as misses);
 * engine crash: 50% of capacity, once the standby has loaded the serving engine process is
   SIGKILLed mid-run: failed calls and when the last one failed, relative to the kill;
 * shutdown: 50% of capacity, SIGTERM mid-run: how long the server took to exit and what the
@@ -40,10 +47,19 @@ import numpy as np
 from genrec.benchmarks.common import ROOT, machine, today, update_results_md, write_json
 from genrec.benchmarks.serving import artifact_and_requests
 from genrec.loadtest.runner import RESPONSES, run_step
+from genrec.loadtest.workload import load_workload
 
 STEPS = [50, 100, 150, 200, 300, 400, 500, 600, 800]
 BATCHED = ["--serve.batch.max_batch=32", "--serve.batch.max_wait_ms=0", "--serve.process.poll_ms=1000"]
-NO_ADMISSION = ["--serve.batch.max_queue_ms=0", "--serve.batch.max_queue=512", "--serve.connections.max_concurrent_rpcs=100000"]
+# the listener and caller limits before issue 46 (gRPC's own pending bound: a soft 1000)
+FORMER = ["--serve.connections.max_concurrent_rpcs=64", "--serve.connections.max_pending_calls=1000",
+          "--serve.fair.enabled=false"]
+
+
+def server_cpus() -> tuple[list[int], list[int]]:
+    """(the server's CPUs, the load generator's): the last CPU and the rest, where there are two."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return (cpus[-1:], cpus[:-1]) if len(cpus) >= 2 else (cpus, cpus)
 
 
 class Server:
@@ -70,7 +86,9 @@ def start(artifact: Path, extra: list[str]) -> Server:
     cmd = [sys.executable, "-m", "genrec.cli", "serve", "--artifact", str(artifact), "--host", "127.0.0.1",
            "--port", "0", "--threads", "1", *BATCHED, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    mine, _ = server_cpus()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: os.sched_setaffinity(0, mine))
     front: list[int] = []
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -107,7 +125,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def step(target: str, payloads: list[bytes], qps: float, seconds: float, seed: int, timeout_s: float,
-         calls: list | None = None, began: threading.Event | None = None) -> dict:
+         calls: list | None = None, began: threading.Event | None = None, tenant: str = "") -> dict:
     """One open-loop step; ``began`` is set as it starts sending (its calls' times count from
     then, within a millisecond)."""
     with grpc.insecure_channel(target) as ch:
@@ -122,7 +140,7 @@ def step(target: str, payloads: list[bytes], qps: float, seconds: float, seed: i
         if began is not None:
             began.set()
         r = run_step(call, payloads, qps, seconds, timeout_s, seed, 10**7, response=RESPONSES["Recommend"],
-                     calls=calls)
+                     calls=calls, metadata=(("tenant", tenant),) if tenant else ())
     return asdict(r)
 
 
@@ -140,20 +158,78 @@ def capacity(target: str, payloads: list[bytes], slo_ms: float, seconds: float) 
     return max(r["achieved_qps"] for r in steps), within, steps
 
 
+def _p99(latencies: list[float]) -> float:
+    return float(np.percentile(latencies, 99)) * 1e3 if latencies else float("nan")
+
+
 def overload(target: str, pid: int, payloads: list[bytes], cap: float, slo_ms: float, seconds: float) -> list[dict]:
+    """2x, 4x, 8x capacity; after 8x, half of capacity to see when the p99 is back."""
     out = []
-    for mult in (2, 4):
+    for mult in (2, 4, 8):
         calls: list = []
         rss0 = rss_mb(pid)
         r = step(target, payloads, round(mult * cap), seconds, 100 + mult, 1.0, calls)
         within = sum(1 for _, took, code in calls if code == "OK" and took * 1e3 <= 2 * slo_ms)
         r.update(multiple=mult, goodput=r["ok"] / r["duration_s"], goodput_within_2x=within / r["duration_s"],
+                 goodput_x=r["ok"] / r["duration_s"] / cap, goodput_within_2x_x=within / r["duration_s"] / cap,
                  rss_before_mb=rss0, rss_after_mb=rss_mb(pid))
-        print(f"  {mult}x ({round(mult * cap)} QPS): goodput {r['goodput']:.0f}/s ({r['goodput_within_2x']:.0f} within "
-              f"{2 * slo_ms:g} ms), admitted p99 {r['p99_ms']:.1f} ms, refused p99 {r['refused_p99_ms']:.1f} ms, "
-              f"errors {r['errors']}, RSS {rss0:.0f} -> {r['rss_after_mb']:.0f} MB", flush=True)
+        print(f"  {mult}x ({round(mult * cap)} QPS): goodput {r['goodput']:.0f}/s = {r['goodput_x']:.2f}x "
+              f"({r['goodput_within_2x']:.0f} within {2 * slo_ms:g} ms), answered p99 {r['p99_ms']:.1f} ms, refused "
+              f"p50 {r['refused_p50_ms']:.1f} ms, errors {r['errors']}, generator late p99 {r['send_late_p99_ms']:.1f} ms",
+              flush=True)
         out.append(r)
-        time.sleep(2)
+        if mult == 8:
+            r["recovery"] = recovery(target, payloads, cap, slo_ms)
+        else:
+            time.sleep(2)
+    return out
+
+
+def recovery(target: str, payloads: list[bytes], cap: float, slo_ms: float, seconds: float = 6.0) -> dict:
+    """Half of capacity, sent right after a spike: the p99 of each 250 ms window (failures as
+    misses), and the time after which every window is within 1.5x of the p99 of the same load
+    measured again after the run settles (the normal p99) and the budget."""
+    calls: list = []
+    step(target, payloads, cap / 2, seconds, 77, 1.0, calls)
+    time.sleep(3)
+    settled: list = []
+    step(target, payloads, cap / 2, seconds, 78, 1.0, settled)
+    normal = _p99([t if c == "OK" else 1.0 for _, t, c in settled])
+    windows = []
+    for w in np.arange(0, seconds, 0.25):
+        lat = [t if c == "OK" else 1.0 for s, t, c in calls if w <= s < w + 0.25]
+        windows.append((float(w), _p99(lat)))
+    bound = max(1.5 * normal, slo_ms)
+    late = [w for w, p in windows if not p <= bound]
+    back_s = (late[-1] + 0.25) if late else 0.0
+    print(f"  recovery: normal p99 {normal:.1f} ms at half capacity; back within {bound:.1f} ms after {back_s:.2f} s",
+          flush=True)
+    return {"normal_p99_ms": normal, "bound_ms": bound, "recovered_after_s": back_s, "windows_p99_ms": windows}
+
+
+def two_callers(target: str, payloads: list[bytes], cap: float, seconds: float) -> dict:
+    """The quiet caller alone at a quarter of capacity, then beside a flood of 4x capacity."""
+    def quiet_p99(calls: list) -> tuple[float, float]:
+        lat = [t if c == "OK" else 1.0 for _, t, c in calls]
+        return _p99(lat), 100.0 * sum(c != "OK" for _, _, c in calls) / max(len(calls), 1)
+
+    alone: list = []
+    step(target, payloads, cap / 4, seconds, 31, 1.0, alone, tenant="quiet")
+    time.sleep(1)
+    beside: list = []
+    flood: list = []
+    t = threading.Thread(target=lambda: step(target, payloads, 4 * cap, seconds + 2, 32, 1.0, flood, tenant="flood"))
+    t.start()
+    time.sleep(1)
+    step(target, payloads, cap / 4, seconds, 33, 1.0, beside, tenant="quiet")
+    t.join()
+    (p_alone, f_alone), (p_beside, f_beside) = quiet_p99(alone), quiet_p99(beside)
+    out = {"quiet_qps": cap / 4, "flood_qps": 4 * cap, "quiet_alone_p99_ms": p_alone, "quiet_alone_failed_pct": f_alone,
+           "quiet_beside_flood_p99_ms": p_beside, "quiet_beside_flood_failed_pct": f_beside,
+           "ratio": p_beside / p_alone, "quiet_codes": dict(Counter(c for _, _, c in beside)),
+           "flood_codes": dict(Counter(c for _, _, c in flood))}
+    print(f"  two callers: quiet p99 {p_alone:.1f} ms alone, {p_beside:.1f} ms beside a 4x flood "
+          f"({out['ratio']:.2f}x; failed {f_beside:.1f}%); flood {out['flood_codes']}", flush=True)
     return out
 
 
@@ -224,24 +300,30 @@ def main() -> None:
     ap.add_argument("--step-s", type=float, default=6.0, help="seconds per capacity step")
     ap.add_argument("--overload-s", type=float, default=10.0)
     ap.add_argument("--out", default="runs/benchmarks/serving")
+    ap.add_argument("--workload", help="JSONL requests (genrec loadtest --make-workload; default: ML-1M's)")
     args = ap.parse_args()
     artifact, payloads = artifact_and_requests(Path(args.out), args.artifact)
+    if args.workload:
+        payloads = load_workload(args.workload)
+    mine, generator = server_cpus()
+    os.sched_setaffinity(0, generator)
     servers: dict[str, dict] = {}
     cap = within = 0.0
     steps: list[dict] = []
-    for name, extra in (("admission (default)", []), ("no admission", NO_ADMISSION)):
+    for name, extra in (("default", []), ("former defaults", FORMER)):
         print(f"{name}:", flush=True)
         srv = start(artifact, extra)
-        if srv.front:
-            os.sched_setaffinity(0, srv.front)
         try:
             if not cap:  # measured once, on the default server; both get the same offered loads
                 cap, within, steps = capacity(srv.target, payloads, args.slo_p99_ms, args.step_s)
             servers[name] = {"overload": overload(srv.target, srv.proc.pid, payloads, cap, args.slo_p99_ms,
                                                   args.overload_s)}
+            time.sleep(2)
+            servers[name]["two_callers"] = two_callers(srv.target, payloads, cap, args.overload_s)
         finally:
             srv.stop()
     payload = {"date": today(), "machine": machine(), "artifact": str(artifact), "slo_p99_ms": args.slo_p99_ms,
+               "pinning": {"server_cpus": mine, "generator_cpus": generator},
                "capacity_qps": cap, "capacity_within_slo_qps": within, "capacity_steps": steps,
                "servers": servers, "engine_kill": engine_kill(artifact, payloads, cap, 15.0),
                "shutdown": shutdown(artifact, payloads, cap, 12.0)}

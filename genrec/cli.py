@@ -186,6 +186,8 @@ def _loadtest_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="output directory (run) or workload file (--make-workload)")
     p.add_argument("--cpus", default="", help="pin the load generator to these CPUs, e.g. 0 (keep it off a "
                    "server engine's pinned CPU when both share a machine)")
+    p.add_argument("--tenant", default="", help="send this caller name as 'tenant' metadata on every call "
+                   "(the server's per-caller shares, [serve.fair])")
     p.add_argument("--event-messages", action="store_true", help="send each history as Event messages instead of "
                    "history_columns (packed arrays, the default: smaller and cheaper to decode)")
     p.add_argument("--no-progress", action="store_true")

@@ -78,7 +78,7 @@ def cmd_loadtest(args: argparse.Namespace, overrides: list[str]) -> int:
     t0 = time.perf_counter()
     result = sweep(args.target, qps, args.duration, payloads, args.slo_p99_ms, args.timeout_ms / 1e3,
                    args.max_requests, progress=not args.no_progress, min_requests=args.min_requests,
-                   method=method, metrics_url=args.metrics_url)
+                   method=method, metrics_url=args.metrics_url, tenant=args.tenant)
     result.workload = described
     out = write_outputs(result, args.out or "loadtest-out")
     print(markdown(result))

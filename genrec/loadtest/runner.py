@@ -151,13 +151,14 @@ def send_times(qps: float, duration: float, seed: int, max_requests: int) -> np.
 
 def run_step(call: grpc.UnaryUnaryMultiCallable, payloads: Payloads, qps: float, duration: float, timeout: float,
              seed: int, max_requests: int, bar: tqdm | None = None, response: type[Message] | None = None,
-             calls: list[tuple[float, float, str]] | None = None) -> StepResult:
+             calls: list[tuple[float, float, str]] | None = None, metadata: tuple[tuple[str, str], ...] = ()) -> StepResult:
     """One open-loop step. ``call``: a (sync) unary-unary callable of a channel; this thread
     sleeps to each scheduled send time and starts the call without waiting for it
     (``call.future``), the answer is timed when gRPC completes it (its callback thread).
     ``response``: the reply's message class; when given, each answer's ``timing`` splits
     its latency into the server's part and the rest. ``calls``: when given, every call is
     appended as (scheduled time since the step's start, latency, status code name).
+    ``metadata``: sent with every call (e.g. ``(("tenant", "ads"),)``: the server's fair shares).
     ``payloads``: a list, sent round from its start, or an iterator (a stream such as
     :meth:`~genrec.loadtest.workload.RepeatedUserWorkload.payloads`), read on from where it
     stands; each request is taken before the sleep to its send time, so building it costs the
@@ -186,7 +187,7 @@ def run_step(call: grpc.UnaryUnaryMultiCallable, payloads: Payloads, qps: float,
         rec.lateness.record(behind)
         if behind > 1e-3:
             late += 1
-        fut = call.future(payload, timeout=timeout)
+        fut = call.future(payload, timeout=timeout, metadata=metadata or None)
         fut.add_done_callback(functools.partial(rec.answered, scheduled=scheduled))
     if len(offsets):
         rec.finished.wait()
@@ -221,10 +222,11 @@ def _progress_line(qps: float, step: StepResult) -> str:
 def sweep(target: str, qps_steps: list[float], duration: float, payloads: Payloads,
           slo_ms: float, timeout_s: float = 1.0, max_requests: int = 1_000_000, progress: bool = True,
           cooldown_s: float = 1.0, method: str = "Recommend", min_requests: int = 0, warmup: int = 50,
-          metrics_url: str | None = None) -> LoadTestResult:
+          metrics_url: str | None = None, tenant: str = "") -> LoadTestResult:
     """Steps of :func:`run_step` at each offered QPS, after ``warmup`` calls. ``payloads``: a
     list (each step starts it again) or one stream read on through the steps. ``metrics_url``:
-    the server's Prometheus endpoint; each step then reports its cache (:func:`cache_figures`)."""
+    the server's Prometheus endpoint; each step then reports its cache (:func:`cache_figures`).
+    ``tenant``: sent as ``tenant`` metadata on every call (the server's per-caller shares)."""
     result = LoadTestResult(target, method, slo_ms)
     # what is loaded now stays; a full collection over it would stall the sender mid-step
     # (serve.factory.quiet_gc has the same reason on the server side)
@@ -240,7 +242,7 @@ def sweep(target: str, qps_steps: list[float], duration: float, payloads: Payloa
             bar = tqdm(total=int(qps * seconds), desc=f"{qps:g} qps", unit="req", leave=False, disable=not progress)
             before = scrape(metrics_url)
             step = run_step(call, payloads, qps, seconds, timeout_s, seed=i, max_requests=budget, bar=bar,
-                            response=RESPONSES.get(method))
+                            response=RESPONSES.get(method), metadata=(("tenant", tenant),) if tenant else ())
             if metrics_url:
                 step = replace(step, **cache_figures(before, scrape(metrics_url)))
             bar.close()
