@@ -7,11 +7,12 @@ op                         what it computes                            backends
                            the full pass)
 :func:`hstu_last_row_attention`  each sequence's last row only          reference, coded
                            (the last layer when only it is read)
-:func:`hstu_cached_attention`    candidates against cached history      reference, coded
-                           keys / values (M-FALCON-style serving)
+:func:`hstu_cached_attention`    candidates against cached history      reference, coded,
+                           keys / values (M-FALCON-style serving)      blocked
 =========================  ==========================================  ==========================
 
-``auto`` picks Triton on CUDA where its head-dim constraints hold, else the coded backend.
+``auto`` picks Triton on CUDA where its head-dim constraints hold, else the coded backend;
+for the cached op, the blocked GEMMs of ``hstu_candidates`` where no gradient is recorded.
 Semantics (the mask, the relative biases, the 1 / N scale) are the reference's
 (``kernels.hstu_reference``); every backend is checked against it in
 ``tests/test_hstu_parity.py``. The whole-tower C++ kernel (``kernels.hstu_native``) sits
@@ -19,7 +20,8 @@ behind the tower's methods, not these ops (it fuses the layers' GEMMs too).
 
 Modules: ``hstu_reference`` (pure PyTorch, the ground truth), ``hstu_coded`` (bias codes
 shared by the layers through an :class:`AttentionPlan`, a hand-written backward),
-``triton_hstu`` (fused Triton kernels), ``hstu_native`` (C++ on CPU, serving).
+``triton_hstu`` (fused Triton kernels), ``hstu_native`` (C++ on CPU, serving),
+``hstu_candidates`` (candidates x cached keys as GEMM blocks, fp32 or bf16).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Literal
 
 import torch
 
+from genrec.kernels.hstu_candidates import hstu_cached_attention_blocked
 from genrec.kernels.hstu_coded import (  # noqa: F401 - the public names of the HSTU kernels
     AttentionPlan,
     bias_codes,
@@ -44,17 +47,18 @@ from genrec.kernels.hstu_reference import (  # noqa: F401
     hstu_last_row_attention_reference,
     padded_relative_times,
     query_blocks,
+    records_grad,
     relative_bias,
     time_bucket,
     token_positions,
 )
 
-Backend = Literal["auto", "reference", "coded", "triton"]
+Backend = Literal["auto", "reference", "coded", "triton", "blocked"]
 # every op's backends besides "auto": the parity test runs each against the op's reference
 OP_BACKENDS: dict[str, tuple[str, ...]] = {
     "hstu_attention": ("reference", "coded", "triton"),
     "hstu_last_row_attention": ("reference", "coded"),
-    "hstu_cached_attention": ("reference", "coded"),
+    "hstu_cached_attention": ("reference", "coded", "blocked"),
 }
 
 # a compiled tower calls the coded backend eagerly: a graph break per layer
@@ -147,14 +151,22 @@ def hstu_cached_attention(
     request_times: torch.Tensor | None = None,
     backend: Backend = "auto",
     plan: AttentionPlan | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Candidates against cached histories: what :func:`hstu_attention` gives the
     ``num_targets`` rows, without recomputing the history. q, k, v [C, H, D] for C
     candidates of users ``owner`` [C]; k_hist, v_hist [Th, H, D] of B users
-    (``hist_offsets`` [B+1], ``hist_times`` [Th]); ``request_times`` [B]. -> [C, H, Dv]."""
+    (``hist_offsets`` [B+1], ``hist_times`` [Th]); ``request_times`` [B]. -> [C, H, Dv].
+    ``dtype``: the blocked backend's GEMM precision (None: the inputs'; ``torch.bfloat16``
+    where the CPU runs it faster, ``kernels.hstu_candidates``); other backends refuse one."""
     _check(backend, "hstu_cached_attention")
     kw = dict(max_seq_len=max_seq_len, alpha=alpha, pos_weights=pos_weights, time_weights=time_weights,
               hist_times=hist_times, request_times=request_times)
+    blocked = backend == "blocked" or (backend == "auto" and not records_grad(q, k, v, k_hist, v_hist))
+    if dtype is not None and dtype != q.dtype and not blocked:
+        raise ValueError(f"attention backend '{backend}' computes in the inputs' dtype; dtype={dtype} needs 'blocked'")
     if backend == "reference":
         return hstu_cached_attention_reference(q, k, v, k_hist, v_hist, hist_offsets, owner, **kw)
+    if blocked:
+        return hstu_cached_attention_blocked(q, k, v, k_hist, v_hist, hist_offsets, owner, plan=plan, dtype=dtype, **kw)
     return hstu_cached_attention_coded(q, k, v, k_hist, v_hist, hist_offsets, owner, plan=plan, **kw)

@@ -10,6 +10,7 @@ layers through an :class:`AttentionPlan`; a layer then does one table gather, a 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,7 @@ class AttentionPlan:
 
     coded: CodedBlocks | None = None
     groups: GroupLayout | None = None
+    blocked: Any = None  # hstu_candidates.CandidateLayout (that module imports this one)
 
 
 def bias_table(pos_weights: torch.Tensor | None, time_weights: torch.Tensor | None, max_seq_len: int,

@@ -42,9 +42,12 @@ from genrec.kernels.jagged import lengths_to_offsets
 from genrec.models.dropout import Dropout
 
 # how the tower's serving methods run: its layers in PyTorch (each attention through
-# ``HSTUConfig.attention_backend``), or the whole tower in the C++ kernel (CPU inference)
-TowerBackend = Literal["torch", "native"]
-TOWER_BACKENDS: tuple[str, ...] = ("torch", "native")  # the parity test runs each against the reference
+# ``HSTUConfig.attention_backend``), the same with the candidates' attention GEMMs in bf16
+# ("torch-bf16": ``kernels.hstu_candidates``, for CPUs with AVX512-BF16 / AMX, where they run
+# about twice the fp32 rate; histories are encoded as on "torch"), or the whole tower in the
+# C++ kernel (CPU inference)
+TowerBackend = Literal["torch", "torch-bf16", "native"]
+TOWER_BACKENDS: tuple[str, ...] = ("torch", "torch-bf16", "native")  # the parity test runs each against the reference
 
 
 @dataclass(frozen=True)
@@ -196,14 +199,16 @@ class HSTULayer(nn.Module):
         return self._gate(x[last], u[last], attn)
 
     def forward_cached(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], hist: CachedHistory,
-                       owner: torch.Tensor, plan: AttentionPlan | None = None) -> torch.Tensor:
+                       owner: torch.Tensor, plan: AttentionPlan | None = None,
+                       dtype: torch.dtype | None = None) -> torch.Tensor:
         """Candidate rows x [C, D] against the cached history of their users -> [C, D]
-        (``plan``: shared by the layers of one call, see ``hstu_cached_attention``)."""
+        (``plan``: shared by the layers of one call, see ``hstu_cached_attention``; ``dtype``:
+        the precision of its GEMMs, None: x's)."""
         u, v, q, k = self._split(x)
         attn = hstu_cached_attention(
             q, k, v, kv[0], kv[1], hist.offsets, owner, max_seq_len=self.max_seq_len, alpha=self.alpha, pos_weights=self.pos_weights,
             time_weights=self.time_weights, hist_times=hist.times, request_times=hist.request_times,
-            backend=self._backend(), plan=plan)
+            backend="blocked" if dtype is not None else self._backend(), plan=plan, dtype=dtype)
         return self._gate(x, u, attn)
 
     def forward_paged(self, x: torch.Tensor, meta: PagedMeta, store: KVStore, index: int) -> torch.Tensor:
@@ -283,8 +288,8 @@ class HSTUTower(nn.Module):
             if out.dtype != x.dtype:
                 out = out.to(x.dtype)
             return out, CachedHistory([], meta.offsets, meta.timestamps, request, native)
-        if backend != "torch":
-            raise ValueError(f"unknown tower backend '{backend}'; use 'torch' or 'native'")
+        if backend not in ("torch", "torch-bf16"):
+            raise ValueError(f"unknown tower backend '{backend}'; use one of {', '.join(TOWER_BACKENDS)}")
         if l2:
             raise ValueError("l2 is the native backend's fused readout; normalize the rows yourself on 'torch'")
         request = meta.query_times[meta.offsets[1:] - 1] if meta.query_times is not None else None
@@ -306,11 +311,12 @@ class HSTUTower(nn.Module):
             # with the weights that encoded the history (one weight check per request, not two)
             out = hstu_native.score(native.tower or self.native_weights(), x, native, owner)
             return out if out.dtype == x.dtype else out.to(x.dtype)
-        if backend != "torch":
-            raise ValueError(f"unknown tower backend '{backend}'; use 'torch' or 'native'")
+        if backend not in ("torch", "torch-bf16"):
+            raise ValueError(f"unknown tower backend '{backend}'; use one of {', '.join(TOWER_BACKENDS)}")
         plan = AttentionPlan()  # the candidates' grouping and bias codes, built by the first layer
+        dtype = torch.bfloat16 if backend == "torch-bf16" else None
         for layer, kv in zip(self.layers, self.cached_layers(hist)):
-            x = layer.forward_cached(x, kv, hist, owner, plan)
+            x = layer.forward_cached(x, kv, hist, owner, plan, dtype)
         return self.final_norm(x)
 
     forward_cached = extend  # the name the transformer tower shares

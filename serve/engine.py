@@ -58,7 +58,7 @@ class TorchEngine(InProcessEngine):
     def __init__(self, artifact: str | Path, device: str = "cpu", micro_batch: int = 4096,
                  objective_tasks: tuple[str, ...] | None = None, packed: bool | None = None,
                  native: bool | None = None, kv_cache_mb: float = 0.0, window_block: int = 1,
-                 cache_reuse: str = "auto", padded: bool | None = None) -> None:
+                 cache_reuse: str = "auto", padded: bool | None = None, candidate_precision: str = "fp32") -> None:
         """``packed``: run an HSTU model on the packed path (see the module docstring; default:
         on CPU, when the model is one it covers); False keeps the batch path (``padded``: its
         old name, deprecated). ``native``: on that path, the tower's native backend and the
@@ -68,7 +68,9 @@ class TorchEngine(InProcessEngine):
         path only; 0: off). ``window_block``: the window over long histories moves in steps of
         this many events (``serve.requests.history_window``; a block larger than the model's
         window is the window). ``cache_reuse``: which cached prefixes are worth reusing
-        (``PackedPath.min_prefix``: "auto", or "always")."""
+        (``PackedPath.min_prefix``: "auto", or "always"). ``candidate_precision``: "bf16" scores
+        candidates with their attention GEMMs in bf16 (the packed path; ``kernels.hstu_candidates``:
+        about twice the fp32 rate on CPUs with AVX512-BF16 or AMX), "fp32" in the model's dtype."""
         if padded is not None:
             warnings.warn("TorchEngine(padded=...) is now packed=...", DeprecationWarning, stacklevel=2)
             packed = padded if packed is None else packed
@@ -83,10 +85,13 @@ class TorchEngine(InProcessEngine):
             packed = self.device.type == "cpu" and packed_supports(self.model)
         if native is None:
             native = bool(packed) and native_ok(self.model)
+        if candidate_precision not in ("fp32", "bf16"):
+            raise ValueError(f"candidate_precision: '{candidate_precision}'; use 'fp32' or 'bf16'")
+        score = "torch-bf16" if candidate_precision == "bf16" else None
         self.stages: dict[str, float] = {}  # seconds spent per stage, summed over batches
         # the tower's backend on the packed path (the model's methods either way)
         self.packed = (PackedPath(self.model, "native" if native else "torch", micro_batch, self.stages,
-                                  self.window_block, cache_reuse) if packed else None)
+                                  self.window_block, cache_reuse, score) if packed else None)
         self.path = ("native" if native else "packed") if packed else "jagged"
         self.catalogue = Catalogue(self.model, self.packed.kernels if self.packed is not None else None)
         self.ranking = Ranking(self.schema.tasks, objective_tasks)

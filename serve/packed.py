@@ -54,10 +54,13 @@ class PackedPath:
     ``encode_history_tokens`` / ``extend`` on ``backend`` ("torch" or "native").
     ``window_block``: the window over long histories moves in steps of this many events
     (:func:`history_window`). :meth:`encode_cached` encodes with a per-user K/V cache, reusing
-    the prefixes :meth:`min_prefix` allows (``cache_reuse``)."""
+    the prefixes :meth:`min_prefix` allows (``cache_reuse``). ``score_backend``: the tower's
+    backend for the candidates (default ``backend``; "torch-bf16": their attention GEMMs in
+    bf16 against the keys / values either backend encoded, ``kernels.hstu_candidates``)."""
 
     def __init__(self, model: GenerativeRecommender, backend: TowerBackend = "torch", micro_batch: int = 4096,
-                 stages: dict[str, float] | None = None, window_block: int = 1, cache_reuse: str = "auto") -> None:
+                 stages: dict[str, float] | None = None, window_block: int = 1, cache_reuse: str = "auto",
+                 score_backend: TowerBackend | None = None) -> None:
         if not packed_supports(model):
             raise ValueError("the packed path needs an HSTU tower with summed action encoding and no other "
                              "sequence features")
@@ -65,6 +68,7 @@ class PackedPath:
             raise ValueError("the tower's native backend does not cover this model here (fp32 dense weights, "
                              "widths in multiples of 8, the library built: HSTUTower.native_supported)")
         self.model, self.backend, self.micro_batch = model, backend, micro_batch
+        self.score_backend = score_backend or backend
         self.kernels = ServeKernels(model) if backend == "native" else None
         if backend == "native":  # the weights laid out for the kernel now, not on the first request
             model.tower.native_weights()
@@ -273,7 +277,7 @@ class PackedPath:
             c = torch.from_numpy(cands)
             rows, x = m.summed_tokens(c, torch.zeros_like(c) if self.has_action else None, torch.from_numpy(positions))
         t0 = self._mark("candidate_lookup", t0)
-        h = m.extend(state, x, owner_t, self.backend)
+        h = m.extend(state, x, owner_t, self.score_backend)
         t0 = self._mark("candidate_tower", t0)
         if k is not None and k.mlp is not None:  # the context's share of the first layer once per user
             cand_offsets = np.concatenate([[0], np.cumsum(counts)])

@@ -1,0 +1,141 @@
+"""HSTU candidates against cached histories as GEMM blocks (serving: many candidates, long histories).
+
+What :func:`hstu_cached_attention` computes (the reference: ``hstu_cached_attention_reference``),
+laid out for the ranking call of an ads pipeline, a few users with thousands of candidates
+each over thousands of cached events. Every candidate of a user sits at the same position (the
+first after the history) and is seen at the same request time, so its relative bias against
+history event j does not depend on the candidate: one bias row [L] per user, shared by all of
+its candidates and by the heads. A user's candidates then meet its history in two GEMMs per
+block of candidates::
+
+    S  = alpha Q_blk K^T + bias[None, :]     [cb, L]    (addmm: the bias row is its beta term)
+    O += SiLU(S) V                           [cb, Dv]   (in place, no mask: no padding)
+
+with the block ``cb`` sized so that S (``block_elems`` entries) stays in the core's L2 cache
+instead of going to memory between the three passes. The history rows are read in place (a
+user's rows are contiguous in the jagged cache: no gather, no padding to the batch's longest
+history), and each candidate's own key (the pair (c, c)) is added in one pointwise pass.
+
+``dtype``: what the two GEMMs and SiLU run in. ``None`` keeps the inputs' dtype (fp32: the
+reference to float rounding); ``torch.bfloat16`` casts Q, K, V and the bias row once per call
+and accumulates in fp32 inside the GEMM (oneDNN): on a CPU with AVX512-BF16 (AMD Zen 4, Intel
+Cooper Lake and later) or AMX, bf16 GEMMs run about twice the fp32 rate. The candidates' own
+term and the 1 / N scale stay in the inputs' dtype.
+
+Inference only: under autograd the op falls back to the coded backend (its backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from genrec.kernels.hstu_coded import AttentionPlan, bias_table, hstu_cached_attention_coded
+from genrec.kernels.hstu_reference import lookup, records_grad, time_bucket
+
+# entries of one candidates x keys score block: 2 MiB in bf16, the size of a Zen 4 core's L2 (measured:
+# blocks of 128-512 candidates over 4,096 keys beat one [C, L] block by ~10%, fp32 and bf16)
+BLOCK_ELEMS = 1 << 20
+MIN_BLOCK = 16  # fewer candidates per GEMM than this and the call overhead dominates
+
+
+@dataclass
+class CandidateLayout:
+    """What the layers of one call share (built by the first, kept in ``AttentionPlan.blocked``)."""
+
+    key: tuple[int, int]  # (max_seq_len, num_buckets)
+    order: torch.Tensor | None  # [C] candidates sorted by user (stable); None: sorted already
+    users: list[tuple[int, int, int, int]]  # per user with candidates: (first cand, end cand, hist start, hist len)
+    code: torch.Tensor  # [Th] bias code of every history row against its user's candidates
+
+
+def candidate_layout(owner: torch.Tensor, hist_offsets: torch.Tensor, max_seq_len: int, nb: int,
+                     hist_times: torch.Tensor | None, request_times: torch.Tensor | None) -> CandidateLayout:
+    """Candidates grouped by user (``owner`` [C]) and the code (position distance * nb + time
+    bucket, :func:`bias_table`'s index) of every history row of ``hist_offsets`` [B+1]."""
+    b = hist_offsets.numel() - 1
+    lengths = hist_offsets[1:] - hist_offsets[:-1]
+    sorted_ = bool((owner[1:] >= owner[:-1]).all()) if owner.numel() > 1 else True
+    order = None if sorted_ else torch.argsort(owner, stable=True)
+    counts = torch.bincount(owner, minlength=b)
+    ends = torch.cumsum(counts, 0)
+    users = [(int(e - c), int(e), int(s), int(n))
+             for c, e, s, n in zip(counts.tolist(), ends.tolist(), hist_offsets[:-1].tolist(), lengths.tolist()) if c]
+    th = int(hist_offsets[-1])
+    row_user = torch.repeat_interleave(torch.arange(b, device=owner.device), lengths, output_size=th)
+    j = torch.arange(th, device=owner.device) - hist_offsets[:-1][row_user]  # index within its history
+    code = (lengths[row_user] - j).clamp_(0, max_seq_len - 1).mul_(nb)
+    if hist_times is not None and request_times is not None:
+        code = code + time_bucket(request_times[row_user] - hist_times[:th], nb)
+    return CandidateLayout((max_seq_len, nb), order, users, code)
+
+
+def block_rows(hist_len: int, block_elems: int = BLOCK_ELEMS) -> int:
+    """Candidates per GEMM block over a history of ``hist_len`` keys (a multiple of 16)."""
+    return max(MIN_BLOCK, (block_elems // max(hist_len, 1)) // MIN_BLOCK * MIN_BLOCK)
+
+
+def hstu_cached_attention_blocked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_hist: torch.Tensor,
+    v_hist: torch.Tensor,
+    hist_offsets: torch.Tensor,
+    owner: torch.Tensor,
+    *,
+    max_seq_len: int,
+    alpha: float,
+    pos_weights: torch.Tensor | None = None,
+    time_weights: torch.Tensor | None = None,
+    hist_times: torch.Tensor | None = None,
+    request_times: torch.Tensor | None = None,
+    plan: AttentionPlan | None = None,
+    dtype: torch.dtype | None = None,
+    block_elems: int = BLOCK_ELEMS,
+) -> torch.Tensor:
+    """Candidates q, k, v [C, H, D] of users ``owner`` [C] against the users' cached keys and
+    values k_hist, v_hist [Th, H, D] (``hist_offsets`` [B+1], ``hist_times`` [Th],
+    ``request_times`` [B]) -> [C, H, Dv], as ``hstu_cached_attention_reference``. ``dtype``:
+    the GEMMs' precision (module docstring); ``plan``: shared by the layers of one call.
+
+    Example: one user, 2,000 candidates, 4,096 cached events, H 1, D 64: per layer 8 blocks of
+    128 candidates, each two GEMMs [128, 64] x [64, 4096] and [128, 4096] x [4096, 64]."""
+    kw = dict(max_seq_len=max_seq_len, alpha=alpha, pos_weights=pos_weights, time_weights=time_weights,
+              hist_times=hist_times, request_times=request_times)
+    if records_grad(q, k, v, k_hist, v_hist, pos_weights, time_weights):
+        return hstu_cached_attention_coded(q, k, v, k_hist, v_hist, hist_offsets, owner, plan=plan, **kw)
+    c, h = q.shape[0], q.shape[1]
+    if c == 0:
+        return v.new_zeros(v.shape)
+    use_time = time_weights is not None and hist_times is not None and request_times is not None
+    nb = time_weights.numel() if use_time else 1
+    layout = plan.blocked if plan is not None else None
+    if layout is None or layout.key != (max_seq_len, nb):
+        layout = candidate_layout(owner, hist_offsets, max_seq_len, nb, hist_times if use_time else None,
+                                  request_times if use_time else None)
+        if plan is not None:
+            plan.blocked = layout
+    table = bias_table(pos_weights, time_weights if use_time else None, max_seq_len, q.dtype)
+    gemm = dtype or q.dtype
+    qs = q if layout.order is None else q[layout.order]
+    qg, kg, vg = qs.to(gemm), k_hist.to(gemm), v_hist.to(gemm)  # (no copy where the dtype is already)
+    bias = lookup(table, layout.code).to(gemm)  # [Th]
+    out = v.new_zeros(c, h, v.shape[-1])
+    for c0, c1, s, n in layout.users:
+        if n == 0:  # an empty history: the candidate sees itself only
+            continue
+        rows = block_rows(n, block_elems)
+        brow = bias[None, s : s + n]
+        for hd in range(h):
+            kt, vh = kg[s : s + n, hd].T, vg[s : s + n, hd]  # [D, n], [n, Dv]: views of the cache
+            for b0 in range(c0, c1, rows):
+                b1 = min(b0 + rows, c1)
+                scores = torch.addmm(brow, qg[b0:b1, hd], kt, alpha=alpha)  # [cb, n]
+                out[b0:b1, hd] = torch.mm(F.silu(scores, inplace=True), vh)
+    if layout.order is not None:
+        out = torch.empty_like(out).index_copy_(0, layout.order, out)
+    self_score = (q * k).sum(-1).mul_(alpha).add_(table[0])  # [C, H]: distance 0, time gap 0
+    return out.add_(F.silu(self_score)[..., None] * v).div_(max_seq_len)
