@@ -101,7 +101,7 @@ class Limits:
     A history may be longer than the model's window (the model reads its latest events;
     ``exclude_history`` drops all of it from retrieval), up to ``max_history``."""
 
-    max_history: int = 4096  # events in User.history or history_columns
+    max_history: int = 16384  # events in User.history or history_columns (ads users: 10^4)
     max_candidates: int = 2048  # candidates of Recommend / Rank
     max_retrieve: int = 1024  # retrieve_k / k
     max_exclude_items: int = 4096  # exclude_items of Recommend / Retrieve

@@ -121,8 +121,9 @@ def test_an_8000_event_history_is_served(tmp_path):
     engine = TorchEngine(art)
     assert engine.schema.max_history == LONG - 1
     with pytest.raises(InvalidRequest, match="history"):
-        decode("rank", req.SerializeToString(), engine.schema, Limits())
-    work = decode("rank", req.SerializeToString(), engine.schema, Limits(max_history=LONG))
+        decode("rank", req.SerializeToString(), engine.schema, Limits(max_history=4096))
+    assert Limits().max_history == 16384  # the API's default: ads users' histories of 10^4 events
+    work = decode("rank", req.SerializeToString(), engine.schema, Limits())
     (res,) = engine.run([work])
     assert sorted(res.item_ids.tolist()) == sorted(cands.tolist())
     with torch.inference_mode():
