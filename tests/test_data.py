@@ -127,6 +127,53 @@ def test_synthetic_repeat_consumption_is_a_knob_and_off_leaves_the_rows_as_they_
         SyntheticWorld(SyntheticConfig(repeat=1.0))
 
 
+def test_synthetic_default_rows_are_pinned():
+    """The default generator's rows, bit for bit (a checksum taken before the long-history mode
+    existed): an opt-in knob must not move any existing dataset."""
+    import hashlib
+
+    from genrec.train.data.synthetic import _users_chunk
+
+    cfg = SyntheticConfig(num_users=300, num_items=5000, num_topics=8, median_len=30, seed=3)
+    cols = _users_chunk(SyntheticWorld(cfg), np.random.default_rng(cfg.seed), 1, cfg.num_users)[0]
+    h = hashlib.sha256()
+    for k in ("item_ids", "timestamps", "actions", "oracle_click"):
+        for a in cols[k]:
+            h.update(np.ascontiguousarray(a).tobytes())
+    for k in ("ctx_segment", "ctx_device", "ctx_region"):
+        h.update(repr(cols[k]).encode())
+    assert h.hexdigest() == "e570d4311461463da0508bbe570bc5fc9ffbf685cb5c7c6872a266bbaf9d0607"
+
+
+def test_synthetic_long_histories_carry_signal_a_recent_window_cannot_see(tmp_path):
+    """long_len: every user has that many events; in the recent era some events (``resumed``)
+    resume a past-era interest at the item after its last one: the full history names that
+    item, the last 512 events almost never hold its topic."""
+    from genrec.train.data.synthetic import _users_chunk, chunk_users
+
+    cfg = SyntheticConfig(num_users=40, num_items=20000, num_topics=64, seed=2, long_len=6000, long_recent=0.3,
+                          long_quiet=600, long_return=0.004)
+    world = SyntheticWorld(cfg)
+    cols = _users_chunk(world, np.random.default_rng(cfg.seed), 1, cfg.num_users)[0]
+    assert {len(s) for s in cols["item_ids"]} == {6000}
+    named = in_window = 0
+    for items, resumed in zip(cols["item_ids"], cols["resumed"]):
+        topic, rank = world.item_topic(items), world.item_rank(items)
+        for t in np.flatnonzero(resumed):
+            assert t >= 4200 + 600  # the recent era, after its quiet start
+            j = np.flatnonzero(topic[:t] == topic[t])[-1]  # the topic's last event before it
+            named += rank[t] == (rank[j] + 1) % world.per_topic
+            in_window += j >= t - 512
+    n = int(sum(r.sum() for r in cols["resumed"]))
+    assert n >= 40 and named == n  # ~2-4 per user; each the item after its topic's last one
+    assert in_window == 0  # the topic last seen in the past era, before the recent window
+    assert chunk_users(cfg) == 2**22 // 6000 and chunk_users(SyntheticConfig()) == SyntheticConfig().chunk_users
+    generate(replace(cfg, num_users=3, long_len=700), tmp_path / "long", progress=False)
+    assert {len(r["resumed"]) for r in rows(tmp_path / "long")} == {700}
+    with pytest.raises(ValueError, match="long_len"):
+        SyntheticWorld(SyntheticConfig(long_len=100, long_recent=1.0))
+
+
 def test_synthetic_id_bijection_scales_to_1e8_items():
     world = SyntheticWorld(SyntheticConfig(num_items=100_000_000, num_topics=1000))
     rng = np.random.default_rng(0)

@@ -14,6 +14,20 @@ Generative process, per user:
   ``p = sigmoid(scale * <user, item> + click_bias)``, a conversion likewise given a click;
 * timestamps are a heavy-tailed (log-normal) gap process; lengths are log-normal.
 
+Long histories (``long_len`` > 0; off by default, and off leaves every row as it was): every
+user has exactly ``long_len`` events (10^4 for the ads shape: ``genrec data synth
+--long_len=10000 --num_users=2000``) in two eras. The past era (the first ``1 - long_recent``
+of the history) draws its topics from one interest mixture, the recent era (the last
+``long_recent``) from a second one; the hidden click preference is the average of both. After
+the recent era's first ``long_quiet`` events, with probability ``long_return`` an event resumes
+a past-era interest: a topic of the past mixture last seen in the past era (each at most once),
+and the item after the last one the user consumed in it (a series resumed, a re-order a year
+on); the next event goes back to the recent mixture. Such an event (column ``resumed`` = 1) is
+predictable from the full history, which names the topic and its last item, and not from the
+last ``long_quiet`` events, which never hold its topic; clicks on it follow a preference only
+past-era clicks show. The ``segment`` context is the recent mixture's top topic (no leak of
+the past era).
+
 Item ids span ``[1, num_items]`` through an affine bijection of (topic, rank), so the
 catalogue can be 10^8 ids without any O(catalogue) array. ``oracle_click`` and
 ``oracle_conversion`` hold each event's true probabilities, so the best achievable AUC of
@@ -48,6 +62,10 @@ class SyntheticConfig:
     follow: float = 0.5
     repeat: float = 0.0  # share of events that consume one of the last repeat_window items again
     repeat_window: int = 20
+    long_len: int = 0  # > 0: every user has exactly this many events, in two eras (module docstring)
+    long_recent: float = 0.3  # share of a long history in its recent era
+    long_quiet: int = 1024  # recent-era events before the first resumption (> the window it defeats)
+    long_return: float = 0.003  # per later recent-era event: the chance it resumes a past-era interest
     interest_concentration: float = 0.08
     pref_dim: int = 16
     pref_scale: float = 2.0
@@ -75,6 +93,10 @@ class SyntheticWorld:
             raise ValueError("synthetic: num_items must be at least 2 * num_topics")
         if not 0.0 <= cfg.repeat < 1.0 or cfg.repeat_window < 1:
             raise ValueError("synthetic: repeat must be in [0, 1) and repeat_window at least 1")
+        if cfg.long_len < 0 or not 0.0 < cfg.long_recent < 1.0 or not 0.0 <= cfg.long_return <= 1.0:
+            raise ValueError("synthetic: long_len must be >= 0, long_recent in (0, 1), long_return in [0, 1]")
+        if cfg.long_quiet < 0:
+            raise ValueError("synthetic: long_quiet must be >= 0")
         self.cfg = cfg
         self.per_topic = cfg.num_items // cfg.num_topics
         self.span = self.per_topic * cfg.num_topics
@@ -90,9 +112,15 @@ class SyntheticWorld:
         return (self.mult * x + self.shift) % self.span + 1
 
     def item_topic(self, item: np.ndarray) -> np.ndarray:
+        return self._index(item) // self.per_topic
+
+    def item_rank(self, item: np.ndarray) -> np.ndarray:
+        """An item's rank within its topic (:meth:`item_id`'s inverse, with :meth:`item_topic`)."""
+        return self._index(item) % self.per_topic
+
+    def _index(self, item: np.ndarray) -> np.ndarray:
         inv = pow(self.mult, -1, self.span)
-        x = ((item.astype(np.int64) - 1 - self.shift) % self.span) * inv % self.span
-        return x // self.per_topic
+        return ((item.astype(np.int64) - 1 - self.shift) % self.span) * inv % self.span
 
     def item_vectors(self, item: np.ndarray) -> np.ndarray:
         return self.topic_vecs[self.item_topic(item)] + 0.7 * hashed_normal(item, self.cfg.pref_dim, 17)
@@ -124,26 +152,51 @@ def _users_chunk(world: SyntheticWorld, rng: np.random.Generator, first_user: in
     lengths = np.clip(
         np.round(cfg.median_len * np.exp(cfg.len_sigma * rng.standard_normal(n))), cfg.min_len, cfg.max_len
     ).astype(np.int64)
+    long = cfg.long_len > 0
+    if long:  # (every draw of this mode after the default's: its rows stay what they were)
+        lengths = np.full(n, cfg.long_len, np.int64)
+        recent_mix = rng.dirichlet(np.full(k, cfg.interest_concentration), size=n)
+        recent_cum = np.cumsum(recent_mix, axis=1)
+        recent_from = cfg.long_len - max(1, round(cfg.long_recent * cfg.long_len))
+        last_rank = np.full((n, k), -1, np.int64)  # the rank of each user's last item per topic
+        last_t = np.full((n, k), -1, np.int64)  # ... and its event's index
+        resumed = np.zeros((n, cfg.long_len), np.int8)
+        done = np.zeros((n, k), bool)  # past-era topics resumed already
     steps = int(lengths.max())
     topics = np.empty((n, steps), np.int64)
     ranks = np.empty((n, steps), np.int64)
+    users = np.arange(n)
 
-    def draw_topic() -> np.ndarray:
-        return np.minimum((cum < rng.random((n, 1))).sum(1), k - 1)
+    def draw_topic(c: np.ndarray = cum) -> np.ndarray:
+        return np.minimum((c < rng.random((n, 1))).sum(1), k - 1)
 
     topics[:, 0], ranks[:, 0] = draw_topic(), world.zipf_rank(rng, n)
     for t in range(1, steps):
+        recent = long and t >= recent_from
+        if long:
+            last_rank[users, topics[:, t - 1]], last_t[users, topics[:, t - 1]] = ranks[:, t - 1], t - 1
         stay = rng.random(n) < cfg.topic_stay
-        topics[:, t] = np.where(stay, topics[:, t - 1], draw_topic())
+        if recent:
+            stay &= resumed[:, t - 1] == 0  # a resumed interest is one event; then the recent mixture
+        topics[:, t] = np.where(stay, topics[:, t - 1], draw_topic(recent_cum if recent else cum))
         follow = stay & (rng.random(n) < cfg.follow)
         ranks[:, t] = np.where(follow, (ranks[:, t - 1] + 1) % world.per_topic, world.zipf_rank(rng, n))
         if cfg.repeat > 0:  # drawn only when on: the default's rows stay what they were
             again = np.flatnonzero(rng.random(n) < cfg.repeat)
             src = t - rng.integers(1, min(t, cfg.repeat_window) + 1, size=again.size)
             topics[again, t], ranks[again, t] = topics[again, src], ranks[again, src]
+        if recent and t >= recent_from + cfg.long_quiet:  # a past-era interest resumed, once per topic
+            topic = draw_topic()
+            seen = last_t[users, topic]  # resumable: last seen in the past era (not since)
+            back = np.flatnonzero((rng.random(n) < cfg.long_return) & ~done[users, topic]
+                                  & (seen >= 0) & (seen < recent_from))
+            topics[back, t], ranks[back, t] = topic[back], (last_rank[back, topic[back]] + 1) % world.per_topic
+            done[back, topic[back]], resumed[back, t] = True, 1
     valid = np.arange(steps)[None, :] < lengths[:, None]
     items = world.item_id(topics[valid], ranks[valid])
     gaps = np.exp(math.log(cfg.median_gap_s) + 1.5 * rng.standard_normal(int(lengths.sum())))
+    if long:
+        mix = (mix + recent_mix) / 2  # the preference: both eras' interests
     user_vec = mix @ world.topic_vecs + 0.5 * rng.standard_normal((n, cfg.pref_dim))
     owner = np.repeat(np.arange(n), lengths)
     p_click = world.click_prob(user_vec[owner], items)
@@ -154,17 +207,25 @@ def _users_chunk(world: SyntheticWorld, rng: np.random.Generator, first_user: in
     splits = np.cumsum(lengths)[:-1]
     starts = cfg.start_time + rng.integers(0, 30 * 86400, size=n)
     times = [(s + np.cumsum(g)).astype(np.int64) for s, g in zip(starts, np.split(gaps, splits))]
+    extra = {"resumed": list(resumed)} if long else {}
     return {
+        **extra,
         "user_id": list(range(first_user, first_user + n)),
         "item_ids": np.split(items, splits),
         "timestamps": times,
         "actions": np.split(actions, splits),
         "oracle_click": np.split(p_click, splits),
         "oracle_conversion": np.split(p_click * p_conv, splits),
-        "ctx_segment": [[int(t)] for t in mix.argmax(1)],
+        "ctx_segment": [[int(t)] for t in (recent_mix if long else mix).argmax(1)],
         "ctx_device": [[int(d)] for d in rng.integers(0, CONTEXT["device"], n)],
         "ctx_region": [[int(r)] for r in rng.integers(0, CONTEXT["region"], n)],
     }, {"mix": mix, "user_vec": user_vec}
+
+
+def chunk_users(cfg: SyntheticConfig) -> int:
+    """Users generated together: ``chunk_users``, fewer for long histories (a chunk's [users,
+    steps] draws stay near 2^22 entries)."""
+    return min(cfg.chunk_users, max(1, 2**22 // cfg.long_len)) if cfg.long_len else cfg.chunk_users
 
 
 def generate(cfg: SyntheticConfig, out: str | Path, progress: bool = True, layout: Layout | None = None) -> DatasetInfo:
@@ -174,11 +235,13 @@ def generate(cfg: SyntheticConfig, out: str | Path, progress: bool = True, layou
     rng = np.random.default_rng(cfg.seed)
     context = {"segment": cfg.num_topics, "device": CONTEXT["device"], "region": CONTEXT["region"]}
     extra = {"synthetic": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}}
+    columns = {"oracle_click": "float32", "oracle_conversion": "float32"} | ({"resumed": "int8"} if cfg.long_len else {})
     with DatasetWriter(out, source="synthetic", action_names=ACTIONS, context_features=context, extra=extra,
-                       extra_columns={"oracle_click": "float32", "oracle_conversion": "float32"},
+                       extra_columns=columns,
                        layout=layout, progress=progress, total=cfg.num_users) as w:
-        for first in range(0, cfg.num_users, cfg.chunk_users):
-            w.write(_users_chunk(world, rng, first + 1, min(cfg.chunk_users, cfg.num_users - first))[0])
+        step = chunk_users(cfg)
+        for first in range(0, cfg.num_users, step):
+            w.write(_users_chunk(world, rng, first + 1, min(step, cfg.num_users - first))[0])
     return w.info
 
 
@@ -186,6 +249,7 @@ def hidden_users(cfg: SyntheticConfig) -> dict[str, np.ndarray]:
     """The hidden state of every user of ``generate(cfg)`` (row i: user id i + 1), by replaying
     the same draws: ``mix`` [users, topics], ``user_vec`` [users, pref_dim]."""
     world, rng = SyntheticWorld(cfg), np.random.default_rng(cfg.seed)
-    parts = [_users_chunk(world, rng, first + 1, min(cfg.chunk_users, cfg.num_users - first))[1]
-             for first in range(0, cfg.num_users, cfg.chunk_users)]
+    step = chunk_users(cfg)
+    parts = [_users_chunk(world, rng, first + 1, min(step, cfg.num_users - first))[1]
+             for first in range(0, cfg.num_users, step)]
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
