@@ -19,8 +19,11 @@ history), and each candidate's own key (the pair (c, c)) is added in one pointwi
 ``dtype``: what the two GEMMs and SiLU run in. ``None`` keeps the inputs' dtype (fp32: the
 reference to float rounding); ``torch.bfloat16`` casts Q, K, V and the bias row once per call
 and accumulates in fp32 inside the GEMM (oneDNN): on a CPU with AVX512-BF16 (AMD Zen 4, Intel
-Cooper Lake and later) or AMX, bf16 GEMMs run about twice the fp32 rate. The candidates' own
-term and the 1 / N scale stay in the inputs' dtype.
+Cooper Lake and later) or AMX, bf16 GEMMs run about twice the fp32 rate. There the first GEMM
+is oneDNN's linear with the bias and SiLU in its epilogue (``torch.ops.mkldnn._linear_pointwise``,
+what torch.compile's CPU backend emits; addmm + SiLU where a build lacks it): SiLU then reads
+the fp32 accumulators, and no pass over the [cb, L] scores is left besides the two GEMMs. The
+candidates' own term and the 1 / N scale stay in the inputs' dtype.
 
 Inference only: under autograd the op falls back to the coded backend (its backward).
 """
@@ -34,6 +37,10 @@ import torch.nn.functional as F
 
 from genrec.kernels.hstu_coded import AttentionPlan, bias_table, hstu_cached_attention_coded
 from genrec.kernels.hstu_reference import lookup, records_grad, time_bucket
+
+# oneDNN's linear + pointwise op (what torch.compile's CPU backend fuses into); None where absent
+_linear_pointwise = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None) if (
+    torch.backends.mkldnn.is_available()) else None
 
 # entries of one candidates x keys score block: 2 MiB in bf16, the size of a Zen 4 core's L2 (measured:
 # blocks of 128-512 candidates over 4,096 keys beat one [C, L] block by ~10%, fp32 and bf16)
@@ -70,6 +77,13 @@ def candidate_layout(owner: torch.Tensor, hist_offsets: torch.Tensor, max_seq_le
     if hist_times is not None and request_times is not None:
         code = code + time_bucket(request_times[row_user] - hist_times[:th], nb)
     return CandidateLayout((max_seq_len, nb), order, users, code)
+
+
+def _fused_silu(gemm: torch.dtype, q: torch.Tensor) -> bool:
+    """Whether the bf16 scores go through oneDNN's linear with a SiLU epilogue (CPU builds with
+    oneDNN): the bias broadcast, the scores' write and SiLU's pass over them in one op, ~15%
+    of a bf16 block measured; fp32 keeps addmm (MKL, the reference to float rounding)."""
+    return gemm == torch.bfloat16 and q.device.type == "cpu" and _linear_pointwise is not None
 
 
 def block_rows(hist_len: int, block_elems: int = BLOCK_ELEMS) -> int:
@@ -120,21 +134,27 @@ def hstu_cached_attention_blocked(
             plan.blocked = layout
     table = bias_table(pos_weights, time_weights if use_time else None, max_seq_len, q.dtype)
     gemm = dtype or q.dtype
+    fused = _fused_silu(gemm, q)
     qs = q if layout.order is None else q[layout.order]
-    qg, kg, vg = qs.to(gemm), k_hist.to(gemm), v_hist.to(gemm)  # (no copy where the dtype is already)
+    qg = (qs * alpha).to(gemm) if fused else qs.to(gemm)  # (no copy where the dtype is already)
+    kg, vg = k_hist.to(gemm), v_hist.to(gemm)
     bias = lookup(table, layout.code).to(gemm)  # [Th]
     out = v.new_zeros(c, h, v.shape[-1])
     for c0, c1, s, n in layout.users:
         if n == 0:  # an empty history: the candidate sees itself only
             continue
         rows = block_rows(n, block_elems)
-        brow = bias[None, s : s + n]
         for hd in range(h):
-            kt, vh = kg[s : s + n, hd].T, vg[s : s + n, hd]  # [D, n], [n, Dv]: views of the cache
+            kh, vh = kg[s : s + n, hd], vg[s : s + n, hd]  # [n, D], [n, Dv]: views of the cache
+            if fused:
+                kh = kh.contiguous()
             for b0 in range(c0, c1, rows):
                 b1 = min(b0 + rows, c1)
-                scores = torch.addmm(brow, qg[b0:b1, hd], kt, alpha=alpha)  # [cb, n]
-                out[b0:b1, hd] = torch.mm(F.silu(scores, inplace=True), vh)
+                if fused:  # SiLU(q k^T + bias) in the GEMM's epilogue, on its fp32 accumulators
+                    attn = _linear_pointwise(qg[b0:b1, hd].contiguous(), kh, bias[s : s + n], "swish", [], "")
+                else:
+                    attn = F.silu(torch.addmm(bias[None, s : s + n], qg[b0:b1, hd], kh.T, alpha=alpha), inplace=True)
+                out[b0:b1, hd] = torch.mm(attn, vh)  # [cb, Dv]
     if layout.order is not None:
         out = torch.empty_like(out).index_copy_(0, layout.order, out)
     self_score = (q * k).sum(-1).mul_(alpha).add_(table[0])  # [C, H]: distance 0, time gap 0

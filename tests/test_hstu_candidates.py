@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from genrec.kernels import hstu_attention as ha
+from genrec.kernels import hstu_candidates as hc
 from genrec.kernels.hstu_candidates import block_rows, hstu_cached_attention_blocked
 from genrec.kernels.jagged import lengths_to_offsets
 
@@ -57,9 +58,15 @@ def test_blocked_matches_the_reference(seed, block_elems, sorted_owner):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_blocked_bf16_within_its_rounding(seed):
+@pytest.mark.parametrize("fused", [True, False])
+def test_blocked_bf16_within_its_rounding(seed, fused, monkeypatch):
     """bf16 GEMMs: within 2% of the output's scale of the fp32 reference, and far closer to it
-    than an output with one bias term left out (what a wrong bias row reads)."""
+    than an output with one bias term left out (what a wrong bias row reads); with oneDNN's
+    fused SiLU epilogue and without it (the path of builds that lack it)."""
+    if fused and hc._linear_pointwise is None:
+        pytest.skip("this torch has no oneDNN linear_pointwise")
+    if not fused:
+        monkeypatch.setattr(hc, "_linear_pointwise", None)
     q, k, v, kh, vh, offsets, owner, kw = case(seed)
     with torch.inference_mode():
         ref = ha.hstu_cached_attention_reference(q, k, v, kh, vh, offsets, owner, **kw)
