@@ -388,6 +388,7 @@ def _at(d: dict, backend: str, h: int, c: int, mb: Any) -> dict:
 
 def ranking_serving(d: dict) -> list[str]:
     """The RESULTS.md section of ``results/ranking_serving.json``."""
+    from genrec.benchmarks.ranking_cached import section as cached_section
     from genrec.benchmarks.report import MISSING, command, footer, get, num, table
 
     mb = get(d, "choice.micro_batch")
@@ -461,7 +462,7 @@ def ranking_serving(d: dict) -> list[str]:
             *table(["backend", "stage", "ms", "share", "useful GFLOP/s"], prof_rows), "",
             f"torch backend, top operators by own time: {ops_text}.", "",
             f"Memory, one engine process, a batch of {num(mem.get('batch'), 'd')} calls of "
-            f"{num(mem.get('history'), ',d')} events: {mem_text}.", *footer(d, cmd)]
+            f"{num(mem.get('history'), ',d')} events: {mem_text}.", *footer(d, cmd), *cached_section(d.get("cached") or {})]
 
 
 def ranking_serving_summary(d: dict) -> tuple[str, str]:
