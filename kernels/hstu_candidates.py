@@ -59,9 +59,13 @@ class CandidateLayout:
 
 
 def candidate_layout(owner: torch.Tensor, hist_offsets: torch.Tensor, max_seq_len: int, nb: int,
-                     hist_times: torch.Tensor | None, request_times: torch.Tensor | None) -> CandidateLayout:
+                     hist_times: torch.Tensor | None, request_times: torch.Tensor | None,
+                     key_positions: torch.Tensor | None = None,
+                     query_positions: torch.Tensor | None = None) -> CandidateLayout:
     """Candidates grouped by user (``owner`` [C]) and the code (position distance * nb + time
-    bucket, :func:`bias_table`'s index) of every history row of ``hist_offsets`` [B+1]."""
+    bucket, :func:`bias_table`'s index) of every history row of ``hist_offsets`` [B+1]. Row j of
+    a history sits at position j and its candidates at its length, unless ``key_positions`` [Th]
+    and ``query_positions`` [B] say otherwise (``kernels.hstu_bounded``'s block summaries)."""
     b = hist_offsets.numel() - 1
     lengths = hist_offsets[1:] - hist_offsets[:-1]
     sorted_ = bool((owner[1:] >= owner[:-1]).all()) if owner.numel() > 1 else True
@@ -73,6 +77,8 @@ def candidate_layout(owner: torch.Tensor, hist_offsets: torch.Tensor, max_seq_le
     th = int(hist_offsets[-1])
     row_user = torch.repeat_interleave(torch.arange(b, device=owner.device), lengths, output_size=th)
     j = torch.arange(th, device=owner.device) - hist_offsets[:-1][row_user]  # index within its history
+    if key_positions is not None and query_positions is not None:
+        j, lengths = key_positions[:th], query_positions
     code = (lengths[row_user] - j).clamp_(0, max_seq_len - 1).mul_(nb)
     if hist_times is not None and request_times is not None:
         code = code + time_bucket(request_times[row_user] - hist_times[:th], nb)
@@ -109,17 +115,22 @@ def hstu_cached_attention_blocked(
     plan: AttentionPlan | None = None,
     dtype: torch.dtype | None = None,
     block_elems: int = BLOCK_ELEMS,
+    key_positions: torch.Tensor | None = None,
+    query_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Candidates q, k, v [C, H, D] of users ``owner`` [C] against the users' cached keys and
     values k_hist, v_hist [Th, H, D] (``hist_offsets`` [B+1], ``hist_times`` [Th],
     ``request_times`` [B]) -> [C, H, Dv], as ``hstu_cached_attention_reference``. ``dtype``:
-    the GEMMs' precision (module docstring); ``plan``: shared by the layers of one call.
+    the GEMMs' precision (module docstring); ``plan``: shared by the layers of one call;
+    ``key_positions`` [Th], ``query_positions`` [B]: as in :func:`candidate_layout`.
 
     Example: one user, 2,000 candidates, 4,096 cached events, H 1, D 64: per layer 8 blocks of
     128 candidates, each two GEMMs [128, 64] x [64, 4096] and [128, 4096] x [4096, 64]."""
     kw = dict(max_seq_len=max_seq_len, alpha=alpha, pos_weights=pos_weights, time_weights=time_weights,
               hist_times=hist_times, request_times=request_times)
     if records_grad(q, k, v, k_hist, v_hist, pos_weights, time_weights):
+        if key_positions is not None:
+            raise ValueError("candidates against explicit key positions: inference only (no gradient)")
         return hstu_cached_attention_coded(q, k, v, k_hist, v_hist, hist_offsets, owner, plan=plan, **kw)
     c, h = q.shape[0], q.shape[1]
     if c == 0:
@@ -129,7 +140,7 @@ def hstu_cached_attention_blocked(
     layout = plan.blocked if plan is not None else None
     if layout is None or layout.key != (max_seq_len, nb):
         layout = candidate_layout(owner, hist_offsets, max_seq_len, nb, hist_times if use_time else None,
-                                  request_times if use_time else None)
+                                  request_times if use_time else None, key_positions, query_positions)
         if plan is not None:
             plan.blocked = layout
     table = bias_table(pos_weights, time_weights if use_time else None, max_seq_len, q.dtype)

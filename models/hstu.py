@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from genrec.kernels import hstu_native
+from genrec.kernels import hstu_bounded, hstu_native
 from genrec.kernels.hstu_attention import (
     AttentionPlan,
     bias_table,
@@ -37,6 +37,8 @@ from genrec.kernels.hstu_attention import (
     hstu_cached_attention,
     hstu_last_row_attention,
 )
+from genrec.kernels.hstu_bounded import hstu_bounded_attention
+from genrec.kernels.hstu_candidates import hstu_cached_attention_blocked
 from genrec.kernels.hstu_paged import hstu_paged_attention
 from genrec.kernels.jagged import lengths_to_offsets
 from genrec.models.dropout import Dropout
@@ -61,6 +63,15 @@ class HSTUConfig:
     time_bias: bool = True
     num_time_buckets: int = 64
     attention_backend: Literal["auto", "reference", "coded", "triton"] = "auto"
+    # > 0: a bounded reach into long histories (kernels.hstu_bounded, training and serving
+    # alike): the last `window` events in full, earlier ones as summaries of `summary_block`
+    window: int = 0
+    summary_block: int = 64
+
+    def __post_init__(self) -> None:
+        if self.window < 0 or self.summary_block < 1:
+            raise ValueError(f"hstu.window = {self.window}, hstu.summary_block = {self.summary_block}: the window "
+                             "must be >= 0 (0: full attention) and the summary block >= 1")
 
     def kv_dims(self) -> KVDims:
         """The K/V cache shape of a tower of this config (:meth:`HSTUTower.kv_dims`)."""
@@ -167,7 +178,16 @@ class HSTULayer(nn.Module):
         u, v, q, k = self._split(x)
         if cache is not None:
             cache.append((k, v))
-        attn = hstu_attention(
+        return self._gate(x, u, self._attention(q, k, v, meta))
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: JaggedMeta) -> torch.Tensor:
+        if self.cfg.window:
+            return hstu_bounded_attention(
+                q, k, v, meta.offsets, window=self.cfg.window, block=self.cfg.summary_block,
+                max_seq_len=self.max_seq_len, alpha=self.alpha, pos_weights=self.pos_weights,
+                time_weights=self.time_weights, timestamps=meta.timestamps, query_times=meta.query_times,
+                num_targets=meta.num_targets, max_len=meta.max_len)
+        return hstu_attention(
             q,
             k,
             v,
@@ -183,7 +203,6 @@ class HSTULayer(nn.Module):
             backend=meta.attention_backend or self.cfg.attention_backend,
             plan=meta.plan,
         )
-        return self._gate(x, u, attn)
 
     def forward_last(self, x: torch.Tensor, meta: JaggedMeta, cache: list | None = None) -> torch.Tensor:
         """Only each sequence's last row: x [T, D] -> [B, D] (keys and values of every row still
@@ -191,11 +210,13 @@ class HSTULayer(nn.Module):
         u, v, q, k = self._split(x)
         if cache is not None:
             cache.append((k, v))
+        last = meta.offsets[1:] - 1
+        if self.cfg.window:  # (the bounded pass has no last-row shortcut: every row, then the last)
+            return self._gate(x[last], u[last], self._attention(q, k, v, meta)[last])
         attn = hstu_last_row_attention(
             q, k, v, meta.offsets, max_seq_len=self.max_seq_len, alpha=self.alpha, pos_weights=self.pos_weights,
             time_weights=self.time_weights, timestamps=meta.timestamps, query_times=meta.query_times,
             backend=self._backend(meta.attention_backend))
-        last = meta.offsets[1:] - 1
         return self._gate(x[last], u[last], attn)
 
     def forward_cached(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], hist: CachedHistory,
@@ -205,6 +226,16 @@ class HSTULayer(nn.Module):
         (``plan``: shared by the layers of one call, see ``hstu_cached_attention``; ``dtype``:
         the precision of its GEMMs, None: x's)."""
         u, v, q, k = self._split(x)
+        if self.cfg.window:  # each user's window rows and block summaries, at their own positions
+            kb, vb, offsets, positions, times = hstu_bounded.bounded_history(
+                kv[0], kv[1], hist.offsets, hist.times if self.time_weights is not None else None, self.cfg.window,
+                self.cfg.summary_block)
+            attn = hstu_cached_attention_blocked(
+                q, k, v, kb, vb, offsets, owner, max_seq_len=self.max_seq_len, alpha=self.alpha,
+                pos_weights=self.pos_weights, time_weights=self.time_weights, hist_times=times,
+                request_times=hist.request_times, plan=plan, dtype=dtype, key_positions=positions,
+                query_positions=hist.offsets[1:] - hist.offsets[:-1])
+            return self._gate(x, u, attn)
         attn = hstu_cached_attention(
             q, k, v, kv[0], kv[1], hist.offsets, owner, max_seq_len=self.max_seq_len, alpha=self.alpha, pos_weights=self.pos_weights,
             time_weights=self.time_weights, hist_times=hist.times, request_times=hist.request_times,
@@ -214,6 +245,9 @@ class HSTULayer(nn.Module):
     def forward_paged(self, x: torch.Tensor, meta: PagedMeta, store: KVStore, index: int) -> torch.Tensor:
         """New rows x [Tq, D] against their sequences' cached keys / values -> [Tq, D]; this
         layer's new keys and values go to ``store`` (as layer ``index``) first."""
+        if self.cfg.window:
+            raise ValueError("hstu.window > 0: a bounded tower encodes grown histories whole (no incremental "
+                             "extend of a cached prefix); serve it without cache reuse")
         u, v, q, k = self._split(x)
         keys, values = store(index, k, v)
         attn = hstu_paged_attention(
@@ -347,7 +381,7 @@ class HSTUTower(nn.Module):
         eps = [la.norm.eps for la in self.layers] + [la.out_norm.eps for la in self.layers]
         affine = isinstance(fn, nn.LayerNorm) and fn.weight is not None and fn.bias is not None
         bias = all(la.uvqk.bias is not None and la.out.bias is not None for la in self.layers)
-        return (affine and hstu_native.supports(fn.normalized_shape[0], c.num_heads, c.qk_dim, c.v_dim,
+        return (not c.window and affine and hstu_native.supports(fn.normalized_shape[0], c.num_heads, c.qk_dim, c.v_dim,
                                                 self.layers[0].out.weight.dtype, [*eps, fn.eps], bias)
                 and hstu_native.library() is not None)
 

@@ -1,0 +1,145 @@
+"""HSTU attention with a bounded reach into long histories: a recent window in full, the distant
+past as block summaries (issue 44).
+
+A query at position p (a history event at its own position, a candidate at the first position
+after the history) attends to
+
+* every key in its window, positions ``start(p) .. p`` (candidates: ``start(p) .. p - 1`` of the
+  history and themselves), where ``start(p) = nsum(p) * block`` and
+  ``nsum(p) = max(0, (p - window + 1) // block)``: the last ``window`` events and back to a
+  block boundary, so the window holds ``window`` to ``window + block - 1`` keys;
+* one summary per whole block before it, blocks ``0 .. nsum(p) - 1``: the block's mean key and
+  the sum of its values, at the block's last event's position and time (its relative bias).
+
+Window and summaries partition the history, so HSTU's sum over keys becomes a sum over at most
+``window + block + L / block`` terms, ``SiLU(q mean(k) + bias) sum(v)`` standing in for a
+block's ``sum_j SiLU(q k_j + bias) v_j``. A query's cost is bounded by the window; the
+summaries grow with L / block. With ``window`` >= the sequence, it is the full attention
+(``kernels.hstu_reference``), which the tests check.
+
+The same function runs training (every row of a jagged batch, autograd through plain PyTorch
+ops) and the history's encoding at serving time; :func:`bounded_history` turns cached keys and
+values into each user's window rows and block summaries, against which the candidates are
+scored by ``kernels.hstu_candidates`` with the summaries' own positions and times.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from genrec.kernels.hstu_reference import (
+    batch_lengths,
+    lookup,
+    padded_relative_times,
+    time_bucket,
+    token_positions,
+)
+from genrec.kernels.jagged import jagged_index, jagged_to_padded, padded_to_jagged
+
+ROWS = 256  # query rows per block of the padded pass
+
+
+def summaries(p: torch.Tensor, window: int, block: int) -> torch.Tensor:
+    """Whole blocks before the window of a query at position ``p`` (any int tensor)."""
+    return torch.clamp_min(torch.div(p - window + 1, block, rounding_mode="floor"), 0)
+
+
+def hstu_bounded_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    window: int,
+    block: int,
+    max_seq_len: int,
+    alpha: float,
+    pos_weights: torch.Tensor | None = None,
+    time_weights: torch.Tensor | None = None,
+    timestamps: torch.Tensor | None = None,
+    query_times: torch.Tensor | None = None,
+    num_targets: torch.Tensor | None = None,
+    max_len: int | None = None,
+) -> torch.Tensor:
+    """Jagged q, k [T, H, Dqk], v [T, H, Dv], offsets [B+1] -> [T, H, Dv], as
+    ``hstu_attention_reference`` but each query reaching its window and the block summaries
+    before it (module docstring). ``num_targets`` [B]: trailing candidates per sequence."""
+    lengths, max_len = batch_lengths(offsets, max_len)
+    if q.shape[0] == 0 or max_len == 0:
+        return v.new_zeros(v.shape)
+    b = lengths.numel()
+    index = jagged_index(offsets, q.shape[0])
+    qp, kp, vp = (jagged_to_padded(t, offsets, max_len, index=index).transpose(1, 2) for t in (q, k, v))  # [B, H, L, D]
+    pos = token_positions(max_len, lengths, num_targets).expand(b, max_len)  # [B, L]
+    hist = lengths - (num_targets if num_targets is not None else 0)
+    use_time = time_weights is not None and timestamps is not None and query_times is not None
+    tq, tk = padded_relative_times(query_times, timestamps, offsets, max_len, index) if use_time else (None, None)
+    nblk = max_len // block
+    kb = kp[:, :, : nblk * block].unflatten(2, (nblk, block)).mean(3)  # [B, H, nblk, Dqk]
+    vb = vp[:, :, : nblk * block].unflatten(2, (nblk, block)).sum(3)
+    ends = torch.arange(nblk, device=q.device) * block + block - 1  # each block's last position
+    ar = torch.arange(max_len, device=q.device)
+
+    def bias(pi: torch.Tensor, pj: torch.Tensor, ti: torch.Tensor | None, tj: torch.Tensor | None) -> torch.Tensor:
+        out = torch.zeros(pi.shape[0], pi.shape[1], pj.shape[-1], dtype=q.dtype, device=q.device)
+        if pos_weights is not None:
+            out = out + lookup(pos_weights, (pi[:, :, None] - pj[:, None, :]).clamp_(0, max_seq_len - 1)).to(q.dtype)
+        if ti is not None and tj is not None:
+            out = out + lookup(time_weights, time_bucket(ti[:, :, None] - tj[:, None, :], time_weights.numel())).to(q.dtype)
+        return out  # [B, r, n]
+
+    outs = []
+    for s in range(0, max_len, ROWS):
+        e = min(s + ROWS, max_len)
+        pi = pos[:, s:e]  # [B, r]
+        nsum = summaries(pi, window, block)  # [B, r]
+        k0 = int(nsum.min()) * block  # the block's widest window starts here
+        ns = int(nsum.max())
+        i, j = ar[s:e], ar[k0:e]
+        target = (i[None, :] >= hist[:, None])  # [B, r]
+        see = (j[None, None, :] >= (nsum * block)[:, :, None]) & (j[None, None, :] < lengths[:, None, None])
+        see &= torch.where(target[:, :, None], (j[None, None, :] < hist[:, None, None]) | (j == i[:, None])[None],
+                           (j <= i[:, None])[None])
+        see &= (i[None, :] < lengths[:, None])[:, :, None]
+        sc = torch.matmul(qp[:, :, s:e], kp[:, :, k0:e].transpose(-1, -2)) * alpha  # [B, H, r, nw]
+        sc = sc + bias(pi, pos[:, k0:e], tq[:, s:e] if use_time else None, tk[:, k0:e] if use_time else None)[:, None]
+        out = torch.matmul(F.silu(sc) * see[:, None].to(sc.dtype), vp[:, :, k0:e])
+        if ns:
+            ssc = torch.matmul(qp[:, :, s:e], kb[:, :, :ns].transpose(-1, -2)) * alpha  # [B, H, r, ns]
+            pe = ends[:ns].expand(b, ns)
+            te = tk[:, ends[:ns]] if use_time else None
+            ssc = ssc + bias(pi, pe, tq[:, s:e] if use_time else None, te)[:, None]
+            use = (torch.arange(ns, device=q.device)[None, None, :] < nsum[:, :, None])
+            use &= (i[None, :] < lengths[:, None])[:, :, None]
+            out = out + torch.matmul(F.silu(ssc) * use[:, None].to(ssc.dtype), vb[:, :, :ns])
+        outs.append(out)
+    out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).transpose(1, 2)  # [B, L, H, Dv]
+    return padded_to_jagged(out, offsets, index=index) / max_seq_len
+
+
+def bounded_history(k_hist: torch.Tensor, v_hist: torch.Tensor, hist_offsets: torch.Tensor,
+                    hist_times: torch.Tensor | None, window: int, block: int,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What candidates at the first position after each history see of it: per user its block
+    summaries then its window rows, as a jagged history of "virtual" keys. k_hist, v_hist
+    [Th, H, D], hist_offsets [B+1], hist_times [Th] -> (keys [Tv, H, D], values [Tv, H, Dv],
+    offsets [B+1], key positions [Tv], key times [Tv] or None)."""
+    ks, vs, ps, ts, lens = [], [], [], [], []
+    for u in range(hist_offsets.numel() - 1):
+        s, e = int(hist_offsets[u]), int(hist_offsets[u + 1])
+        n = e - s
+        ns = int(summaries(torch.tensor(n), window, block))
+        w0 = s + ns * block
+        ks += [k_hist[s:w0].unflatten(0, (ns, block)).mean(1), k_hist[w0:e]]
+        vs += [v_hist[s:w0].unflatten(0, (ns, block)).sum(1), v_hist[w0:e]]
+        last = torch.arange(ns, device=k_hist.device) * block + block - 1
+        ps += [last, torch.arange(ns * block, n, device=k_hist.device)]
+        if hist_times is not None:
+            ts += [hist_times[s + last], hist_times[w0:e]]
+        lens.append(ns + e - w0)
+    offsets = torch.zeros(len(lens) + 1, dtype=torch.int64, device=k_hist.device)
+    offsets[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
+    cat = lambda xs, like: torch.cat(xs) if xs else like[:0]  # noqa: E731
+    return (cat(ks, k_hist), cat(vs, v_hist), offsets, cat(ps, hist_offsets),
+            cat(ts, hist_times) if hist_times is not None else None)

@@ -1,0 +1,131 @@
+"""Bounded attention over long histories (``kernels.hstu_bounded``): the padded pass against the
+formula written per query, the full attention where the window holds everything, and the tower's
+serving path (encode a history, score candidates against its cache) against the training pass
+with the candidates as targets."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from genrec.kernels.hstu_attention import hstu_attention_reference, time_bucket
+from genrec.kernels.hstu_bounded import hstu_bounded_attention
+from genrec.kernels.jagged import lengths_to_offsets
+from genrec.models.hstu import HSTUConfig, HSTUTower, JaggedMeta
+
+N = 64  # max_seq_len
+
+
+def loop_bounded(q, k, v, lengths, nt, window, block, pos_w, time_w, ts, qt):
+    """Per sequence and query: its window keys and the summaries of the whole blocks before."""
+    out, start = [], 0
+    alpha = q.shape[-1] ** -0.5
+    for b, n in enumerate(lengths.tolist()):
+        hist = n - int(nt[b])
+        for i in range(n):
+            p = min(i, hist)
+            ns = max(0, (p - window + 1) // block)
+            terms = [(k[start + j], v[start + j], j, ts[start + j]) for j in range(ns * block, n)
+                     if (j <= i if i < hist else (j < hist or j == i))]
+            for s in range(ns):
+                rows = slice(start + s * block, start + (s + 1) * block)
+                last = start + (s + 1) * block - 1
+                terms.append((k[rows].mean(0), v[rows].sum(0), (s + 1) * block - 1, ts[last]))
+            acc = torch.zeros_like(v[0])
+            for kk, vv, pj, tj in terms:
+                sc = (q[start + i] * kk).sum(-1) * alpha + pos_w[min(max(p - min(pj, hist), 0), N - 1)]
+                sc = sc + time_w[time_bucket(qt[start + i] - tj, time_w.numel())]
+                acc = acc + (F.silu(sc) / N)[:, None] * vv
+            out.append(acc)
+        start += n
+    return torch.stack(out)
+
+
+def case(lengths, targets, seed=0, heads=2, d=8):
+    g = torch.Generator().manual_seed(seed)
+    t = int(sum(lengths))
+    q, k, v = (torch.randn(t, heads, d, generator=g, dtype=torch.float64) for _ in range(3))
+    ts = torch.cumsum(torch.randint(0, 5000, (t,), generator=g), 0)
+    qt = ts + torch.randint(0, 100, (t,), generator=g)
+    kw = dict(max_seq_len=N, alpha=d**-0.5, pos_weights=torch.randn(N, generator=g, dtype=torch.float64),
+              time_weights=torch.randn(16, generator=g, dtype=torch.float64), timestamps=ts, query_times=qt,
+              num_targets=torch.tensor(targets))
+    return q, k, v, torch.tensor(lengths), kw
+
+
+@pytest.mark.parametrize("window,block", [(5, 3), (1, 4), (9, 2), (4, 16)])
+def test_bounded_matches_the_per_query_formula(window, block):
+    lengths, targets = [23, 0, 11, 30, 2], [3, 0, 0, 5, 1]
+    q, k, v, lens, kw = case(lengths, targets)
+    out = hstu_bounded_attention(q, k, v, lengths_to_offsets(lens), window=window, block=block, **kw)
+    want = loop_bounded(q, k, v, lens, kw["num_targets"], window, block, kw["pos_weights"], kw["time_weights"],
+                        kw["timestamps"], kw["query_times"])
+    torch.testing.assert_close(out, want)
+
+
+def test_a_window_over_everything_is_the_full_attention_and_trains_alike():
+    q, k, v, lens, kw = case([17, 0, 40, 6], [2, 0, 4, 0], seed=1)
+    for t in (q, k, v, kw["pos_weights"], kw["time_weights"]):
+        t.requires_grad_()
+    offsets = lengths_to_offsets(lens)
+    out = hstu_bounded_attention(q, k, v, offsets, window=40, block=8, **kw)
+    ref = hstu_attention_reference(q, k, v, offsets, **kw)
+    torch.testing.assert_close(out, ref)
+    leaves = [q, k, v, kw["pos_weights"], kw["time_weights"]]
+    g = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, leaves, g), torch.autograd.grad(ref, leaves, g)):
+        torch.testing.assert_close(a, b)
+
+
+def tower(window: int, seed: int = 0) -> HSTUTower:
+    torch.manual_seed(seed)
+    cfg = HSTUConfig(num_layers=2, num_heads=2, qk_dim=8, v_dim=8, dropout=0.0, num_time_buckets=32, window=window,
+                     summary_block=4)
+    t = HSTUTower(cfg, 16, N).eval()
+    with torch.no_grad():
+        for layer in t.layers:
+            layer.pos_weights.normal_(0, 1.0)
+            layer.time_weights.normal_(0, 1.0)
+    return t
+
+
+@pytest.mark.parametrize("window", [0, 6, 13])
+@pytest.mark.parametrize("backend", ["torch", "torch-bf16"])
+def test_serving_scores_candidates_as_training_sees_targets(window, backend):
+    """encode_history + extend (cached keys, blocked candidates) == forward with the candidates
+    appended as targets, seen at the request time (window 0: full attention)."""
+    m = tower(window)
+    g = torch.Generator().manual_seed(3)
+    lens, ncand = torch.tensor([30, 1, 17, 45]), torch.tensor([3, 2, 0, 4])
+    t = int(lens.sum())
+    x = torch.randn(t, 16, generator=g)
+    ts = torch.cumsum(torch.randint(0, 3000, (t,), generator=g), 0)
+    qt = ts + 7
+    meta = JaggedMeta(lengths_to_offsets(lens), int(lens.max()), ts, qt, None)
+    owner = torch.repeat_interleave(torch.arange(4), ncand)
+    cands = torch.randn(owner.numel(), 16, generator=g)
+    xs, tss, qts, rows, row, c0 = [], [], [], [], 0, 0
+    for u in range(4):
+        s, e, c = int(meta.offsets[u]), int(meta.offsets[u + 1]), int(ncand[u])
+        req = qt[e - 1]
+        xs += [x[s:e], cands[c0 : c0 + c]]
+        tss += [ts[s:e], req.expand(c)]
+        qts += [qt[s:e], req.expand(c)]
+        rows += list(range(row + e - s, row + e - s + c))
+        row, c0 = row + e - s + c, c0 + c
+    full_meta = JaggedMeta(lengths_to_offsets(lens + ncand), int((lens + ncand).max()), torch.cat(tss), torch.cat(qts),
+                           ncand)
+    with torch.inference_mode():
+        want = m(torch.cat(xs), full_meta)[torch.tensor(rows)]
+        _, hist = m.encode_history(x, meta)
+        got = m.extend(cands, hist, owner, backend=backend)
+    tol = dict(atol=5e-2, rtol=5e-2) if backend.endswith("bf16") else dict(atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def test_bounded_config_is_checked_and_refuses_incremental_extend():
+    with pytest.raises(ValueError, match="window"):
+        HSTUConfig(window=-1)
+    m = tower(6)
+    assert not m.native_supported()
+    with pytest.raises(ValueError, match="bounded tower"):
+        m.extend_paged(torch.zeros(1, 16), None, None)
