@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from genrec.kernels.hstu_reference import (
     batch_lengths,
     lookup,
     padded_relative_times,
+    records_grad,
     time_bucket,
     token_positions,
 )
@@ -71,14 +73,14 @@ def hstu_bounded_attention(
     b = lengths.numel()
     index = jagged_index(offsets, q.shape[0])
     qp, kp, vp = (jagged_to_padded(t, offsets, max_len, index=index).transpose(1, 2) for t in (q, k, v))  # [B, H, L, D]
-    pos = token_positions(max_len, lengths, num_targets).expand(b, max_len)  # [B, L]
+    pos = token_positions(max_len, lengths, num_targets).to(torch.int32).expand(b, max_len)  # [B, L]
     hist = lengths - (num_targets if num_targets is not None else 0)
     use_time = time_weights is not None and timestamps is not None and query_times is not None
     tq, tk = padded_relative_times(query_times, timestamps, offsets, max_len, index) if use_time else (None, None)
     nblk = max_len // block
     kb = kp[:, :, : nblk * block].unflatten(2, (nblk, block)).mean(3)  # [B, H, nblk, Dqk]
     vb = vp[:, :, : nblk * block].unflatten(2, (nblk, block)).sum(3)
-    ends = torch.arange(nblk, device=q.device) * block + block - 1  # each block's last position
+    ends = torch.arange(nblk, device=q.device, dtype=torch.int32) * block + block - 1  # each block's last position
     ar = torch.arange(max_len, device=q.device)
 
     def bias(pi: torch.Tensor, pj: torch.Tensor, ti: torch.Tensor | None, tj: torch.Tensor | None) -> torch.Tensor:
@@ -89,9 +91,7 @@ def hstu_bounded_attention(
             out = out + lookup(time_weights, time_bucket(ti[:, :, None] - tj[:, None, :], time_weights.numel())).to(q.dtype)
         return out  # [B, r, n]
 
-    outs = []
-    for s in range(0, max_len, ROWS):
-        e = min(s + ROWS, max_len)
+    def rows(s: int, e: int) -> torch.Tensor:
         pi = pos[:, s:e]  # [B, r]
         nsum = summaries(pi, window, block)  # [B, r]
         k0 = int(nsum.min()) * block  # the block's widest window starts here
@@ -113,7 +113,13 @@ def hstu_bounded_attention(
             use = (torch.arange(ns, device=q.device)[None, None, :] < nsum[:, :, None])
             use &= (i[None, :] < lengths[:, None])[:, :, None]
             out = out + torch.matmul(F.silu(ssc) * use[:, None].to(ssc.dtype), vb[:, :, :ns])
-        outs.append(out)
+        return out  # [B, H, r, Dv]
+
+    # training: each block of rows recomputed in the backward pass (activation checkpointing), so
+    # a long sequence keeps one block's scores, bias and masks alive instead of all of them
+    grad = records_grad(q, k, v, pos_weights, time_weights)
+    outs = [checkpoint(rows, s, min(s + ROWS, max_len), use_reentrant=False) if grad else rows(s, min(s + ROWS, max_len))
+            for s in range(0, max_len, ROWS)]
     out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).transpose(1, 2)  # [B, L, H, Dv]
     return padded_to_jagged(out, offsets, index=index) / max_seq_len
 
