@@ -219,6 +219,7 @@ def main() -> None:
 
 def long_history(d: dict) -> list[str]:
     """The RESULTS.md section of ``results/long_history.json``."""
+    from genrec.benchmarks.long_bounded import section as bounded_section
     from genrec.benchmarks.report import MISSING, command, footer, get, num, table
 
     def pct(x: Any) -> Any:
@@ -252,7 +253,8 @@ def long_history(d: dict) -> list[str]:
             "longer than the window):", "",
             *table(["block", "HR@10", "NDCG@10", "NDCG@10 vs block 1 (paired)", "windows shortened"], rows), "",
             "Test, read once for block 1 and the chosen block:", "",
-            *table(["block", "HR@10", "NDCG@10", "NDCG@10 vs block 1 (paired)"], trows), *footer(d, cmd)]
+            *table(["block", "HR@10", "NDCG@10", "NDCG@10 vs block 1 (paired)"], trows), *footer(d, cmd),
+            *bounded_section(d.get("bounded") or {})]
 
 
 def long_history_summary(d: dict) -> tuple[str, str]:
