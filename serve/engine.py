@@ -70,7 +70,8 @@ class TorchEngine(InProcessEngine):
         window is the window). ``cache_reuse``: which cached prefixes are worth reusing
         (``PackedPath.min_prefix``: "auto", or "always"). ``candidate_precision``: "bf16" scores
         candidates with their attention GEMMs in bf16 (the packed path; ``kernels.hstu_candidates``:
-        about twice the fp32 rate on CPUs with AVX512-BF16 or AMX), "fp32" in the model's dtype."""
+        about twice the fp32 rate on CPUs with AVX512-BF16 or AMX), "fp32" in the model's dtype,
+        "auto" bf16 where the CPU has either (:func:`bf16_gemm_fast`)."""
         if padded is not None:
             warnings.warn("TorchEngine(padded=...) is now packed=...", DeprecationWarning, stacklevel=2)
             packed = padded if packed is None else packed
@@ -85,9 +86,10 @@ class TorchEngine(InProcessEngine):
             packed = self.device.type == "cpu" and packed_supports(self.model)
         if native is None:
             native = bool(packed) and native_ok(self.model)
-        if candidate_precision not in ("fp32", "bf16"):
-            raise ValueError(f"candidate_precision: '{candidate_precision}'; use 'fp32' or 'bf16'")
-        score = "torch-bf16" if candidate_precision == "bf16" else None
+        if candidate_precision not in ("fp32", "bf16", "auto"):
+            raise ValueError(f"candidate_precision: '{candidate_precision}'; use 'fp32', 'bf16' or 'auto'")
+        bf16 = candidate_precision == "bf16" or (candidate_precision == "auto" and bf16_gemm_fast(self.device))
+        score = "torch-bf16" if bf16 else None
         self.stages: dict[str, float] = {}  # seconds spent per stage, summed over batches
         # the tower's backend on the packed path (the model's methods either way)
         self.packed = (PackedPath(self.model, "native" if native else "torch", micro_batch, self.stages,
@@ -188,3 +190,13 @@ def native_ok(model: GenerativeRecommender) -> bool:
     """Whether the native path computes this model here (the packed path covers it, the
     tower's native backend does, and the library builds)."""
     return packed_supports(model) and model.tower.native_supported()
+
+
+def bf16_gemm_fast(device: torch.device) -> bool:
+    """Whether bf16 GEMMs outrun fp32 here: a CPU with AVX512-BF16 or AMX tiles (measured on
+    an AVX512-BF16 EPYC: ~2x fp32, ``benchmarks.ranking_cached``). Not decided for GPUs here."""
+    if device.type != "cpu":
+        return False
+    cpu = getattr(torch, "cpu", None)
+    checks = [getattr(cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(bool(f()) for f in checks if f is not None)
