@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from genrec.models.recommender import GenerativeRecommender, HistoryState
+from genrec.models.recommender import GenerativeRecommender, HistoryState, TowerBackend
 from genrec.quant.load import load_model
 from genrec.serve.accounting import Accounting, mark, stamp
 from genrec.serve.catalogue import Catalogue, version_of
@@ -89,7 +89,7 @@ class TorchEngine(InProcessEngine):
         if candidate_precision not in ("fp32", "bf16", "auto"):
             raise ValueError(f"candidate_precision: '{candidate_precision}'; use 'fp32', 'bf16' or 'auto'")
         bf16 = candidate_precision == "bf16" or (candidate_precision == "auto" and bf16_gemm_fast(self.device))
-        score = "torch-bf16" if bf16 else None
+        score: TowerBackend | None = "torch-bf16" if bf16 else None
         self.stages: dict[str, float] = {}  # seconds spent per stage, summed over batches
         # the tower's backend on the packed path (the model's methods either way)
         self.packed = (PackedPath(self.model, "native" if native else "torch", micro_batch, self.stages,
