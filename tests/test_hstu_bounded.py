@@ -129,3 +129,51 @@ def test_bounded_config_is_checked_and_refuses_incremental_extend():
     assert not m.native_supported()
     with pytest.raises(ValueError, match="bounded tower"):
         m.extend_paged(torch.zeros(1, 16), None, None)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_engine_serves_a_bounded_model_as_training_ranks(tmp_path, precision):
+    """A bounded model's artifact behind TorchEngine (K/V cache on, called twice: the second
+    call finds the user cached and must not extend the prefix) ranks a 600-event user's
+    candidates as the model's training pass ranks them as targets."""
+    import numpy as np
+
+    from genrec.config import to_dict
+    from genrec.embedding.spec import EmbeddingConfig, TableConfig
+    from genrec.models.ranking import RankingConfig, TaskConfig
+    from genrec.models.recommender import GenerativeRecommender, ModelConfig
+    from genrec.proto.v1 import recommender_pb2 as pb
+    from genrec.quant.artifact import Manifest, save_artifact
+    from genrec.quant.dense import dense_tensors
+    from genrec.quant.embeddings import table_tensors
+    from genrec.serve.engine import TorchEngine, collate_users
+    from genrec.serve.requests import Limits, decode
+
+    torch.manual_seed(0)
+    items = 500
+    tables = (TableConfig("item", ("item",), dim=16, num_embeddings=items + 1),
+              TableConfig("action", ("action",), dim=16, num_embeddings=4))
+    cfg = ModelConfig(max_seq_len=1024, input_dropout=0.0, ranking=RankingConfig(
+        tasks=(TaskConfig("click", ("click",)),), hidden=(8,), dropout=0.0),
+        hstu=HSTUConfig(num_layers=2, num_heads=2, qk_dim=8, v_dim=8, dropout=0.0, window=64, summary_block=16))
+    model = GenerativeRecommender(cfg, EmbeddingConfig(tables=tables), torch.arange(1, items + 1)).eval()
+    art = save_artifact(tmp_path / "art", Manifest(to_dict(model.cfg), to_dict(model.embedding_cfg),
+                                                   {"embeddings": "fp32", "dense": "fp32", "row_alignment": 16}),
+                        {"embeddings.safetensors": table_tensors(model.sparse, "fp32"),
+                         "dense.safetensors": dense_tensors(model, "fp32")})
+    rng = np.random.default_rng(0)
+    req = pb.RankRequest()
+    req.user.user_id = "long"
+    for i, t in zip(rng.integers(1, items + 1, 600), 1_700_000_000 + np.cumsum(rng.integers(0, 900, 600))):
+        req.user.history.add(item_id=int(i), timestamp=int(t), actions=1)
+    cands = rng.integers(1, items + 1, 50)
+    for c in cands:
+        req.candidates.add(item_id=int(c), bid=1.0)
+    engine = TorchEngine(art, kv_cache_mb=8, candidate_precision=precision)
+    work = decode("rank", req.SerializeToString(), engine.schema, Limits())
+    engine.run([work])
+    (res,) = engine.run([work])
+    with torch.inference_mode():
+        want = model.rank(collate_users([work.user], model, torch.device("cpu"), [work.candidates]))[:, 0].numpy()
+    got = dict(zip(res.item_ids.tolist(), res.tasks["click"].tolist()))
+    np.testing.assert_allclose([got[int(c)] for c in cands], want, atol=2e-3 if precision == "fp32" else 1e-2)
