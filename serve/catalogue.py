@@ -9,6 +9,8 @@ model (configs, catalogue ids, semantic IDs, schema, version): serve.sglang_engi
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -101,11 +103,28 @@ def _top(ids: np.ndarray, vals: np.ndarray, works: Sequence[tuple[int, Asks]]) -
     return out
 
 
+# what makes a model in a manifest: not where it came from (source, report), nor when it was written
+_CONTENT = ("format_version", "model", "embedding", "quantization", "generative", "tensors", "files")
+
+
+def content_hash(manifest: Manifest) -> str:
+    """sha256 (hex) of the manifest's model-defining part: configs, quantization, and every
+    tensor's and file's checksum, as canonical JSON. Loading verifies every file and tensor
+    against those checksums (``quant.artifact.load_tensors``), so two engines that loaded
+    artifacts of one hash hold the same model, and artifacts that differ in a single weight
+    differ in hash, whatever their folder and run names."""
+    body = {k: getattr(manifest, k) for k in _CONTENT}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def version_of(manifest: Manifest) -> str:
-    """An artifact's version as every answer carries it: run / checkpoint / quantization."""
+    """An artifact's version as every answer carries it: run / checkpoint / quantization, then
+    ``@`` and the first 12 hex digits of its :func:`content_hash` (names alone do not tell two
+    exports apart: a re-export of a changed run, or weights swapped under the same folder)."""
     src = manifest.source
     run = Path(src.get("run_dir", "?")).name
-    return f"{run}/{src.get('checkpoint', '?')}/{manifest.quantization.get('embeddings')}-{manifest.quantization.get('dense')}"
+    q = manifest.quantization
+    return f"{run}/{src.get('checkpoint', '?')}/{q.get('embeddings')}-{q.get('dense')}@{content_hash(manifest)[:12]}"
 
 
 @dataclass(frozen=True)

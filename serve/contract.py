@@ -65,6 +65,21 @@ class Result:
     generative_scores: np.ndarray | None = None  # [k] decoder log-probabilities (NaN: not generated)
 
 
+@dataclass(frozen=True)
+class ReplicaState:
+    """One engine process of a served engine (or the in-process engine itself), as
+    Admin.GetModelInfo reports it: ``role`` (in-process, serving, standby, replica),
+    ``state`` (ready, loading, dead, refused, closed), ``version``: the model it holds
+    ("" while it holds none; for ``refused``, the one it found and would not serve),
+    ``pid`` (0: this process, or none), ``detail``: why it is not ready."""
+
+    role: str
+    state: str
+    version: str
+    pid: int = 0
+    detail: str = ""
+
+
 @runtime_checkable
 class Engine(Protocol):
     """A served model: ``run(works)`` -> one Result per work. Read-only members may be plain
@@ -76,7 +91,8 @@ class Engine(Protocol):
 
     @property
     def version(self) -> str:
-        """The artifact's version (run / checkpoint / quantization), sent with every answer."""
+        """The artifact's version (run / checkpoint / quantization @ a hash of its content:
+        ``serve.catalogue.version_of``), sent with every answer."""
 
     @property
     def schema(self) -> ModelSchema:
@@ -122,6 +138,10 @@ class Engine(Protocol):
         """``hook(available)`` on each change of ``available``, from any thread (an engine whose
         availability never changes never calls it)."""
 
+    def replica_states(self) -> list[ReplicaState]:
+        """Each engine process (or the in-process engine) with its state and the model it holds:
+        every one that is ``ready`` holds ``version``, the others serve nothing."""
+
     def close(self) -> None:
         """Stops the engine (its processes, its threads); bounded. Calling it twice is harmless."""
 
@@ -156,6 +176,7 @@ class InProcessEngine(ABC):
     batches_together = False
     parallel = 1
     path: str | None = None
+    version: str  # (set by each engine from its artifact)
     threads = 8  # run_async's worker threads at most (the batcher's max_inflight bounds their use)
 
     @property
@@ -167,6 +188,9 @@ class InProcessEngine(ABC):
 
     def on_state(self, hook: Callable[[bool], object]) -> None:  # noqa: B027 - empty on purpose, not abstract
         """Nothing to tell: an engine in this process is available while the process lives."""
+
+    def replica_states(self) -> list[ReplicaState]:
+        return [ReplicaState("in-process", "ready", self.version)]
 
     async def run_async(self, works: list[Work]) -> list[Result]:
         return await asyncio.get_running_loop().run_in_executor(self._executor(), run_stamped, self, works)

@@ -22,13 +22,14 @@ from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import wait as wait_handles
 
-from genrec.serve.contract import EngineBuilder, Result
+from genrec.serve.contract import EngineBuilder, ReplicaState, Result
 from genrec.serve.requests import Work
 from genrec.serve.worker import (
     STANDBY_NICE,
     EngineDied,
     EngineProcess,
     EngineProcessError,
+    ModelChanged,
     ProcessSettings,
 )
 
@@ -94,11 +95,18 @@ class FailoverEngine:
     * ``available``: some engine can answer now. False only when both are dead, until a
       replacement has loaded; then calls fail at once with EngineProcessError.
     * ``start=False``: :meth:`start` starts the first engine; :meth:`close` from another
-      thread cancels it (or the standby's start) and stops every process."""
+      thread cancels it (or the standby's start) and stops every process.
+    * One model per version label: every process after the first must load the model the first
+      did (``version``, a hash of the artifact's content; ``expect``: the one the first must
+      load too). A standby started after the artifact changed on disk is stopped unused
+      (:class:`ModelChanged`, retried with back-off) and reported ``refused``; the engine serves
+      the old model while a process of it lives, then nothing until a reload."""
 
     def __init__(self, kind: str, artifact: str, device: str = "cpu",
-                 settings: ProcessSettings | None = None, start: bool = True, build: EngineBuilder | None = None) -> None:
+                 settings: ProcessSettings | None = None, start: bool = True, build: EngineBuilder | None = None,
+                 expect: str | None = None) -> None:
         self.kind, self.artifact, self.device, self.build = kind, str(artifact), device, build
+        self.expect = expect
         self.settings = settings or ProcessSettings()
         self.active: EngineProcess | None = None  # answers batches
         self.standby: EngineProcess | None = None  # loaded, idle, takes over when `active` dies
@@ -114,6 +122,7 @@ class FailoverEngine:
         self._reported = False  # `available` as last told to the hooks
         self._notifying = threading.Lock()  # hooks see the changes in order
         self._stop = threading.Event()  # ends the filler's back-off on close
+        self._refused: ModelChanged | None = None  # the last standby refused (another model), until one is placed
         if start:
             self.start()
 
@@ -121,6 +130,7 @@ class FailoverEngine:
         """Starts the serving engine (bounded by ``settings.start_timeout_s``), then the
         standby in the background."""
         first = self._launch(self.settings.cpus)
+        self.expect = first.version
         self.name, self.version, self.schema = first.name, first.version, first.schema
         self.manifest, self.tower, self.path = first.manifest, first.tower, first.path
         if not self._place(first):
@@ -149,6 +159,22 @@ class FailoverEngine:
             return bool(full) and not self.closed
 
     # ----- batches ----------------------------------------------------------------------------
+    def replica_states(self) -> list[ReplicaState]:
+        """The serving process and the standby (``loading``, or ``refused`` when the last one
+        started found another model on disk)."""
+        with self._mu:
+            active, standby, starting, refused = self.active, self.standby, self._starting, self._refused
+        out = [active.state("serving") if active is not None
+               else ReplicaState("serving", "closed" if self.closed else "dead", "", 0,
+                                 "" if self.closed else "the engine and its standby died; a new one is loading")]
+        if standby is not None:
+            out.append(standby.state("standby"))
+        elif refused is not None:
+            out.append(ReplicaState("standby", "refused", refused.found, 0, str(refused)))
+        elif starting is not None and not self.closed:
+            out.append(starting.state("standby"))
+        return out
+
     def _serving(self) -> EngineProcess:
         engine = self.active
         if engine is None:
@@ -197,7 +223,7 @@ class FailoverEngine:
         """A started engine process (restart=False: a dead one is replaced here, not in-line)."""
         engine = EngineProcess(self.kind, self.artifact, self.device,
                                replace(self.settings, cpus=cpus, nice=self.settings.nice + nice),
-                               start=False, restart=False, build=self.build)
+                               start=False, restart=False, build=self.build, expect=self.expect)
         with self._mu:
             if self.closed:
                 raise EngineProcessError(f"engine for {self.artifact} closed while it started")
@@ -284,11 +310,16 @@ class FailoverEngine:
                 # niced while another engine serves (the front-end shares these CPUs)
                 with self._mu:
                     nice = STANDBY_NICE if self.active is not None else 0
-                engine = self._launch((), nice)
-                if (engine.version, engine.schema) != (self.version, self.schema):
-                    engine.close()
-                    raise EngineProcessError(f"{self.artifact} changed on disk ({self.version} -> {engine.version}); "
-                                             "not serving it under the old version: load it with a reload")
+                engine = self._launch((), nice)  # (ModelChanged when the artifact holds another model now)
+            except ModelChanged as e:
+                with self._mu:
+                    self._refused = e
+                if self.closed:
+                    continue
+                log.error("a new engine process was refused (retry in %gs): %s", backoff, e)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 60.0)
+                continue
             except Exception as e:  # noqa: BLE001 - logged, retried: the serving engine may still answer
                 if self.closed:  # (the start was cancelled by close())
                     continue
@@ -297,6 +328,8 @@ class FailoverEngine:
                 backoff = min(backoff * 2, 60.0)
                 continue
             backoff = 1.0
+            with self._mu:
+                self._refused = None
             self._place(engine)
 
     def _notify(self) -> None:
@@ -333,13 +366,16 @@ class FailoverEngine:
 
 
 def open_engine_process(kind: str, artifact: str, device: str = "cpu", settings: ProcessSettings | None = None,
-                        build: EngineBuilder | None = None) -> EngineProcess | FailoverEngine:
+                        build: EngineBuilder | None = None, start: bool = True,
+                        expect: str | None = None) -> EngineProcess | FailoverEngine:
     """The engine process for ``settings``: with a warm standby (``settings.standby``) or one
-    process; ``build`` makes the engine in each (default: ``serve.factory.make_engine``)."""
+    process; ``build`` makes the engine in each (default: ``serve.factory.make_engine``);
+    ``start=False``: started by its ``start()`` (which ``close()`` from another thread cancels);
+    ``expect``: the version it must load (ModelChanged otherwise)."""
     settings = settings or ProcessSettings()
     if settings.standby:
-        return FailoverEngine(kind, artifact, device, settings, build=build)
-    return EngineProcess(kind, artifact, device, settings, build=build)
+        return FailoverEngine(kind, artifact, device, settings, build=build, start=start, expect=expect)
+    return EngineProcess(kind, artifact, device, settings, build=build, start=start, expect=expect)
 
 
 class EnginePool:
@@ -348,18 +384,34 @@ class EnginePool:
     (the server's batcher keeps that many in flight): a burst waits for the next free
     replica instead of behind one ever larger batch. The way to use a large host's cores; on
     a host with few, one pinned engine can have the better tail (compare ``torch`` and
-    ``torch-replicas2`` in benchmarks/RESULTS.md, serving)."""
+    ``torch-replicas2`` in benchmarks/RESULTS.md, serving).
+
+    One model per version label: the replicas (started) must hold one model (else they are
+    closed and :class:`ModelChanged` raised), and each checks it again when it restarts a dead
+    child (``EngineProcess.expect``): a replica whose restart found another model on disk is
+    ``refused`` and takes no batch; with every replica refused, calls fail at once
+    (UNAVAILABLE) and ``available`` is False. :meth:`replica_states` reports each."""
 
     def __init__(self, replicas: list[EngineProcess | FailoverEngine]) -> None:
         if not replicas:
             raise ValueError("EnginePool needs at least one engine")
         self.replicas = replicas
         first = replicas[0]
+        other = next((r for r in replicas if r.version != first.version), None)
+        if other is not None:
+            for r in replicas:
+                r.close()
+            raise ModelChanged(f"the replicas of {first.artifact} loaded different models ({first.version}, "
+                               f"{other.version}): it changed on disk while they started; load it again", other.version)
         self.name, self.version, self.schema = first.name, first.version, first.schema
         self.manifest, self.tower, self.artifact, self.path = first.manifest, first.tower, first.artifact, first.path
         self.idle: queue.SimpleQueue[EngineProcess | FailoverEngine] = queue.SimpleQueue()
         for r in replicas:
             self.idle.put(r)
+        self._hooks: list[Callable[[bool], object]] = []
+        self._reported = True
+        for r in replicas:
+            r.on_state(lambda _ok: self._notify())
 
     # ----- the engine contract (serve.contract.Engine) -----------------------------------------
     batches_together = False
@@ -375,24 +427,82 @@ class EnginePool:
         return any(r.available for r in self.replicas)
 
     def on_state(self, hook: Callable[[bool], object]) -> None:
-        """Nothing to tell: the replicas restart their own children (EngineProcess.on_state)."""
+        """``hook(available)`` when that changes: the replicas restart their own children; it
+        changes when the last replica that could answer is refused (or recovers, a failover one)."""
+        self._hooks.append(hook)
 
-    def run(self, works: list[Work]) -> list[Result]:
-        engine = self.idle.get()
+    def _notify(self) -> None:
+        now = self.available
+        if now != self._reported:
+            self._reported = now
+            for hook in list(self._hooks):
+                hook(now)
+
+    def replica_states(self) -> list[ReplicaState]:
+        return [replace(st, role=f"replica {i}" + ("" if st.role == "process" else f" {st.role}"))
+                for i, r in enumerate(self.replicas) for st in r.replica_states()]
+
+    def _take(self, wait: bool) -> EngineProcess | FailoverEngine | None:
+        """A free replica that can answer (None when none is free and not ``wait``); replicas
+        that cannot (refused: another model on disk) are passed over. Raises EngineProcessError
+        at once when no replica can answer."""
+        passed: list[EngineProcess | FailoverEngine] = []
+        try:
+            while True:
+                if not self.available:
+                    raise EngineProcessError(f"no replica of {self.artifact} can answer: " + "; ".join(
+                        f"{s.role}: {s.state} {s.detail}" for s in self.replica_states()))
+                try:  # (a wait wakes now and then: the busy replicas may all have been refused meanwhile)
+                    engine = self.idle.get(timeout=0.1) if wait else self.idle.get_nowait()
+                except queue.Empty:
+                    if wait:
+                        continue
+                    return None
+                if engine.available:
+                    return engine
+                passed.append(engine)
+        finally:
+            for e in passed:
+                self.idle.put(e)
+
+    @staticmethod
+    def _again(err: EngineProcessError, works: list[Work], died: bool) -> bool:
+        """Whether a batch that failed with ``err`` on a replica runs on another (taken from the
+        head of the idle queue: the failed one went to its end). Batches are pure functions of
+        their requests, so a re-run is safe: after :class:`ModelChanged` (the replica was refused
+        as it restarted: the batch did not run) always, as a refused replica is never taken
+        again; after :class:`EngineDied` once (a batch that kills every replica it runs on costs
+        two processes, not all); never once every caller's deadline has passed."""
+        if not any(w.deadline > time.monotonic() for w in works):
+            return False
+        return isinstance(err, ModelChanged) or (isinstance(err, EngineDied) and not died)
+
+    def run(self, works: list[Work], died: bool = False) -> list[Result]:
+        engine = self._take(wait=True)
+        assert engine is not None
         try:
             return engine.run(works)
+        except EngineProcessError as e:
+            if not self._again(e, works, died):
+                raise
+            died = died or isinstance(e, EngineDied)
         finally:
             self.idle.put(engine)
+        return self.run(works, died)
 
-    async def run_async(self, works: list[Work]) -> list[Result]:
-        try:
-            engine = self.idle.get_nowait()
-        except queue.Empty:  # every replica busy: wait for one in a thread
-            return await asyncio.get_running_loop().run_in_executor(None, self.run, works)
+    async def run_async(self, works: list[Work], died: bool = False) -> list[Result]:
+        engine = self._take(wait=False)
+        if engine is None:  # every replica busy: wait for one in a thread
+            return await asyncio.get_running_loop().run_in_executor(None, self.run, works, died)
         try:
             return await engine.run_async(works)
+        except EngineProcessError as e:
+            if not self._again(e, works, died):
+                raise
+            died = died or isinstance(e, EngineDied)
         finally:
             self.idle.put(engine)
+        return await self.run_async(works, died)
 
     @property
     def restarts(self) -> int:

@@ -622,4 +622,6 @@ class RecommenderServer:
                             catalogue_size=s.catalogue_size, max_history=s.max_history, engine=e.name,
                             embeddings=q.get("embeddings", ""), dense=q.get("dense", ""),
                             generative=s.generative, semantic_id_sizes=list(s.sid_sizes), default_beam=s.beam_width,
-                            max_beam=self.cfg.limits.max_beam)
+                            max_beam=self.cfg.limits.max_beam,
+                            replicas=[pb.EngineReplica(role=r.role, state=r.state, model_version=r.version, pid=r.pid,
+                                                       detail=bounded(r.detail)) for r in e.replica_states()])

@@ -39,7 +39,7 @@ from multiprocessing.connection import wait as wait_handles
 from typing import Any, Literal
 
 from genrec.quant.artifact import Manifest
-from genrec.serve.contract import EngineBuilder, Result, run_stamped
+from genrec.serve.contract import EngineBuilder, ReplicaState, Result, run_stamped
 from genrec.serve.kvcache import CacheConfig
 from genrec.serve.requests import ModelSchema, Work
 
@@ -126,6 +126,16 @@ class EngineDied(EngineProcessError):
     fail on its own account, so it may run again on another engine process."""
 
 
+class ModelChanged(EngineProcessError):
+    """An engine process loaded another model (``found``, its version) than the one its engine
+    serves under its version label (the artifact changed on disk since): it was stopped, and
+    serves nothing."""
+
+    def __init__(self, message: str, found: str = "") -> None:
+        super().__init__(message)
+        self.found = found
+
+
 def _exit_with_parent() -> None:
     """Ends this (child) process when its parent process ends, however it ends (SIGKILL too).
 
@@ -210,12 +220,21 @@ class EngineProcess:
     can cancel a start in progress with :meth:`close`. ``restart=False``: a dead child is not
     replaced by the next batch, which fails with :class:`EngineDied` instead (for an owner that
     replaces engines itself, :class:`FailoverEngine`). ``build``: makes the engine in the child
-    (default: ``serve.factory.make_engine``)."""
+    (default: ``serve.factory.make_engine``).
+
+    One model per version label: ``expect`` (default: whatever the first start loads) is the
+    version every start must load. A start (a restart after a crash too) that finds another
+    model at ``artifact`` stops that child and raises :class:`ModelChanged`; the engine is then
+    ``refused``: not available, every batch fails at once (UNAVAILABLE), no more restarts,
+    until the server loads the new artifact (Admin.LoadArtifact) in its place."""
 
     def __init__(self, kind: str, artifact: str, device: str = "cpu",
                  settings: ProcessSettings | None = None, start: bool = True, restart: bool = True,
-                 build: EngineBuilder | None = None) -> None:
+                 build: EngineBuilder | None = None, expect: str | None = None) -> None:
         self.kind, self.artifact, self.device, self.build = kind, str(artifact), device, build
+        self.expect = expect
+        self.refused = self.found = ""  # why a start was refused (ModelChanged), and the model it found
+        self._hooks: list[Callable[[bool], object]] = []
         self.settings = settings or ProcessSettings()
         self.restart = restart
         self.lock = threading.Lock()  # held by a control call, a thread's batch, or the loop's pipelined batches
@@ -249,6 +268,8 @@ class EngineProcess:
         child.close()
         try:
             tag, body = self._await_ready()
+            if tag == "ready" and self.expect is not None and body["version"] != self.expect:
+                self._refuse(body["version"])  # (still "starting": a close() meanwhile kills the child, pipe untouched)
         except BaseException:
             conn.close()
             raise
@@ -259,12 +280,32 @@ class EngineProcess:
             self.process.join(5)
             raise body
         meta: dict[str, Any] = body
+        self.expect = meta["version"]
         self.name: str = meta["name"]
         self.version: str = meta["version"]
         self.schema: ModelSchema = meta["schema"]
         self.manifest: Manifest = meta["manifest"]
         self.tower: str = meta["tower"]
         self.path: str | None = meta.get("path")  # how the engine runs the tower (TorchEngine.path)
+
+    def _refuse(self, found: str) -> None:
+        """The child loaded the model ``found``, not ``expect``: it is stopped (bounded: killed if
+        it does not stop), the engine serves nothing more, and ModelChanged raised."""
+        self.found = found
+        self.refused = (f"{self.artifact} now holds the model {found}, not {self.expect} that this engine serves: "
+                        "that process was stopped; load the new artifact with Admin.LoadArtifact")
+        try:
+            self.conn.send(("stop", None))
+            self.process.join(5)
+        except (OSError, EOFError):  # (killed meanwhile by close())
+            pass
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        log.error("%s", self.refused)
+        for hook in list(self._hooks):
+            hook(False)
+        raise ModelChanged(self.refused, found)
 
     @property
     def process(self) -> mp.process.BaseProcess:
@@ -300,6 +341,8 @@ class EngineProcess:
         with self.lock:
             if self.closed:
                 raise EngineProcessError("the engine process was closed")
+            if self.refused:
+                raise ModelChanged(self.refused, self.found)
             if not self.process.is_alive():
                 if not self.restart:
                     raise EngineDied(f"engine process died (exit code {self.process.exitcode})")
@@ -332,15 +375,34 @@ class EngineProcess:
     @property
     def available(self) -> bool:
         """Open: a dead child is replaced by the next batch (``restart``), so a batch can be
-        answered unless the process was closed."""
-        return not self.closed
+        answered unless the process was closed or a restart found another model (``refused``)."""
+        return not self.closed and not self.refused
 
     def on_state(self, hook: Callable[[bool], object]) -> None:
-        """Nothing to tell: ``available`` changes only by :meth:`close` (a FailoverEngine,
-        which replaces processes itself, reports its own)."""
+        """``hook(False)`` when a restart is refused (another model on disk): ``available``
+        changes by that and by :meth:`close` only (a FailoverEngine, which replaces processes
+        itself, reports its own)."""
+        self._hooks.append(hook)
 
     def run(self, works: list[Work]) -> list[Result]:
         return self._call("run", works)
+
+    def replica_states(self) -> list[ReplicaState]:
+        return [self.state("process")]
+
+    def state(self, role: str) -> ReplicaState:
+        """This process as GetModelInfo reports it, in ``role``."""
+        pid = (self.proc.pid or 0) if self.proc is not None else 0
+        if self.refused:
+            return ReplicaState(role, "refused", self.found, pid, self.refused)
+        if self.closed:
+            return ReplicaState(role, "closed", self.expect or "", pid)
+        if self._starting or self.proc is None or self.expect is None:
+            return ReplicaState(role, "loading", self.expect or "", pid)
+        if not self.process.is_alive():
+            return ReplicaState(role, "dead", self.expect, pid, f"exit code {self.process.exitcode}"
+                                + ("; the next batch starts a new one" if self.restart else ""))
+        return ReplicaState(role, "ready", self.expect, pid)
 
     async def run_async(self, works: list[Work]) -> list[Result]:
         """``run`` from the event loop without a thread: the batch is sent from the loop and the
@@ -351,6 +413,8 @@ class EngineProcess:
         control call holding the pipe, a dead child (restarted in ``run``) or a loop without
         ``add_reader`` go through ``run`` in a thread."""
         loop = asyncio.get_running_loop()
+        if self.refused:
+            raise ModelChanged(self.refused, self.found)
         if self.closed or not self.process.is_alive():
             if not self.closed and not self.restart:  # nothing for a thread to do but fail
                 raise EngineDied(f"engine process died (exit code {self.process.exitcode})")

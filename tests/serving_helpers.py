@@ -75,11 +75,12 @@ def tiny_ranking_artifact(data: Path, out: Path, tower: str = "hstu", embeddings
 UNTRAINED_TASKS = (TaskConfig("click", ("click",)), TaskConfig("conversion", ("conversion",)))
 
 
-def untrained_artifact(out: Path, ranking: bool = True, items: int = 200, window: int = 32) -> Path:
+def untrained_artifact(out: Path, ranking: bool = True, items: int = 200, window: int = 32, seed: int = 0) -> Path:
     """A small untrained HSTU model (2 heads, summed actions, a pooled context feature) written
     as an fp32 artifact in a second, no training: with ranking tasks (click, conversion) or,
-    ``ranking=False``, retrieval only. Items 1..``items``; a history window of ``window`` events."""
-    torch.manual_seed(0)
+    ``ranking=False``, retrieval only. Items 1..``items``; a history window of ``window`` events;
+    ``seed``: its weights (another seed: another model under the same names)."""
+    torch.manual_seed(seed)
     tables = (TableConfig("item", ("item",), dim=16, num_embeddings=items + 1),
               TableConfig("action", ("action",), dim=16, num_embeddings=8),
               TableConfig("region", ("region",), dim=8, num_embeddings=5, pooling="sum"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,7 +32,12 @@ from genrec.serve.failover import FailoverEngine
 from genrec.serve.requests import Limits, Work, decode_user
 from genrec.serve.server import ServeConfig
 from genrec.serve.worker import EngineProcess, EngineProcessError, ProcessSettings
-from tests.serving_helpers import ThreadedServer, local_config, tiny_ranking_artifact
+from tests.serving_helpers import (
+    ThreadedServer,
+    local_config,
+    tiny_ranking_artifact,
+    untrained_artifact,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 T0 = 1_700_000_000
@@ -339,3 +345,37 @@ def test_health_is_not_serving_only_while_no_engine_process_can_answer(artifact)
         assert len(RecommenderClient(srv.target, 10).retrieve(user(history(6, 0), {"region": [3]}), k=5).items) == 5
     finally:
         srv.stop()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process states from /proc")
+def test_a_standby_started_after_the_artifact_changed_on_disk_is_refused(tmp_path):
+    """Same names, other weights: the artifact's files are replaced by another model's and the
+    serving process is SIGKILLed. The standby loaded before the change takes over; the one
+    started after it finds the other model (its version: a hash of the content) and is stopped;
+    with the last process of the first model killed too, nothing answers: no call is answered by
+    the other model under the first one's version."""
+    live, other = untrained_artifact(tmp_path / "live"), untrained_artifact(tmp_path / "other", seed=1)
+    engine = FailoverEngine("torch", str(live), settings=ProcessSettings(threads=1))
+    try:
+        assert engine.wait_standby(60)
+        u = decode_user(user([(5, T0, 1), (9, T0 + 60, 3)], {"region": [2]}), engine.schema, Limits())
+        works = [Work("recommend", u, retrieve_k=20, top_k=4)]
+        want = engine.run(works)
+        for name in ("embeddings.safetensors", "dense.safetensors", "manifest.json"):
+            shutil.copyfile(other / name, live / f".{name}")
+            os.replace(live / f".{name}", live / name)
+        os.kill(engine.active.proc.pid, signal.SIGKILL)
+        assert wait_until(lambda: [s.state for s in engine.replica_states()] == ["ready", "refused"], 60), \
+            engine.replica_states()
+        serving, refused = engine.replica_states()
+        assert serving.version == engine.version != refused.version and "now holds the model" in refused.detail
+        same(engine.run(works), want)
+        os.kill(engine.active.proc.pid, signal.SIGKILL)
+        assert wait_until(lambda: not engine.available, 10)
+        with pytest.raises(EngineProcessError):
+            engine.run(works)
+        assert [s.state for s in engine.replica_states()] == ["dead", "refused"]
+    finally:
+        starting = engine._starting  # (a standby retrying its start: close() cancels it)
+        engine.close()
+    assert serving.pid and gone(serving.pid) and (starting is None or starting.proc is None or gone(starting.proc.pid))

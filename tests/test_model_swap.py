@@ -1,0 +1,123 @@
+"""One model per version label, bounded loads and the hot swap's schema race (issue 46).
+
+* ``model_version`` ends in a hash of the artifact's content: two models under the same
+  names differ in it, and an engine process (a pool's replica restarting a dead child, a
+  failover engine's standby: tests/test_engine_failover.py) that finds another model on disk
+  than the one it serves is stopped and reported ``refused``: no call is answered by the
+  other model.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from genrec.loadtest.client import user
+from genrec.quant.artifact import FILES, MANIFEST
+from genrec.serve.batcher import BatchConfig
+from genrec.serve.engine import TorchEngine
+from genrec.serve.server import ServeConfig
+from genrec.serve.worker import ProcessSettings
+from tests.serving_helpers import ThreadedServer, untrained_artifact
+
+T0 = 1_700_000_000
+U = user([(5, T0, 1), (9, T0 + 60, 3), (17, T0 + 120, 1)], {"region": [2]})
+
+
+def swap_in(src: Path, dst: Path) -> None:
+    """``src``'s files replace ``dst``'s under the same names (each by a rename: whole files)."""
+    for name in (*FILES, MANIFEST):
+        shutil.copyfile(src / name, dst / f".{name}.new")
+        os.replace(dst / f".{name}.new", dst / name)
+
+
+def answer(resp) -> tuple:  # noqa: ANN001
+    return resp.model_version, tuple(i.item_id for i in resp.items), tuple(round(i.score, 5) for i in resp.items)
+
+
+def engines() -> list[mp.process.BaseProcess]:
+    return [c for c in mp.active_children() if c.name.startswith("genrec-engine")]
+
+
+def wait_until(cond, timeout: float) -> bool:  # noqa: ANN001
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_the_version_label_tells_two_models_under_the_same_names_apart(tmp_path):
+    a, b = untrained_artifact(tmp_path / "a"), untrained_artifact(tmp_path / "b", seed=1)
+    again = untrained_artifact(tmp_path / "again")  # the same model written again (another time stamp)
+    va, vb, v_again = (TorchEngine(p).version for p in (a, b, again))
+    assert va.split("@")[0] == vb.split("@")[0]  # run / checkpoint / quantization: the same names
+    assert va != vb and va == v_again
+
+
+def test_a_replica_restarted_after_the_artifact_changed_on_disk_serves_nothing(tmp_path):
+    """A pool of two engine processes; the artifact's files are replaced by another model's
+    (same names, other weights) and a replica's process is SIGKILLed: its restart loads the
+    other model, is refused, and its batches go to the other replica; with both refused, calls
+    fail UNAVAILABLE. Every answer comes from the first model under its label; GetModelInfo
+    says which replica holds what; a LoadArtifact then serves the new model."""
+    live, other = untrained_artifact(tmp_path / "live"), untrained_artifact(tmp_path / "other", seed=1)
+    cfg = ServeConfig(host="127.0.0.1", port=0, engine_process=True, engine_replicas=2,
+                      process=ProcessSettings(threads=1), batch=BatchConfig(max_inflight=2, max_wait_ms=0))
+    srv = ThreadedServer(live, cfg)
+    try:
+        c = srv.client(timeout_s=60)
+        want = answer(c.recommend(U, retrieve_k=20, top_k=5))
+        info = c.info()
+        assert [(r.role, r.state, r.model_version) for r in info.replicas] == [
+            ("replica 0", "ready", want[0]), ("replica 1", "ready", want[0])]
+        swap_in(other, live)
+        pool = srv.server.engine
+        os.kill(pool.replicas[0].proc.pid, signal.SIGKILL)
+        got: set = set()
+
+        def call(_: int) -> object:
+            try:
+                return answer(c.recommend(U, retrieve_k=20, top_k=5))
+            except grpc.RpcError as e:  # (a batch waits for the dead replica's restart: its calls may expire)
+                return e.code()
+
+        def refused() -> bool:  # calls until a batch has met the dead replica and its restart was refused
+            with ThreadPoolExecutor(2) as ex:
+                got.update(ex.map(call, range(4)))
+            return c.info().replicas[0].state == "refused" or any(a != want for a in got if isinstance(a, tuple))
+
+        assert wait_until(refused, 90)
+        assert {a for a in got if isinstance(a, tuple)} == {want}  # every answer: the first model, its label
+        states = {r.role: r for r in c.info().replicas}
+        assert states["replica 0"].model_version != want[0]
+        assert "now holds the model" in states["replica 0"].detail
+        assert (states["replica 1"].state, states["replica 1"].model_version) == ("ready", want[0])
+        assert srv.server.engine.available
+        os.kill(pool.replicas[1].proc.pid, signal.SIGKILL)  # the last replica of the first model
+        codes = []
+        for _ in range(3):
+            try:
+                codes.append(answer(c.recommend(U, retrieve_k=20, top_k=5)))
+            except grpc.RpcError as e:
+                codes.append(e.code())
+        assert codes == [grpc.StatusCode.UNAVAILABLE] * 3
+        assert [r.state for r in c.info().replicas] == ["refused", "refused"] and not srv.server.engine.available
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(srv.target))
+        assert wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(service="genrec.v1.Recommender"),
+                                               timeout=5).status == health_pb2.HealthCheckResponse.NOT_SERVING, 10)
+        new = c.load_artifact(str(live)).model_version
+        assert new != want[0] and new == states["replica 0"].model_version
+        got = answer(c.recommend(U, retrieve_k=20, top_k=5))
+        assert got[0] == new and got[1:] != want[1:]  # the other model does answer otherwise
+    finally:
+        srv.stop()
