@@ -48,11 +48,12 @@ from genrec.serve.admission import FairConfig, Shares, caller_of
 from genrec.serve.batcher import BatchConfig, Batcher, DeadlineExceeded, Overloaded, ShuttingDown
 from genrec.serve.contract import Engine, EngineBuilder, Result
 from genrec.serve.factory import make_engine, quiet_gc
-from genrec.serve.failover import EnginePool, open_engine_process
+from genrec.serve.failover import EnginePool, FailoverEngine, open_engine_process
 from genrec.serve.kvcache import CacheConfig
+from genrec.serve.loading import Loading
 from genrec.serve.metrics import ServerMetrics
 from genrec.serve.requests import MAX_DETAIL, InvalidRequest, Kind, Limits, decode, parse
-from genrec.serve.worker import EngineProcessError, ProcessSettings
+from genrec.serve.worker import EngineProcess, EngineProcessError, ProcessSettings
 
 log = logging.getLogger("genrec.serve")
 RECOMMENDER = "genrec.v1.Recommender"
@@ -202,10 +203,13 @@ SGLANG_MAX_BEAM = 256  # SGLangEngine's max_beam, which make_engine leaves at it
 
 
 def open_engine(cfg: ServeConfig, artifact: str, replica_cpus: Sequence[tuple[int, ...]] = (),
-                build: EngineBuilder | None = None) -> Engine:
+                build: EngineBuilder | None = None, loading: Loading | None = None) -> Engine:
     """The engine the config asks for: in child processes, or in this one. ``replica_cpus``: the
     CPUs of each engine process (() for each: where the OS puts it); ``build``: makes the engine
-    (default: ``serve.factory.make_engine``, the kinds of ``serve.engine``)."""
+    (default: ``serve.factory.make_engine``, the kinds of ``serve.engine``); ``loading``: told
+    each step and each engine made, so that whoever bounds the start can stop it
+    (``serve.loading``). What a failed start made is closed."""
+    loading = loading or Loading()
     if cfg.engine == "sglang" and cfg.limits.max_beam > SGLANG_MAX_BEAM:
         raise ValueError(f"serve.limits.max_beam = {cfg.limits.max_beam}: the sglang engine decodes beams of at most "
                          f"{SGLANG_MAX_BEAM} (its vocabulary carries 2 x that many padding ids)")
@@ -216,14 +220,28 @@ def open_engine(cfg: ServeConfig, artifact: str, replica_cpus: Sequence[tuple[in
         # each with a warm standby (ProcessSettings.standby): an engine that dies is replaced at once
         # (replicas stand in for each other: no standby each)
         single = cfg.engine_replicas == 1
-        engines = [open_engine_process(cfg.engine, artifact, cfg.device,
-                                       replace(cfg.process, cpus=c, standby=cfg.process.standby and single,
-                                               cache=cfg.cache), build=build)
-                   for c in cpus]
-        return engines[0] if len(engines) == 1 else EnginePool(engines)
+        engines: list[EngineProcess | FailoverEngine] = []
+        try:
+            for i, c in enumerate(cpus):  # one at a time; each must load the model the first did
+                engine = open_engine_process(cfg.engine, artifact, cfg.device,
+                                             replace(cfg.process, cpus=c, standby=cfg.process.standby and single,
+                                                     cache=cfg.cache), build=build, start=False,
+                                             expect=engines[0].version if engines else None)
+                loading.made(engine)
+                loading.at(f"the {cfg.engine} engine process" + ("" if single else f" of replica {i} of {len(cpus)}")
+                           + f" loading {artifact}")
+                engine.start()
+                engines.append(engine)
+            return engines[0] if single else EnginePool(engines)
+        except BaseException:
+            loading.abandon()  # (the ones started, and the one starting)
+            raise
     if cfg.engine_replicas != 1:
         raise ValueError("serve.engine_replicas > 1 needs the engine in its own process (serve.engine_process = true)")
-    return (build or make_engine)(cfg.engine, artifact, cfg.device, cfg.cache)
+    loading.building_here(f"building the {cfg.engine} engine in this process from {artifact}")
+    built = (build or make_engine)(cfg.engine, artifact, cfg.device, cfg.cache)
+    loading.made(built)  # (abandoned meanwhile: closed now, LoadAbandoned)
+    return built
 
 
 def kill_engine_processes() -> None:
@@ -431,10 +449,13 @@ class RecommenderServer:
         if self.server:
             await self.server.wait_for_termination()
 
-    async def reload(self, path: str) -> str:
+    async def reload(self, path: str, timeout: float | None = None) -> str:
         """Loads ``path`` off the event loop, then swaps it in between batches. One load at a
         time (another is refused, not queued); a load runs to its end even if its caller goes
-        away, and a server that stops meanwhile closes the new engine instead of serving it."""
+        away, and a server that stops meanwhile closes the new engine instead of serving it.
+        The whole engine start is bounded by ``timeout`` (default ``admin.load_timeout_s``):
+        past it, what started is stopped (``serve.loading``) and AdminError DEADLINE_EXCEEDED
+        names the step that hung; the next load is taken."""
         if self._reloading.locked():
             raise AdminError(grpc.StatusCode.FAILED_PRECONDITION, "another LoadArtifact is in progress; retry after it")
         async with self._reloading:
@@ -442,7 +463,17 @@ class RecommenderServer:
             loop = asyncio.get_running_loop()
             kind = self.engine.name  # (an engine handed in: the same kind again)
             cfg = replace(self.cfg, engine=cast(EngineKind, kind)) if kind in get_args(EngineKind) else self.cfg
-            engine = await loop.run_in_executor(None, open_engine, cfg, path, self.replica_cpus, self.build)
+            timeout = self.cfg.admin.load_timeout_s if timeout is None else timeout
+            loading = Loading()
+            started = loading.run(loop, open_engine, cfg, path, self.replica_cpus, self.build, loading)
+            try:
+                engine = await asyncio.wait_for(asyncio.shield(started), max(timeout, 0.0))
+            except TimeoutError:
+                step = loading.step
+                await loop.run_in_executor(None, loading.abandon)
+                raise AdminError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                 f"the load did not finish within serve.admin.load_timeout_s ({self.cfg.admin.load_timeout_s:g} s) "
+                                 f"at the step: {step}; it was stopped, {self.engine.version} still serves") from None
             if self._stopping:
                 loop.run_in_executor(None, engine.close).add_done_callback(_log_failure)
                 raise ShuttingDown("the server is shutting down; the new artifact was not swapped in")
@@ -609,7 +640,8 @@ class RecommenderServer:
                                    min(timeout, 30.0))
         except TimeoutError:
             raise AdminError(grpc.StatusCode.DEADLINE_EXCEEDED, "path: the artifact check did not finish in time") from None
-        version = await asyncio.shield(self.reload(str(path)))
+        # the engine start gets what is left of load_timeout_s (bounded inside reload)
+        version = await asyncio.shield(self.reload(str(path), timeout - (time.monotonic() - t0)))
         return pb.LoadArtifactResponse(model_version=version, load_seconds=time.monotonic() - t0)
 
     async def _model_info(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.ModelInfo:

@@ -149,7 +149,7 @@ class ThreadedServer:
     """A RecommenderServer running its own event loop on a background thread. Admin is on (its
     own loopback port, ``admin_target``, token ADMIN_TOKEN) unless the config sets a token file."""
 
-    def __init__(self, artifact: Path, cfg: ServeConfig | None = None, engine=None) -> None:  # noqa: ANN001
+    def __init__(self, artifact: Path, cfg: ServeConfig | None = None, engine=None, build=None) -> None:  # noqa: ANN001
         cfg = cfg or local_config()
         if not cfg.admin.token_file:
             cfg = replace(cfg, admin=replace(cfg.admin, token_file=admin_token_file()))
@@ -157,7 +157,7 @@ class ThreadedServer:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.server = self.call(self._make(str(artifact), engine))
+        self.server = self.call(self._make(str(artifact), engine, build))
         self.port = self.call(self.server.start())
         self.target = f"127.0.0.1:{self.port}"
         self.admin_target = f"127.0.0.1:{self.server.admin_port}"
@@ -166,8 +166,8 @@ class ThreadedServer:
         """A client of this server, Admin included."""
         return RecommenderClient(self.target, timeout_s, admin_target=self.admin_target, admin_token=ADMIN_TOKEN)
 
-    async def _make(self, artifact: str, engine) -> RecommenderServer:  # noqa: ANN001
-        return RecommenderServer(self.cfg, artifact, engine)
+    async def _make(self, artifact: str, engine, build) -> RecommenderServer:  # noqa: ANN001
+        return RecommenderServer(self.cfg, artifact, engine, build=build)
 
     def call(self, coro):  # noqa: ANN001, ANN201
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=600)

@@ -5,6 +5,9 @@
   failover engine's standby: tests/test_engine_failover.py) that finds another model on disk
   than the one it serves is stopped and reported ``refused``: no call is answered by the
   other model.
+* ``admin.load_timeout_s`` bounds the whole engine start of a load (in this process, in an
+  engine process, and a build that waits for child processes of its own, as SGLang's does):
+  the start is stopped, the call fails DEADLINE_EXCEEDED naming the step, the next load runs.
 """
 
 from __future__ import annotations
@@ -13,20 +16,31 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from genrec.loadtest.client import user
+from genrec.proto.v1 import recommender_pb2 as pb
 from genrec.quant.artifact import FILES, MANIFEST
 from genrec.serve.batcher import BatchConfig
 from genrec.serve.engine import TorchEngine
-from genrec.serve.server import ServeConfig
+from genrec.serve.factory import make_engine
+from genrec.serve.server import AdminConfig, ServeConfig
 from genrec.serve.worker import ProcessSettings
-from tests.serving_helpers import ThreadedServer, untrained_artifact
+from tests.serving_helpers import (
+    SlowEngine,
+    ThreadedServer,
+    admin_token_file,
+    local_config,
+    untrained_artifact,
+)
 
 T0 = 1_700_000_000
 U = user([(5, T0, 1), (9, T0 + 60, 3), (17, T0 + 120, 1)], {"region": [2]})
@@ -119,5 +133,102 @@ def test_a_replica_restarted_after_the_artifact_changed_on_disk_serves_nothing(t
         assert new != want[0] and new == states["replica 0"].model_version
         got = answer(c.recommend(U, retrieve_k=20, top_k=5))
         assert got[0] == new and got[1:] != want[1:]  # the other model does answer otherwise
+    finally:
+        srv.stop()
+
+
+# ----- bounded loads ---------------------------------------------------------------------------
+
+RELEASE = threading.Event()  # lets an in-process build that hangs go on (at the end of a test)
+BUILT: list[Tracked] = []
+
+
+class Tracked(SlowEngine):
+    """A real torch engine that remembers whether it was closed."""
+
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+        super().close()
+
+
+def hanging_build(kind: str, artifact: str, device: str, cache=None):  # noqa: ANN001, ANN201
+    """Builds the engine, except for an artifact folder named ``hang`` (hangs: in an engine
+    process for good, in this one until RELEASE) or ``hang-child`` (waits for a child process
+    that never ends, as SGLang's start waits for its scheduler's)."""
+    name = Path(artifact).name
+    if name == "hang":
+        (threading.Event() if mp.parent_process() is not None else RELEASE).wait()
+    if name == "hang-child":
+        child = subprocess.Popen(["sleep", "600"])
+        (Path(artifact).parent / "child.pid").write_text(str(child.pid))
+        child.wait()
+        raise RuntimeError("the child process this build waited for ended")
+    engine = Tracked(make_engine(kind, artifact, device, cache), 0.0)
+    BUILT.append(engine)
+    return engine
+
+
+def admin_load(srv: ThreadedServer, path: str) -> tuple[grpc.StatusCode, str, float]:
+    t0 = time.monotonic()
+    try:
+        c = srv.client()  # (its deadline is past the server's load_timeout_s)
+        c.admin.LoadArtifact(pb.LoadArtifactRequest(path=path), timeout=90, metadata=c.admin_metadata)
+        return grpc.StatusCode.OK, "", time.monotonic() - t0
+    except grpc.RpcError as e:
+        return e.code(), e.details() or "", time.monotonic() - t0
+
+
+@pytest.fixture
+def root(tmp_path) -> Path:
+    live = untrained_artifact(tmp_path / "live")
+    for name in ("hang", "hang-child"):
+        shutil.copytree(live, tmp_path / name)
+    return tmp_path
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "engine-process"])
+def test_a_load_that_hangs_is_stopped_at_load_timeout_s_and_the_next_load_runs(root, in_process):
+    timeout = 4.0 if in_process else 20.0  # (an engine process of the good artifact loads in seconds)
+    admin = AdminConfig(token_file=admin_token_file(), load_timeout_s=timeout)
+    cfg = (local_config(admin=admin) if in_process else
+           ServeConfig(host="127.0.0.1", port=0, admin=admin, process=ProcessSettings(threads=1, standby=False)))
+    RELEASE.clear()
+    srv = ThreadedServer(root / "live", cfg, build=hanging_build)
+    try:
+        before = srv.server.engine.version
+        code, detail, took = admin_load(srv, "hang")
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED, (code, detail)
+        assert "load_timeout_s" in detail and ("in this process" if in_process else "engine process") in detail
+        assert timeout <= took < timeout + 15
+        if not in_process:  # the process that hung was killed: only the serving one is left
+            assert wait_until(lambda: len(engines()) == 1, 10), engines()
+        assert srv.server.engine.version == before and len(srv.client().retrieve(U, k=5).items) == 5
+        code, detail, _ = admin_load(srv, "live")  # not refused as "in progress"
+        assert code == grpc.StatusCode.OK, (code, detail)
+        if in_process:  # the hung build ends at last: what it built is closed, never served
+            n = len(BUILT)
+            RELEASE.set()
+            assert wait_until(lambda: len(BUILT) > n and BUILT[-1].closed, 30)
+            assert srv.server.engine is not BUILT[-1]
+    finally:
+        RELEASE.set()
+        srv.stop()
+
+
+def test_a_build_waiting_for_a_child_process_of_its_own_is_stopped_with_the_child(root):
+    """SGLang's start, in this process, waits for scheduler processes it spawned: on timeout they
+    are killed, which ends the wait; nothing of the load is left."""
+    admin = AdminConfig(token_file=admin_token_file(), load_timeout_s=4.0)
+    srv = ThreadedServer(root / "live", local_config(admin=admin), build=hanging_build)
+    try:
+        code, detail, _ = admin_load(srv, "hang-child")
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "building the torch engine in this process" in detail
+        pid = int((root / "child.pid").read_text())
+        assert wait_until(lambda: not Path(f"/proc/{pid}").exists() or
+                          Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z", 10)
+        assert wait_until(lambda: not [t for t in threading.enumerate() if t.name == "genrec-load"], 10)
+        assert admin_load(srv, "live")[0] == grpc.StatusCode.OK
     finally:
         srv.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -100,9 +101,10 @@ def test_the_cache_section_reaches_the_engine_in_process_and_in_an_engine_proces
     cache = CacheConfig(kv_cache_mb=8.0, window_block=4, pool_tokens=512)
     seen = []
     monkeypatch.setattr(server, "make_engine", lambda kind, art, device, c: seen.append(c) or "engine")
-    monkeypatch.setattr(server, "open_engine_process", lambda kind, art, device, settings, build=None: seen.append(settings) or "proc")
+    proc = SimpleNamespace(start=lambda: None, close=lambda: None)  # (made unstarted, then started: serve.loading)
+    monkeypatch.setattr(server, "open_engine_process", lambda kind, art, device, settings, **kw: seen.append(settings) or proc)
     assert open_engine(ServeConfig(engine_process=False, cache=cache), "a") == "engine"
-    assert open_engine(ServeConfig(cache=cache), "a") == "proc"
+    assert open_engine(ServeConfig(cache=cache), "a") is proc
     assert seen[0] == cache and seen[1].cache == cache and seen[1].standby
 
 
