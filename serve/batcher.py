@@ -24,6 +24,14 @@ Fair queueing: each caller (``submit(..., caller=)``: a tenant, serve.admission)
 queue, and a batch takes calls from the callers' queues in turn (round robin), so a caller
 that floods the server waits behind its own backlog, not others behind it; admission predicts
 each call's wait from the calls that will run before it under that order.
+
+Each call runs on the engine it was validated for (``submit(work, engine=...)``; default: the
+engine of the moment), whatever was swapped in since: a batch holds the calls of one engine,
+and :meth:`Batcher.retire` says when a replaced engine has none left to run, so that it can
+close. (A call decoded against the old model's schema, run on the new one, failed its whole
+batch with INTERNAL; re-validating it instead would need the request's bytes kept and could
+refuse a call that was valid when it arrived. Keeping the old engine up to one deadline
+longer costs nothing new: it is loaded until the swap anyway.)
 """
 
 from __future__ import annotations
@@ -112,7 +120,7 @@ class Batcher:
         between batches); ``on_batch(batch_size, queue_depth)`` feeds metrics."""
         self.engine_fn, self.cfg, self.on_batch = engine_fn, cfg, on_batch
         # per caller, in arrival order of the callers' first queued call (round robin from the front)
-        self.queues: dict[str, collections.deque[tuple[Work, asyncio.Future]]] = {}
+        self.queues: dict[str, collections.deque[tuple[Work, asyncio.Future, Engine]]] = {}
         self.queued = 0
         self.wakeup = asyncio.Event()
         self.inflight = max(cfg.max_inflight, 1)
@@ -122,6 +130,7 @@ class Batcher:
         self.loop_task: asyncio.Task | None = None
         self.cost = BatchCost()
         self.inflight_calls = 0  # calls in batches handed to the engine and not yet back
+        self.engines_running: list[Engine] = []  # the engine of each batch in flight
 
     def start(self) -> None:
         self.loop_task = asyncio.get_running_loop().create_task(self._loop())
@@ -170,8 +179,10 @@ class Batcher:
             raise Overloaded(f"overloaded: a call would wait ~{wait * 1e3:.0f} ms to start and could not finish "
                              "before its deadline; retry with backoff or another replica")
 
-    async def submit(self, work: Work, timeout: float | None = None, caller: str = "") -> Result:
-        """The work's result; ``timeout`` (s): TimeoutError after it, and the work is dropped
+    async def submit(self, work: Work, timeout: float | None = None, caller: str = "",
+                     engine: Engine | None = None) -> Result:
+        """The work's result, computed by ``engine``: the one it was validated for (default:
+        the current one); ``timeout`` (s): TimeoutError after it, and the work is dropped
         unrun if it is still queued (its future cancelled). ``caller``: whose queue it joins (fair
         queueing). The future is awaited directly, so a call costs no task of its own."""
         if self.closing:
@@ -182,23 +193,35 @@ class Batcher:
         q = self.queues.get(caller)
         if q is None:
             q = self.queues[caller] = collections.deque()
-        q.append((work, fut))
+        q.append((work, fut, engine if engine is not None else self.engine_fn()))
         self.queued += 1
         self.wakeup.set()
         return await (fut if timeout is None else asyncio.wait_for(fut, timeout))
 
-    def _take(self) -> tuple[Work, asyncio.Future]:
-        """The next call in round-robin order: the front caller's oldest; that caller then moves
-        to the back (or leaves, its queue empty)."""
+    def uses(self, engine: Engine) -> bool:
+        """Whether a call queued (and still awaited) or a batch in flight is ``engine``'s."""
+        return (any(e is engine for e in self.engines_running)
+                or any(e is engine and not fut.done() for q in self.queues.values() for _, fut, e in q))
+
+    async def retire(self, engine: Engine, timeout: float) -> None:
+        """Returns once no call for ``engine`` (replaced by a reload) is queued or in flight, or
+        after ``timeout`` seconds."""
+        end = time.monotonic() + timeout
+        while self.uses(engine) and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+
+    def _take(self) -> tuple[str, tuple[Work, asyncio.Future, Engine]]:
+        """The next call in round-robin order, and its caller: the front caller's oldest; that
+        caller then moves to the back (or leaves, its queue empty)."""
         caller = next(iter(self.queues))
         q = self.queues.pop(caller)
         item = q.popleft()
         if q:
             self.queues[caller] = q  # (re-inserted: now last in turn)
         self.queued -= 1
-        return item
+        return caller, item
 
-    async def _collect(self) -> list[tuple[Work, asyncio.Future]]:
+    async def _collect(self) -> tuple[list[tuple[Work, asyncio.Future]], Engine | None]:
         while not self.queued:
             self.wakeup.clear()
             await self.wakeup.wait()
@@ -210,35 +233,49 @@ class Batcher:
             except TimeoutError:
                 break
         batch: list[tuple[Work, asyncio.Future]] = []
+        engine: Engine | None = None  # the batch's: its first call's
+        other: list[tuple[str, tuple[Work, asyncio.Future, Engine]]] = []  # calls for another engine (a swap)
         now = time.monotonic()
         while self.queued and len(batch) < self.cfg.max_batch:
-            work, fut = self._take()
+            caller, item = self._take()
+            work, fut, e = item
             if fut.done():  # the caller went away
                 continue
             if work.deadline <= now:
                 fut.set_exception(DeadlineExceeded("deadline passed while queued"))
                 continue
+            if engine is None:
+                engine = e
+            if e is not engine:
+                other.append((caller, item))
+                continue
             batch.append((work, fut))
-        return batch
+        for caller, item in reversed(other):  # back at the front of their callers' queues, in order
+            q = self.queues.get(caller)
+            if q is None:
+                q = self.queues[caller] = collections.deque()
+            q.appendleft(item)
+            self.queued += 1
+        return batch, engine
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await self.slots.acquire()
-            batch = await self._collect()
-            if not batch:
+            batch, engine = await self._collect()
+            if not batch or engine is None:
                 self.slots.release()
                 continue
             if self.on_batch:
                 self.on_batch(len(batch), self.queued)
-            task = loop.create_task(self._run(batch))
+            self.engines_running.append(engine)
+            task = loop.create_task(self._run(batch, engine))
             self.running.add(task)
             task.add_done_callback(self.running.discard)
 
-    async def _run(self, batch: list[tuple[Work, asyncio.Future]]) -> None:
+    async def _run(self, batch: list[tuple[Work, asyncio.Future]], engine: Engine) -> None:
         self.inflight_calls += len(batch)
         try:
-            engine = self.engine_fn()
             works = [w for w, _ in batch]
             sent = time.monotonic()
             results = await engine.run_async(works)
@@ -255,6 +292,7 @@ class Batcher:
                     fut.set_exception(e)
         finally:
             self.inflight_calls -= len(batch)
+            self.engines_running.remove(engine)
             self.slots.release()
 
     async def drain(self, timeout: float) -> None:
@@ -265,6 +303,6 @@ class Batcher:
             await asyncio.sleep(0.01)
         if self.loop_task:
             self.loop_task.cancel()
-        for _, fut in (item for q in self.queues.values() for item in q):
+        for _, fut, _ in (item for q in self.queues.values() for item in q):
             if not fut.done():
                 fut.set_exception(ShuttingDown("the server shut down before this request ran"))

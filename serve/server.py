@@ -368,6 +368,7 @@ class RecommenderServer:
         self.port = self.admin_port = 0
         self.artifact_root = Path(cfg.admin.artifact_root or Path(artifact).resolve().parent).resolve()
         self._reloading = asyncio.Lock()
+        self._retiring: set[asyncio.Task] = set()  # replaced engines closing after their calls (reload)
         self._stopping = False
         self.stages: dict[str, float] = {"decode": 0.0, "encode_response": 0.0}
         self.served = 0
@@ -455,7 +456,8 @@ class RecommenderServer:
         away, and a server that stops meanwhile closes the new engine instead of serving it.
         The whole engine start is bounded by ``timeout`` (default ``admin.load_timeout_s``):
         past it, what started is stopped (``serve.loading``) and AdminError DEADLINE_EXCEEDED
-        names the step that hung; the next load is taken."""
+        names the step that hung; the next load is taken. The engine replaced keeps the calls
+        already validated against its schema, and closes once they are done (``_retire``)."""
         if self._reloading.locked():
             raise AdminError(grpc.StatusCode.FAILED_PRECONDITION, "another LoadArtifact is in progress; retry after it")
         async with self._reloading:
@@ -482,12 +484,23 @@ class RecommenderServer:
             await self._set_health()
             self.metrics.model.labels(old.version, old.name).set(0)
             self.metrics.model.labels(engine.version, engine.name).set(1)
-            if self.owns_engine:  # e.g. an engine process: stops after its batch in flight
-                loop.run_in_executor(None, old.close).add_done_callback(_log_failure)
+            if self.owns_engine:  # e.g. an engine process: stops once the calls validated for it are done
+                task = loop.create_task(self._retire(old))
+                self._retiring.add(task)
+                task.add_done_callback(self._retiring.discard)
             self.owns_engine = True
             quiet_gc()
             log.info("loaded %s in %.1fs", engine.version, time.monotonic() - t0)
             return engine.version
+
+    async def _retire(self, old: Engine) -> None:
+        """Closes a replaced engine once the batcher holds no call for it: each call runs on the
+        engine whose schema it was validated against (the swap's schema race: a call decoded
+        for the old model never runs on the new one) and carries that engine's version. Bounded:
+        by then every such call has passed its deadline (at most ``limits.max_deadline_ms``)."""
+        if self.batcher is not None:
+            await self.batcher.retire(old, self.cfg.limits.max_deadline_ms / 1e3 + self.cfg.grace_s)
+        await asyncio.get_running_loop().run_in_executor(None, old.close)
 
     # ----- handlers -------------------------------------------------------------------------
     def _handler(self, kind: Kind):  # noqa: ANN202 - an async gRPC handler
@@ -545,7 +558,8 @@ class RecommenderServer:
         self.stages["decode"] += decoded - t0
         work.deadline = deadline
         self.metrics.queue_depth.set(batcher.depth)
-        result = await batcher.submit(work, timeout=max(work.deadline - time.monotonic(), 0), caller=caller)
+        result = await batcher.submit(work, timeout=max(work.deadline - time.monotonic(), 0), caller=caller,
+                                      engine=engine)
         started = result.started or result.sent  # when the engine began the batch
         timing = pb.Timing(queue_ms=(time.monotonic() - t0) * 1e3 - result.compute_ms,
                            compute_ms=result.compute_ms, batch_size=result.batch_size,

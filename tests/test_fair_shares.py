@@ -67,14 +67,14 @@ def test_batches_take_callers_in_turn_so_a_backlog_delays_only_its_own_caller():
             return SimpleNamespace(name=name, deadline=time.monotonic() + 60)
 
         for i in range(12):  # a flood from one caller ...
-            b.queues.setdefault("flood", collections.deque()).append((work(f"f{i}"), loop.create_future()))
+            b.queues.setdefault("flood", collections.deque()).append((work(f"f{i}"), loop.create_future(), engine))
         b.queued = 12
-        b.queues["quiet"] = collections.deque([(work("q0"), loop.create_future())])
+        b.queues["quiet"] = collections.deque([(work("q0"), loop.create_future(), engine)])
         b.queued += 1
         for _ in range(10):
             b.cost.observe(4, 0.004)  # 1 ms a call
         waits = b.predicted_wait(caller="quiet"), b.predicted_wait(caller="flood")
-        batch = await b._collect()
+        batch, _ = await b._collect()
         return [w.name for w, _ in batch], *waits
 
     first, quiet_wait, flood_wait = asyncio.run(scenario())

@@ -8,6 +8,8 @@
 * ``admin.load_timeout_s`` bounds the whole engine start of a load (in this process, in an
   engine process, and a build that waits for child processes of its own, as SGLang's does):
   the start is stopped, the call fails DEADLINE_EXCEEDED naming the step, the next load runs.
+* A call validated against the old model's schema runs on the old model, even when a reload
+  swaps in a model with another schema before its batch runs; the old engine closes after.
 """
 
 from __future__ import annotations
@@ -231,4 +233,55 @@ def test_a_build_waiting_for_a_child_process_of_its_own_is_stopped_with_the_chil
         assert wait_until(lambda: not [t for t in threading.enumerate() if t.name == "genrec-load"], 10)
         assert admin_load(srv, "live")[0] == grpc.StatusCode.OK
     finally:
+        srv.stop()
+
+
+# ----- the swap's schema race ----------------------------------------------------------------
+
+GATE, ENTERED = threading.Event(), threading.Event()
+
+
+class Gated(Tracked):
+    """Batches wait at the gate: the first call holds the only batch slot while others queue."""
+
+    def run(self, works):  # noqa: ANN001, ANN201
+        ENTERED.set()
+        GATE.wait(60)
+        return super().run(works)
+
+
+def gated_build(kind: str, artifact: str, device: str, cache=None):  # noqa: ANN001, ANN201
+    inner = make_engine(kind, artifact, device, cache)
+    engine = Gated(inner, 0.0) if Path(artifact).name == "old" else Tracked(inner, 0.0)
+    BUILT.append(engine)
+    return engine
+
+
+def test_calls_validated_before_a_swap_run_on_the_model_they_were_validated_for(tmp_path):
+    """Rank calls are decoded against a model with ranking tasks and queue; a reload swaps in a
+    retrieval-only model (another schema) before their batch runs. They run on the old model
+    (its answers, its version); the old engine closes once they are done."""
+    old, new = untrained_artifact(tmp_path / "old"), untrained_artifact(tmp_path / "new", ranking=False, seed=1)
+    GATE.clear()
+    ENTERED.clear()
+    srv = ThreadedServer(old, local_config(batch=BatchConfig(max_inflight=1, max_wait_ms=0, max_batch=8),
+                                           default_timeout_ms=60_000), build=gated_build)
+    try:
+        first = srv.server.engine
+        c = srv.client(timeout_s=60)
+        with ThreadPoolExecutor(5) as ex:
+            futs = [ex.submit(c.rank, U, [(3, 0.0), (4, 0.0), (150, 0.0)], "click")]
+            assert ENTERED.wait(30)  # the first holds the engine; the others queue behind it
+            futs += [ex.submit(c.rank, U, [(3, 0.0), (4, 0.0), (150 + i, 0.0)], "click") for i in range(1, 5)]
+            assert wait_until(lambda: srv.server.batcher.depth == 4, 30)
+            version = c.load_artifact(str(new)).model_version
+            assert srv.server.engine is not first and not first.closed  # its calls are still to run
+            GATE.set()
+            got = [f.result() for f in futs]
+        assert {r.model_version for r in got} == {first.version} and all(len(r.items) == 3 for r in got)
+        assert all(set(i.tasks) == {"click", "conversion"} for r in got for i in r.items)
+        assert wait_until(lambda: first.closed, 30)
+        assert c.retrieve(U, k=5).model_version == version
+    finally:
+        GATE.set()
         srv.stop()
