@@ -5,7 +5,12 @@ them must not take the others' latency. Three layers, cheapest first, each check
 request is decoded:
 
 1. gRPC's core (serve.server.ConnectionConfig): handler slots and the pending bound, for
-   everyone at once (it cannot tell callers apart).
+   everyone at once (it cannot tell callers apart): a flood that keeps every slot and the
+   pending queue full gets other callers' calls refused there too, before any share is
+   checked. What holds them apart is that a caller's refused calls free their slots within a
+   millisecond, so a flood fills the core's queues only once the front-end's event loop is
+   saturated; where callers are not trusted, a proxy in front that limits each connection is
+   the layer that keeps them apart.
 2. :class:`Shares` (here): a caller's calls at once (``max_share`` of the handler slots, or
    its quota's ``max_concurrent``) and its rate (a token bucket, ``qps``): past either, its
    call is refused with RESOURCE_EXHAUSTED naming the caller, while other callers are admitted.

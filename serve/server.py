@@ -120,8 +120,10 @@ class ConnectionConfig:
     # new call itself, in C, in well under a millisecond, with no Python run for it: the status is
     # gRPC's own CANCELLED (its core has no other for it). Unbounded (gRPC's default soft limit is
     # 1000), these calls waited in the core until their deadline: at 4x capacity every call
-    # waited ~1 s and most were never served (issue 46)
-    max_pending_calls: int = 8
+    # waited ~1 s and most were never served (issue 46). grpc.aio takes calls one at a time, so
+    # a burst of calls arriving together is pending until taken even on an idle server: keep the
+    # bound above the largest burst a healthy caller sends (8 refused some of a 16-call burst)
+    max_pending_calls: int = 32
     max_message_bytes: int = 0
     keepalive_time_s: float = 60.0  # ping an idle connection this often ...
     keepalive_timeout_s: float = 20.0  # ... and close it if the ping goes unanswered this long
