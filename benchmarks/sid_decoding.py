@@ -23,7 +23,6 @@ Writes benchmarks/results/sid_decoding.json and RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import tempfile
 import time
@@ -121,7 +120,7 @@ def round_of_requests(se, beam: int, reps: int) -> dict:  # noqa: ANN001
         reqs = [_Req([0], {"register": {"ticket": -1 - j, "beam": 1, "prompt": [0.0], "seen": None}}, f"round{r}-{j}")
                 for j in range(beam)]
         t = time.perf_counter()
-        asyncio.run_coroutine_threadsafe(se._generate(reqs), se.loop).result()
+        se.send(reqs, time.monotonic() + 60)
         ms.append((time.perf_counter() - t) * 1e3)
     return stats(ms)
 

@@ -20,9 +20,11 @@ def make_engine(kind: str, artifact: str, device: str, cache: CacheConfig | None
     if kind == "sglang":
         from genrec.serve.sglang_engine import SGLangEngine
 
+        # a warm standby runtime: a fault in SGLang's scheduler fails over instead of failing calls
         if cache is None:
-            return SGLangEngine(artifact, device=device)
-        return SGLangEngine(artifact, device=device, pool_tokens=cache.pool_tokens, window_block=cache.window_block)
+            return SGLangEngine(artifact, device=device, standby=True)
+        return SGLangEngine(artifact, device=device, pool_tokens=cache.pool_tokens, window_block=cache.window_block,
+                            standby=True)
     if kind != "torch":
         raise ValueError(f"engine '{kind}': serve torch or sglang (the naive baseline is the benchmarks': "
                          "python -m genrec.benchmarks.naive_engine)")

@@ -8,10 +8,11 @@
 * The load generator (``genrec/loadtest/``) is a client: proto + numpy + gRPC. It imports nothing
   of the server, training, models or the layers below them, nor torch (checked in its source
   and by importing it in a fresh interpreter); the server never imports it.
-* SGLang: ``serve/sglang_engine.py`` is the one module that imports ``sglang`` (or
-  ``sgl_kernel``), at any depth of the tree; every other module reaches it lazily (inside a
-  function, ``serve.factory.make_engine``) except ``serve/sglang_models/``, the package SGLang
-  itself imports to load the tower, which may import it at module level.
+* SGLang: one module per process imports ``sglang`` (or ``sgl_kernel``), at any depth of the
+  tree: ``serve/sglang_runtime.py`` in the server's process (under the engine's front end,
+  ``serve/sglang_engine.py``) and ``serve/sglang_models/genrec_tower.py`` in SGLang's scheduler
+  (the model). Every module outside those and ``serve/sglang_models/`` reaches them lazily
+  (inside a function, ``serve.factory.make_engine``).
 * The modules of ``serve/`` import each other without a cycle (a function-level import counts:
   it is the same seam, taken later).
 * No product module (genrec/, serve/, train/, quant/, models/, embedding/, kernels/, proto/)
@@ -111,19 +112,23 @@ def load_generator_importers(root: Path) -> list[str]:
     return layer_offenders(root, "serve", None, {"genrec.loadtest"})
 
 
+# the modules that import SGLang: one per process (the server's front end, SGLang's scheduler)
+SGLANG_IMPORTERS = {"genrec.serve.sglang_runtime", "genrec.serve.sglang_models.genrec_tower"}
+SGLANG_SIDE = {"genrec.serve.sglang_engine", "genrec.serve.sglang_runtime", "genrec.serve.sglang_models"}
+
+
 def sglang_offenders(root: Path) -> list[str]:
-    """Modules of serve/ that import SGLang other than its one engine module, and modules that
-    import that engine at module level other than the package SGLang loads."""
-    engine, loaded_by_sglang = "genrec.serve.sglang_engine", "genrec.serve.sglang_models"
+    """Modules of serve/ that import SGLang other than its two (one per process), and modules
+    outside the SGLang engine's own that import any of them at module level."""
     importers, bad = set(), []
     for mod, path in modules(root, "serve").items():
         names = imports(path, mod)
         if any(_matches(n, {"sglang", "sgl_kernel"}) for n, _ in names):
             importers.add(mod)
-        if mod != engine and not _matches(mod, {loaded_by_sglang}) and any(n == engine and top for n, top in names):
-            bad.append(f"{mod} imports {engine} at module level")
-    if importers != {engine}:
-        bad.append(f"modules importing sglang: {sorted(importers)} (exactly {engine} should)")
+        if not _matches(mod, SGLANG_SIDE) and any(_matches(n, SGLANG_SIDE) and top for n, top in names):
+            bad.append(f"{mod} imports the SGLang engine at module level")
+    if importers != SGLANG_IMPORTERS:
+        bad.append(f"modules importing sglang: {sorted(importers)} (exactly {sorted(SGLANG_IMPORTERS)} should)")
     return bad
 
 
@@ -248,10 +253,14 @@ BROKEN = {
                            lambda r: layer_offenders(r, "models", {"embedding", "kernels"}, {"torch.distributed"})),
     "train": ({"train/loop/trainer.py": "from genrec.quant.load import load_model\n"},
               lambda r: layer_offenders(r, "train", None, {"genrec.quant"})),
-    "sglang-twice": ({"serve/sglang_engine.py": "import sglang\n", "serve/other.py": "from sglang.srt import x\n"},
-                     sglang_offenders),
-    "sglang-none": ({"serve/sglang_engine.py": "import torch\n"}, sglang_offenders),
-    "sglang-eager": ({"serve/sglang_engine.py": "import sglang as sgl\n",
+    "sglang-twice": ({"serve/sglang_runtime.py": "import sglang\n", "serve/sglang_models/genrec_tower.py": "import sglang\n",
+                      "serve/other.py": "from sglang.srt import x\n"}, sglang_offenders),
+    "sglang-front-end": ({"serve/sglang_runtime.py": "import sglang\n", "serve/sglang_engine.py": "import sglang\n",
+                          "serve/sglang_models/genrec_tower.py": "import sglang\n"}, sglang_offenders),
+    "sglang-none": ({"serve/sglang_runtime.py": "import torch\n",
+                     "serve/sglang_models/genrec_tower.py": "import sglang\n"}, sglang_offenders),
+    "sglang-eager": ({"serve/sglang_runtime.py": "import sglang as sgl\n",
+                      "serve/sglang_models/genrec_tower.py": "import sglang\n",
                       "serve/server.py": "from genrec.serve.sglang_engine import SGLangEngine\n"}, sglang_offenders),
     "cycle": ({"serve/server.py": "from genrec.serve.worker import EngineProcess\n",
                "serve/worker.py": "def child():\n    from genrec.serve.server import make_engine\n"}, serve_cycles),

@@ -11,6 +11,7 @@ real and outside the exclusions, histories from the radix cache.
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -47,7 +48,7 @@ def sglang_beam(steps, h: torch.Tensor, beam: int, seen: np.ndarray | None = Non
     (items, scores, the survivors' cumulative log-probabilities at each level)."""
     import importlib
 
-    importlib.import_module("genrec.serve.sglang_engine")  # first: it prepares SGLang's import on CPU
+    importlib.import_module("genrec.serve.sglang_runtime").prepare_environment("cpu")  # first: SGLang's import on CPU
     select = importlib.import_module("sglang.srt.beam_search.joint_select")
     joint_select, select_final_topk = select.joint_select, select.select_final_topk
 
@@ -277,23 +278,28 @@ def test_sglang_ends_an_unexcluded_beam_as_the_model_does(engines):
     ticket = next(se._tickets)
     se.generate(h, [(0, w)])  # warm; then register a prompt and run SGLang's own beam on it
     reg = {"ticket": ticket, "beam": beam, "prompt": h[0].tolist(), "seen": None}
-    from genrec.serve.sglang_engine import PAYLOAD, TICKET_BASE
+    from genrec.serve.sglang_models.codec import PAYLOAD, TICKET_BASE
 
     async def call() -> list:
         first = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "custom_params": {
             PAYLOAD: {"register": reg}}}, custom_logit_processor=se.processor, extra_key=f"t{ticket}")
-        await se.engine.tokenizer_manager.generate_request(first, None).__anext__()
+        await rt.engine.tokenizer_manager.generate_request(first, None).__anext__()
         obj = GenerateReqInput(input_ids=[TICKET_BASE + ticket], sampling_params={
             "max_new_tokens": levels, "ignore_eos": True, "beam_width": beam, "n": beam}, extra_key=f"b{ticket}")
-        return await se.engine.tokenizer_manager.generate_request(obj, None).__anext__()
+        return await rt.engine.tokenizer_manager.generate_request(obj, None).__anext__()
 
-    out = asyncio.run_coroutine_threadsafe(call(), se.loop).result()
+    rt = se.runtimes.active
+    out = asyncio.run_coroutine_threadsafe(call(), rt.loop).result()
     seqs = out["meta_info"]["beam_results"]
     leaves = [s["output_ids"][levels - 1] - se.sid.base[levels] for s in seqs]
     items = te.model.sid_head.sid.leaf_item[torch.tensor(leaves)].numpy()
     scores = np.array([s["meta_info"]["sequence_score"] * levels for s in seqs])  # score = cum / length
     np.testing.assert_array_equal(items, want[0])
     np.testing.assert_allclose(scores, want[1], rtol=TOL, atol=TOL)
+
+
+def deadline(seconds: float = 60.0) -> float:
+    return time.monotonic() + seconds
 
 
 def test_a_beam_ahead_of_its_prompt_is_sent_again_and_one_without_is_an_error(engines):
@@ -306,17 +312,16 @@ def test_a_beam_ahead_of_its_prompt_is_sent_again_and_one_without_is_an_error(en
     ticket = next(se._tickets)
     reg = {"ticket": ticket, "beam": 8, "prompt": h[0].tolist(), "seen": w.excluded().tolist()}
     # the beam first, its prompt after it in the same batch: SGLang may run the beam before the prompt
-    outs = asyncio.run_coroutine_threadsafe(se._generate([se._beam(ticket, 8), _Req([0], {"register": reg}, "r")]),
-                                            se.loop).result()
+    outs = se.send([se._beam(ticket, 8), _Req([0], {"register": reg}, "r")], deadline())
     res = next((v for v in reversed(outs[0]["meta_info"].get("genrec_sid") or []) if isinstance(v, dict)), None)
     if res is None or "retry" in res:  # it did: sent again, the beam finds its prompt
-        got = se._call([], {0: (ticket, 8)})[1][0]
+        got = se._call([], {0: (ticket, 8)}, deadline())[1][0]
     else:
         got = se._items(res)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_allclose(got[1], want[1], rtol=TOL, atol=TOL)
     with pytest.raises(RuntimeError, match="without a result"):
-        se._call([], {0: (next(se._tickets), 8)})  # a ticket nobody registered
+        se._call([], {0: (next(se._tickets), 8)}, deadline())  # a ticket nobody registered
     same_beams(te.generate(h, [(0, w)]), se.generate(h, [(0, w)]))  # and the engine goes on
 
 

@@ -1,3 +1,365 @@
-"""Registers genrec's HSTU model with SGLang (see the package docstring)."""
+"""The scheduler side of the SGLang engine: genrec's HSTU model as an SGLang model (EntryClass).
 
-from genrec.serve.sglang_engine import GenRecHSTU as EntryClass  # noqa: F401
+SGLang loads this module in its scheduler process (``SGLANG_EXTERNAL_MODEL_PACKAGE`` names this
+package; ``config.json``'s ``architectures`` names :class:`GenRecHSTU`). The front end,
+``serve.sglang_engine.SGLangEngine``, sends one request per work whose payload (custom params)
+carries the events; this model embeds them, writes each HSTU layer's keys and values to SGLang's
+KV pool, attends over the request's slots and, at a request's last token, retrieves and ranks.
+Each request's answer is one row of ``codec`` (the two sides' shared format).
+
+A fault in the forward stays inside it: the model catches an exception of its tower pass, runs
+the pass's requests again one at a time, and answers the one at fault with a failed row and its
+reason (customized info ``codec.ERROR_INFO``); an exception that reached SGLang's scheduler would
+end the scheduler and signal the engine's process (SIGQUIT). The front end fails such a call
+(INTERNAL, naming the reason) and stops matching its user's cached entries (whose K/V the failed
+pass may have half written).
+
+The SGLang surfaces it uses (listed in docs/serving.md, checked by tests/test_sglang_surfaces.py):
+``LogitsProcessorOutput`` (next-token logits, "last" hidden states, customized info), the forward
+batch's fields (forward mode, batch size, out_cache_loc, req_pool_indices, extend prefix / seq
+lengths, sampling_info.custom_params), ``forward_context``'s pool getters, ``req_to_token``, the
+KV pool's ``get_key_buffer`` / ``get_value_buffer`` / ``size`` / ``page_size`` and
+``CustomLogitProcessor``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
+from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
+from torch import nn
+
+from genrec.models.hstu import CachedHistory, JaggedMeta, PagedMeta
+from genrec.models.recommender import HistoryState
+from genrec.serve.engine import TorchEngine
+from genrec.serve.requests import UserInput
+from genrec.serve.sglang_models.codec import (
+    EMPTY,
+    ERROR_INFO,
+    PAYLOAD,
+    SID_INFO,
+    TICKET_BASE,
+    VOCAB,
+    encode_row,
+    failed_row,
+    stack_rows,
+)
+from genrec.serve.sglang_models.sid_steps import SIDBeams, SIDSteps
+
+log = logging.getLogger("genrec.serve.sglang")
+
+
+class KeepLogits(CustomLogitProcessor):
+    """A no-op custom logit processor: attached to every request so that SGLang hands the
+    requests' custom params (our payload) to the forward batch."""
+
+    def __call__(self, logits, custom_param_list=None):  # noqa: ANN001, ANN204
+        return logits
+
+
+class _Retrieval:
+    """What ``Catalogue.top_k`` reads of a work: k and the excluded rows (``catalogue.Asks``)."""
+
+    def __init__(self, k: int, excluded: np.ndarray | None) -> None:
+        self.retrieve_k, self._excluded = k, excluded
+
+    def excluded(self) -> np.ndarray | None:
+        return self._excluded
+
+
+@dataclass
+class _Part:
+    """The requests of one extend pass that the tower computes (those with genrec's payload):
+    their rows in the batch, payloads, cached and new tokens, the new tokens' positions and
+    pool slots [T], and their req-to-token rows [b]."""
+
+    index: list[int]
+    payloads: list[dict]
+    pre: list[int]
+    ext: list[int]
+    positions: torch.Tensor
+    loc: torch.Tensor
+    pool_rows: torch.Tensor
+
+
+class GenRecHSTU(nn.Module):
+    """SGLang model (EntryClass): a genrec artifact's HSTU model over SGLang's KV pool.
+
+    ``config.genrec_artifact`` names the artifact; the model loads it itself (its quantized
+    tables, tower and heads) through a ``TorchEngine`` whose lookups, retrieval and ranking
+    it reuses. Each forward returns one float row per request (``hidden_states``, capture
+    mode "last"): [n retrieved, n scored, tokens this pass computed for it, retrieved catalogue
+    positions, their scores, task probabilities (n scored x tasks)], zeros for a chunk that
+    does not end its request.
+
+    With a semantic-ID decoder (``config.genrec_max_beam`` > 0) it also decodes beams with
+    SGLang's beam search (``SIDSteps``): a beam's request is one ticket token whose prompt a
+    tower request registered (payload ``ticket``) or a register request brought (payload
+    ``register``); its result comes back as customized info ``genrec_sid`` at its last level.
+    """
+
+    def __init__(self, config, quant_config=None, prefix: str = "") -> None:  # noqa: ANN001
+        super().__init__()
+        torch.set_num_threads(int(getattr(config, "genrec_threads", 1)) or torch.get_num_threads())
+        self.engine = TorchEngine(config.genrec_artifact)
+        self.model = self.engine.model.eval()
+        packed = self.engine.packed  # its token lookups and context (SGLangEngine checked it exists)
+        if packed is None:
+            raise ValueError("GenRecHSTU serves HSTU models with the summed action encoding (the packed path)")
+        self.packed = packed
+        self.tasks = len(self.engine.schema.tasks)
+        self.slot_times: torch.Tensor | None = None  # [pool slots] each slot's event time
+        self.pool_checked = False
+        max_beam = int(getattr(config, "genrec_max_beam", 0))
+        head = self.model.sid_head
+        steps = SIDSteps(head, max_beam) if head is not None and max_beam else None
+        self.vocab = steps.size if steps is not None else VOCAB
+        self.sid = SIDBeams(steps, self.model.embedding_cfg.dim) if steps is not None else None
+        self.slot_ticket: torch.Tensor | None = None  # [pool slots] the ticket of a beam's prompt token
+        self._dummy = nn.Parameter(torch.zeros(1), requires_grad=False)  # SGLang loads one weight file
+
+    def get_input_embeddings(self) -> nn.Module:
+        return nn.Identity()
+
+    def load_weights(self, weights) -> None:  # noqa: ANN001
+        for name, _ in weights:  # the artifact is loaded in __init__; the checkpoint holds a placeholder
+            if name != "_dummy":
+                raise KeyError(f"GenRecHSTU: unexpected weight {name}")
+
+    # ----- the forward pass over one SGLang batch ----------------------------------------
+    @torch.no_grad()
+    def forward(self, input_ids, positions, forward_batch, input_embeds=None, get_embedding=False, **kw):  # noqa: ANN001, ANN201
+        fb = forward_batch
+        b = fb.batch_size
+        if fb.forward_mode.is_decode() and self.sid is not None:  # only beams decode
+            return self._decode(input_ids, positions, fb)
+        rows = [EMPTY] * b  # one row per request; padded to the batch's longest
+        errors: list[str | None] = [None] * b
+        logits = torch.zeros(b, self.vocab)
+        if not fb.forward_mode.is_extend():
+            return LogitsProcessorOutput(next_token_logits=logits, hidden_states=stack_rows(rows))
+        params = fb.sampling_info.custom_params if fb.sampling_info is not None else None
+        payloads = [p.get(PAYLOAD) if isinstance(p, dict) else None for p in (params or [None] * b)]
+        pre, ext = list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu)
+        for i, p in enumerate(payloads):
+            if p is not None and "register" in p:
+                try:
+                    self._keep(p["register"], torch.tensor(p["register"]["prompt"], dtype=torch.float32))
+                except Exception as e:  # noqa: BLE001 - a bad request fails alone (module docstring)
+                    errors[i] = _reason(e)
+        tower = [i for i, p in enumerate(payloads) if p is not None and "register" not in p]
+        beams = [i for i, p in enumerate(payloads) if p is None]
+        if beams and self.sid is None:
+            log.error("GenRecHSTU: a request without genrec's payload; send requests through SGLangEngine")
+            for i in beams:
+                errors[i] = "a request without genrec's payload (send requests through SGLangEngine)"
+            beams = []
+        if tower:
+            self._tower(fb, tower, payloads, pre, ext, positions, rows, errors)
+        info: dict = {}
+        if beams and self.sid is not None:  # after the tower: a beam may read a prompt its tower request registered
+            try:
+                last = torch.as_tensor(np.cumsum(ext) - 1)[beams]
+                tokens, levels = input_ids[last].to(torch.int64), positions[last].to(torch.int64)
+                tickets = tokens - TICKET_BASE
+                self._ticket_slots()[fb.out_cache_loc[last].to(torch.int64)] = tickets
+                out, results = self.sid.step(tickets, tokens, levels)
+                logits[torch.tensor(beams)] = out
+                info[SID_INFO] = [results.get(beams.index(i)) if i in beams else None for i in range(b)]
+            except Exception as e:  # noqa: BLE001
+                log.exception("GenRecHSTU: a beam step failed")
+                for i in beams:
+                    errors[i] = _reason(e)
+        if any(e is not None for e in errors):
+            info[ERROR_INFO] = errors
+        return LogitsProcessorOutput(next_token_logits=logits, hidden_states=stack_rows(rows),
+                                     customized_info=info or None)
+
+    def _tower(self, fb, tower: list[int], payloads: list, pre: list[int], ext: list[int],  # noqa: ANN001
+               positions: torch.Tensor, rows: list[torch.Tensor], errors: list[str | None]) -> None:
+        """The tower requests of this pass, together; if that raises, one at a time, so that
+        only the request at fault fails (its row failed, its reason in ``errors``)."""
+        try:
+            self._tower_part(self._part(fb, tower, payloads, pre, ext, positions), rows)
+            return
+        except Exception as e:  # noqa: BLE001 - a fault must not reach SGLang's scheduler (module docstring)
+            log.exception("GenRecHSTU: a tower pass of %d requests failed", len(tower))
+            if len(tower) == 1:
+                rows[tower[0]], errors[tower[0]] = failed_row(ext[tower[0]]), _reason(e)
+                return
+        for i in tower:  # one at a time: only the request at fault fails
+            try:
+                self._tower_part(self._part(fb, [i], payloads, pre, ext, positions), rows)
+            except Exception as e:  # noqa: BLE001
+                log.error("GenRecHSTU: request %d of the pass failed alone: %s", i, _reason(e))
+                rows[i], errors[i] = failed_row(ext[i]), _reason(e)
+
+    def _tower_part(self, part: _Part, rows: list[torch.Tensor]) -> None:
+        h, kv = self._extend(part)
+        done = [j for j in range(len(part.index)) if part.pre[j] + part.ext[j] == len(part.payloads[j]["items"])]
+        if done:
+            self._finish(part, done, h, kv, rows)
+
+    # ----- semantic-ID beams -------------------------------------------------------------
+    def _keep(self, p: dict, prompt: torch.Tensor) -> None:
+        """A beam's prompt [D] and what it leaves out, from a payload's ``ticket``, ``beam``, ``seen``."""
+        if self.sid is not None:
+            seen = None if p["seen"] is None else np.asarray(p["seen"], np.int64)
+            self.sid.keep(int(p["ticket"]), prompt, int(p["beam"]), seen)
+
+    def _ticket_slots(self) -> torch.Tensor:
+        pool = get_token_to_kv_pool()
+        if self.slot_ticket is None or self.slot_ticket.numel() < pool.size + pool.page_size:
+            self.slot_ticket = torch.full((pool.size + pool.page_size,), -1, dtype=torch.int64)
+        return self.slot_ticket
+
+    def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> LogitsProcessorOutput:  # noqa: ANN001
+        """One step of every beam in the batch (leaders and SGLang's member rows alike): a row's
+        ticket is its prompt token's (position 0 of its req-to-token row), its level its position."""
+        r2t = get_req_to_token_pool().req_to_token
+        prompt_slots = r2t[fb.req_pool_indices.to(torch.int64), 0].to(torch.int64)
+        tickets = self._ticket_slots()[prompt_slots]
+        if self.sid is None:
+            raise ValueError("GenRecHSTU: a decode step, but this model has no semantic-ID decoder")
+        try:
+            out, results = self.sid.step(tickets, input_ids.to(torch.int64), positions.to(torch.int64))
+        except Exception as e:  # noqa: BLE001 - the beams of this step fail, the scheduler lives on
+            log.exception("GenRecHSTU: a beam step failed")
+            rows = tickets.numel()
+            return LogitsProcessorOutput(next_token_logits=torch.zeros(rows, self.vocab), hidden_states=None,
+                                         customized_info={ERROR_INFO: [_reason(e)] * rows})
+        info = {SID_INFO: [results.get(i) for i in range(out.shape[0])]}
+        return LogitsProcessorOutput(next_token_logits=out, hidden_states=None, customized_info=info)
+
+    # ----- the tower ---------------------------------------------------------------------
+    def _part(self, fb, index: list[int], payloads: list, pre: list[int], ext: list[int],  # noqa: ANN001
+              positions: torch.Tensor) -> _Part:
+        """The tower's requests of this pass (all of them unless beams ride along)."""
+        loc, pool_rows = fb.out_cache_loc.to(torch.int64), fb.req_pool_indices.to(torch.int64)
+        pos = positions.to(torch.int64)
+        if len(index) < len(pre):
+            starts = np.cumsum(ext) - ext
+            tok = torch.from_numpy(np.concatenate([np.arange(starts[i], starts[i] + ext[i]) for i in index]))
+            loc, pos, pool_rows = loc[tok], pos[tok], pool_rows[torch.tensor(index)]
+        return _Part(index, [payloads[i] for i in index], [pre[i] for i in index], [ext[i] for i in index],
+                     pos, loc, pool_rows)
+
+    def _extend(self, part: _Part):  # noqa: ANN202
+        """The part's new tokens through the tower over the pool -> (their outputs [T, D],
+        (slot map [B, L], the pool, each request's tokens after this pass [B]))."""
+        m, payloads, pre, ext = self.model, part.payloads, part.pre, part.ext
+        cols = {key: np.concatenate([np.asarray(p[key][s : s + e], np.int64) for p, s, e in zip(payloads, pre, ext)])
+                for key in ("items", "actions", "times", "qtimes")}
+        pos = part.positions
+        x = self.packed.tokens(cols["items"], cols["actions"], pos.numpy())
+        pool, r2t = get_token_to_kv_pool(), get_req_to_token_pool().req_to_token
+        if not self.pool_checked:
+            check_pool(pool)
+            self.pool_checked = True
+        if self.slot_times is None or self.slot_times.numel() < pool.size + pool.page_size:
+            self.slot_times = torch.zeros(pool.size + pool.page_size, dtype=torch.int64)
+        loc = part.loc
+        self.slot_times[loc] = torch.from_numpy(cols["times"])
+        lengths = torch.tensor([s + e for s, e in zip(pre, ext)], dtype=torch.int64)
+        slots = r2t[part.pool_rows, : int(lengths.max())].to(torch.int64)  # [B, L]
+        seq = torch.repeat_interleave(torch.arange(len(pre)), torch.tensor(ext))
+
+        def store(layer: int, kk: torch.Tensor, vv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            kb, vb = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
+            kb[loc], vb[loc] = kk.to(kb.dtype), vv.to(vb.dtype)
+            return kb[slots], vb[slots]
+
+        if not any(pre) and self.packed.backend == "native":
+            return self._encode_native(x, cols, ext, loc, pool), (slots, pool, lengths)
+        meta = PagedMeta(seq, pos, lengths, self.slot_times[slots] if m.tower.time_bias else None,
+                         torch.from_numpy(cols["qtimes"]) if m.tower.time_bias else None)
+        return m.tower.extend_paged(x, meta, store), (slots, pool, lengths)
+
+    def _encode_native(self, x: torch.Tensor, cols: dict, ext: list[int], loc: torch.Tensor, pool) -> torch.Tensor:  # noqa: ANN001
+        """A batch of requests none of which has a cached prefix (new users, first chunks):
+        the tower's C++ encode of the whole batch (as the torch engine encodes a cold batch),
+        its keys / values written to the requests' slots. Returns outputs [T, D] of which
+        only each request's last row is set (the only one read)."""
+        m = self.model
+        offsets = torch.zeros(len(ext) + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(torch.tensor(ext), 0)
+        times = (torch.from_numpy(cols["times"]), torch.from_numpy(cols["qtimes"])) if m.tower.time_bias else (None, None)
+        meta = JaggedMeta(offsets, max(ext), times[0], times[1], None)
+        last, hist = m.tower.encode_history(x, meta, backend="native")
+        c = m.tower.kv_dims()
+        for i, (k, v) in enumerate(zip(hist.native.k, hist.native.v)):
+            kb, vb = pool.get_key_buffer(i), pool.get_value_buffer(i)
+            kb[loc] = k.view(-1, c.heads, c.key_dim).to(kb.dtype)
+            vb[loc] = v.view(-1, c.heads, c.value_dim).to(vb.dtype)
+        h = x.new_zeros(x.shape[0], last.shape[1])
+        h[offsets[1:] - 1] = last.to(h.dtype)
+        return h
+
+    def _finish(self, part: _Part, done: list[int], h: torch.Tensor, kv, rows: list[torch.Tensor]) -> None:  # noqa: ANN001
+        """The part's requests whose last token was in this pass (``done``: their places in the
+        part): retrieval and ranking, into ``rows``; the prompts of the beams they asked for."""
+        eng, m, payloads, ext = self.engine, self.model, part.payloads, part.ext
+        slots, pool, lengths = kv
+        ends = np.cumsum(ext) - 1
+        users = m.head.normalize(h[torch.as_tensor(ends[done])].float())  # [d, D]
+        for j, i in enumerate(done):
+            if payloads[i].get("ticket") is not None:  # the prompt of this user's beam (sent beside it)
+                self._keep(payloads[i], users[j].clone())
+        # the requests' histories as the candidates' extend reads them: jagged K/V from the pool
+        flat = torch.cat([slots[i, : int(lengths[i])] for i in done])
+        offsets = torch.zeros(len(done) + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(lengths[done], 0)
+        c = m.tower.kv_dims()
+        layers = [(pool.get_key_buffer(i)[flat].to(users.dtype).view(-1, c.heads, c.key_dim),
+                   pool.get_value_buffer(i)[flat].to(users.dtype).view(-1, c.heads, c.value_dim))
+                  for i in range(c.layers)]
+        request = torch.tensor([payloads[i]["qtimes"][-1] for i in done], dtype=torch.int64)
+        times = self.slot_times[flat] if m.tower.time_bias and self.slot_times is not None else None
+        none = np.zeros(0, np.int64)
+        ctx = self.packed.context([UserInput(none, none, none, True, 0, {n: np.asarray(v, np.int64) for n, v in
+                                                                         payloads[i]["context"].items()}) for i in done])
+        state = HistoryState(CachedHistory(layers, offsets, times, request if m.tower.time_bias else None),
+                             lengths[done].clone(), ctx)
+        need = [(j, _Retrieval(payloads[i]["k"], _array(payloads[i]["excluded"])))
+                for j, i in enumerate(done) if payloads[i]["k"]]
+        found = eng.catalogue.top_k(users, need) if need else {}
+        to_rank = {}
+        for j, i in enumerate(done):
+            p = payloads[i]
+            if p["rank"] == "given":
+                to_rank[j] = (np.asarray(p["candidates"], np.int64),)
+            elif p["rank"] == "retrieved":
+                to_rank[j] = (found[j][0],)
+        probs = eng.score(state, to_rank) if to_rank else {}
+        for j, i in enumerate(done):
+            ids, scores = found.get(j, (np.zeros(0, np.int64), np.zeros(0, np.float32)))
+            pr = probs.get(j, np.zeros((0, self.tasks), np.float32))
+            pos = torch.from_numpy(np.searchsorted(eng.corpus_np, ids).astype(np.int64))
+            rows[part.index[i]] = encode_row(pos, torch.from_numpy(scores), torch.from_numpy(pr), ext[i])
+
+
+def check_pool(pool) -> None:  # noqa: ANN001
+    """Refuses a KV pool this model cannot write in place: the model writes each layer's keys and
+    values into ``get_key_buffer`` / ``get_value_buffer``, which a quantized pool (fp8 / fp4 with
+    scales) hands out as dequantized copies, so the writes would be lost without a word."""
+    k = pool.get_key_buffer(0)
+    copies = k.data_ptr() != pool.get_key_buffer(0).data_ptr()
+    if getattr(pool, "is_quantized_kv_cache", False) or copies or not k.dtype.is_floating_point or k.dtype.itemsize < 2:
+        raise ValueError(f"GenRecHSTU writes keys and values into SGLang's KV pool in place; this pool "
+                         f"({type(pool).__name__}, {k.dtype}) is quantized and hands out copies, so the writes would "
+                         "be lost: serve with kv_cache_dtype = auto (the model's float dtype)")
+
+
+def _reason(e: BaseException) -> str:
+    """What a failed request's caller is told (bounded: it travels back with the answer)."""
+    return f"{type(e).__name__}: {e}"[:300]
+
+
+def _array(values: list | None) -> np.ndarray | None:
+    return None if values is None else np.asarray(values, np.int64)
+EntryClass = GenRecHSTU
