@@ -98,3 +98,52 @@ def hstu_paged_attention(
         res = torch.matmul(attn, vv).transpose(1, 2)  # [b', e - s, H, Dv]
         out[rows[real]] = res[real]
     return out
+
+
+def hstu_paged_attention_pool(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    seq: torch.Tensor,
+    index: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    max_seq_len: int,
+    alpha: float,
+    pos_weights: torch.Tensor | None = None,
+    time_weights: torch.Tensor | None = None,
+    slot_times: torch.Tensor | None = None,
+    query_times: torch.Tensor | None = None,
+    hist_lengths: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """:func:`hstu_paged_attention` with the keys and values read in place from a paged pool.
+
+    k_pool [S, H, Dqk], v_pool [S, H, Dv]: every slot's keys / values (SGLang's per-layer pool
+    buffers); slots [B, L] int: the pool slot of each sequence's token j (SGLang's
+    ``req_to_token`` rows); slot_times [S]: each slot's event time (the time bias's key times).
+    Other arguments and the output [Tq, H, Dv] as :func:`hstu_paged_attention`.
+
+    ``backend``: "triton" reads the pool through ``slots`` block by block (no per-sequence copy;
+    ``kernels.hstu_paged_triton``); "torch" gathers ``[B, L, H, D]`` copies and runs the reference;
+    "auto": Triton on CUDA, the reference elsewhere.
+    """
+    if time_weights is not None and (slot_times is None or query_times is None):
+        raise ValueError("time_weights needs slot_times and query_times")
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend {backend!r}: choose auto, torch or triton")
+    hist = hist_lengths if hist_lengths is not None else lengths
+    if backend == "triton" or (backend == "auto" and q.is_cuda):
+        from genrec.kernels.hstu_paged_triton import triton_paged_attention
+
+        return triton_paged_attention(q, k_pool, v_pool, slots, seq, index, lengths, hist, max_seq_len=max_seq_len,
+                                      alpha=alpha, pos_weights=pos_weights, time_weights=time_weights,
+                                      slot_times=slot_times, query_times=query_times)
+    longest = int(lengths.max()) if lengths.numel() else 0
+    rows = slots[:, :longest].to(torch.int64)
+    key_times = slot_times[rows] if time_weights is not None and slot_times is not None else None
+    return hstu_paged_attention(q, k_pool[rows].to(q.dtype), v_pool[rows].to(q.dtype), seq, index, lengths,
+                                max_seq_len=max_seq_len, alpha=alpha, pos_weights=pos_weights,
+                                time_weights=time_weights, key_times=key_times, query_times=query_times,
+                                hist_lengths=hist_lengths)
