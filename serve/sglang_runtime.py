@@ -42,6 +42,10 @@ from genrec.serve import sglang_shim
 
 log = logging.getLogger("genrec.serve.sglang")
 START_TIMEOUT_S = 300.0  # an SGLang engine that has not started by then is given up
+# a standby is rebuilt this long after it took over: starting a runtime takes a core or more for
+# tens of seconds, which would slow the calls it has just taken over (an active runtime that
+# failed with no standby warm is replaced at once)
+REBUILD_DELAY_S = 10.0
 _START_LOCK = threading.Lock()  # one runtime starts at a time (the children's environment is set around it)
 _LIVE: weakref.WeakSet[Runtime] = weakref.WeakSet()  # runtimes whose monitors a SIGQUIT wakes
 
@@ -213,8 +217,8 @@ def _name(p: psutil.Process) -> str:
 
 
 class Runtimes:
-    """The active runtime and, with ``standby``, a warm one that takes over when it fails; a
-    failed runtime is closed and replaced in the background. ``hook(available)`` is called when
+    """The active runtime and, with ``standby``, a warm one (both started here) that takes over
+    when the active one fails; a failed runtime is closed and replaced in the background. ``hook(available)`` is called when
     no runtime can answer (False) and when one can again (True)."""
 
     def __init__(self, kwargs: dict, standby: bool, workdir: Path) -> None:
@@ -228,18 +232,27 @@ class Runtimes:
         self.active: Runtime | None = Runtime(kwargs, self._fault)
         self._replacing = 0
         self._starting: list[threading.Thread] = []
-        if standby:
-            self._replace()
+        if standby:  # started before the engine is up: its start would skew the first calls' latency
+            try:
+                self.standby = self._new()
+            except BaseException:
+                self.active.close()
+                raise
 
     def _new(self) -> Runtime:
         return Runtime(self.kwargs, self._fault, name="sglang-standby")
 
-    def _replace(self) -> None:
-        """Starts a runtime in the background: the active one if there is none, else the standby."""
+    def _replace(self, delay: float = 0.0) -> None:
+        """Starts a runtime in the background (after ``delay`` seconds): the active one if there
+        is none by then, else the standby."""
         with self.cond:
             self._replacing += 1
 
         def start() -> None:
+            with self.cond:
+                if self.cond.wait_for(lambda: self.closed, timeout=delay):
+                    self._replacing -= 1
+                    return
             try:
                 rt = self._new()
             except Exception:  # noqa: BLE001 - reported; the next fault or call tries again
@@ -278,7 +291,7 @@ class Runtimes:
             again = not self.closed
         threading.Thread(target=rt.close, name="sglang-close", daemon=True).start()
         if again:
-            self._replace()
+            self._replace(0.0 if self.active is None else REBUILD_DELAY_S)
 
     def _tell(self, available: bool) -> None:
         for hook in list(self.hooks):
@@ -306,6 +319,7 @@ class Runtimes:
             self.closed = True
             runtimes = [r for r in (self.active, self.standby) if r is not None]
             self.active = self.standby = None
+            self.cond.notify_all()
         for t in self._starting:  # a runtime starting now closes itself when it is up (bounded)
             t.join(START_TIMEOUT_S)
         for rt in runtimes:
