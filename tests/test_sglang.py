@@ -138,6 +138,13 @@ def test_a_tiny_pool_evicts_and_chunks_and_recomputes_without_errors(artifact):
                 assert r.prefilled_tokens <= 32  # the pass that ended it computed one chunk at most
         stats = se.cache_stats()
         assert stats["capacity_tokens"] == 256 and stats["misses"] > 8
+        # entries nobody can match again are evicted first (priority 0 against a user's 1): a user's
+        # history survives anonymous calls that overflow the pool (least-recently-used would drop it)
+        kept = history(90, seed=999)
+        same(te, se, [work(te.schema, kept, "rank", uid="stays", seed=1)])
+        for i in range(5):
+            same(te, se, [work(te.schema, history(90, seed=900 + i), "rank", seed=i)])  # no user id
+        assert same(te, se, [work(te.schema, kept, "rank", uid="stays", seed=1)])[0].cached_tokens == 89
         # several users' chunks in one batch, from several threads
         from concurrent.futures import ThreadPoolExecutor
 
