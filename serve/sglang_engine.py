@@ -337,9 +337,11 @@ class SGLangEngine(InProcessEngine):
                              f"(SGLangEngine(max_beam=...); serve.limits.max_beam)")
         return beam
 
-    def _beam(self, ticket: int, beam: int) -> _Req:
-        """A beam's request: one token naming its ticket (its own salt: never shared)."""
-        return _Req([TICKET_BASE + ticket], None, f"sid:{ticket}", beam)
+    def _beam(self, ticket: int, beam: int, keep: bool = False) -> _Req:
+        """A beam's request: one token naming its ticket (its own salt: never shared; SGLang
+        inserts no beam in the radix cache). ``keep``: that of the request registering its prompt,
+        so that both go in one batch, the beam after it (``_generate`` batches by priority)."""
+        return _Req([TICKET_BASE + ticket], None, f"sid:{ticket}", beam, keep)
 
     def _params(self, r: _Req) -> dict:
         if r.payload is not None or self.sid is None:  # (a beam only where there is a decoder); greedy, one token
@@ -353,7 +355,8 @@ class SGLangEngine(InProcessEngine):
 
     async def _generate(self, rt: sglang_runtime.Runtime, reqs: list[_Req], rids: list[str]) -> list[dict]:
         """``reqs`` through ``Engine.async_generate``: a user's at priority 1, the rest at 0 (the
-        radix cache's eviction order), as two batches in flight together."""
+        radix cache's eviction order), as two batches in flight together (each in ``reqs``'s order:
+        a beam after the request registering its prompt, in the same batch)."""
         import asyncio
 
         groups = [[i for i, r in enumerate(reqs) if r.keep], [i for i, r in enumerate(reqs) if not r.keep]]
@@ -428,7 +431,9 @@ class SGLangEngine(InProcessEngine):
         request registering its prompt (SGLang may schedule them apart) is sent again: by then
         the prompt is there."""
         todo = list(beams)
-        sent = reqs + [self._beam(*beams[i]) for i in todo]
+        # (in run() work i's request registers beam i's prompt; generate()'s register requests keep nothing)
+        keep = {i: works is not None and reqs[i].keep for i in todo}
+        sent = reqs + [self._beam(*beams[i], keep[i]) for i in todo]
         outs = self.send(sent, deadline)
         self._raise_failed(sent, outs, works)
         outs, got = outs[: len(reqs)], dict(zip(todo, outs[len(reqs):]))
@@ -441,7 +446,7 @@ class SGLangEngine(InProcessEngine):
             todo = [i for i in beams if i not in found]
             if not todo or attempt:
                 break
-            again = [self._beam(*beams[i]) for i in todo]
+            again = [self._beam(*beams[i], keep[i]) for i in todo]
             outs_again = self.send(again, deadline)
             self._raise_failed(again, outs_again)
             got = dict(zip(todo, outs_again))
