@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.sglang  # (it imports SGLang)
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "serving.md"
 
 # (module, attribute path, what genrec uses of it) -> checked by SURFACE_CHECKS below
