@@ -215,7 +215,8 @@ class GenRecHSTU(nn.Module):
     def _ticket_slots(self) -> torch.Tensor:
         pool = get_token_to_kv_pool()
         if self.slot_ticket is None or self.slot_ticket.numel() < pool.size + pool.page_size:
-            self.slot_ticket = torch.full((pool.size + pool.page_size,), -1, dtype=torch.int64)
+            self.slot_ticket = torch.full((pool.size + pool.page_size,), -1, dtype=torch.int64,
+                                          device=pool.get_key_buffer(0).device)
         return self.slot_ticket
 
     def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> LogitsProcessorOutput:  # noqa: ANN001
@@ -256,15 +257,19 @@ class GenRecHSTU(nn.Module):
         cols = {key: np.concatenate([np.asarray(p[key][s : s + e], np.int64) for p, s, e in zip(payloads, pre, ext)])
                 for key in ("items", "actions", "times", "qtimes")}
         pos = part.positions
-        x = self.packed.tokens(cols["items"], cols["actions"], pos.numpy())
+        # the new tokens' positions from the host's lengths (prefix + offset: SGLang's positions of
+        # an extend), not read back from the device
+        host_pos = np.concatenate([np.arange(s, s + e, dtype=np.int64) for s, e in zip(pre, ext)])
+        x = self.packed.tokens(cols["items"], cols["actions"], host_pos)
         pool, r2t = get_token_to_kv_pool(), get_req_to_token_pool().req_to_token
         if not self.pool_checked:
             check_pool(pool)
             self.pool_checked = True
+        dev = part.loc.device  # the pool's (slot tensors live beside it)
         if self.slot_times is None or self.slot_times.numel() < pool.size + pool.page_size:
-            self.slot_times = torch.zeros(pool.size + pool.page_size, dtype=torch.int64)
+            self.slot_times = torch.zeros(pool.size + pool.page_size, dtype=torch.int64, device=dev)
         loc = part.loc
-        self.slot_times[loc] = torch.from_numpy(cols["times"])
+        self.slot_times[loc] = torch.from_numpy(cols["times"]).to(dev)
         lengths = torch.tensor([s + e for s, e in zip(pre, ext)], dtype=torch.int64)
         slots = r2t[part.pool_rows, : int(lengths.max())].to(torch.int64)  # [B, L]
         seq = torch.repeat_interleave(torch.arange(len(pre)), torch.tensor(ext))
@@ -277,7 +282,7 @@ class GenRecHSTU(nn.Module):
         if not any(pre) and self.packed.backend == "native":
             return self._encode_native(x, cols, ext, loc, pool), (slots, pool, lengths)
         meta = PagedMeta(seq, pos, lengths, self.slot_times[slots] if m.tower.time_bias else None,
-                         torch.from_numpy(cols["qtimes"]) if m.tower.time_bias else None)
+                         torch.from_numpy(cols["qtimes"]).to(dev) if m.tower.time_bias else None)
         return m.tower.extend_paged(x, meta, store), (slots, pool, lengths)
 
     def _encode_native(self, x: torch.Tensor, cols: dict, ext: list[int], loc: torch.Tensor, pool) -> torch.Tensor:  # noqa: ANN001
