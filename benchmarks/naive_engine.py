@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from genrec.serve.ann import RetrievalConfig
 from genrec.serve.contract import Engine, Result
 from genrec.serve.engine import TorchEngine
 from genrec.serve.kvcache import CacheConfig
@@ -65,10 +66,12 @@ class NaiveTorchEngine(TorchEngine):
         return result
 
 
-def make(kind: str, artifact: str, device: str, cache: CacheConfig | None = None) -> Engine:
+def make(kind: str, artifact: str, device: str, cache: CacheConfig | None = None,
+         retrieval: RetrievalConfig | None = None) -> Engine:
     """The naive engine for ``artifact`` (an engine builder: ``serve.worker.EngineProcess(build=)``):
-    the same history window as the server's cache config, no cache."""
-    return NaiveTorchEngine(artifact, device=device, window_block=cache.window_block if cache else 1)
+    the same history window as the server's cache config, no cache; the server's catalogue search."""
+    return NaiveTorchEngine(artifact, device=device, window_block=cache.window_block if cache else 1,
+                            retrieval=retrieval)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

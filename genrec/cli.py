@@ -108,6 +108,12 @@ def _quantize_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-eval", action="store_true",
                    help="skip the accuracy measurement (sizes only; for catalogues too large to rank every user)")
     p.add_argument("--row-alignment", type=int, default=16, help="served row padding in bytes (fbgemm TBE)")
+    p.add_argument("--index", default="auto", metavar="FACTORY",
+                   help="the catalogue's ANN index: auto (IVF-PQ fast scan sized by the catalogue), none (exact "
+                        "search only), or a faiss index_factory string")
+    p.add_argument("--index-shortlist", type=int, default=400, help="candidates per query re-scored exactly")
+    p.add_argument("--index-recall", type=float, default=0.97,
+                   help="recall@100 against exact search, on validation users, that nprobe is calibrated to")
     p.add_argument("--no-progress", action="store_true")
 
 

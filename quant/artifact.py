@@ -7,6 +7,8 @@
       embeddings.safetensors quantized table rows (codes + per-row fp16 scale/bias) or fp16/fp32
       dense.safetensors      tower and heads (fp32 / bf16 / int8 codes + scales / fp8 + scales);
                              with a semantic-ID decoder, its weights (fp32) and codebook (int64)
+      index.safetensors      optional: the catalogue's ANN index (quant/ann.py), listed and
+                             hashed like the others, its build described in the manifest's ``index``
 
 The manifest's ``generative`` says whether the model decodes semantic IDs ({} when not;
 else levels, sizes, items and the default beam): what a deployer (and ModelInfo) reads
@@ -37,6 +39,7 @@ from safetensors.torch import load_file, save_file
 FORMAT = "genrec.artifact"
 FORMAT_VERSION = 1
 FILES = ("embeddings.safetensors", "dense.safetensors")
+OPTIONAL_FILES = ("index.safetensors",)  # read by its own loader (quant.ann.load_index), not load_tensors
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 16 << 20  # a manifest lists every tensor: a few hundred KB for large models
 REQUIRED = ("format", "format_version", "model", "embedding", "quantization", "tensors", "files")
@@ -76,6 +79,7 @@ class Manifest:
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     report: dict[str, Any] = field(default_factory=dict)
     generative: dict[str, Any] = field(default_factory=dict)  # {} without a semantic-ID decoder
+    index: dict[str, Any] = field(default_factory=dict)  # {} without an ANN index (quant.ann)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
     created: str = ""
@@ -138,7 +142,7 @@ def read_manifest(path: str | Path) -> Manifest:
     missing = [k for k in REQUIRED if k not in raw]
     if missing:
         raise ArtifactError(f"{mpath}: lacks the key '{missing[0]}'; was it written by 'genrec quantize'?")
-    for key in ("model", "embedding", "quantization", "tensors", "files", "generative"):
+    for key in ("model", "embedding", "quantization", "tensors", "files", "generative", "index"):
         if not isinstance(raw.get(key, {}), dict):
             raise ArtifactError(f"{mpath}: '{key}' is not a JSON object")
     known = set(Manifest.__dataclass_fields__)
@@ -170,12 +174,13 @@ def check_artifact(path: str | Path, root: str | Path | None = None) -> Manifest
         _inside(path / MANIFEST, root, MANIFEST)
     manifest = read_manifest(path)
     for fname in manifest.files:
-        if fname not in FILES:
-            raise ArtifactError(f"{path / MANIFEST}: lists the file {fname[:64]!r}; an artifact holds only {list(FILES)}")
+        if fname not in FILES + OPTIONAL_FILES:
+            raise ArtifactError(f"{path / MANIFEST}: lists the file {fname[:64]!r}; an artifact holds only "
+                                f"{list(FILES + OPTIONAL_FILES)}")
     if root is not None:
         for fname in manifest.files:
             _inside(path / fname, root, f"{fname} (listed in {MANIFEST})")
-    for fname in FILES:
+    for fname in FILES + tuple(f for f in OPTIONAL_FILES if f in manifest.files):
         meta = manifest.files.get(fname)
         if not isinstance(meta, dict) or not isinstance(meta.get("bytes"), int) or not isinstance(meta.get("sha256"), str):
             raise ArtifactError(f"{path / MANIFEST}: no size and checksum for {fname}")
@@ -193,6 +198,8 @@ def load_tensors(path: str | Path, manifest: Manifest | None = None) -> tuple[Ma
     manifest = check_artifact(path) if manifest is None else manifest
     out: dict[str, dict[str, torch.Tensor]] = {}
     for fname, meta in manifest.files.items():
+        if fname in OPTIONAL_FILES:  # (the index: its loader verifies it, only where it is used)
+            continue
         if fname not in FILES:  # (a manifest handed in unchecked): never open a name it chose
             raise ArtifactError(f"{path / MANIFEST}: lists the file {fname[:64]!r}; an artifact holds only {list(FILES)}")
         fpath = path / fname

@@ -6,7 +6,9 @@ validation split, writes the artifact (quantized tables + dense tensors), loads 
 artifact back exactly as the server will, measures again, and records both in the
 manifest's report: the deployer sees what the bytes cost. A model with a semantic-ID
 decoder carries it and its codebook into dense.safetensors (``quant.dense``: kept as trained)
-and says so in the manifest's ``generative``.
+and says so in the manifest's ``generative``. Unless ``index = "none"``, the catalogue's ANN
+index (quant/ann.py) is built from the served model's item vectors, its nprobe calibrated on the
+validation users' vectors, and written into the artifact (index.safetensors, manifest ``index``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from genrec.config import to_dict
 from genrec.models.recommender import GenerativeRecommender
 from genrec.models.sid import KEYS as SID_KEYS
 from genrec.models.sid import SemanticIds
+from genrec.quant.ann import IndexConfig, add_index
 from genrec.quant.artifact import Manifest, save_artifact
 from genrec.quant.dense import Scheme as DenseScheme
 from genrec.quant.dense import dense_bytes, dense_tensors
@@ -41,6 +44,7 @@ class QuantizeConfig:
     embeddings: EmbScheme = "int8"
     dense: DenseScheme = "fp32"
     row_alignment: int = 16  # bytes each served row is padded to in memory (fbgemm TBE)
+    index: IndexConfig = IndexConfig()  # the catalogue's ANN index; factory "none": exact search only
 
 
 def _corpus_size(checkpoint: Path) -> int:
@@ -90,7 +94,7 @@ def export(
     from genrec.train.eval.evaluate import evaluate
     from genrec.train.observe.logs import progress as batches_with_progress
 
-    bar = tqdm(total=5, desc="quantize", disable=not progress, unit="step")
+    bar = tqdm(total=6, desc="quantize", disable=not progress, unit="step")
     run_dir, ckpt_dir = resolve_checkpoint(checkpoint)
     job, model = load_training_model(run_dir, ckpt_dir)
     bar.update(1)
@@ -127,6 +131,10 @@ def export(
     bar.update(1)
     after = measure(served, "artifact")
     bar.update(1)
+    if qcfg.index.factory != "none":
+        queries = valid_users(served, job, data) if (data / "dataset.json").exists() else None
+        add_index(out, served, manifest, qcfg.index, queries)
+    bar.update(1)
     bar.close()
     report = {
         "sizes": {
@@ -136,12 +144,30 @@ def export(
             "codebook": {"bytes": index_bytes - dense["corpus_ids"].numel() * 8},
             "files": {k: v["bytes"] for k, v in manifest.files.items()},
         },
+        "index": {k: v for k, v in manifest.index.items() if k != "table"},
         "metrics": {"split": "valid", "data": str(data), "before": before, "after": after},
         "seconds": round(time.perf_counter() - t0, 1),
     }
     manifest.report = report
     (Path(out) / "manifest.json").write_text(json.dumps(manifest.__dict__, indent=2) + "\n")
     return report
+
+
+def valid_users(model: GenerativeRecommender, job: Any, data: Path, n: int = 1024) -> Any:
+    """[<= n, D] float32 numpy: the served model's vectors of the first ``n`` validation users
+    (the queries the index's nprobe is calibrated on)."""
+    from genrec.train.data.reader import make_reader
+
+    reader = make_reader(job.data.__class__(**{**job.data.__dict__, "path": str(data)}), "valid", job.embedding,
+                         job.model.max_seq_len)
+    out, got = [], 0
+    with torch.inference_mode():
+        for batch in reader:
+            out.append(model.user_embeddings(batch).float())
+            got += out[-1].shape[0]
+            if got >= n:
+                break
+    return torch.cat(out)[:n].numpy()
 
 
 def generative_info(model: GenerativeRecommender) -> dict[str, Any]:

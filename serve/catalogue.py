@@ -1,9 +1,16 @@
-"""The served catalogue: its item ids and vectors, and the exact dense top-k over them.
+"""The served catalogue: its item ids and vectors, and the dense top-k over them.
 
 ``Catalogue`` holds the artifact's sorted item ids [N] and the model's item vectors [N, D]
-(computed once at load, then laid out as the right-hand side of one GEMM); ``top_k`` scores a
-batch of user vectors against all of them, masks each work's excluded items and keeps its
-``retrieve_k`` best. ``read_served`` reads what a front end needs of an artifact without the
+(computed once at load). ``top_k`` answers from one of two searches (``RetrievalConfig.search``):
+
+    exact  scores a batch of user vectors against all N items (one GEMM, the vectors laid out
+           as its right-hand side), masks each work's excluded items, keeps its ``retrieve_k`` best
+    ann    asks the artifact's ANN index (quant/ann.py, built by ``genrec quantize``) for a
+           shortlist per user, drops the excluded items, re-scores the rest exactly against
+           the fp32 vectors and keeps the ``retrieve_k`` best: the scores are the exact ones,
+           only which items are scored is approximate
+
+``search`` says which one answers (ModelInfo.dense_search, the engine's stage "retrieve_ann"). ``read_served`` reads what a front end needs of an artifact without the
 model (configs, catalogue ids, semantic IDs, schema, version): serve.sglang_engine.
 """
 
@@ -13,7 +20,7 @@ import hashlib
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -24,8 +31,10 @@ from genrec.config import from_dict
 from genrec.embedding.spec import EmbeddingConfig
 from genrec.models.recommender import GenerativeRecommender, ModelConfig
 from genrec.models.sid import SemanticIds
+from genrec.quant.ann import AnnIndex, describe, item_vectors, load_index
 from genrec.quant.artifact import ArtifactError, Manifest, load_tensors
 from genrec.quant.load import artifact_semantic_ids
+from genrec.serve.ann import RetrievalConfig
 from genrec.serve.layout import served_schema
 from genrec.serve.native import ServeKernels
 from genrec.serve.requests import ModelSchema
@@ -43,21 +52,32 @@ class Asks(Protocol):
 
 
 class Catalogue:
-    """The catalogue of ``model``: ``ids`` [N] sorted item ids, ``vectors`` [N, D] and their
-    transpose [D, N] for the GEMM; ``kernels`` (the native path's): its top-k reads the columns
-    padded to a whole 8-float vector. ``temperature``: the retrieval head's."""
+    """The catalogue of ``model``: ``ids`` [N] sorted item ids, ``vectors`` [N, D]; for exact
+    search their transpose [D, N] for the GEMM (``kernels``, the native path's: its top-k reads
+    the columns padded to a whole 8-float vector); for ANN search ``ann``, the artifact's index
+    (``artifact`` / ``manifest``: where it is read from). ``temperature``: the retrieval head's."""
 
-    def __init__(self, model: GenerativeRecommender, kernels: ServeKernels | None = None) -> None:
-        with torch.inference_mode():
-            corpus = model.corpus_ids
-            self.vectors = torch.cat([model.item_embeddings(corpus[i : i + 65536])
-                                      for i in range(0, corpus.numel(), 65536)])  # [N, D]
-        self.ids = corpus.cpu().numpy()
-        self.vectors_t = self.vectors.t().contiguous()  # [D, N] (rows contiguous)
+    def __init__(self, model: GenerativeRecommender, kernels: ServeKernels | None = None,
+                 artifact: str | Path | None = None, manifest: Manifest | None = None,
+                 cfg: RetrievalConfig | None = None) -> None:
+        cfg = cfg or RetrievalConfig()
+        self.vectors = item_vectors(model)  # [N, D]
+        self.ids = model.corpus_ids.cpu().numpy()
         self.temperature = float(model.head.cfg.temperature)
-        self.kernels = kernels
+        has_index = manifest is not None and bool(manifest.index)
+        if cfg.search == "ann" and not has_index:
+            raise ArtifactError(f"{artifact}: serve.retrieval.search = \"ann\" but the artifact has no index; "
+                                "build one with 'genrec quantize' (--index auto) or serve with search = \"exact\"")
+        self.ann: AnnIndex | None = None
+        if cfg.search != "exact" and has_index and artifact is not None and manifest is not None:
+            self.ann = load_index(artifact, manifest, int(self.vectors.shape[1]), cfg.nprobe, cfg.shortlist)
+        self.search = self.ann.describe if self.ann is not None else "exact"
+        self.kernels = kernels if self.ann is None else None
+        # exact search's layouts only where it answers: at 10^7 items each is another N x D x 4 bytes
+        self.vectors_t = self.vectors.t().contiguous() if self.ann is None else None  # [D, N] (rows contiguous)
         self.vectors_native = (torch.nn.functional.pad(self.vectors_t.float(), (0, -self.vectors_t.shape[1] % 8))
-                               .contiguous() if kernels is not None else None)
+                               .contiguous() if self.kernels is not None and self.vectors_t is not None else None)
+        self.vectors_np = self.vectors.float().numpy() if self.ann is not None else None
 
     def known(self, items: np.ndarray) -> np.ndarray:
         """[...] bool: which ``items`` are in the catalogue."""
@@ -74,6 +94,9 @@ class Catalogue:
             users = users[torch.tensor(rows, device=users.device)]
         k = max(w.retrieve_k for _, w in works)
         excluded = [w.excluded() for _, w in works]
+        if self.ann is not None:
+            return self._ann_top_k(users, works, excluded, k)
+        assert self.vectors_t is not None
         if self.kernels is not None and self.vectors_native is not None:  # one native call: GEMM, mask, top-k
             exclude = [_NONE if e is None else e for e in excluded]
             pos, vals = self.kernels.retrieve(users, self.vectors_native, self.ids, self.temperature,
@@ -90,6 +113,26 @@ class Catalogue:
             scores[row_t, idx_t] = -math.inf
         top = torch.topk(scores, k, dim=1)
         return _top(self.ids[top.indices.cpu().numpy()], top.values.cpu().numpy(), works)
+
+
+    def _ann_top_k(self, users: torch.Tensor, works: Sequence[tuple[int, Asks]],
+                   excluded: list[np.ndarray | None], k: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """:meth:`top_k` from the index: per user the index's shortlist (``ann.shortlist``, widened
+        by the user's excluded items so that k remain), excluded items dropped, the rest re-scored
+        exactly (the same product and temperature as exact search) and the best k kept."""
+        assert self.ann is not None and self.vectors_np is not None
+        q = users.float().cpu().numpy()  # [b, D]
+        n_ex = max((e.size for e in excluded if e is not None), default=0)
+        s = min(max(self.ann.shortlist, k) + n_ex, self.ids.size)
+        pos = self.ann.search(q, s)  # [b, s] catalogue positions, -1 where the index found fewer
+        scores = np.einsum("bd,bsd->bs", q, self.vectors_np[np.maximum(pos, 0)]) / self.temperature
+        scores[pos < 0] = -np.inf
+        for j, e in enumerate(excluded):
+            if e is not None and e.size:
+                scores[j, np.isin(self.ids[np.maximum(pos[j], 0)], e)] = -np.inf
+        order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+        vals = np.take_along_axis(scores, order, 1).astype(np.float32)
+        return _top(self.ids[np.maximum(np.take_along_axis(pos, order, 1), 0)], vals, works)
 
 
 def _top(ids: np.ndarray, vals: np.ndarray, works: Sequence[tuple[int, Asks]]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -154,4 +197,6 @@ def read_served(path: str | Path) -> Served:
     ids = dense["corpus_ids"].numpy().copy()
     sid = artifact_semantic_ids(dense, path) if cfg.sid.enabled else None
     schema = served_schema(cfg, emb, int(ids.size), tuple(int(s) for s in sid.sizes) if sid is not None else ())
+    if manifest.index:  # (the model process's TorchEngine searches with the defaults: the index where there is one)
+        schema = replace(schema, dense_search=describe(manifest.index))
     return Served(manifest, cfg, emb, ids, sid, schema, version_of(manifest))

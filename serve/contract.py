@@ -33,6 +33,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from genrec.quant.artifact import Manifest
+    from genrec.serve.ann import RetrievalConfig
     from genrec.serve.kvcache import CacheConfig
     from genrec.serve.requests import ModelSchema, Work
 
@@ -155,7 +156,8 @@ class EngineBuilder(Protocol):
     or a builder handed to the server for an engine of its own, e.g. the benchmarks' naive
     baseline). An engine process calls it in the child: it must pickle (a module-level function)."""
 
-    def __call__(self, kind: str, artifact: str, device: str, cache: CacheConfig | None = None) -> Engine: ...
+    def __call__(self, kind: str, artifact: str, device: str, cache: CacheConfig | None = None,
+                 retrieval: RetrievalConfig | None = None) -> Engine: ...
 
 
 def run_stamped(engine: Runs, works: list[Work]) -> list[Result]:

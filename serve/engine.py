@@ -30,6 +30,7 @@ import logging
 import time
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,7 @@ import torch
 from genrec.models.recommender import GenerativeRecommender, HistoryState, TowerBackend
 from genrec.quant.load import load_model
 from genrec.serve.accounting import Accounting, mark, stamp
+from genrec.serve.ann import RetrievalConfig
 from genrec.serve.catalogue import Catalogue, version_of
 from genrec.serve.contract import InProcessEngine, Result
 from genrec.serve.kvcache import KVCache, token_bytes
@@ -58,7 +60,8 @@ class TorchEngine(InProcessEngine):
     def __init__(self, artifact: str | Path, device: str = "cpu", micro_batch: int = 4096,
                  objective_tasks: tuple[str, ...] | None = None, packed: bool | None = None,
                  native: bool | None = None, kv_cache_mb: float = 0.0, window_block: int = 1,
-                 cache_reuse: str = "auto", padded: bool | None = None, candidate_precision: str = "fp32") -> None:
+                 cache_reuse: str = "auto", padded: bool | None = None, candidate_precision: str = "fp32",
+                 retrieval: RetrievalConfig | None = None) -> None:
         """``packed``: run an HSTU model on the packed path (see the module docstring; default:
         on CPU, when the model is one it covers); False keeps the batch path (``padded``: its
         old name, deprecated). ``native``: on that path, the tower's native backend and the
@@ -71,7 +74,8 @@ class TorchEngine(InProcessEngine):
         (``PackedPath.min_prefix``: "auto", or "always"). ``candidate_precision``: "bf16" scores
         candidates with their attention GEMMs in bf16 (the packed path; ``kernels.hstu_candidates``:
         about twice the fp32 rate on CPUs with AVX512-BF16 or AMX), "fp32" in the model's dtype,
-        "auto" bf16 where the CPU has either (:func:`bf16_gemm_fast`)."""
+        "auto" bf16 where the CPU has either (:func:`bf16_gemm_fast`). ``retrieval``: exact or ANN
+        search of the catalogue ([serve.retrieval], serve.ann.RetrievalConfig; None: its defaults)."""
         if padded is not None:
             warnings.warn("TorchEngine(padded=...) is now packed=...", DeprecationWarning, stacklevel=2)
             packed = padded if packed is None else packed
@@ -95,7 +99,9 @@ class TorchEngine(InProcessEngine):
         self.packed = (PackedPath(self.model, "native" if native else "torch", micro_batch, self.stages,
                                   self.window_block, cache_reuse, score) if packed else None)
         self.path = ("native" if native else "packed") if packed else "jagged"
-        self.catalogue = Catalogue(self.model, self.packed.kernels if self.packed is not None else None)
+        self.catalogue = Catalogue(self.model, self.packed.kernels if self.packed is not None else None,
+                                   artifact, self.manifest, retrieval)
+        self.schema = replace(self.schema, dense_search=self.catalogue.search)
         self.ranking = Ranking(self.schema.tasks, objective_tasks)
         self.cache = KVCache(int(self._cache_mb(kv_cache_mb) * 2**20), self._token_bytes())
         self.accounting = Accounting(self.cache, self.schema.max_history, self.window_block)

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import gc
 
+from genrec.serve.ann import RetrievalConfig
 from genrec.serve.contract import Engine
 from genrec.serve.kvcache import CacheConfig
 
 
-def make_engine(kind: str, artifact: str, device: str, cache: CacheConfig | None = None) -> Engine:
+def make_engine(kind: str, artifact: str, device: str, cache: CacheConfig | None = None,
+                retrieval: RetrievalConfig | None = None) -> Engine:
     """The engine ``kind`` (torch or sglang) for ``artifact``, in this process, with the
-    K/V cache and history window of ``cache`` ([serve.cache]; None: each engine's own defaults).
+    K/V cache and history window of ``cache`` ([serve.cache]; None: each engine's own defaults)
+    and the catalogue search of ``retrieval`` ([serve.retrieval]).
     Engines are imported lazily: the SGLang one pulls in SGLang, which only that engine needs."""
     if kind == "sglang":
         from genrec.serve.sglang_engine import SGLangEngine
@@ -31,8 +34,9 @@ def make_engine(kind: str, artifact: str, device: str, cache: CacheConfig | None
     from genrec.serve.engine import TorchEngine
 
     if cache is None:
-        return TorchEngine(artifact, device=device)
-    return TorchEngine(artifact, device=device, kv_cache_mb=cache.kv_cache_mb, window_block=cache.window_block)
+        return TorchEngine(artifact, device=device, retrieval=retrieval)
+    return TorchEngine(artifact, device=device, kv_cache_mb=cache.kv_cache_mb, window_block=cache.window_block,
+                       retrieval=retrieval)
 
 
 def quiet_gc() -> None:

@@ -180,6 +180,7 @@ class ModelSchema:
     max_history: int  # events the tower can take
     beam_width: int = 0  # the semantic-ID decoder's default beam; 0: the model has no decoder
     sid_sizes: tuple[int, ...] = ()  # codes per level of its semantic IDs
+    dense_search: str = "exact"  # which search answers dense retrieval ("exact", or "ann <factory> ...")
 
     @property
     def generative(self) -> bool:

@@ -118,12 +118,15 @@ def retrieve_sources(catalogue: Catalogue, head: SIDDecoder | None, default_beam
                      t: float | None = None) -> dict[int, Pair | Retrieved]:
     """Each work's retrieval from its ``Work.source`` (users [B, D], a work's index its row):
     the dense top-k, the decoder's beam (``head``) or both, put together by
-    :func:`merge_sources`. The stages "retrieve_topk" and "generate" are timed from ``t``."""
+    :func:`merge_sources`. The stages "retrieve_topk" (dense, either search) and "generate" are
+    timed from ``t``; dense retrieval the ANN index answered is also counted in "retrieve_ann"."""
     t = time.perf_counter() if t is None else t
     dense_w = [(i, w) for i, w in works if w.source != "generative"]
     gen_w = [(i, w) for i, w in works if w.source != "dense"]
     dense = catalogue.top_k(users, dense_w) if dense_w else {}
-    t = mark(stages, "retrieve_topk", t)
+    t0, t = t, mark(stages, "retrieve_topk", t)
+    if dense_w and catalogue.ann is not None:
+        stages["retrieve_ann"] = stages.get("retrieve_ann", 0.0) + t - t0
     generated = {}
     if gen_w:
         if head is None:  # (decode refuses such requests: ModelCannot)

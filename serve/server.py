@@ -45,6 +45,7 @@ from grpc_reflection.v1alpha import reflection
 from genrec.proto.v1 import recommender_pb2 as pb
 from genrec.quant.artifact import ArtifactError, OutsideRoot, check_artifact
 from genrec.serve.admission import FairConfig, Shares, caller_of
+from genrec.serve.ann import RetrievalConfig
 from genrec.serve.batcher import BatchConfig, Batcher, DeadlineExceeded, Overloaded, ShuttingDown
 from genrec.serve.contract import Engine, EngineBuilder, Result
 from genrec.serve.factory import make_engine, quiet_gc
@@ -155,6 +156,8 @@ class ServeConfig:
     fair: FairConfig = field(default_factory=FairConfig)  # per-caller shares (serve.admission)
     # the engines' per-user K/V cache and the history window it relies on (serve.kvcache)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    # dense retrieval's search: the artifact's ANN index or exact (serve.ann.RetrievalConfig)
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
     # run the torch engine in its own process (serve.worker): no GIL shared with
     # the front-end; the SGLang engine always runs in the server process
     engine_process: bool = True
@@ -175,6 +178,9 @@ class ServeConfig:
         if self.process.cache != CacheConfig():
             raise ValueError("serve.process.cache is set per engine process by the server; set the cache in "
                              "[serve.cache]")
+        if self.process.retrieval != RetrievalConfig():
+            raise ValueError("serve.process.retrieval is set per engine process by the server; set it in "
+                             "[serve.retrieval]")
         if self.engine_replicas < 1:
             raise ValueError(f"serve.engine_replicas = {self.engine_replicas}; it must be at least 1")
         a = self.admin
@@ -227,7 +233,7 @@ def open_engine(cfg: ServeConfig, artifact: str, replica_cpus: Sequence[tuple[in
             for i, c in enumerate(cpus):  # one at a time; each must load the model the first did
                 engine = open_engine_process(cfg.engine, artifact, cfg.device,
                                              replace(cfg.process, cpus=c, standby=cfg.process.standby and single,
-                                                     cache=cfg.cache), build=build, start=False,
+                                                     cache=cfg.cache, retrieval=cfg.retrieval), build=build, start=False,
                                              expect=engines[0].version if engines else None)
                 loading.made(engine)
                 loading.at(f"the {cfg.engine} engine process" + ("" if single else f" of replica {i} of {len(cpus)}")
@@ -241,7 +247,7 @@ def open_engine(cfg: ServeConfig, artifact: str, replica_cpus: Sequence[tuple[in
     if cfg.engine_replicas != 1:
         raise ValueError("serve.engine_replicas > 1 needs the engine in its own process (serve.engine_process = true)")
     loading.building_here(f"building the {cfg.engine} engine in this process from {artifact}")
-    built = (build or make_engine)(cfg.engine, artifact, cfg.device, cfg.cache)
+    built = (build or make_engine)(cfg.engine, artifact, cfg.device, cfg.cache, cfg.retrieval)
     loading.made(built)  # (abandoned meanwhile: closed now, LoadAbandoned)
     return built
 
@@ -670,6 +676,6 @@ class RecommenderServer:
                             catalogue_size=s.catalogue_size, max_history=s.max_history, engine=e.name,
                             embeddings=q.get("embeddings", ""), dense=q.get("dense", ""),
                             generative=s.generative, semantic_id_sizes=list(s.sid_sizes), default_beam=s.beam_width,
-                            max_beam=self.cfg.limits.max_beam,
+                            max_beam=self.cfg.limits.max_beam, dense_search=s.dense_search,
                             replicas=[pb.EngineReplica(role=r.role, state=r.state, model_version=r.version, pid=r.pid,
                                                        detail=bounded(r.detail)) for r in e.replica_states()])

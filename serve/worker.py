@@ -39,6 +39,7 @@ from multiprocessing.connection import wait as wait_handles
 from typing import Any, Literal
 
 from genrec.quant.artifact import Manifest
+from genrec.serve.ann import RetrievalConfig
 from genrec.serve.contract import EngineBuilder, ReplicaState, Result, run_stamped
 from genrec.serve.kvcache import CacheConfig
 from genrec.serve.requests import ModelSchema, Work
@@ -72,6 +73,8 @@ class ProcessSettings:
     nice: int = 0
     # the engine's K/V cache and history window ([serve.cache], set per process by the server like cpus)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    # the catalogue search ([serve.retrieval], set per process by the server like cache)
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
 
 
 def plan_cpus(spec: str, threads: int, available: tuple[int, ...],
@@ -179,7 +182,7 @@ def _child(conn: Connection, kind: str, artifact: str, device: str, settings: Pr
         torch.set_num_threads(settings.threads)
     torch.set_float32_matmul_precision(settings.matmul_precision)
     try:
-        engine = (build or make_engine)(kind, artifact, device, settings.cache)
+        engine = (build or make_engine)(kind, artifact, device, settings.cache, settings.retrieval)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", e))
         return

@@ -11,6 +11,7 @@ import pytest
 
 from genrec.cli import build_parser
 from genrec.config import ConfigError, dump_toml, load_config
+from genrec.serve.ann import RetrievalConfig
 from genrec.serve.batcher import BatchConfig
 from genrec.serve.cli import ServeFile, engine_cpus, serve_config
 from genrec.serve.kvcache import CacheConfig
@@ -93,19 +94,27 @@ def test_every_key_has_a_default():
     walk(ServeConfig)
 
 
-def test_the_cache_section_reaches_the_engine_in_process_and_in_an_engine_process(monkeypatch):
-    """[serve.cache] is what make_engine gets: directly in-process, through each engine
-    process's ProcessSettings (the child builds its engine from those) otherwise."""
+def test_the_cache_and_retrieval_sections_reach_the_engine_in_process_and_in_an_engine_process(monkeypatch):
+    """[serve.cache] and [serve.retrieval] are what make_engine gets: directly in-process,
+    through each engine process's ProcessSettings (the child builds its engine from those) otherwise."""
     import genrec.serve.server as server
 
     cache = CacheConfig(kv_cache_mb=8.0, window_block=4, pool_tokens=512)
+    retrieval = RetrievalConfig(search="exact", nprobe=3)
     seen = []
-    monkeypatch.setattr(server, "make_engine", lambda kind, art, device, c: seen.append(c) or "engine")
+    monkeypatch.setattr(server, "make_engine", lambda kind, art, device, c, r: seen.append((c, r)) or "engine")
     proc = SimpleNamespace(start=lambda: None, close=lambda: None)  # (made unstarted, then started: serve.loading)
     monkeypatch.setattr(server, "open_engine_process", lambda kind, art, device, settings, **kw: seen.append(settings) or proc)
-    assert open_engine(ServeConfig(engine_process=False, cache=cache), "a") == "engine"
-    assert open_engine(ServeConfig(cache=cache), "a") is proc
-    assert seen[0] == cache and seen[1].cache == cache and seen[1].standby
+    assert open_engine(ServeConfig(engine_process=False, cache=cache, retrieval=retrieval), "a") == "engine"
+    assert open_engine(ServeConfig(cache=cache, retrieval=retrieval), "a") is proc
+    assert seen[0] == (cache, retrieval) and seen[1].cache == cache and seen[1].retrieval == retrieval
+    assert seen[1].standby
+
+
+def test_retrieval_search_is_checked_at_config_load():
+    with pytest.raises(ConfigError, match="serve.retrieval.search"):
+        _cfg("--artifact", "a", '--serve.retrieval.search="fuzzy"')
+    assert _cfg("--artifact", "a", '--serve.retrieval.search="exact"').retrieval.search == "exact"
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "admin.internal", "::"])

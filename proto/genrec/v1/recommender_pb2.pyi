@@ -200,7 +200,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_version", "artifact_path", "tower", "tasks", "actions", "context_features", "catalogue_size", "max_history", "engine", "embeddings", "dense", "generative", "semantic_id_sizes", "default_beam", "max_beam", "replicas")
+    __slots__ = ("model_version", "artifact_path", "tower", "tasks", "actions", "context_features", "catalogue_size", "max_history", "engine", "embeddings", "dense", "generative", "semantic_id_sizes", "default_beam", "max_beam", "replicas", "dense_search")
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ARTIFACT_PATH_FIELD_NUMBER: _ClassVar[int]
     TOWER_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,7 @@ class ModelInfo(_message.Message):
     DEFAULT_BEAM_FIELD_NUMBER: _ClassVar[int]
     MAX_BEAM_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    DENSE_SEARCH_FIELD_NUMBER: _ClassVar[int]
     model_version: str
     artifact_path: str
     tower: str
@@ -233,7 +234,8 @@ class ModelInfo(_message.Message):
     default_beam: int
     max_beam: int
     replicas: _containers.RepeatedCompositeFieldContainer[EngineReplica]
-    def __init__(self, model_version: _Optional[str] = ..., artifact_path: _Optional[str] = ..., tower: _Optional[str] = ..., tasks: _Optional[_Iterable[str]] = ..., actions: _Optional[_Iterable[str]] = ..., context_features: _Optional[_Iterable[str]] = ..., catalogue_size: _Optional[int] = ..., max_history: _Optional[int] = ..., engine: _Optional[str] = ..., embeddings: _Optional[str] = ..., dense: _Optional[str] = ..., generative: _Optional[bool] = ..., semantic_id_sizes: _Optional[_Iterable[int]] = ..., default_beam: _Optional[int] = ..., max_beam: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[EngineReplica, _Mapping]]] = ...) -> None: ...
+    dense_search: str
+    def __init__(self, model_version: _Optional[str] = ..., artifact_path: _Optional[str] = ..., tower: _Optional[str] = ..., tasks: _Optional[_Iterable[str]] = ..., actions: _Optional[_Iterable[str]] = ..., context_features: _Optional[_Iterable[str]] = ..., catalogue_size: _Optional[int] = ..., max_history: _Optional[int] = ..., engine: _Optional[str] = ..., embeddings: _Optional[str] = ..., dense: _Optional[str] = ..., generative: _Optional[bool] = ..., semantic_id_sizes: _Optional[_Iterable[int]] = ..., default_beam: _Optional[int] = ..., max_beam: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[EngineReplica, _Mapping]]] = ..., dense_search: _Optional[str] = ...) -> None: ...
 
 class EngineReplica(_message.Message):
     __slots__ = ("role", "state", "model_version", "pid", "detail")
