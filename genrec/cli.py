@@ -111,7 +111,7 @@ def _quantize_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--index", default="auto", metavar="FACTORY",
                    help="the catalogue's ANN index: auto (IVF-PQ fast scan sized by the catalogue), none (exact "
                         "search only), or a faiss index_factory string")
-    p.add_argument("--index-shortlist", type=int, default=400, help="candidates per query re-scored exactly")
+    p.add_argument("--index-shortlist", type=int, default=1000, help="candidates per query re-scored exactly")
     p.add_argument("--index-recall", type=float, default=0.97,
                    help="recall@100 against exact search, on validation users, that nprobe is calibrated to")
     p.add_argument("--no-progress", action="store_true")

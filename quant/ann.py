@@ -46,7 +46,7 @@ class IndexConfig:
     ``target``: the recall@``k`` against exact search that ``nprobe`` is calibrated to."""
 
     factory: str = "auto"
-    shortlist: int = 400
+    shortlist: int = 1000
     target: float = 0.97
     k: int = 100
     train_points: int = 262144  # k-means sample (faiss wants >= 39 per list)
@@ -225,7 +225,7 @@ def load_index(path: str | Path, manifest: Manifest, dim: int, nprobe: int = 0, 
     index = faiss.deserialize_index(blob.numpy())
     if index.ntotal != have["items"] or index.d != dim:
         raise ArtifactError(_mismatch(path, {**built, "items": int(index.ntotal), "dim": int(index.d)}, have))
-    ann = AnnIndex(index, info, nprobe or int(info.get("nprobe", 1)), shortlist or int(info.get("shortlist", 400)))
+    ann = AnnIndex(index, info, nprobe or int(info.get("nprobe", 1)), shortlist or int(info.get("shortlist", 1000)))
     set_nprobe(index, ann.nprobe)
     return ann
 

@@ -1,0 +1,192 @@
+"""ANN index cost curves: recall@100 against exact search, latency, build time and memory at
+10^5, 10^6 and 10^7 items (quant/ann.py's index, the re-score serving runs).
+
+    python -m genrec.benchmarks.ann_index [--sizes 100000,1000000,10000000] [--threads 1]
+
+Item vectors: synthetic, shaped like a trained catalogue's (``--topics`` topic directions, each
+item its topic's direction plus noise, L2-normalised, D = 64: the served dimension of
+configs/demo.toml); users: a mix of two topics plus noise. Two disjoint query sets: the
+*validation* queries choose the index (factory and nprobe: the smallest nprobe reaching
+``--target`` recall@100 of the re-scored shortlist, the cheapest such factory), the *held-out*
+queries measure what is reported. Candidates: IVF with 4-bit fast-scan PQ (D/2 bytes... x4fs),
+IVF with 8-bit scalar quantization, and HNSW over full vectors (the memory reference; at the
+two smaller sizes only: it stores more bytes than the table). Single-query latency (one user
+per call, ``--threads`` threads) of the index search plus the exact re-score, beside exact
+search (one GEMM over all items + top-k) in the same process; median of ``--reps`` passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import resource
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from genrec.benchmarks.common import machine, today, write_json
+from genrec.quant.ann import (
+    ann_top,
+    auto_factory,
+    build_index,
+    exact_top,
+    recall,
+    set_nprobe,
+)
+
+K = 100
+
+
+def catalogue(n: int, dim: int, topics: int, noise: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(item vectors [n, dim] float32, normalised; topic directions [topics, dim])."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.nn.functional.normalize(torch.randn(topics, dim, generator=g), dim=1)
+    out = torch.empty(n, dim)
+    for i in range(0, n, 1 << 20):
+        m = min(1 << 20, n - i)
+        t = torch.randint(0, topics, (m,), generator=g)
+        out[i : i + m] = torch.nn.functional.normalize(centres[t] + noise * torch.randn(m, dim, generator=g) / math.sqrt(dim), dim=1)
+    return out.numpy(), centres.numpy()
+
+
+def users(centres: np.ndarray, q: int, noise: float, seed: int) -> np.ndarray:
+    """[q, dim] normalised: two topics mixed plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    c = torch.from_numpy(centres)
+    a, b = torch.randint(0, c.shape[0], (q,), generator=g), torch.randint(0, c.shape[0], (q,), generator=g)
+    w = torch.rand(q, 1, generator=g)
+    u = w * c[a] + (1 - w) * c[b] + noise * torch.randn(q, c.shape[1], generator=g) / math.sqrt(c.shape[1])
+    return torch.nn.functional.normalize(u, dim=1).numpy()
+
+
+def factories(n: int, dim: int, hnsw_max: int) -> list[str]:
+    ivf = auto_factory(n, dim)
+    nlist = ivf.split(",")[0]
+    out = [ivf, f"{nlist},SQ8"]
+    if n <= hnsw_max:
+        out.append("HNSW32,Flat")
+    return out
+
+
+def index_bytes(index: Any) -> int:
+    import faiss
+
+    return int(faiss.serialize_index(index).size)
+
+
+def time_single(fn: Any, queries: np.ndarray, reps: int) -> dict[str, float]:
+    """Per-query latency (ms) of fn(query [1, D]) over every query, median over ``reps`` passes of
+    each query's p50 / p99."""
+    p50, p99 = [], []
+    for _ in range(reps):
+        ms = []
+        for i in range(queries.shape[0]):
+            t = time.perf_counter()
+            fn(queries[i : i + 1])
+            ms.append((time.perf_counter() - t) * 1e3)
+        p50.append(float(np.percentile(ms, 50)))
+        p99.append(float(np.percentile(ms, 99)))
+    return {"p50_ms": round(float(np.median(p50)), 3), "p99_ms": round(float(np.median(p99)), 3)}
+
+
+def exact_latency(vectors: np.ndarray, queries: np.ndarray, reps: int) -> dict[str, float]:
+    """Exact search's single-query latency: one GEMM against the table laid out [D, N] (as
+    serve.catalogue keeps it) and the top-k."""
+    table_t = torch.from_numpy(vectors).t().contiguous()
+    return time_single(lambda q: torch.topk(torch.from_numpy(q) @ table_t, K, dim=1), queries, reps)
+
+
+def choose_nprobe(index: Any, vectors: np.ndarray, valid: np.ndarray, truth: np.ndarray,
+                  target: float, shortlist: int) -> tuple[int, dict[str, float]]:
+    """The smallest nprobe (IVF) / efSearch (HNSW) reaching ``target`` on the validation queries."""
+    import faiss
+
+    ladder = (16, 32, 64, 128, 256, 512) if "HNSW" in type(index).__name__ else (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    if "IVF" in type(index).__name__:
+        ladder = tuple(p for p in ladder if p <= faiss.extract_index_ivf(index).nlist)
+    tried: dict[str, float] = {}
+    for p in ladder:
+        set_nprobe(index, p)
+        tried[str(p)] = round(recall(ann_top(index, vectors, valid, K, shortlist), truth), 4)
+        if tried[str(p)] >= target:
+            return p, tried
+    return ladder[-1], tried
+
+
+def one_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
+    vectors, centres = catalogue(n, args.dim, args.topics, args.noise, args.seed)
+    valid, held = (users(centres, args.queries, args.noise, args.seed + s) for s in (1, 2))
+    truth_v, truth_h = exact_top(vectors, valid, K), exact_top(vectors, held, K)
+    row: dict[str, Any] = {"items": n, "table_bytes": n * args.dim * 4,
+                           "exact": exact_latency(vectors, held[: args.timed], args.reps), "indexes": {}}
+    for f in factories(n, args.dim, args.hnsw_max):
+        t0 = time.perf_counter()
+        index = build_index(vectors, f, seed=args.seed)
+        build_s = time.perf_counter() - t0
+        nprobe, tried = choose_nprobe(index, vectors, valid, truth_v, args.target, args.shortlist)
+        set_nprobe(index, nprobe)
+        rec = recall(ann_top(index, vectors, held, K, args.shortlist), truth_h)
+        lat = time_single(lambda q, ix=index: ann_top(ix, vectors, q, K, args.shortlist), held[: args.timed], args.reps)
+        size = index_bytes(index)
+        row["indexes"][f] = {"build_s": round(build_s, 1), "bytes": size, "x_table": round(size / row["table_bytes"], 4),
+                             "nprobe": nprobe, "valid_recall_by_nprobe": tried, "recall_at_100": round(rec, 4),
+                             **lat}
+        print(n, f, row["indexes"][f], flush=True)
+        del index
+        gc.collect()
+    ok = {f: r for f, r in row["indexes"].items() if r["recall_at_100"] >= 0 and r["x_table"] <= 0.3
+          and r["valid_recall_by_nprobe"][str(r["nprobe"])] >= args.target}
+    row["chosen"] = min(ok, key=lambda f: ok[f]["p50_ms"]) if ok else None  # on validation recall + memory, then speed
+    row["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    return row
+
+
+def projection(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """10^8 and 10^9 items from the log-log slopes of the chosen index's latency, build time and
+    bytes between the two largest measured sizes (a straight line on paper, not a measurement)."""
+    pts = [(r["items"], r["indexes"][r["chosen"]]) for r in rows if r.get("chosen")]
+    if len(pts) < 2:
+        return {}
+    (n0, a), (n1, b) = pts[-2], pts[-1]
+    out: dict[str, Any] = {"from": [n0, n1], "slopes": {}}
+    for key in ("p50_ms", "build_s", "bytes"):
+        out["slopes"][key] = round(math.log(b[key] / a[key]) / math.log(n1 / n0), 3)
+    for n in (10**8, 10**9):
+        out[str(n)] = {key: round(b[key] * (n / n1) ** out["slopes"][key], 1) for key in ("p50_ms", "build_s", "bytes")}
+        out[str(n)]["table_bytes"] = n * 64 * 4
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="100000,1000000,10000000")
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--topics", type=int, default=1000)
+    ap.add_argument("--queries", type=int, default=500, help="validation and held-out queries (each)")
+    ap.add_argument("--timed", type=int, default=200, help="held-out queries timed one at a time")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--target", type=float, default=0.97, help="validation recall@100 that nprobe is chosen for")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--noise", type=float, default=0.5,
+                    help="norm of an item's (and a user's) noise beside its topic direction's 1")
+    ap.add_argument("--shortlist", type=int, default=1000, help="candidates per query re-scored exactly")
+    ap.add_argument("--hnsw-max", type=int, default=100_000, help="largest catalogue HNSW is built for (slow)")
+    args = ap.parse_args()
+    import faiss
+
+    torch.set_num_threads(args.threads)
+    faiss.omp_set_num_threads(args.threads)
+    rows = [one_size(int(n), args) for n in args.sizes.split(",")]
+    write_json("ann_index", {"date": today(), "machine": machine(), "faiss": faiss.__version__,
+                             "shared_machine": True, "k": K, "shortlist": args.shortlist, "target": args.target,
+                             "queries": {"validation": args.queries, "held_out": args.queries, "timed": args.timed},
+                             "vectors": {"dim": args.dim, "topics": args.topics, "noise": args.noise, "kind": "synthetic topic mixture"},
+                             "threads": args.threads, "sizes": rows, "projection": projection(rows)})
+
+
+if __name__ == "__main__":
+    main()
