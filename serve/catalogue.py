@@ -52,16 +52,18 @@ class Asks(Protocol):
 
 
 class Catalogue:
-    """The catalogue of ``model``: ``ids`` [N] sorted item ids, ``vectors`` [N, D]; for exact
-    search their transpose [D, N] for the GEMM (``kernels``, the native path's: its top-k reads
-    the columns padded to a whole 8-float vector); for ANN search ``ann``, the artifact's index
-    (``artifact`` / ``manifest``: where it is read from). ``temperature``: the retrieval head's."""
+    """The catalogue of ``model``: ``ids`` [N] sorted item ids and its item vectors, kept in the
+    one layout the search in force reads: for exact search their transpose ``vectors_t`` [D, N]
+    for the GEMM (or, with ``kernels``, the native path's, ``vectors_native``: the columns padded
+    to a whole 8-float vector); for ANN search ``ann``, the artifact's index (``artifact`` /
+    ``manifest``: where it is read from), and ``vectors`` [N, D], the rows its shortlist is
+    re-scored against. ``temperature``: the retrieval head's."""
 
     def __init__(self, model: GenerativeRecommender, kernels: ServeKernels | None = None,
                  artifact: str | Path | None = None, manifest: Manifest | None = None,
                  cfg: RetrievalConfig | None = None) -> None:
         cfg = cfg or RetrievalConfig()
-        self.vectors = item_vectors(model)  # [N, D]
+        vectors = item_vectors(model)  # [N, D]
         self.ids = model.corpus_ids.cpu().numpy()
         self.temperature = float(model.head.cfg.temperature)
         has_index = manifest is not None and bool(manifest.index)
@@ -70,14 +72,23 @@ class Catalogue:
                                 "build one with 'genrec quantize' (--index auto) or serve with search = \"exact\"")
         self.ann: AnnIndex | None = None
         if cfg.search != "exact" and has_index and artifact is not None and manifest is not None:
-            self.ann = load_index(artifact, manifest, int(self.vectors.shape[1]), cfg.nprobe, cfg.shortlist)
+            self.ann = load_index(artifact, manifest, int(vectors.shape[1]), cfg.nprobe, cfg.shortlist)
         self.search = self.ann.describe if self.ann is not None else "exact"
         self.kernels = kernels if self.ann is None else None
-        # exact search's layouts only where it answers: at 10^7 items each is another N x D x 4 bytes
-        self.vectors_t = self.vectors.t().contiguous() if self.ann is None else None  # [D, N] (rows contiguous)
-        self.vectors_native = (torch.nn.functional.pad(self.vectors_t.float(), (0, -self.vectors_t.shape[1] % 8))
-                               .contiguous() if self.kernels is not None and self.vectors_t is not None else None)
-        self.vectors_np = self.vectors.float().numpy() if self.ann is not None else None
+        # one layout of the vectors, the one the search in force reads: at 10^7 items each is
+        # another N x D x 4 bytes. ANN re-scores rows [N, D]; exact search multiplies by the
+        # transpose [D, N] (rows contiguous), or the native kernel reads it padded to 8 columns.
+        self.vectors: torch.Tensor | None = vectors if self.ann is not None else None
+        self.vectors_np = vectors.float().numpy() if self.ann is not None else None
+        self.vectors_t: torch.Tensor | None = None
+        self.vectors_native: torch.Tensor | None = None
+        if self.ann is None:
+            vectors_t = vectors.t().contiguous()
+            del vectors
+            if self.kernels is not None:
+                self.vectors_native = torch.nn.functional.pad(vectors_t.float(), (0, -vectors_t.shape[1] % 8)).contiguous()
+            else:
+                self.vectors_t = vectors_t
 
     def known(self, items: np.ndarray) -> np.ndarray:
         """[...] bool: which ``items`` are in the catalogue."""
@@ -96,12 +107,12 @@ class Catalogue:
         excluded = [w.excluded() for _, w in works]
         if self.ann is not None:
             return self._ann_top_k(users, works, excluded, k)
-        assert self.vectors_t is not None
         if self.kernels is not None and self.vectors_native is not None:  # one native call: GEMM, mask, top-k
             exclude = [_NONE if e is None else e for e in excluded]
             pos, vals = self.kernels.retrieve(users, self.vectors_native, self.ids, self.temperature,
                                               exclude if any(e is not None for e in excluded) else None, k)
             return _top(self.ids[pos], vals, works)
+        assert self.vectors_t is not None
         scores = torch.mm(users, self.vectors_t).div_(self.temperature).float()  # [b, N]
         ex = [(j, e) for j, e in enumerate(excluded) if e is not None]
         if ex:  # every work's excluded items at once: (row, catalogue position) pairs -> -inf

@@ -84,7 +84,7 @@ def test_calibrated_ann_search_keeps_the_recall_it_was_built_for(indexed):
     model, manifest = load_model(indexed)
     exact = Catalogue(model, None, indexed, manifest, RetrievalConfig(search="exact"))
     ann = Catalogue(model, None, indexed, manifest)  # auto: the index, its calibrated nprobe
-    assert ann.ann is not None and ann.vectors_t is None  # exact search's layout not kept
+    assert ann.ann is not None and ann.vectors_t is None and exact.vectors is None  # one layout each
     vectors = item_vectors(model)
     users = torch.nn.functional.normalize(vectors[:64] + 0.3 * _users(64, 16, 1), dim=1)  # near the items
     works = [(i, Ask(50)) for i in range(64)]
@@ -93,7 +93,7 @@ def test_calibrated_ann_search_keeps_the_recall_it_was_built_for(indexed):
     assert rec >= 0.85
     for i in range(64):  # re-scored exactly: every score the index returns is the exact one
         pos = np.searchsorted(exact.ids, b[i][0])
-        want = (users[i] @ exact.vectors[pos].T / exact.temperature).numpy()
+        want = (users[i] @ vectors[pos].T / exact.temperature).numpy()
         np.testing.assert_allclose(b[i][1], want, rtol=1e-5, atol=1e-5)
 
 
