@@ -160,6 +160,54 @@ def projection(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def ann_index(d: dict) -> list[str]:
+    """The DETAILS.md section of ``results/ann_index.json``."""
+    from genrec.benchmarks.report import command, footer, num, table
+
+    v = d.get("vectors") or {}
+    rows = []
+    for r in d.get("sizes") or []:
+        ex = r.get("exact") or {}
+        rows.append([num(r.get("items"), ",d"), "exact (GEMM + top-k)", "1.0000", num(ex.get("p50_ms"), ".2f"),
+                     num(ex.get("p99_ms"), ".1f"), "", num(r.get("table_bytes", 0) / 1e6, ".0f"), "1.000", ""])
+        for f, x in (r.get("indexes") or {}).items():
+            mark = " (chosen)" if f == r.get("chosen") else ""
+            rows.append([num(r.get("items"), ",d"), f"`{f}` nprobe {x.get('nprobe')}{mark}", num(x.get("recall_at_100")),
+                         num(x.get("p50_ms"), ".2f"), num(x.get("p99_ms"), ".1f"), num(x.get("build_s"), ".1f"),
+                         num(x.get("bytes", 0) / 1e6, ".1f"), num(x.get("x_table"), ".3f"),
+                         num(r.get("peak_rss_mb"), "d")])
+    out = ["## ANN index cost curves (dense retrieval, 10^5 to 10^7 items)", "",
+           "Anchor: exact search over every item (recall 1 by definition); targets recall@100 >= 0.95 of exact, "
+           "index <= 0.3x the fp32 table. Synthetic item vectors (D = "
+           f"{v.get('dim')}, {v.get('topics')} topics, noise {v.get('noise')}), users a mix of two topics; nprobe and the "
+           "index chosen on validation queries, recall and latency on held-out ones; the index's shortlist of "
+           f"{d.get('shortlist')} re-scored exactly (what serving runs). One query per call, {d.get('threads')} "
+           "thread(s), median of passes; the 2-core machine was shared with other work (p99 is its noise).", "",
+           *table(["items", "search", "recall@100", "p50 ms", "p99 ms", "build s", "MB", "x table", "peak RSS MB"], rows)]
+    pr = d.get("projection") or {}
+    if pr:
+        sl = pr.get("slopes") or {}
+        out += ["", f"On paper, from the log-log slopes of the chosen index between {num(pr['from'][0], ',d')} and "
+                f"{num(pr['from'][1], ',d')} items (latency {num(sl.get('p50_ms'), '.2f')}, build "
+                f"{num(sl.get('build_s'), '.2f')}, bytes {num(sl.get('bytes'), '.2f')}):", ""]
+        out += table(["items", "p50 ms", "build s", "index GB", "fp32 table GB"],
+                     [[f"10^{len(n) - 1}", num(pr[n].get("p50_ms"), ".1f"), num(pr[n].get("build_s"), ".0f"),
+                       num(pr[n].get("bytes", 0) / 1e9, ".1f"), num(pr[n].get("table_bytes", 0) / 1e9, ".0f")]
+                      for n in ("100000000", "1000000000") if n in pr])
+    return out + footer(d, command(d, "python -m genrec.benchmarks.ann_index"))
+
+
+def ann_index_summary(d: dict) -> tuple[str, str]:
+    """(headline, anchor): the chosen index at the largest size measured."""
+    from genrec.benchmarks.report import num
+
+    r = (d.get("sizes") or [{}])[-1]
+    x = (r.get("indexes") or {}).get(r.get("chosen") or "", {})
+    return (f"{num(r.get('items'), ',d')} items: recall@100 {num(x.get('recall_at_100'), '.3f')}, "
+            f"p50 {num(x.get('p50_ms'), '.2f')} ms vs exact {num((r.get('exact') or {}).get('p50_ms'), '.1f')} ms, "
+            f"{num(x.get('x_table'), '.2f')}x table", "exact search")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="100000,1000000,10000000")

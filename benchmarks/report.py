@@ -79,6 +79,7 @@ SUMMARIES: dict[str, Callable[[dict], tuple[str, str]]] = {
     "gate": _lazy("gate_evidence", "gate_summary"),
     "eval_protocol": _lazy("eval_protocol", "eval_protocol_summary"),
     "fsdp_memory": _lazy("fsdp_memory", "fsdp_memory_summary"),
+    "ann_index": _lazy("ann_index", "ann_index_summary"),
 }
 
 
@@ -97,6 +98,7 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "gate": _lazy("gate_evidence", "gate"),
     "eval_protocol": _lazy("eval_protocol", "eval_protocol"),
     "fsdp_memory": _lazy("fsdp_memory", "fsdp_memory"),
+    "ann_index": _lazy("ann_index", "ann_index"), "serving_scale_10m": sec.serving_scale,
 }
 
 

@@ -217,14 +217,21 @@ def engine_capacity(d: dict) -> list[str]:
 
 def serving_scale(d: dict) -> list[str]:
     rows = [[eng, h, num(v.get("p50_ms"), ".1f"), num(v.get("p99_ms"), ".1f"),
-             num(r.get("server_rss_mb"), ".0f")]
+             num(r.get("server_rss_mb"), ".0f"), num(r.get("recall_at_100_vs_exact"), ".3f")]
             for eng, r in d.get("engines", {}).items()
             for h, v in sorted((r.get("latency_by_history") or {}).items(), key=lambda kv: int(kv[0]))]
     cmd = command(d, "python -m genrec.benchmarks.serving_scale")
+    ix = d.get("index") or {}
+    index = (f" Rows `-ann`: the artifact's ANN index (`{ix.get('factory')}`, nprobe {ix.get('nprobe')}, shortlist "
+             f"{ix.get('shortlist')} re-scored exactly), recall@100 of its Retrieve against the exact server's."
+             if ix else "")
+    planted = (" Planted: an untrained model whose item table holds topic-clustered rows (no logs, no training)."
+               if d.get("planted") else "")
     return [f"## Serving at scale ({num(d.get('catalogue_size'), ',d')}-item catalogue, long histories)", "",
             "Anchor: none set; a scale check (one request at a time, exact top-k over the whole catalogue, "
-            f"artifact {num((d.get('artifact_bytes') or 0) / 1e6 if d.get('artifact_bytes') else None, '.0f')} MB).", "",
-            *table(["engine", "history", "p50 ms", "p99 ms", "server RSS MB"], rows), *footer(d, cmd)]
+            f"artifact {num((d.get('artifact_bytes') or 0) / 1e6 if d.get('artifact_bytes') else None, '.0f')} MB)."
+            + index + planted, "",
+            *table(["engine", "history", "p50 ms", "p99 ms", "server RSS MB", "recall@100"], rows), *footer(d, cmd)]
 
 
 def resilience(d: dict) -> list[str]:
