@@ -62,10 +62,12 @@ def users(centres: np.ndarray, q: int, noise: float, seed: int) -> np.ndarray:
     return torch.nn.functional.normalize(u, dim=1).numpy()
 
 
-def factories(n: int, dim: int, hnsw_max: int) -> list[str]:
+def factories(n: int, dim: int, hnsw_max: int, others_max: int) -> list[str]:
+    """The default (quant.ann.auto_factory); up to ``others_max`` items IVF-SQ8 beside it, up to
+    ``hnsw_max`` HNSW too (each costs another build: at 10^7 items tens of minutes here)."""
     ivf = auto_factory(n, dim)
     nlist = ivf.split(",")[0]
-    out = [ivf, f"{nlist},SQ8"]
+    out = [ivf] + ([f"{nlist},SQ8"] if n <= others_max else [])
     if n <= hnsw_max:
         out.append("HNSW32,Flat")
     return out
@@ -117,15 +119,19 @@ def choose_nprobe(index: Any, vectors: np.ndarray, valid: np.ndarray, truth: np.
 
 
 def one_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
+    import faiss
+
     vectors, centres = catalogue(n, args.dim, args.topics, args.noise, args.seed)
     valid, held = (users(centres, args.queries, args.noise, args.seed + s) for s in (1, 2))
     truth_v, truth_h = exact_top(vectors, valid, K), exact_top(vectors, held, K)
     row: dict[str, Any] = {"items": n, "table_bytes": n * args.dim * 4,
                            "exact": exact_latency(vectors, held[: args.timed], args.reps), "indexes": {}}
-    for f in factories(n, args.dim, args.hnsw_max):
+    for f in factories(n, args.dim, args.hnsw_max, args.others_max):
+        faiss.omp_set_num_threads(args.build_threads)
         t0 = time.perf_counter()
         index = build_index(vectors, f, seed=args.seed)
         build_s = time.perf_counter() - t0
+        faiss.omp_set_num_threads(args.threads)
         nprobe, tried = choose_nprobe(index, vectors, valid, truth_v, args.target, args.shortlist)
         set_nprobe(index, nprobe)
         rec = recall(ann_top(index, vectors, held, K, args.shortlist), truth_h)
@@ -219,21 +225,30 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.97, help="validation recall@100 that nprobe is chosen for")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--noise", type=float, default=0.5,
+    ap.add_argument("--noise", type=float, default=0.75,
                     help="norm of an item's (and a user's) noise beside its topic direction's 1")
     ap.add_argument("--shortlist", type=int, default=1000, help="candidates per query re-scored exactly")
     ap.add_argument("--hnsw-max", type=int, default=100_000, help="largest catalogue HNSW is built for (slow)")
+    ap.add_argument("--others-max", type=int, default=1_000_000, help="largest catalogue IVF-SQ8 is built for")
+    ap.add_argument("--build-threads", type=int, default=2, help="faiss threads while building (timing: --threads)")
     args = ap.parse_args()
     import faiss
 
     torch.set_num_threads(args.threads)
     faiss.omp_set_num_threads(args.threads)
-    rows = [one_size(int(n), args) for n in args.sizes.split(",")]
-    write_json("ann_index", {"date": today(), "machine": machine(), "faiss": faiss.__version__,
+    rows: list[dict[str, Any]] = []
+    for n in args.sizes.split(","):  # written after each size: a long run leaves what it measured
+        rows.append(one_size(int(n), args))
+        write(rows, args, faiss.__version__)
+
+
+def write(rows: list[dict[str, Any]], args: argparse.Namespace, version: str) -> None:
+    write_json("ann_index", {"date": today(), "machine": machine(), "faiss": version,
                              "shared_machine": True, "k": K, "shortlist": args.shortlist, "target": args.target,
                              "queries": {"validation": args.queries, "held_out": args.queries, "timed": args.timed},
                              "vectors": {"dim": args.dim, "topics": args.topics, "noise": args.noise, "kind": "synthetic topic mixture"},
-                             "threads": args.threads, "sizes": rows, "projection": projection(rows)})
+                             "threads": args.threads, "build_threads": args.build_threads, "sizes": rows,
+                             "projection": projection(rows)})
 
 
 if __name__ == "__main__":

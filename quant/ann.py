@@ -49,7 +49,7 @@ class IndexConfig:
     shortlist: int = 1000
     target: float = 0.97
     k: int = 100
-    train_points: int = 262144  # k-means sample (faiss wants >= 39 per list)
+    train_points: int = 262144  # k-means sample (at least 40 points per IVF list)
     seed: int = 0
 
 
@@ -76,6 +76,10 @@ def build_index(vectors: np.ndarray, factory: str, train_points: int = 262144, s
 
     n, dim = vectors.shape
     index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+    try:  # k-means wants 39+ points a list: below that faiss warns, and its centroids are poorer
+        train_points = max(train_points, 40 * faiss.extract_index_ivf(index).nlist)
+    except RuntimeError:  # (not an IVF index)
+        pass
     rng = np.random.default_rng(seed)
     sample = vectors if n <= train_points else vectors[np.sort(rng.choice(n, train_points, replace=False))]
     index.train(np.ascontiguousarray(sample, np.float32))
@@ -227,6 +231,9 @@ def load_index(path: str | Path, manifest: Manifest, dim: int, nprobe: int = 0, 
         raise ArtifactError(_mismatch(path, {**built, "items": int(index.ntotal), "dim": int(index.d)}, have))
     ann = AnnIndex(index, info, nprobe or int(info.get("nprobe", 1)), shortlist or int(info.get("shortlist", 1000)))
     set_nprobe(index, ann.nprobe)
+    # faiss's OpenMP pool (its own runtime) as wide as torch's: the engine process's threads
+    # (serve.process.threads), not every core of the machine
+    faiss.omp_set_num_threads(torch.get_num_threads())
     return ann
 
 
