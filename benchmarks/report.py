@@ -98,7 +98,8 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "gate": _lazy("gate_evidence", "gate"),
     "eval_protocol": _lazy("eval_protocol", "eval_protocol"),
     "fsdp_memory": _lazy("fsdp_memory", "fsdp_memory"),
-    "ann_index": _lazy("ann_index", "ann_index"), "serving_scale_10m": sec.serving_scale,
+    "ann_index": _lazy("ann_index", "ann_index"),
+    "serving_scale_ann_1m": sec.serving_scale, "serving_scale_ann_10m": sec.serving_scale,
 }
 
 

@@ -90,7 +90,8 @@ def planted(out: Path, items: int, noise: float = 0.75, seed: int = 0) -> Path:
     save_artifact(art, manifest, {"embeddings.safetensors": table_tensors(model.sparse, "int8"),
                                   "dense.safetensors": dense_tensors(model, "fp32")})
     del model, weight
-    index_artifact(art, IndexConfig(), queries=users(centres, 1000, noise, seed + 1))
+    index_artifact(art, IndexConfig(), queries=users(centres, 1000, noise, seed + 1),
+                   source="synthetic validation users (ann_index.users)")
     return art
 
 
@@ -110,6 +111,34 @@ def requests(corpus: np.ndarray, history: int, n: int, seed: int = 0) -> list[by
         user = pb.User(history=[pb.Event(item_id=int(i), timestamp=int(t)) for i, t in zip(ids, ts)])
         out.append(pb.RecommendRequest(user=user, retrieve_k=100, top_k=10).SerializeToString())
     return out
+
+
+def served_calibration(art: Path, corpus: np.ndarray, history: int, n: int = 300, target: float = 0.97) -> dict:
+    """nprobe and shortlist chosen on validation users of the served model itself: the engine's
+    vectors of ``n`` request histories drawn with another seed than the timed ones
+    (quant.ann.calibrate). For a planted artifact, whose index was calibrated on synthetic users
+    the untrained tower's vectors do not resemble."""
+    import gc
+
+    import torch
+
+    from genrec.quant.ann import IndexConfig, calibrate
+    from genrec.serve.ann import RetrievalConfig
+    from genrec.serve.engine import TorchEngine
+    from genrec.serve.requests import Limits, decode_user
+
+    eng = TorchEngine(art, retrieval=RetrievalConfig(search="ann"))
+    users = [decode_user(pb.RecommendRequest.FromString(r).user, eng.schema, Limits())
+             for r in requests(corpus, history, n, seed=1)]
+    with torch.inference_mode():
+        q = np.concatenate([eng.encode(users[i : i + 32])[0].float().numpy() for i in range(0, n, 32)])
+    cat = eng.catalogue
+    assert cat.ann is not None and cat.vectors_np is not None
+    nprobe, shortlist, tried = calibrate(cat.ann.index, cat.vectors_np, q, IndexConfig(target=target))
+    del eng, cat
+    gc.collect()
+    return {"queries": f"{n} served users (seed 1)", "target": target, "nprobe": nprobe, "shortlist": shortlist,
+            "recall_by_shortlist_nprobe": tried}
 
 
 def retrieve_requests(corpus: np.ndarray, history: int, n: int, seed: int = 0) -> list[bytes]:
@@ -157,6 +186,9 @@ def main() -> None:
     ap.add_argument("--search", default="exact,ann", help="serve.retrieval.search of each server, exact first")
     ap.add_argument("--planted", action="store_true", help="no logs or training: an untrained model, planted table")
     ap.add_argument("--name", default="serving_scale", help="results/<name>.json")
+    ap.add_argument("--start-timeout", type=float, default=1200, help="seconds a server may take to load")
+    ap.add_argument("--calibrate-served", action="store_true",
+                    help="choose the ANN server's nprobe / shortlist on the served model's validation users")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -166,6 +198,9 @@ def main() -> None:
     corpus = catalogue(art)
     results: dict[str, dict] = {}
     first = int(args.histories.split(",")[0])
+    served = served_calibration(art, corpus, first) if args.calibrate_served else None
+    if served:
+        print("served calibration", json.dumps(served), flush=True)
     for engine in args.engines.split(","):
         if engine == "sglang":
             if importlib.util.find_spec("sglang") is None:  # importing it needs serve.sglang_shim first
@@ -176,7 +211,10 @@ def main() -> None:
             name = engine if search == "exact" else f"{engine}-{search}"
             # no standby engine process: at 10^7 items a second copy of the catalogue would not fit beside
             extra = [f'--serve.retrieval.search="{search}"', "--serve.process.standby=false"]
-            proc, target, _ = start_server(engine, art, args.threads, out / f"profile-{name}.json", extra=extra)
+            if served and search == "ann":
+                extra += [f"--serve.retrieval.nprobe={served['nprobe']}", f"--serve.retrieval.shortlist={served['shortlist']}"]
+            proc, target, _ = start_server(engine, art, args.threads, out / f"profile-{name}.json", extra=extra,
+                                           timeout_s=args.start_timeout)
             try:
                 rows = {}
                 for h in (int(x) for x in args.histories.split(",")):
@@ -205,6 +243,7 @@ def main() -> None:
                "artifact_bytes": sum(sizes.get("files", {}).values()) if sizes else None,
                "request": {"retrieve_k": 100, "rank": 100, "top_k": 10}, "engines": results,
                "planted": args.planted, "index": json.loads((art / "manifest.json").read_text()).get("index", {}),
+               "served_calibration": served,
                "shared_machine": True}
     write_json(args.name, payload)
 

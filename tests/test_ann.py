@@ -60,8 +60,8 @@ def test_the_index_is_listed_hashed_and_described_in_the_manifest(indexed):
     assert m.tensors[INDEX_FILE]["faiss"]["sha256"] == tensor_sha256(blob)
     assert m.index["items"] == ITEMS and m.index["dim"] == 16 and m.index["factory"] == "IVF16,PQ8x4fs"
     assert m.index["table"]["items"] == ITEMS and 1 <= m.index["nprobe"] <= 16
-    tried = m.index["calibration"]["recall_by_nprobe"]
-    assert tried[str(m.index["nprobe"])] >= 0.95 or m.index["nprobe"] == 16
+    tried = m.index["calibration"]["recall_by_shortlist_nprobe"]
+    assert tried[str(m.index["shortlist"])][str(m.index["nprobe"])] >= 0.95 or m.index["nprobe"] == 16
 
 
 def test_ann_search_with_every_list_probed_equals_exact_search(indexed):
