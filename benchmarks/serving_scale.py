@@ -122,23 +122,32 @@ def served_calibration(art: Path, corpus: np.ndarray, history: int, n: int = 300
 
     import torch
 
-    from genrec.quant.ann import IndexConfig, calibrate
+    from genrec.quant.ann import IndexConfig, ann_top, calibrate, exact_top, recall, set_nprobe
     from genrec.serve.ann import RetrievalConfig
     from genrec.serve.engine import TorchEngine
     from genrec.serve.requests import Limits, decode_user
 
-    eng = TorchEngine(art, retrieval=RetrievalConfig(search="ann"))
-    users = [decode_user(pb.RecommendRequest.FromString(r).user, eng.schema, Limits())
-             for r in requests(corpus, history, n, seed=1)]
-    with torch.inference_mode():
-        q = np.concatenate([eng.encode(users[i : i + 32])[0].float().numpy() for i in range(0, n, 32)])
-    cat = eng.catalogue
+    engines = [TorchEngine(art, retrieval=RetrievalConfig(search="ann"))]
+
+    def vectors(seed: int, count: int) -> np.ndarray:
+        eng = engines[0]
+        users = [decode_user(pb.RecommendRequest.FromString(r).user, eng.schema, Limits())
+                 for r in requests(corpus, history, count, seed=seed)]
+        with torch.inference_mode():
+            return np.concatenate([eng.encode(users[i : i + 32])[0].float().numpy() for i in range(0, count, 32)])
+
+    cat = engines[0].catalogue
     assert cat.ann is not None and cat.vectors_np is not None
-    nprobe, shortlist, tried = calibrate(cat.ann.index, cat.vectors_np, q, IndexConfig(target=target))
-    del eng, cat
+    nprobe, shortlist, tried = calibrate(cat.ann.index, cat.vectors_np, vectors(1, n), IndexConfig(target=target))
+    held = vectors(0, n)  # the timed requests' users (seed 0): recall in this process, the server's re-score
+    set_nprobe(cat.ann.index, nprobe)
+    rec = recall(ann_top(cat.ann.index, cat.vectors_np, held, 100, shortlist), exact_top(cat.vectors_np, held, 100))
+    engines.clear()  # (its catalogue: gigabytes at 10^7 items, before the servers load theirs)
+    del cat
     gc.collect()
     return {"queries": f"{n} served users (seed 1)", "target": target, "nprobe": nprobe, "shortlist": shortlist,
-            "recall_by_shortlist_nprobe": tried}
+            "recall_by_shortlist_nprobe": tried, "held_out_recall_at_100": round(rec, 4),
+            "held_out": f"the {n} timed requests' users (seed 0), in process"}
 
 
 def retrieve_requests(corpus: np.ndarray, history: int, n: int, seed: int = 0) -> list[bytes]:
