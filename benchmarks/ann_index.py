@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import resource
 import time
@@ -27,11 +28,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from genrec.benchmarks.common import machine, today, write_json
+from genrec.benchmarks.common import RESULTS, machine, today, write_json
 from genrec.quant.ann import (
+    IndexConfig,
     ann_top,
     auto_factory,
     build_index,
+    calibrate,
     exact_top,
     recall,
     set_nprobe,
@@ -132,14 +135,20 @@ def one_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
         index = build_index(vectors, f, seed=args.seed)
         build_s = time.perf_counter() - t0
         faiss.omp_set_num_threads(args.threads)
-        nprobe, tried = choose_nprobe(index, vectors, valid, truth_v, args.target, args.shortlist)
+        if "IVF" in f:  # nprobe and shortlist as genrec quantize chooses them (quant.ann.calibrate)
+            nprobe, shortlist, walk = calibrate(index, vectors, valid, IndexConfig(shortlist=args.shortlist,
+                                                                                  target=args.target, k=K))
+            tried = walk[str(shortlist)]
+        else:
+            shortlist = args.shortlist
+            nprobe, tried = choose_nprobe(index, vectors, valid, truth_v, args.target, shortlist)
         set_nprobe(index, nprobe)
-        rec = recall(ann_top(index, vectors, held, K, args.shortlist), truth_h)
-        lat = time_single(lambda q, ix=index: ann_top(ix, vectors, q, K, args.shortlist), held[: args.timed], args.reps)
+        rec = recall(ann_top(index, vectors, held, K, shortlist), truth_h)
+        lat = time_single(lambda q, ix=index, s=shortlist: ann_top(ix, vectors, q, K, s), held[: args.timed], args.reps)
         size = index_bytes(index)
         row["indexes"][f] = {"build_s": round(build_s, 1), "bytes": size, "x_table": round(size / row["table_bytes"], 4),
-                             "nprobe": nprobe, "valid_recall_by_nprobe": tried, "recall_at_100": round(rec, 4),
-                             **lat}
+                             "nprobe": nprobe, "shortlist": shortlist, "valid_recall_by_nprobe": tried,
+                             "recall_at_100": round(rec, 4), **lat}
         print(n, f, row["indexes"][f], flush=True)
         del index
         gc.collect()
@@ -178,7 +187,8 @@ def ann_index(d: dict) -> list[str]:
                      num(ex.get("p99_ms"), ".1f"), "", num(r.get("table_bytes", 0) / 1e6, ".0f"), "1.000", ""])
         for f, x in (r.get("indexes") or {}).items():
             mark = " (chosen)" if f == r.get("chosen") else ""
-            rows.append([num(r.get("items"), ",d"), f"`{f}` nprobe {x.get('nprobe')}{mark}", num(x.get("recall_at_100")),
+            sl = f" shortlist {x['shortlist']}" if x.get("shortlist") else ""
+            rows.append([num(r.get("items"), ",d"), f"`{f}` nprobe {x.get('nprobe')}{sl}{mark}", num(x.get("recall_at_100")),
                          num(x.get("p50_ms"), ".2f"), num(x.get("p99_ms"), ".1f"), num(x.get("build_s"), ".1f"),
                          num(x.get("bytes", 0) / 1e6, ".1f"), num(x.get("x_table"), ".3f"),
                          num(r.get("peak_rss_mb"), "d")])
@@ -186,8 +196,9 @@ def ann_index(d: dict) -> list[str]:
            "Anchor: exact search over every item (recall 1 by definition); targets recall@100 >= 0.95 of exact, "
            "index <= 0.3x the fp32 table. Synthetic item vectors (D = "
            f"{v.get('dim')}, {v.get('topics')} topics, noise {v.get('noise')}), users a mix of two topics; nprobe and the "
-           "index chosen on validation queries, recall and latency on held-out ones; the index's shortlist of "
-           f"{d.get('shortlist')} re-scored exactly (what serving runs). One query per call, {d.get('threads')} "
+           "index chosen on validation queries, recall and latency on held-out ones; the index's shortlist "
+           f"(from {d.get('shortlist')}, longer where the codes need it: quant.ann.calibrate) re-scored exactly (what "
+           f"serving runs). One query per call, {d.get('threads')} "
            "thread(s), median of passes; the 2-core machine was shared with other work (p99 is its noise).", "",
            *table(["items", "search", "recall@100", "p50 ms", "p99 ms", "build s", "MB", "x table", "peak RSS MB"], rows)]
     pr = d.get("projection") or {}
@@ -208,7 +219,8 @@ def ann_index_summary(d: dict) -> tuple[str, str]:
     from genrec.benchmarks.report import num
 
     r = (d.get("sizes") or [{}])[-1]
-    x = (r.get("indexes") or {}).get(r.get("chosen") or "", {})
+    ix = r.get("indexes") or {}
+    x = ix.get(r.get("chosen") or "") or next(iter(ix.values()), {})  # none chosen: the default index
     return (f"{num(r.get('items'), ',d')} items: recall@100 {num(x.get('recall_at_100'), '.3f')}, "
             f"p50 {num(x.get('p50_ms'), '.2f')} ms vs exact {num((r.get('exact') or {}).get('p50_ms'), '.1f')} ms, "
             f"{num(x.get('x_table'), '.2f')}x table", "exact search")
@@ -231,14 +243,19 @@ def main() -> None:
     ap.add_argument("--hnsw-max", type=int, default=100_000, help="largest catalogue HNSW is built for (slow)")
     ap.add_argument("--others-max", type=int, default=1_000_000, help="largest catalogue IVF-SQ8 is built for")
     ap.add_argument("--build-threads", type=int, default=2, help="faiss threads while building (timing: --threads)")
+    ap.add_argument("--merge", action="store_true", help="keep the other sizes of results/ann_index.json")
     args = ap.parse_args()
     import faiss
 
     torch.set_num_threads(args.threads)
     faiss.omp_set_num_threads(args.threads)
     rows: list[dict[str, Any]] = []
+    if args.merge:  # the sizes a former run measured and this one does not
+        rows = [r for r in json.loads((RESULTS / "ann_index.json").read_text())["sizes"]
+                if str(r["items"]) not in args.sizes.split(",")]
     for n in args.sizes.split(","):  # written after each size: a long run leaves what it measured
         rows.append(one_size(int(n), args))
+        rows.sort(key=lambda r: r["items"])
         write(rows, args, faiss.__version__)
 
 
