@@ -60,6 +60,8 @@ HEADLINES: dict[str, Headline] = {
                                       "parts against the step time", "achieved / peak", "MFU")),
     "data_reader": Headline(0, ("layout", "reader", "samples/s", "x the step's need", "rows decoded a sample")),
     "gate": Headline(0, ("run", "train_step_ms", "gate")),
+    "eval_protocol": Headline(0, ("data", "model", "HR@10 served", "HR@10 former", "former / served HR@10"),
+                              _not("model", "popular baseline")),
     "ann_index": Headline(0, ("items", "search", "recall@100", "p50 ms", "x table"),
                           lambda r: "(chosen)" in r.get("search", "") or r.get("search", "").startswith("exact")),
     "serving_scale_ann_1m": Headline(0, ("engine", "p50 ms", "p99 ms", "recall@100")),

@@ -200,9 +200,9 @@ def sid_quality(d: dict) -> list[str]:
 
 
 def sid_quality_summary(d: dict) -> tuple[str, str]:
-    parts = [f"{r['dataset']} generative HR@10 {r['generative']['hr@10']:.4f} / NDCG@10 "
-             f"{r['generative']['ndcg@10']:.4f}; recall@100 dense {r['merged']['dense_recall@100']:.3f}, "
-             f"+ decoded 50 {r['merged']['merged_recall@100+50']:.3f}"
+    parts = [f"{r['dataset']} HR@10 {r['generative']['hr@10']:.4f} / NDCG@10 "
+             f"{r['generative']['ndcg@10']:.4f}, recall@100 {r['merged']['dense_recall@100']:.3f} dense, "
+             f"{r['merged']['merged_recall@100+50']:.3f} merged"
              for r in d["records"]]
     return "; ".join(parts), "TIGER (paper) 0.0648 / 0.0384"
 
