@@ -153,7 +153,7 @@ def capacity(target: str, payloads: list[bytes], slo_ms: float, seconds: float) 
         print(f"  capacity step {qps:g}: ok/s {r['achieved_qps']:.0f}, p99(all) {r['p99_all_ms']:.1f} ms", flush=True)
         ok = ok and r["p99_all_ms"] <= slo_ms
         within = qps if ok else within
-        if r["ok"] < 0.9 * r["sent"] or r["p99_all_ms"] > 20 * slo_ms:  # saturated: answers lag or fail
+        if r["ok"] < 0.9 * r["sent"] or r["p99_ms"] > 20 * slo_ms:  # saturated: answers lag or fail
             break
     return max(r["achieved_qps"] for r in steps), within, steps
 
@@ -224,12 +224,12 @@ def two_callers(target: str, payloads: list[bytes], cap: float, seconds: float) 
     step(target, payloads, cap / 4, seconds, 33, 1.0, beside, tenant="quiet")
     t.join()
     (p_alone, f_alone), (p_beside, f_beside) = quiet_p99(alone), quiet_p99(beside)
-    out = {"quiet_qps": cap / 4, "flood_qps": 4 * cap, "quiet_alone_p99_ms": p_alone, "quiet_alone_failed_pct": f_alone,
+    out = {"quiet_alone_codes": dict(Counter(c for _, _, c in alone)),"quiet_qps": cap / 4, "flood_qps": 4 * cap, "quiet_alone_p99_ms": p_alone, "quiet_alone_failed_pct": f_alone,
            "quiet_beside_flood_p99_ms": p_beside, "quiet_beside_flood_failed_pct": f_beside,
            "ratio": p_beside / p_alone, "quiet_codes": dict(Counter(c for _, _, c in beside)),
            "flood_codes": dict(Counter(c for _, _, c in flood))}
     print(f"  two callers: quiet p99 {p_alone:.1f} ms alone, {p_beside:.1f} ms beside a 4x flood "
-          f"({out['ratio']:.2f}x; failed {f_beside:.1f}%); flood {out['flood_codes']}", flush=True)
+          f"({out['ratio']:.2f}x; failed {f_beside:.1f}%: {out['quiet_codes']}); flood {out['flood_codes']}", flush=True)
     return out
 
 

@@ -14,6 +14,9 @@ request is decoded:
 2. :class:`Shares` (here): a caller's calls at once (``max_share`` of the handler slots, or
    its quota's ``max_concurrent``) and its rate (a token bucket, ``qps``): past either, its
    call is refused with RESOURCE_EXHAUSTED naming the caller, while other callers are admitted.
+   The share is work-conserving: it binds only while another caller has sent a call within
+   the last ``active_s`` seconds (a caller alone may use the whole server); a named quota
+   always binds.
 3. The batcher's fair queue (serve.batcher): each caller queues on its own and batches take
    calls from the callers in turn, so admitted calls of a flooding caller wait behind each
    other, not in front of everyone else's.
@@ -53,6 +56,9 @@ class FairConfig:
     # a caller's calls at once, as a fraction of the handler slots (connections.max_concurrent_rpcs):
     # one caller alone cannot take every slot, whatever it sends
     max_share: float = 0.5
+    # a caller counts as active this long after its last call; while no other caller is, one
+    # caller may hold every slot (the share is work-conserving)
+    active_s: float = 1.0
     quotas: tuple[TenantQuota, ...] = field(default_factory=tuple)  # named tenants' own limits
 
     def __post_init__(self) -> None:
@@ -97,8 +103,23 @@ class Shares:
         self.default = max(1, int(cfg.max_share * slots))
         self.quotas = {q.tenant: q for q in cfg.quotas}
         self.buckets = {q.tenant: _Bucket(q.qps, max(q.qps * q.burst_s, 1.0)) for q in cfg.quotas if q.qps > 0}
+        self.slots = slots
         self.held: dict[str, int] = {}
         self.refused: dict[str, int] = {}
+        self.seen: dict[str, float] = {}  # callers' last calls (pruned to the active ones now and then)
+        self.calls = 0
+
+    def others_active(self, caller: str, now: float) -> bool:
+        """Whether a caller other than ``caller`` sent a call within ``active_s`` seconds."""
+        since = now - self.cfg.active_s
+        return any(t >= since for c, t in self.seen.items() if c != caller)
+
+    def _seen(self, caller: str, now: float) -> None:
+        self.seen[caller] = now
+        self.calls += 1
+        if self.calls % 1024 == 0 or len(self.seen) > 4096:  # (bounded: callers come and go)
+            since = now - self.cfg.active_s
+            self.seen = {c: t for c, t in self.seen.items() if t >= since}
 
     def label(self, caller: str) -> str:
         """A bounded metrics label: the tenant's name where it has a quota, else "other"."""
@@ -108,8 +129,13 @@ class Shares:
         """Counts a call of ``caller`` in, or raises ``Overloaded`` naming the limit it passed."""
         if not self.cfg.enabled:
             return
+        now = time.monotonic()
+        self._seen(caller, now)
         quota = self.quotas.get(caller)
-        limit = quota.max_concurrent if quota and quota.max_concurrent else self.default
+        if quota and quota.max_concurrent:
+            limit = quota.max_concurrent
+        else:  # its share while others are active, else every slot
+            limit = self.default if self.others_active(caller, now) else self.slots
         held = self.held.get(caller, 0)
         if held >= limit:
             self._refuse(caller)

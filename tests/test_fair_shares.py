@@ -33,12 +33,14 @@ def test_a_caller_is_its_tenant_metadata_else_its_peer_host():
 def test_shares_bound_each_callers_calls_at_once_and_its_rate():
     cfg = FairConfig(max_share=0.25, quotas=(TenantQuota("ads", max_concurrent=3), TenantQuota("feed", qps=1.0,
                                                                                                burst_s=2.0)))
-    s = Shares(cfg, slots=16)  # 4 at once for anyone without a quota of its own
-    for _ in range(4):
-        s.acquire("peer-a")
-    with pytest.raises(Overloaded, match="'peer-a' has 4 calls"):
-        s.acquire("peer-a")
+    s = Shares(cfg, slots=16)  # 4 at once for anyone without a quota of its own ...
+    for _ in range(6):
+        s.acquire("peer-a")  # ... once another caller is active: alone, a caller may use every slot
     s.acquire("peer-b")  # another caller is not held back by peer-a
+    with pytest.raises(Overloaded, match="'peer-a' has 6 calls"):
+        s.acquire("peer-a")  # and now peer-a is past its share
+    s.release("peer-a")
+    s.release("peer-a")
     for _ in range(3):
         s.acquire("ads")
     with pytest.raises(Overloaded, match="'ads'"):
@@ -55,6 +57,22 @@ def test_shares_bound_each_callers_calls_at_once_and_its_rate():
     assert "peer-b" not in s.held
     with pytest.raises(ValueError, match="max_share"):
         FairConfig(max_share=0)
+
+
+@pytest.mark.unit
+def test_the_share_binds_only_while_another_caller_is_active():
+    s = Shares(FairConfig(max_share=0.25, active_s=0.05), slots=8)
+    s.acquire("b")
+    s.release("b")
+    s.acquire("a")
+    s.acquire("a")
+    with pytest.raises(Overloaded):
+        s.acquire("a")  # b called 0 s ago: a gets its 2
+    time.sleep(0.1)  # b has gone quiet: a may use every slot
+    for _ in range(6):
+        s.acquire("a")
+    with pytest.raises(Overloaded, match="has 8 calls"):
+        s.acquire("a")
 
 
 @pytest.mark.unit
