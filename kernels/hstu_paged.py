@@ -26,6 +26,8 @@ import torch.nn.functional as F
 
 from genrec.kernels.hstu_reference import QUERY_BLOCK, lookup, time_bucket
 
+KEY_BLOCK = 2048  # "blocked": pool slots read per step (bounds the [B', n, H, D] block in memory)
+
 
 def hstu_paged_attention(
     q: torch.Tensor,
@@ -117,6 +119,7 @@ def hstu_paged_attention_pool(
     query_times: torch.Tensor | None = None,
     hist_lengths: torch.Tensor | None = None,
     backend: str = "auto",
+    key_block: int = KEY_BLOCK,
 ) -> torch.Tensor:
     """:func:`hstu_paged_attention` with the keys and values read in place from a paged pool.
 
@@ -126,13 +129,15 @@ def hstu_paged_attention_pool(
     Other arguments and the output [Tq, H, Dv] as :func:`hstu_paged_attention`.
 
     ``backend``: "triton" reads the pool through ``slots`` block by block (no per-sequence copy;
-    ``kernels.hstu_paged_triton``); "torch" gathers ``[B, L, H, D]`` copies and runs the reference;
-    "auto": Triton on CUDA, the reference elsewhere.
+    ``kernels.hstu_paged_triton``); "blocked" (PyTorch) reads it through ``slots`` one key block
+    of ``key_block`` slots at a time (at most [B', key_block, H, D] of it in memory, never a
+    per-sequence copy of the whole history); "torch" gathers ``[B, L, H, D]`` copies and runs
+    the reference; "auto": Triton on CUDA, "blocked" elsewhere.
     """
     if time_weights is not None and (slot_times is None or query_times is None):
         raise ValueError("time_weights needs slot_times and query_times")
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"backend {backend!r}: choose auto, torch or triton")
+    if backend not in ("auto", "torch", "blocked", "triton"):
+        raise ValueError(f"backend {backend!r}: choose auto, torch, blocked or triton")
     hist = hist_lengths if hist_lengths is not None else lengths
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         from genrec.kernels.hstu_paged_triton import triton_paged_attention
@@ -140,6 +145,10 @@ def hstu_paged_attention_pool(
         return triton_paged_attention(q, k_pool, v_pool, slots, seq, index, lengths, hist, max_seq_len=max_seq_len,
                                       alpha=alpha, pos_weights=pos_weights, time_weights=time_weights,
                                       slot_times=slot_times, query_times=query_times)
+    if backend in ("auto", "blocked"):
+        return _blocked(q, k_pool, v_pool, slots, seq, index, lengths, hist, max_seq_len=max_seq_len, alpha=alpha,
+                        pos_weights=pos_weights, time_weights=time_weights, slot_times=slot_times,
+                        query_times=query_times, key_block=key_block)
     longest = int(lengths.max()) if lengths.numel() else 0
     rows = slots[:, :longest].to(torch.int64)
     key_times = slot_times[rows] if time_weights is not None and slot_times is not None else None
@@ -147,3 +156,70 @@ def hstu_paged_attention_pool(
                                 max_seq_len=max_seq_len, alpha=alpha, pos_weights=pos_weights,
                                 time_weights=time_weights, key_times=key_times, query_times=query_times,
                                 hist_lengths=hist_lengths)
+
+
+def _blocked(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, seq: torch.Tensor,
+             index: torch.Tensor, lengths: torch.Tensor, hist: torch.Tensor, *, max_seq_len: int, alpha: float,
+             pos_weights: torch.Tensor | None, time_weights: torch.Tensor | None, slot_times: torch.Tensor | None,
+             query_times: torch.Tensor | None, key_block: int) -> torch.Tensor:
+    """The pool read in place, key block by key block (``hstu_paged_attention_pool``, "blocked").
+
+    HSTU's attention is pointwise (SiLU, no softmax), so each key block's contribution is summed
+    into the output independently. Per block only the slots it reads are gathered
+    (``index_select`` of ``[B', key_block]`` slots), so the memory read per layer is the keys the
+    queries see once, without a whole-history copy. Queries are laid out per sequence [B, Qmax]
+    (serving appends a few tokens, or scores some candidates, per sequence)."""
+    tq, b = q.shape[0], slots.shape[0]
+    heads, dv = v_pool.shape[1], v_pool.shape[2]
+    out = torch.zeros(tq, heads, dv, dtype=torch.float32 if q.dtype != torch.float64 else q.dtype, device=q.device)
+    if tq == 0:
+        return out.to(q.dtype)
+    order = torch.argsort(seq, stable=True)
+    counts = torch.bincount(seq, minlength=b)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(seq)
+    rank[order] = torch.arange(tq, device=seq.device) - starts[seq[order]]
+    qmax = int(counts.max())
+    qidx = torch.full((b, qmax), -1, dtype=torch.int64, device=q.device)
+    qidx[seq, rank] = torch.arange(tq, device=q.device)
+    real = qidx >= 0
+    r = qidx.clamp(min=0)
+    pos_q = torch.where(real, index[r], -1)  # [B, Qmax]
+    ends = torch.minimum(pos_q.max(1).values + 1, lengths)  # [B] keys each sequence's queries see
+    qq = q[r].transpose(1, 2).to(out.dtype)  # [B, H, Qmax, D]
+    qi, h = pos_q[:, :, None], hist[:, None, None]
+    qt = query_times[r][:, :, None] if time_weights is not None and query_times is not None else None
+    acc = out.new_zeros(b, heads, qmax, dv)
+    scale = 1.0 / max_seq_len
+    for j0 in range(0, int(ends.max()), key_block):
+        act = torch.nonzero(ends > j0).flatten()  # sequences with keys in this block
+        every = act.numel() == b
+        j1 = min(j0 + key_block, int(ends[act].max()))
+        rows = slots[act, j0:j1].to(torch.int64)  # [b', n] the block's pool slots
+        flat = rows.reshape(-1)
+        n = j1 - j0
+        kk = k_pool.index_select(0, flat).view(act.numel(), n, heads, -1).to(out.dtype).transpose(1, 2)
+        vv = v_pool.index_select(0, flat).view(act.numel(), n, heads, dv).to(out.dtype).transpose(1, 2)
+        qa = qq if every else qq[act]
+        scores = torch.matmul(qa, kk.transpose(-1, -2)) * alpha  # [b', H, Qmax, n]
+        j = torch.arange(j0, j1, device=q.device)[None, None]
+        qa_i, ha = (qi, h) if every else (qi[act], h[act])
+        mask = (j <= qa_i) & ((j < ha) | (j == qa_i)) & (j < lengths[act][:, None, None])
+        bias = None
+        if pos_weights is not None:
+            dist = (torch.minimum(qa_i, ha) - torch.minimum(j, ha)).clamp_(0, max_seq_len - 1)
+            bias = lookup(pos_weights, dist.to(torch.int32))
+        if time_weights is not None and qt is not None and slot_times is not None:
+            kt = slot_times.index_select(0, flat).view(act.numel(), 1, n)
+            tb = lookup(time_weights, time_bucket((qt if every else qt[act]) - kt, time_weights.numel()))
+            bias = tb if bias is None else bias + tb
+        if bias is not None:
+            scores = scores + bias[:, None].to(scores.dtype)
+        attn = F.silu(scores) * (mask[:, None].to(scores.dtype) * scale)
+        if every:
+            acc += torch.matmul(attn, vv)
+        else:
+            acc[act] += torch.matmul(attn, vv)
+    res = acc.transpose(1, 2)  # [B, Qmax, H, Dv]
+    out[qidx[real]] = res[real]
+    return out.to(q.dtype)

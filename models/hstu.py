@@ -39,7 +39,7 @@ from genrec.kernels.hstu_attention import (
 )
 from genrec.kernels.hstu_bounded import hstu_bounded_attention
 from genrec.kernels.hstu_candidates import hstu_cached_attention_blocked
-from genrec.kernels.hstu_paged import hstu_paged_attention
+from genrec.kernels.hstu_paged import hstu_paged_attention, hstu_paged_attention_pool
 from genrec.kernels.jagged import lengths_to_offsets
 from genrec.models.dropout import Dropout
 
@@ -133,10 +133,16 @@ class PagedMeta:
     key_times: torch.Tensor | None  # [B, L] every token's time (cached and new); None: no time bias
     query_times: torch.Tensor | None  # [Tq]
     hist_lengths: torch.Tensor | None = None  # [B] tokens before the candidates; None: no candidates
+    # a paged pool read in place (SGLang's): the pool slot of each sequence's token j [B, L]
+    # (``req_to_token`` rows) and each slot's time [S] (None: no time bias; ``key_times`` unused).
+    # Then the store returns the layer's whole pool buffers [S, H, D], not per-sequence copies.
+    slots: torch.Tensor | None = None
+    slot_times: torch.Tensor | None = None
 
 
 # (layer, new keys [Tq, H, Dqk], new values [Tq, H, Dv]) -> that layer's keys and values of
-# every sequence, [B, L, H, D], the new ones written at their (seq, index): an engine's cache
+# every sequence, [B, L, H, D], the new ones written at their (seq, index): an engine's cache;
+# with ``PagedMeta.slots``, the layer's pool buffers [S, H, D], the new ones written at their slots
 KVStore = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -250,6 +256,12 @@ class HSTULayer(nn.Module):
                              "extend of a cached prefix); serve it without cache reuse")
         u, v, q, k = self._split(x)
         keys, values = store(index, k, v)
+        if meta.slots is not None:  # the pool read in place through the slot map (Triton on CUDA)
+            attn = hstu_paged_attention_pool(
+                q, keys, values, meta.slots, meta.seq, meta.index, meta.lengths, max_seq_len=self.max_seq_len,
+                alpha=self.alpha, pos_weights=self.pos_weights, time_weights=self.time_weights,
+                slot_times=meta.slot_times, query_times=meta.query_times, hist_lengths=meta.hist_lengths)
+            return self._gate(x, u, attn)
         attn = hstu_paged_attention(
             q, keys, values, meta.seq, meta.index, meta.lengths, max_seq_len=self.max_seq_len, alpha=self.alpha,
             pos_weights=self.pos_weights, time_weights=self.time_weights, key_times=meta.key_times,

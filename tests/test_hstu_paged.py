@@ -38,7 +38,11 @@ def _batch(hist: list[int], cands: list[int], seed: int) -> tuple[torch.Tensor, 
 
 @pytest.mark.parametrize("heads,time_bias", [(1, True), (2, True), (2, False)])
 @pytest.mark.parametrize("with_candidates", [False, True])
-def test_new_tokens_over_cached_prefix_match_one_full_pass(heads: int, time_bias: bool, with_candidates: bool) -> None:
+@pytest.mark.parametrize("layout", ["padded", "pool"])
+def test_new_tokens_over_cached_prefix_match_one_full_pass(heads: int, time_bias: bool, with_candidates: bool,
+                                                           layout: str) -> None:
+    """``layout`` "pool": the cache is one paged pool [S, H, D] with scattered slots, read in
+    place through ``PagedMeta.slots`` (SGLang's layout; the blocked CPU path), "padded": [B, L, H, D]."""
     tower = _tower(heads, time_bias)
     hist = [7, 1, 40, 300]
     cands = [3, 5, 0, 2] if with_candidates else [0, 0, 0, 0]
@@ -75,6 +79,23 @@ def test_new_tokens_over_cached_prefix_match_one_full_pass(heads: int, time_bias
                 key_times[s, : int(lengths[s])] = meta.timestamps[int(off[s]) : int(off[s + 1])]
         pm = PagedMeta(seq, index, lengths, key_times, meta.query_times[new_rows] if time_bias else None,
                        torch.tensor(hist) if with_candidates else None)
+        if layout == "pool":  # the same cache scattered over a pool's slots, read through the slot map
+            slots = torch.randperm(b * big + 11, generator=torch.Generator().manual_seed(5))[: b * big].view(b, big)
+            flat = [(kp.new_zeros(b * big + 11, *kp.shape[2:]), vp.new_zeros(b * big + 11, *vp.shape[2:]))
+                    for kp, vp in pools]
+            for (kf, vf), (kp, vp) in zip(flat, pools):
+                kf[slots], vf[slots] = kp, vp
+            slot_times = torch.zeros(b * big + 11, dtype=torch.int64)
+            if key_times is not None:
+                slot_times[slots] = key_times
+
+            def store(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: F811
+                kf, vf = flat[i]
+                kf[slots[seq, index]], vf[slots[seq, index]] = k, v
+                return kf, vf
+
+            pm = PagedMeta(seq, index, lengths, None, pm.query_times, pm.hist_lengths, slots=slots.to(torch.int32),
+                           slot_times=slot_times if time_bias else None)
         out = tower.extend_paged(x[new_rows], pm, store)
     torch.testing.assert_close(out, full[new_rows], atol=1e-5, rtol=1e-5)
 

@@ -48,8 +48,9 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("biases", ["both", "pos", "none"])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
-def test_triton_reads_the_pool_in_place_as_the_reference_gathers(name: str, biases: str,
-                                                                pool_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("backend", ["triton", "blocked"])
+def test_in_place_reads_of_the_pool_equal_the_reference_gathers(name: str, biases: str, pool_dtype: torch.dtype,
+                                                                backend: str) -> None:
     lengths, new, cands = CASES[name]
     c = _case(len(name) + len(biases), lengths, new, cands, heads=2, dq=16, dv=8, pool_dtype=pool_dtype)
     kw = dict(max_seq_len=64, alpha=0.25, pos_weights=c["pos_weights"] if biases != "none" else None,
@@ -57,7 +58,7 @@ def test_triton_reads_the_pool_in_place_as_the_reference_gathers(name: str, bias
               query_times=c["query_times"], hist_lengths=c["hist_lengths"])
     args = (c["q"], c["k_pool"], c["v_pool"], c["slots"], c["seq"], c["index"], c["lengths"])
     ref = hstu_paged_attention_pool(*args, backend="torch", **kw)
-    got = hstu_paged_attention_pool(*args, backend="triton", **kw)
+    got = hstu_paged_attention_pool(*args, backend=backend, key_block=16, **kw)  # (blocked: several key blocks)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
 

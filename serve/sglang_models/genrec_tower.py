@@ -34,6 +34,7 @@ from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
 from torch import nn
 
+from genrec.kernels import hstu_native
 from genrec.models.hstu import CachedHistory, JaggedMeta, PagedMeta
 from genrec.models.recommender import HistoryState
 from genrec.serve.engine import TorchEngine
@@ -275,14 +276,18 @@ class GenRecHSTU(nn.Module):
         seq = torch.repeat_interleave(torch.arange(len(pre)), torch.tensor(ext))
 
         def store(layer: int, kk: torch.Tensor, vv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """Writes the layer's new keys / values at their slots; hands back the pool buffers
+            [S, H, D] themselves (read in place through ``slots``: no per-layer copy)."""
             kb, vb = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
             kb[loc], vb[loc] = kk.to(kb.dtype), vv.to(vb.dtype)
-            return kb[slots], vb[slots]
+            return kb, vb
 
         if not any(pre) and self.packed.backend == "native":
             return self._encode_native(x, cols, ext, loc, pool), (slots, pool, lengths)
-        meta = PagedMeta(seq, pos, lengths, self.slot_times[slots] if m.tower.time_bias else None,
-                         torch.from_numpy(cols["qtimes"]).to(dev) if m.tower.time_bias else None)
+        tb = m.tower.time_bias
+        meta = PagedMeta(seq.to(dev), pos, lengths.to(dev), None,
+                         torch.from_numpy(cols["qtimes"]).to(dev) if tb else None, slots=slots,
+                         slot_times=self.slot_times if tb else None)
         return m.tower.extend_paged(x, meta, store), (slots, pool, lengths)
 
     def _encode_native(self, x: torch.Tensor, cols: dict, ext: list[int], loc: torch.Tensor, pool) -> torch.Tensor:  # noqa: ANN001
@@ -315,21 +320,18 @@ class GenRecHSTU(nn.Module):
         for j, i in enumerate(done):
             if payloads[i].get("ticket") is not None:  # the prompt of this user's beam (sent beside it)
                 self._keep(payloads[i], users[j].clone())
-        # the requests' histories as the candidates' extend reads them: jagged K/V from the pool
+        # the requests' histories as the candidates' extend reads them, read from the pool once,
+        # straight into the layout the scoring kernel takes ([layers, Th, H D]; no second copy)
         flat = torch.cat([slots[i, : int(lengths[i])] for i in done])
         offsets = torch.zeros(len(done) + 1, dtype=torch.int64)
         offsets[1:] = torch.cumsum(lengths[done], 0)
-        c = m.tower.kv_dims()
-        layers = [(pool.get_key_buffer(i)[flat].to(users.dtype).view(-1, c.heads, c.key_dim),
-                   pool.get_value_buffer(i)[flat].to(users.dtype).view(-1, c.heads, c.value_dim))
-                  for i in range(c.layers)]
         request = torch.tensor([payloads[i]["qtimes"][-1] for i in done], dtype=torch.int64)
         times = self.slot_times[flat] if m.tower.time_bias and self.slot_times is not None else None
+        hist = self._history(pool, flat, offsets, times, request if m.tower.time_bias else None, users.dtype)
         none = np.zeros(0, np.int64)
         ctx = self.packed.context([UserInput(none, none, none, True, 0, {n: np.asarray(v, np.int64) for n, v in
                                                                          payloads[i]["context"].items()}) for i in done])
-        state = HistoryState(CachedHistory(layers, offsets, times, request if m.tower.time_bias else None),
-                             lengths[done].clone(), ctx)
+        state = HistoryState(hist, lengths[done].clone(), ctx)
         need = [(j, _Retrieval(payloads[i]["k"], _array(payloads[i]["excluded"])))
                 for j, i in enumerate(done) if payloads[i]["k"]]
         found = eng.catalogue.top_k(users, need) if need else {}
@@ -346,6 +348,32 @@ class GenRecHSTU(nn.Module):
             pr = probs.get(j, np.zeros((0, self.tasks), np.float32))
             pos = torch.from_numpy(np.searchsorted(eng.corpus_np, ids).astype(np.int64))
             rows[part.index[i]] = encode_row(pos, torch.from_numpy(scores), torch.from_numpy(pr), ext[i])
+
+
+    def _history(self, pool, flat: torch.Tensor, offsets: torch.Tensor, times: torch.Tensor | None,  # noqa: ANN001
+                 request: torch.Tensor | None, dtype: torch.dtype) -> CachedHistory:
+        """The histories at pool slots ``flat`` [Th] (``offsets`` [d+1]) for the candidates' scoring.
+        On CPU one ``index_select`` per layer into the C++ kernel's layout [layers, Th, H D] (the
+        engine's native and PyTorch scoring both read it); elsewhere per-layer [Th, H, D] tensors."""
+        c = self.model.tower.kv_dims()
+        kb0 = pool.get_key_buffer(0)
+        if kb0.device.type == "cpu" and self.packed.backend == "native":
+            th = flat.numel()
+            k = torch.empty(c.layers, th, c.key_width, dtype=torch.float32)
+            v = torch.empty(c.layers, th, c.value_width, dtype=torch.float32)
+            for i in range(c.layers):
+                kb, vb = pool.get_key_buffer(i), pool.get_value_buffer(i)
+                if kb.dtype == torch.float32:
+                    torch.index_select(kb.view(kb.shape[0], -1), 0, flat, out=k[i])
+                    torch.index_select(vb.view(vb.shape[0], -1), 0, flat, out=v[i])
+                else:
+                    k[i], v[i] = kb.view(kb.shape[0], -1)[flat], vb.view(vb.shape[0], -1)[flat]
+            native = hstu_native.history(k, v, offsets, times, request)
+            return CachedHistory([], offsets, times, request, native)
+        layers = [(pool.get_key_buffer(i)[flat].to(dtype).view(-1, c.heads, c.key_dim),
+                   pool.get_value_buffer(i)[flat].to(dtype).view(-1, c.heads, c.value_dim))
+                  for i in range(c.layers)]
+        return CachedHistory(layers, offsets, times, request)
 
 
 def check_pool(pool) -> None:  # noqa: ANN001
