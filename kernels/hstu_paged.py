@@ -3,8 +3,9 @@
 The op behind incremental encoding (a user's history grows by a few events; a serving
 engine keeps the earlier events' keys and values): queries are only the *new* tokens, keys
 and values are each sequence's whole cache (the earlier tokens and the new ones, written
-there before the call), laid out per sequence ``[B, L, H, D]`` (an engine gathers them from
-its pool, e.g. SGLang's paged KV pool through its request-to-token map).
+there before the call), laid out per sequence ``[B, L, H, D]``; or, with
+:func:`hstu_paged_attention_pool`, read in place from a paged pool ``[S, H, D]`` through a slot
+map (SGLang's KV pool and its request-to-token map: Triton on CUDA, key blocks on CPU).
 
 Query ``i`` is token ``index[i]`` of sequence ``seq[i]``. It sees key ``j`` of its sequence
 when ``j <= index[i]`` and, where the sequence has candidates after its first
