@@ -155,7 +155,7 @@ class Tracked(SlowEngine):
         super().close()
 
 
-def hanging_build(kind: str, artifact: str, device: str, cache=None):  # noqa: ANN001, ANN201
+def hanging_build(kind: str, artifact: str, device: str, cache=None, retrieval=None):  # noqa: ANN001, ANN201
     """Builds the engine, except for an artifact folder named ``hang`` (hangs: in an engine
     process for good, in this one until RELEASE) or ``hang-child`` (waits for a child process
     that never ends, as SGLang's start waits for its scheduler's)."""
@@ -167,7 +167,7 @@ def hanging_build(kind: str, artifact: str, device: str, cache=None):  # noqa: A
         (Path(artifact).parent / "child.pid").write_text(str(child.pid))
         child.wait()
         raise RuntimeError("the child process this build waited for ended")
-    engine = Tracked(make_engine(kind, artifact, device, cache), 0.0)
+    engine = Tracked(make_engine(kind, artifact, device, cache, retrieval), 0.0)
     BUILT.append(engine)
     return engine
 
@@ -250,8 +250,8 @@ class Gated(Tracked):
         return super().run(works)
 
 
-def gated_build(kind: str, artifact: str, device: str, cache=None):  # noqa: ANN001, ANN201
-    inner = make_engine(kind, artifact, device, cache)
+def gated_build(kind: str, artifact: str, device: str, cache=None, retrieval=None):  # noqa: ANN001, ANN201
+    inner = make_engine(kind, artifact, device, cache, retrieval)
     engine = Gated(inner, 0.0) if Path(artifact).name == "old" else Tracked(inner, 0.0)
     BUILT.append(engine)
     return engine

@@ -50,6 +50,20 @@ def history(n=5, seed=0):
 CTX = {"region": [3]}
 
 
+def timed_retrieve(c: RecommenderClient, u: pb.User, results: list[tuple[str, float]]):  # noqa: ANN201
+    """A function of one ignored argument (for ``pool.map``) that retrieves 5 items for ``u`` and
+    appends (status code name, seconds) to ``results``."""
+    def one(_) -> None:  # noqa: ANN001
+        t = time.perf_counter()
+        try:
+            c.retrieve(u, k=5)
+            results.append(("OK", time.perf_counter() - t))
+        except grpc.RpcError as e:
+            results.append((e.code().name, time.perf_counter() - t))
+
+    return one
+
+
 @pytest.mark.parametrize("tower", ["hstu", "transformer"])
 def test_recommend_retrieve_rank_match_the_offline_model(artifacts, tower):
     srv = ThreadedServer(artifacts[tower])
@@ -223,14 +237,7 @@ def test_overload_is_shed_quickly_memory_stays_bounded_and_service_recovers(arti
         c = RecommenderClient(srv.target, timeout_s=10)
         u = user(history(6), CTX)
         results: list[tuple[str, float]] = []
-
-        def one(_):
-            t = time.perf_counter()
-            try:
-                c.retrieve(u, k=5)
-                results.append(("OK", time.perf_counter() - t))
-            except grpc.RpcError as e:
-                results.append((e.code().name, time.perf_counter() - t))
+        one = timed_retrieve(c, u, results)
 
         import resource
 
@@ -744,14 +751,7 @@ def test_calls_past_the_pending_bound_are_refused_by_grpc_core_while_the_front_e
         srv.loop.call_soon_threadsafe(time.sleep, 1.5)  # the front-end busy: no handler runs
         time.sleep(0.05)
         results: list[tuple[str, float]] = []
-
-        def one(_):
-            t = time.perf_counter()
-            try:
-                c.retrieve(u, k=5)
-                results.append(("OK", time.perf_counter() - t))
-            except grpc.RpcError as e:
-                results.append((e.code().name, time.perf_counter() - t))
+        one = timed_retrieve(c, u, results)
 
         with ThreadPoolExecutor(30) as pool:
             list(pool.map(one, range(30)))
