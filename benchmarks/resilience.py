@@ -63,11 +63,10 @@ def server_cpus() -> tuple[list[int], list[int]]:
 
 
 class Server:
-    """A ``genrec serve`` process: its address, the CPUs left for the load generator, and an
-    event set once its standby engine has loaded."""
+    """A ``genrec serve`` process: its address, and an event set once its standby engine has loaded."""
 
-    def __init__(self, proc: subprocess.Popen, target: str, front: list[int]) -> None:
-        self.proc, self.target, self.front = proc, target, front
+    def __init__(self, proc: subprocess.Popen, target: str) -> None:
+        self.proc, self.target = proc, target
         self.standby_ready = threading.Event()
         threading.Thread(target=self._drain, daemon=True).start()
 
@@ -82,23 +81,20 @@ class Server:
 
 
 def start(artifact: Path, extra: list[str]) -> Server:
-    """A server process, its address and the CPUs left for the load generator."""
+    """A server process on the server's CPUs (:func:`server_cpus`), once it listens."""
     cmd = [sys.executable, "-m", "genrec.cli", "serve", "--artifact", str(artifact), "--host", "127.0.0.1",
            "--port", "0", "--threads", "1", *BATCHED, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     mine, _ = server_cpus()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=lambda: os.sched_setaffinity(0, mine))
-    front: list[int] = []
     deadline = time.time() + 300
     while time.time() < deadline:
         line = proc.stdout.readline()
         if not line and proc.poll() is not None:
             raise RuntimeError(f"server exited ({proc.returncode})")
-        if m := re.search(r"front-end on CPU (\S+)", line):
-            front = [] if m.group(1) == "any" else [int(c) for c in m.group(1).split(",")]
         if m := re.search(r"on 127\.0\.0\.1:(\d+)$", line.strip()):
-            return Server(proc, f"127.0.0.1:{m.group(1)}", front)
+            return Server(proc, f"127.0.0.1:{m.group(1)}")
     proc.kill()
     raise RuntimeError("server did not start in 300 s")
 

@@ -74,7 +74,7 @@ def caller_of(metadata: tuple | None, peer: str, key: str) -> str:
     for k, v in metadata or ():
         if k == key:
             return (v if isinstance(v, str) else v.decode(errors="replace"))[:MAX_NAME]
-    host = peer.rsplit(":", 1)[0] if peer.count(":") >= 2 or peer.startswith("ipv4:") else peer
+    host = peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer  # (the port dropped: "ipv4:h:p", "ipv6:[h]:p")
     return host[:MAX_NAME]
 
 
@@ -106,20 +106,17 @@ class Shares:
         self.slots = slots
         self.held: dict[str, int] = {}
         self.refused: dict[str, int] = {}
-        self.seen: dict[str, float] = {}  # callers' last calls (pruned to the active ones now and then)
-        self.calls = 0
+        # the last call of the two callers seen most recently, newest first: whether another caller
+        # is active needs only the newest one that is not the caller (no per-caller table to scan)
+        self.recent: list[tuple[str, float]] = []
 
     def others_active(self, caller: str, now: float) -> bool:
         """Whether a caller other than ``caller`` sent a call within ``active_s`` seconds."""
         since = now - self.cfg.active_s
-        return any(t >= since for c, t in self.seen.items() if c != caller)
+        return any(c != caller and t >= since for c, t in self.recent)
 
     def _seen(self, caller: str, now: float) -> None:
-        self.seen[caller] = now
-        self.calls += 1
-        if self.calls % 1024 == 0 or len(self.seen) > 4096:  # (bounded: callers come and go)
-            since = now - self.cfg.active_s
-            self.seen = {c: t for c, t in self.seen.items() if t >= since}
+        self.recent = [(caller, now), *[(c, t) for c, t in self.recent if c != caller][:1]]
 
     def label(self, caller: str) -> str:
         """A bounded metrics label: the tenant's name where it has a quota, else "other"."""
