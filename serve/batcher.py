@@ -190,10 +190,7 @@ class Batcher:
         if self.queued >= self.cfg.max_queue:
             raise Overloaded(f"queue full ({self.cfg.max_queue} requests waiting); retry with backoff")
         fut = asyncio.get_running_loop().create_future()
-        q = self.queues.get(caller)
-        if q is None:
-            q = self.queues[caller] = collections.deque()
-        q.append((work, fut, engine if engine is not None else self.engine_fn()))
+        self._queue(caller).append((work, fut, engine if engine is not None else self.engine_fn()))
         self.queued += 1
         self.wakeup.set()
         return await (fut if timeout is None else asyncio.wait_for(fut, timeout))
@@ -209,6 +206,13 @@ class Batcher:
         end = time.monotonic() + timeout
         while self.uses(engine) and time.monotonic() < end:
             await asyncio.sleep(0.01)
+
+    def _queue(self, caller: str) -> collections.deque[tuple[Work, asyncio.Future, Engine]]:
+        """``caller``'s queue, made (last in turn) if it has none."""
+        q = self.queues.get(caller)
+        if q is None:
+            q = self.queues[caller] = collections.deque()
+        return q
 
     def _take(self) -> tuple[str, tuple[Work, asyncio.Future, Engine]]:
         """The next call in round-robin order, and its caller: the front caller's oldest; that
@@ -251,10 +255,7 @@ class Batcher:
                 continue
             batch.append((work, fut))
         for caller, item in reversed(other):  # back at the front of their callers' queues, in order
-            q = self.queues.get(caller)
-            if q is None:
-                q = self.queues[caller] = collections.deque()
-            q.appendleft(item)
+            self._queue(caller).appendleft(item)
             self.queued += 1
         return batch, engine
 
