@@ -12,16 +12,23 @@ import gc
 from genrec.serve.ann import RetrievalConfig
 from genrec.serve.contract import Engine
 from genrec.serve.kvcache import CacheConfig
+from genrec.serve.scoring import ScoringConfig
 
 
 def make_engine(kind: str, artifact: str, device: str, cache: CacheConfig | None = None,
-                retrieval: RetrievalConfig | None = None) -> Engine:
+                retrieval: RetrievalConfig | None = None, scoring: ScoringConfig | None = None) -> Engine:
     """The engine ``kind`` (torch or sglang) for ``artifact``, in this process, with the
-    K/V cache and history window of ``cache`` ([serve.cache]; None: each engine's own defaults)
-    and the catalogue search of ``retrieval`` ([serve.retrieval]).
+    K/V cache and history window of ``cache`` ([serve.cache]; None: each engine's own defaults),
+    the catalogue search of ``retrieval`` ([serve.retrieval]) and the candidates' precision of
+    ``scoring`` ([serve.scoring]).
     Engines are imported lazily: the SGLang one pulls in SGLang, which only that engine needs."""
+    scoring = scoring or ScoringConfig()
     if kind == "sglang":
         from genrec.serve.sglang_engine import SGLangEngine
+
+        if scoring.candidate_precision != "fp32":
+            raise ValueError(f"serve.scoring.candidate_precision = {scoring.candidate_precision!r}: the SGLang "
+                             "engine scores candidates in the model's precision; set fp32 or serve engine = \"torch\"")
 
         # a warm standby runtime: a fault in SGLang's scheduler fails over instead of failing calls
         if cache is None:
@@ -33,10 +40,11 @@ def make_engine(kind: str, artifact: str, device: str, cache: CacheConfig | None
                          "python -m genrec.benchmarks.naive_engine)")
     from genrec.serve.engine import TorchEngine
 
+    precision = scoring.candidate_precision
     if cache is None:
-        return TorchEngine(artifact, device=device, retrieval=retrieval)
+        return TorchEngine(artifact, device=device, retrieval=retrieval, candidate_precision=precision)
     return TorchEngine(artifact, device=device, kv_cache_mb=cache.kv_cache_mb, window_block=cache.window_block,
-                       retrieval=retrieval)
+                       retrieval=retrieval, candidate_precision=precision)
 
 
 def quiet_gc() -> None:

@@ -54,6 +54,7 @@ from genrec.serve.kvcache import CacheConfig
 from genrec.serve.loading import Loading
 from genrec.serve.metrics import ServerMetrics
 from genrec.serve.requests import MAX_DETAIL, InvalidRequest, Kind, Limits, decode, parse
+from genrec.serve.scoring import ScoringConfig
 from genrec.serve.worker import EngineProcess, EngineProcessError, ProcessSettings
 
 log = logging.getLogger("genrec.serve")
@@ -158,6 +159,8 @@ class ServeConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     # dense retrieval's search: the artifact's ANN index or exact (serve.ann.RetrievalConfig)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    # the precision a call's candidates are scored in (serve.scoring.ScoringConfig)
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
     # run the torch engine in its own process (serve.worker): no GIL shared with
     # the front-end; the SGLang engine always runs in the server process
     engine_process: bool = True
@@ -181,6 +184,9 @@ class ServeConfig:
         if self.process.retrieval != RetrievalConfig():
             raise ValueError("serve.process.retrieval is set per engine process by the server; set it in "
                              "[serve.retrieval]")
+        if self.process.scoring != ScoringConfig():
+            raise ValueError("serve.process.scoring is set per engine process by the server; set it in "
+                             "[serve.scoring]")
         if self.engine_replicas < 1:
             raise ValueError(f"serve.engine_replicas = {self.engine_replicas}; it must be at least 1")
         a = self.admin
@@ -233,7 +239,8 @@ def open_engine(cfg: ServeConfig, artifact: str, replica_cpus: Sequence[tuple[in
             for i, c in enumerate(cpus):  # one at a time; each must load the model the first did
                 engine = open_engine_process(cfg.engine, artifact, cfg.device,
                                              replace(cfg.process, cpus=c, standby=cfg.process.standby and single,
-                                                     cache=cfg.cache, retrieval=cfg.retrieval), build=build, start=False,
+                                                     cache=cfg.cache, retrieval=cfg.retrieval, scoring=cfg.scoring),
+                                             build=build, start=False,
                                              expect=engines[0].version if engines else None)
                 loading.made(engine)
                 loading.at(f"the {cfg.engine} engine process" + ("" if single else f" of replica {i} of {len(cpus)}")
@@ -247,7 +254,7 @@ def open_engine(cfg: ServeConfig, artifact: str, replica_cpus: Sequence[tuple[in
     if cfg.engine_replicas != 1:
         raise ValueError("serve.engine_replicas > 1 needs the engine in its own process (serve.engine_process = true)")
     loading.building_here(f"building the {cfg.engine} engine in this process from {artifact}")
-    built = (build or make_engine)(cfg.engine, artifact, cfg.device, cfg.cache, cfg.retrieval)
+    built = (build or make_engine)(cfg.engine, artifact, cfg.device, cfg.cache, cfg.retrieval, cfg.scoring)
     loading.made(built)  # (abandoned meanwhile: closed now, LoadAbandoned)
     return built
 

@@ -43,6 +43,7 @@ from genrec.serve.ann import RetrievalConfig
 from genrec.serve.contract import EngineBuilder, ReplicaState, Result, run_stamped
 from genrec.serve.kvcache import CacheConfig
 from genrec.serve.requests import ModelSchema, Work
+from genrec.serve.scoring import ScoringConfig
 
 log = logging.getLogger("genrec.serve")
 
@@ -75,6 +76,7 @@ class ProcessSettings:
     cache: CacheConfig = field(default_factory=CacheConfig)
     # the catalogue search ([serve.retrieval], set per process by the server like cache)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)  # ([serve.scoring], set like cache)
 
 
 def plan_cpus(spec: str, threads: int, available: tuple[int, ...],
@@ -182,7 +184,7 @@ def _child(conn: Connection, kind: str, artifact: str, device: str, settings: Pr
         torch.set_num_threads(settings.threads)
     torch.set_float32_matmul_precision(settings.matmul_precision)
     try:
-        engine = (build or make_engine)(kind, artifact, device, settings.cache, settings.retrieval)
+        engine = (build or make_engine)(kind, artifact, device, settings.cache, settings.retrieval, settings.scoring)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", e))
         return

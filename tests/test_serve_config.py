@@ -15,6 +15,7 @@ from genrec.serve.ann import RetrievalConfig
 from genrec.serve.batcher import BatchConfig
 from genrec.serve.cli import ServeFile, engine_cpus, serve_config
 from genrec.serve.kvcache import CacheConfig
+from genrec.serve.scoring import ScoringConfig
 from genrec.serve.server import ServeConfig, open_engine
 from genrec.serve.worker import ProcessSettings
 
@@ -94,21 +95,43 @@ def test_every_key_has_a_default():
     walk(ServeConfig)
 
 
-def test_the_cache_and_retrieval_sections_reach_the_engine_in_process_and_in_an_engine_process(monkeypatch):
-    """[serve.cache] and [serve.retrieval] are what make_engine gets: directly in-process,
-    through each engine process's ProcessSettings (the child builds its engine from those) otherwise."""
+def test_the_cache_retrieval_and_scoring_sections_reach_the_engine_in_process_and_in_an_engine_process(
+        monkeypatch):
+    """[serve.cache], [serve.retrieval] and [serve.scoring] are what make_engine gets: directly
+    in-process, through each engine process's ProcessSettings (the child builds its engine from
+    those) otherwise."""
     import genrec.serve.server as server
 
     cache = CacheConfig(kv_cache_mb=8.0, window_block=4, pool_tokens=512)
     retrieval = RetrievalConfig(search="exact", nprobe=3)
+    scoring = ScoringConfig(candidate_precision="bf16")
     seen = []
-    monkeypatch.setattr(server, "make_engine", lambda kind, art, device, c, r: seen.append((c, r)) or "engine")
+    monkeypatch.setattr(server, "make_engine", lambda kind, art, device, c, r, s: seen.append((c, r, s)) or "engine")
     proc = SimpleNamespace(start=lambda: None, close=lambda: None)  # (made unstarted, then started: serve.loading)
     monkeypatch.setattr(server, "open_engine_process", lambda kind, art, device, settings, **kw: seen.append(settings) or proc)
-    assert open_engine(ServeConfig(engine_process=False, cache=cache, retrieval=retrieval), "a") == "engine"
-    assert open_engine(ServeConfig(cache=cache, retrieval=retrieval), "a") is proc
-    assert seen[0] == (cache, retrieval) and seen[1].cache == cache and seen[1].retrieval == retrieval
+    assert open_engine(ServeConfig(engine_process=False, cache=cache, retrieval=retrieval, scoring=scoring), "a") == "engine"
+    assert open_engine(ServeConfig(cache=cache, retrieval=retrieval, scoring=scoring), "a") is proc
+    assert seen[0] == (cache, retrieval, scoring)
+    assert seen[1].cache == cache and seen[1].retrieval == retrieval and seen[1].scoring == scoring
     assert seen[1].standby
+
+
+def test_candidate_precision_is_checked_at_config_load_and_reaches_the_torch_engine(monkeypatch):
+    """A bad precision is refused naming the key; bf16 reaches TorchEngine; the SGLang engine,
+    which scores in the model's precision, refuses anything else instead of ignoring it."""
+    import genrec.serve.engine as engine_mod
+    from genrec.serve.factory import make_engine
+
+    with pytest.raises(ConfigError, match="serve.scoring.candidate_precision"):
+        _cfg("--artifact", "a", '--serve.scoring.candidate_precision="fp8"')
+    assert _cfg("--artifact", "a", '--serve.scoring.candidate_precision="bf16"').scoring.candidate_precision == "bf16"
+    got = []
+    monkeypatch.setattr(engine_mod, "TorchEngine", lambda art, **kw: got.append(kw["candidate_precision"]) or "engine")
+    make_engine("torch", "a", "cpu", CacheConfig(), None, ScoringConfig(candidate_precision="bf16"))
+    make_engine("torch", "a", "cpu", None, None, ScoringConfig(candidate_precision="auto"))
+    assert got == ["bf16", "auto"]
+    with pytest.raises(ValueError, match="SGLang engine scores candidates"):
+        make_engine("sglang", "a", "cpu", None, None, ScoringConfig(candidate_precision="bf16"))
 
 
 def test_retrieval_search_is_checked_at_config_load():

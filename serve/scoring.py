@@ -1,0 +1,33 @@
+"""``[serve.scoring]``: the precision candidates are scored in (serve.engine.TorchEngine).
+
+A module of its own, importing nothing heavy, so that the server's config (serve.server), the
+engine processes' settings (serve.worker) and the engine factory can name it without loading
+the model code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Precision = Literal["fp32", "bf16", "auto"]
+
+
+@dataclass(frozen=True)
+class ScoringConfig:
+    """``[serve.scoring]``: ``candidate_precision`` is the precision of the attention GEMMs that
+    score a call's candidates against the user's cached keys and values (the packed path,
+    ``kernels.hstu_candidates``): "fp32" (the model's own), "bf16" (inputs rounded to bf16,
+    fp32 accumulation: about twice fp32's rate on CPUs with AVX512-BF16 or AMX, which is what
+    ranking thousands of candidates against 10^3-10^4 cached events is bound by), or "auto"
+    (bf16 where the CPU has either). The default is fp32: bf16 moved probabilities by up to
+    4e-4 on the ML-1M ranking model (benchmarks/notes/2026-12-04-ultra-long-histories.md), which an ads pipeline that
+    prices on the probability should choose knowingly. The SGLang engine scores in the model's
+    precision and refuses any other."""
+
+    candidate_precision: Precision = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.candidate_precision not in ("fp32", "bf16", "auto"):
+            raise ValueError(f"serve.scoring.candidate_precision = {self.candidate_precision!r}; "
+                             "choose fp32, bf16 or auto")
