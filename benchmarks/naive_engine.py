@@ -28,6 +28,7 @@ from genrec.serve.layout import collate_users
 from genrec.serve.ranking import given, ranked_result, retrieved_result
 from genrec.serve.requests import Work
 from genrec.serve.retrieval import channels
+from genrec.serve.scoring import ScoringConfig
 
 
 class NaiveTorchEngine(TorchEngine):
@@ -67,9 +68,13 @@ class NaiveTorchEngine(TorchEngine):
 
 
 def make(kind: str, artifact: str, device: str, cache: CacheConfig | None = None,
-         retrieval: RetrievalConfig | None = None) -> Engine:
+         retrieval: RetrievalConfig | None = None, scoring: ScoringConfig | None = None) -> Engine:
     """The naive engine for ``artifact`` (an engine builder: ``serve.worker.EngineProcess(build=)``):
-    the same history window as the server's cache config, no cache; the server's catalogue search."""
+    the same history window as the server's cache config, no cache; the server's catalogue search;
+    candidates in the model's precision (another ``scoring`` is refused)."""
+    if scoring is not None and scoring.candidate_precision != "fp32":
+        raise ValueError("the naive engine scores candidates in the model's precision: serve.scoring.candidate_precision "
+                         "must be fp32")
     return NaiveTorchEngine(artifact, device=device, window_block=cache.window_block if cache else 1,
                             retrieval=retrieval)
 

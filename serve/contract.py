@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from genrec.serve.ann import RetrievalConfig
     from genrec.serve.kvcache import CacheConfig
     from genrec.serve.requests import ModelSchema, Work
+    from genrec.serve.scoring import ScoringConfig
 
 
 @dataclass
@@ -157,7 +158,7 @@ class EngineBuilder(Protocol):
     baseline). An engine process calls it in the child: it must pickle (a module-level function)."""
 
     def __call__(self, kind: str, artifact: str, device: str, cache: CacheConfig | None = None,
-                 retrieval: RetrievalConfig | None = None) -> Engine: ...
+                 retrieval: RetrievalConfig | None = None, scoring: ScoringConfig | None = None) -> Engine: ...
 
 
 def run_stamped(engine: Runs, works: list[Work]) -> list[Result]:

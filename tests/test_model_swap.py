@@ -155,7 +155,7 @@ class Tracked(SlowEngine):
         super().close()
 
 
-def hanging_build(kind: str, artifact: str, device: str, cache=None, retrieval=None):  # noqa: ANN001, ANN201
+def hanging_build(kind: str, artifact: str, device: str, cache=None, retrieval=None, scoring=None):  # noqa: ANN001, ANN201
     """Builds the engine, except for an artifact folder named ``hang`` (hangs: in an engine
     process for good, in this one until RELEASE) or ``hang-child`` (waits for a child process
     that never ends, as SGLang's start waits for its scheduler's)."""
@@ -250,7 +250,7 @@ class Gated(Tracked):
         return super().run(works)
 
 
-def gated_build(kind: str, artifact: str, device: str, cache=None, retrieval=None):  # noqa: ANN001, ANN201
+def gated_build(kind: str, artifact: str, device: str, cache=None, retrieval=None, scoring=None):  # noqa: ANN001, ANN201
     inner = make_engine(kind, artifact, device, cache, retrieval)
     engine = Gated(inner, 0.0) if Path(artifact).name == "old" else Tracked(inner, 0.0)
     BUILT.append(engine)
