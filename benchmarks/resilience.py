@@ -10,8 +10,8 @@ this load generator to the others, so that the generator does not take the serve
   loads that stops once it answers less than 90% of what is offered (beside it, the highest
   step within the p99 budget, ``--slo-p99-ms``);
 * overload: 2x, 4x and 8x that capacity offered for ``--overload-s`` each, against the default
-  server and, side by side, one with the former defaults (64 handler slots, gRPC's own
-  pending bound of 1000, no per-caller shares): goodput (answered calls per second, and those
+  server and, side by side, the thread-pool listener (``front_end = "threads"``) and the former
+  defaults (64 handler slots, gRPC's own pending bound of 1000, no per-caller shares): goodput (answered calls per second, and those
   within 2x the budget) as a multiple of capacity, how fast refusals came back, the answered
   calls' p99, the server's memory, the generator's own lateness;
 * recovery: right after the 8x spike, half of capacity: when the p99 of 250 ms windows is back
@@ -54,6 +54,9 @@ BATCHED = ["--serve.batch.max_batch=32", "--serve.batch.max_wait_ms=0", "--serve
 # the listener and caller limits before issue 46 (gRPC's own pending bound: a soft 1000)
 FORMER = ["--serve.connections.max_concurrent_rpcs=64", "--serve.connections.max_pending_calls=1000",
           "--serve.fair.enabled=false"]
+# the thread-pool listener (serve.frontend): gRPC refuses past the handler slots on its polling thread
+THREADS = ["--serve.connections.front_end=threads"]
+SERVERS = {"default": [], "threads front-end": THREADS, "former defaults": FORMER}
 
 
 def server_cpus() -> tuple[list[int], list[int]]:
@@ -297,6 +300,8 @@ def main() -> None:
     ap.add_argument("--overload-s", type=float, default=10.0)
     ap.add_argument("--out", default="runs/benchmarks/serving")
     ap.add_argument("--workload", help="JSONL requests (genrec loadtest --make-workload; default: ML-1M's)")
+    ap.add_argument("--servers", default=",".join(SERVERS), help="the server configurations, side by side")
+    ap.add_argument("--skip-crash", action="store_true", help="leave out the engine kill and shutdown runs")
     args = ap.parse_args()
     artifact, payloads = artifact_and_requests(Path(args.out), args.artifact)
     if args.workload:
@@ -306,7 +311,8 @@ def main() -> None:
     servers: dict[str, dict] = {}
     cap = within = 0.0
     steps: list[dict] = []
-    for name, extra in (("default", []), ("former defaults", FORMER)):
+    for name in args.servers.split(","):
+        extra = SERVERS[name]
         print(f"{name}:", flush=True)
         srv = start(artifact, extra)
         try:
@@ -321,10 +327,13 @@ def main() -> None:
     payload = {"date": today(), "machine": machine(), "artifact": str(artifact), "slo_p99_ms": args.slo_p99_ms,
                "pinning": {"server_cpus": mine, "generator_cpus": generator},
                "capacity_qps": cap, "capacity_within_slo_qps": within, "capacity_steps": steps,
-               "servers": servers, "engine_kill": engine_kill(artifact, payloads, cap, 15.0),
-               "shutdown": shutdown(artifact, payloads, cap, 12.0)}
-    write_json("resilience", payload)
-    update_results_md()
+               "servers": servers}
+    if args.skip_crash:  # (a probe: its JSON stays under --out)
+        (Path(args.out) / "resilience-probe.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    else:
+        payload.update(engine_kill=engine_kill(artifact, payloads, cap, 15.0), shutdown=shutdown(artifact, payloads, cap, 12.0))
+        write_json("resilience", payload)
+        update_results_md()
     print(json.dumps({k: v for k, v in payload.items() if k != "servers"}, indent=1, default=str)[:2000])
 
 

@@ -29,6 +29,7 @@ proxy) where callers are not trusted; what this bounds is how much of the server
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -96,7 +97,8 @@ class _Bucket:
 
 class Shares:
     """Calls each caller holds now, and its rate; :meth:`acquire` before the work,
-    :meth:`release` after (in a ``finally``). Runs on the event loop: no locks."""
+    :meth:`release` after (in a ``finally``). Called from the event loop and, with the
+    thread-pool listener (serve.frontend), from its handler threads: one lock around each."""
 
     def __init__(self, cfg: FairConfig, slots: int) -> None:
         self.cfg = cfg
@@ -109,6 +111,7 @@ class Shares:
         # the last call of the two callers seen most recently, newest first: whether another caller
         # is active needs only the newest one that is not the caller (no per-caller table to scan)
         self.recent: list[tuple[str, float]] = []
+        self.lock = threading.Lock()
 
     def others_active(self, caller: str, now: float) -> bool:
         """Whether a caller other than ``caller`` sent a call within ``active_s`` seconds."""
@@ -126,6 +129,10 @@ class Shares:
         """Counts a call of ``caller`` in, or raises ``Overloaded`` naming the limit it passed."""
         if not self.cfg.enabled:
             return
+        with self.lock:
+            self._acquire(caller)
+
+    def _acquire(self, caller: str) -> None:
         now = time.monotonic()
         self._seen(caller, now)
         quota = self.quotas.get(caller)
@@ -146,11 +153,12 @@ class Shares:
     def release(self, caller: str) -> None:
         if not self.cfg.enabled:
             return
-        held = self.held.get(caller, 0) - 1
-        if held > 0:
-            self.held[caller] = held
-        else:
-            self.held.pop(caller, None)  # (callers come and go: the dict holds only those in the server)
+        with self.lock:
+            held = self.held.get(caller, 0) - 1
+            if held > 0:
+                self.held[caller] = held
+            else:
+                self.held.pop(caller, None)  # (callers come and go: the dict holds only those in the server)
 
     def _refuse(self, caller: str) -> None:
         key = self.label(caller)

@@ -33,7 +33,7 @@ import math
 import multiprocessing as mp
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, cast, get_args
@@ -50,6 +50,7 @@ from genrec.serve.batcher import BatchConfig, Batcher, DeadlineExceeded, Overloa
 from genrec.serve.contract import Engine, EngineBuilder, Result
 from genrec.serve.factory import make_engine, quiet_gc
 from genrec.serve.failover import EnginePool, FailoverEngine, open_engine_process
+from genrec.serve.frontend import FrontEnd, Health, ThreadListener
 from genrec.serve.kvcache import CacheConfig
 from genrec.serve.loading import Loading
 from genrec.serve.metrics import ServerMetrics
@@ -126,6 +127,15 @@ class ConnectionConfig:
     # a burst of calls arriving together is pending until taken even on an idle server: keep the
     # bound above the largest burst a healthy caller sends (8 refused some of a 16-call burst)
     max_pending_calls: int = 32
+    # which gRPC server takes the calls: "aio" (grpc.aio: every call, refused or not, runs Python
+    # on the event loop, ~250 us of CPU) or "threads" (gRPC's thread-pool server, one thread per
+    # handler slot, calls handed to the event loop; past max_concurrent_rpcs gRPC refuses on its
+    # polling thread at ~50 us a call: serve.frontend)
+    front_end: FrontEnd = "aio"
+
+    def __post_init__(self) -> None:
+        if self.front_end not in get_args(FrontEnd):
+            raise ValueError(f"serve.connections.front_end = {self.front_end!r}; choose aio or threads")
     max_message_bytes: int = 0
     keepalive_time_s: float = 60.0  # ping an idle connection this often ...
     keepalive_timeout_s: float = 20.0  # ... and close it if the ping goes unanswered this long
@@ -379,7 +389,13 @@ class RecommenderServer:
         self.admin_server: grpc.aio.Server | None = None
         self.batcher: Batcher | None = None
         self.shares = Shares(cfg.fair, cfg.connections.max_concurrent_rpcs)
-        self.health = health.aio.HealthServicer()
+        # the listener's kind of health servicer (the server awaits the same two coroutines of either)
+        self.health: Health | health.aio.HealthServicer
+        if cfg.connections.front_end == "threads":
+            self.health = Health()
+            self.health_servicer: Any = self.health.servicer
+        else:
+            self.health = self.health_servicer = health.aio.HealthServicer()
         self.port = self.admin_port = 0
         self.artifact_root = Path(cfg.admin.artifact_root or Path(artifact).resolve().parent).resolve()
         self._reloading = asyncio.Lock()
@@ -394,14 +410,22 @@ class RecommenderServer:
         self.batcher = Batcher(lambda: self.engine, batch, self.metrics.on_batch)
         self.batcher.start()
         conn = self.cfg.connections
-        self.server = grpc.aio.server(options=_server_options(conn, self.cfg.limits),
-                                      maximum_concurrent_rpcs=conn.max_concurrent_rpcs)
         kinds: dict[str, Kind] = {"Recommend": "recommend", "Retrieve": "retrieve", "Rank": "rank"}
-        handlers = {m: grpc.unary_unary_rpc_method_handler(self._handler(k)) for m, k in kinds.items()}
-        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(RECOMMENDER, handlers),))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        options = _server_options(conn, self.cfg.limits)
+        grpc_server: Any  # what the services are registered on: grpc.aio.Server or grpc.Server
+        if conn.front_end == "threads":  # (serve.frontend: why)
+            listener = ThreadListener(options, conn.max_concurrent_rpcs, asyncio.get_running_loop())
+            handlers = {m: grpc.unary_unary_rpc_method_handler(self._threaded(k, listener.loop))
+                        for m, k in kinds.items()}
+            self.server, grpc_server = cast(grpc.aio.Server, listener), listener.server
+        else:
+            self.server = grpc_server = grpc.aio.server(options=options,
+                                                        maximum_concurrent_rpcs=conn.max_concurrent_rpcs)
+            handlers = {m: grpc.unary_unary_rpc_method_handler(self._handler(k)) for m, k in kinds.items()}
+        grpc_server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(RECOMMENDER, handlers),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health_servicer, grpc_server)
         names = (RECOMMENDER, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, self.server)
+        reflection.enable_server_reflection(names, grpc_server)
         self.port = _bind(self.server, self.cfg.host, self.cfg.port, self.cfg.tls)
         if self.admin_token is not None:
             await self._start_admin()
@@ -520,33 +544,43 @@ class RecommenderServer:
     # ----- handlers -------------------------------------------------------------------------
     def _handler(self, kind: Kind):  # noqa: ANN202 - an async gRPC handler
         async def handle(data: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            t0 = time.monotonic()
-            code = grpc.StatusCode.OK
-            try:
-                return await self._serve(kind, data, context, t0)
-            except InvalidRequest as e:  # INVALID_ARGUMENT, or what the class says (ModelCannot)
-                code, msg = grpc.StatusCode[e.status], str(e)
-            except Overloaded as e:
-                code, msg = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
-            except (DeadlineExceeded, TimeoutError):
-                code, msg = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the request was served"
-            except (ShuttingDown, EngineProcessError) as e:  # (an engine that died: retry)
-                code, msg = grpc.StatusCode.UNAVAILABLE, str(e)
-            except asyncio.CancelledError:
-                code = grpc.StatusCode.CANCELLED
-                raise
-            except Exception as e:  # noqa: BLE001 - a bug must not take the server down
-                log.exception("%s failed", kind)
-                code, msg = grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}"
-            finally:
-                self.metrics.requests.labels(kind, code.name).inc()
-                self.metrics.latency.labels(kind).observe(time.monotonic() - t0)
-            await context.abort(code, bounded(msg))
+            code, out = await self._outcome(kind, data, context)
+            if code == grpc.StatusCode.OK:
+                return out
+            await context.abort(code, out)
             raise AssertionError("context.abort returned")  # (it raises: not reached)
 
         return handle
 
-    async def _serve(self, kind: Kind, data: bytes, context: grpc.aio.ServicerContext, t0: float) -> bytes:
+    async def _outcome(self, kind: Kind, data: bytes, context: Any,
+                       caller: str | None = None) -> tuple[grpc.StatusCode, Any]:
+        """One call, served: (OK, the response's bytes) or (its status, a bounded message). On
+        the event loop, whichever listener took the call (``context``: its servicer context;
+        ``caller``: whose share the thread-pool listener took for it)."""
+        t0 = time.monotonic()
+        code = grpc.StatusCode.OK
+        try:
+            return code, await self._serve(kind, data, context, t0, caller)
+        except InvalidRequest as e:  # INVALID_ARGUMENT, or what the class says (ModelCannot)
+            code, msg = grpc.StatusCode[e.status], str(e)
+        except Overloaded as e:
+            code, msg = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
+        except (DeadlineExceeded, TimeoutError):
+            code, msg = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the request was served"
+        except (ShuttingDown, EngineProcessError) as e:  # (an engine that died: retry)
+            code, msg = grpc.StatusCode.UNAVAILABLE, str(e)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug must not take the server down
+            log.exception("%s failed", kind)
+            code, msg = grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}"
+        finally:
+            self.metrics.requests.labels(kind, code.name).inc()
+            self.metrics.latency.labels(kind).observe(time.monotonic() - t0)
+        return code, bounded(msg)
+
+    async def _serve(self, kind: Kind, data: bytes, context: Any, t0: float, caller: str | None = None) -> bytes:
         remaining = context.time_remaining()
         budget = self.cfg.default_timeout_ms / 1e3 if remaining is None or math.isinf(remaining) else remaining
         budget = min(budget, self.cfg.limits.max_deadline_ms / 1e3)  # clamped, not refused: we just won't hold it longer
@@ -554,17 +588,49 @@ class RecommenderServer:
         batcher = self.batcher
         if batcher is None:
             raise ShuttingDown("the server has not started")
-        caller = caller_of(context.invocation_metadata(), context.peer(), self.cfg.fair.metadata_key)
-        try:
-            self.shares.acquire(caller)  # its share of the server, then the server's admission
-        except Overloaded:
-            self.metrics.refused_callers.labels(self.shares.label(caller)).inc()
-            raise
+        if caller is not None:  # (its share taken on the thread-pool listener's handler thread)
+            batcher.admit(deadline, caller)
+            return await self._run(kind, data, batcher, deadline, caller, t0)
+        caller = self._caller(context)
+        self._take_share(caller)  # its share of the server, then the server's admission
         try:
             batcher.admit(deadline, caller)  # before decoding: a refusal costs next to nothing
             return await self._run(kind, data, batcher, deadline, caller, t0)
         finally:
             self.shares.release(caller)
+
+    def _caller(self, context: Any) -> str:
+        return caller_of(context.invocation_metadata(), context.peer(), self.cfg.fair.metadata_key)
+
+    def _take_share(self, caller: str) -> None:
+        """The caller's share (serve.admission.Shares), or Overloaded naming it (counted)."""
+        try:
+            self.shares.acquire(caller)
+        except Overloaded:
+            self.metrics.refused_callers.labels(self.shares.label(caller)).inc()
+            raise
+
+    def _threaded(self, kind: Kind, loop: asyncio.AbstractEventLoop) -> Callable[[bytes, grpc.ServicerContext], bytes]:
+        """The thread-pool listener's handler (serve.frontend), on one of its threads: a caller
+        past its share is refused here, without the event loop (which may be what is busy); the
+        others are served by the same coroutine as on the aio listener, on the loop."""
+        def handle(data: bytes, context: grpc.ServicerContext) -> bytes:
+            caller = self._caller(context)
+            try:
+                self._take_share(caller)
+            except Overloaded as e:
+                self.metrics.requests.labels(kind, "RESOURCE_EXHAUSTED").inc()
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, bounded(str(e)))
+            try:
+                code, out = asyncio.run_coroutine_threadsafe(self._outcome(kind, data, context, caller), loop).result()
+            finally:
+                self.shares.release(caller)
+            if code == grpc.StatusCode.OK:
+                return out
+            context.abort(code, out)
+            raise AssertionError("context.abort returned")  # (it raises: not reached)
+
+        return handle
 
     async def _run(self, kind: Kind, data: bytes, batcher: Batcher, deadline: float, caller: str, t0: float) -> bytes:
         engine = self.engine

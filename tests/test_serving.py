@@ -28,7 +28,13 @@ from genrec.serve.batcher import BatchConfig
 from genrec.serve.engine import TorchEngine
 from genrec.serve.failover import EnginePool
 from genrec.serve.requests import Limits
-from genrec.serve.server import SGLANG_INFLIGHT, ServeConfig, batch_inflight, open_engine
+from genrec.serve.server import (
+    RECOMMENDER,
+    SGLANG_INFLIGHT,
+    ServeConfig,
+    batch_inflight,
+    open_engine,
+)
 from genrec.serve.worker import EngineProcess, ProcessSettings, plan_cpus
 from tests.serving_helpers import SlowEngine, ThreadedServer, local_config, tiny_ranking_artifact
 
@@ -759,5 +765,34 @@ def test_calls_past_the_pending_bound_are_refused_by_grpc_core_while_the_front_e
         assert len(fast) >= 25 and set(fast) == {"CANCELLED"}, results  # refused, not left to expire
         time.sleep(1.6)
         assert len(c.retrieve(u, k=5).items) == 5  # the front-end back: served again
+    finally:
+        srv.stop()
+
+
+def test_the_thread_pool_front_end_refuses_past_its_slots_at_once_while_the_loop_is_busy(artifacts):
+    """``connections.front_end = "threads"``: gRPC's thread-pool server refuses a call past
+    ``max_concurrent_rpcs`` on its polling thread (RESOURCE_EXHAUSTED), without the event loop.
+    The core's pending bound is set out of the way (1000): on the aio listener the same calls
+    wait in the core for their deadline while the loop is blocked."""
+    conn = replace(local_config().connections, front_end="threads", max_concurrent_rpcs=4, max_pending_calls=1000)
+    srv = ThreadedServer(artifacts["hstu"], local_config(connections=conn))
+    try:
+        c = RecommenderClient(srv.target, timeout_s=1.0)
+        u = user(history(6), CTX)
+        c.retrieve(u, k=5)  # connected and warm
+        srv.loop.call_soon_threadsafe(time.sleep, 1.5)  # the event loop busy: no call is served
+        time.sleep(0.05)
+        results: list[tuple[str, float]] = []
+        one = timed_retrieve(c, u, results)
+
+        with ThreadPoolExecutor(30) as pool:
+            list(pool.map(one, range(30)))
+        fast = [code for code, t in results if t < 0.5]
+        assert len(fast) >= 24 and set(fast) == {"RESOURCE_EXHAUSTED"}, results  # refused, not left to expire
+        time.sleep(1.6)
+        assert len(c.retrieve(u, k=5).items) == 5  # the loop back: served again
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(srv.target))
+        assert health.Check(health_pb2.HealthCheckRequest(service=RECOMMENDER)).status == \
+            health_pb2.HealthCheckResponse.SERVING
     finally:
         srv.stop()
