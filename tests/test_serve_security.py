@@ -351,8 +351,10 @@ def test_sigterm_under_load_with_a_load_in_progress_answers_admitted_calls_and_e
             w.join(30)
         loading.join(30)
         assert "OK" in codes
-        # admitted calls were answered; later ones were refused as the server went away
-        assert set(codes) <= {"OK", "UNAVAILABLE", "CANCELLED"}, set(codes)
+        # admitted calls were answered; later ones were refused as the server went away, or by
+        # admission while the new engine process loaded beside the serving one on a busy host
+        # (RESOURCE_EXHAUSTED: a refusal before any work, never a dropped admitted call)
+        assert set(codes) <= {"OK", "UNAVAILABLE", "CANCELLED", "RESOURCE_EXHAUSTED"}, set(codes)
         time.sleep(0.5)
         assert not [k for k in kids if Path(f"/proc/{k}").exists() and "zombie" not in _state(k)], "engine left running"
     finally:
