@@ -36,15 +36,17 @@ vector. Candidates never enter the pool: they are scored in the same forward aga
 history's pooled keys / values.
 
 What the radix cache keeps: a user's entries under the cache salt ``u:<user id>`` at priority 1
-(SGLang's "priority" eviction policy); requests nobody can match again (no user id, a beam's
-prompt registration) under a salt of their own at priority 0: evicted before any user's.
+(SGLang's "priority" eviction policy); requests nobody can match again (no user id, a decode from
+a given vector) under a salt of their own at priority 0: evicted before any user's.
 
-Generative retrieval (a model with a semantic-ID decoder; ``serve/sglang_models/sid_steps.py``):
-a work whose source is generative (or both) also sends a *beam*: a one-token request (its
-ticket) decoded by SGLang's built-in beam search over a vocabulary of trie nodes; its prompt
-(the user vector, computed by the work's tower request in the same batch) waits in the model
-under the ticket; a beam scheduled ahead of its tower request answers "retry" and is sent again.
-Choice and figures: benchmarks/notes/2026-12-03-sid-sglang.md.
+Generative retrieval (a model with a semantic-ID decoder): the work's one request asks for the
+beam too (payload ``beam``); the model decodes it from the user vector in the same forward with
+the torch engine's own ``serve.retrieval.generate`` (``SIDDecoder.beam_search``), fuses it with
+the dense top-k for source "both" and ranks the result when the work ranks: one SGLang request
+per work, as for dense retrieval. ``generate`` (a given user vector) is one one-token request
+per work whose payload carries the vector. Choice and figures:
+benchmarks/notes/2026-12-05-sid-sglang-fast.md (the built-in beam search it replaced:
+2026-12-03-sid-sglang.md).
 
 Faults (``serve.sglang_runtime``): a failed forward fails its call (INTERNAL, ``ModelForwardError``
 naming the reason) and the user's cached entries are not matched again; a runtime whose process
@@ -55,7 +57,6 @@ SGLang requests aborted (DEADLINE_EXCEEDED).
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import secrets
@@ -82,16 +83,7 @@ from genrec.serve.packed import packed_covers
 from genrec.serve.ranking import Ranking
 from genrec.serve.requests import Work
 from genrec.serve.retrieval import merge_sources
-from genrec.serve.sglang_models.codec import (
-    ERROR_INFO,
-    FAILED,
-    PAYLOAD,
-    SID_INFO,
-    TICKET_BASE,
-    VOCAB,
-    decode_row,
-)
-from genrec.serve.sglang_models.sid_steps import SIDVocab
+from genrec.serve.sglang_models.codec import ERROR_INFO, FAILED, PAYLOAD, VOCAB, Answer, decode_row
 
 log = logging.getLogger("genrec.serve.sglang")
 CALL_TIMEOUT_S = 60.0  # the bound on a call whose works carry no deadline (a direct caller's)
@@ -159,13 +151,12 @@ def event_token_ids(key: bytes, items: np.ndarray, actions: np.ndarray, times: n
 
 @dataclass
 class _Req:
-    """One SGLang request: token ids, genrec's payload (None: a semantic-ID beam), its cache
-    salt, a beam's width, and whether its entries can be matched again (a user's)."""
+    """One SGLang request: token ids, genrec's payload, its cache salt, and whether its entries
+    can be matched again (a user's)."""
 
     ids: list[int]
-    payload: dict | None
+    payload: dict
     key: str
-    beam: int = 0
     keep: bool = False
 
 
@@ -185,9 +176,8 @@ class SGLangEngine(InProcessEngine):
     chunk; ``threads``: the model's intra-op threads in SGLang's scheduler (one: its many small ops
     stall on an OpenMP barrier whenever a core is busy elsewhere; 0: torch's default).
     A model with a semantic-ID decoder also decodes beams (``generate``; ``run`` for works whose
-    source is generative or both): ``max_beam``: the widest beam (the vocabulary carries
-    2 x max_beam padding ids); ``beam_rows``: req-to-token rows added for the beams in flight
-    (a beam of k holds k). ``standby``: keep a second SGLang runtime warm that takes over at
+    source is generative or both), in the model's forward: ``max_beam``: the widest beam a
+    request may ask for. ``standby``: keep a second SGLang runtime warm that takes over at
     once if the active one's process ends (its own pool: twice the memory; the server's
     factory turns it on); without, calls fail UNAVAILABLE until a new runtime is up."""
 
@@ -196,7 +186,7 @@ class SGLangEngine(InProcessEngine):
 
     def __init__(self, artifact: str | Path, device: str = "cpu", pool_tokens: int = 262144, window_block: int = 1,
                  chunk_tokens: int = 4096, max_running: int = 64, threads: int = 1, max_beam: int = 256,
-                 beam_rows: int = 1024, standby: bool = False) -> None:
+                 standby: bool = False) -> None:
         served = read_served(artifact)
         if not packed_covers(served.model, served.embedding):
             raise ValueError("the SGLang engine serves HSTU models with the summed action encoding; "
@@ -218,13 +208,9 @@ class SGLangEngine(InProcessEngine):
         self._key = secrets.token_bytes(16)  # event token ids' hash key: this engine's only
         self._salted: dict[str, int] = {}  # user id -> generation of its cache salt (after a failed forward)
         self._generation = 0  # everyone's (past MAX_SALTED)
-        # the semantic-ID decoder's beams: SGLang's beam search over trie-node tokens (SIDSteps)
-        self.sid = SIDVocab(served.sid, max_beam) if served.sid is not None else None
-        self.max_beam = max_beam if self.sid is not None else 0
-        self._tickets = itertools.count(1)
+        self.generative = served.sid is not None  # the model has a semantic-ID decoder
+        self.max_beam = max_beam if self.generative else 0
         self.closed = False
-        if self.sid is not None:  # a beam holds one req-to-token row per live sequence
-            max_running += beam_rows
         sglang_runtime.prepare_environment(device)
         if not sglang_runtime.install_sigquit_handler():
             log.warning("SGLangEngine built off the main thread with no SIGQUIT handler installed: a fault in "
@@ -235,10 +221,10 @@ class SGLangEngine(InProcessEngine):
             cfg = {"architectures": ["GenRecHSTU"], "model_type": "llama", "hidden_size": served.embedding.dim,
                    "num_attention_heads": c.heads, "num_key_value_heads": c.heads, "head_dim": c.key_dim,
                    "v_head_dim": c.value_dim, "num_hidden_layers": c.layers, "intermediate_size": 1,
-                   "vocab_size": self.sid.size if self.sid is not None else VOCAB,
+                   "vocab_size": VOCAB,
                    "max_position_embeddings": served.model.max_seq_len + 16,  # SGLang keeps a few positions back
                    "torch_dtype": "float32", "genrec_artifact": str(Path(artifact).resolve()),
-                   "genrec_threads": threads, "genrec_max_beam": self.max_beam}
+                   "genrec_threads": threads}
             (self.ckpt / "config.json").write_text(json.dumps(cfg))
             save_file({"_dummy": torch.zeros(1)}, str(self.ckpt / "model.safetensors"))
             from genrec.serve.sglang_models.genrec_tower import KeepLogits
@@ -286,7 +272,7 @@ class SGLangEngine(InProcessEngine):
                    failovers=self.runtimes.failovers)
         return out
 
-    # ----- requests: one tower request per work, one beam per generative retrieval ----------
+    # ----- requests: one per work ------------------------------------------------------------
     def _salt(self, user_id: str) -> str:
         with self._lock:
             return f"u{self._generation}.{self._salted.get(user_id, 0)}:{user_id}"
@@ -301,30 +287,24 @@ class SGLangEngine(InProcessEngine):
                 self._salted.clear()
                 self._generation += 1
 
-    def _request(self, w: Work, ticket: int | None = None, candidates: np.ndarray | None = None) -> _Req:
-        """A work's tower request: its history as token ids, the payload, its user's salt.
-        ``ticket``: the request also registers the prompt of the work's beam (its user vector,
-        computed here) and what the beam leaves out; ``candidates``: it ranks these instead (the
-        second call of a work that ranks what its beam found)."""
+    def _request(self, w: Work) -> _Req:
+        """A work's request: its history as token ids, the payload, its user's salt. The model
+        retrieves from the work's source (the dense top-k, the decoder's beam, both fused) and
+        ranks the given candidates or what it retrieved, all in the forward that ends it."""
         items, actions, tk, tq, _, _ = pack_users([w.user], self.cap, self.has_action, self.window_block)
         ids = event_token_ids(self._key, items, actions, tk, tq).tolist()
-        retrieve = (w.kind == "retrieve" or w.candidates is None) and candidates is None
-        dense = retrieve and w.source != "generative"
-        # what Ranking.plan will rank (a model without tasks has nothing to score: run() fills zeros);
-        # a work whose candidates come from its beam ranks them in a second call
+        retrieve = w.kind == "retrieve" or w.candidates is None
+        # what Ranking.plan will rank (a model without tasks has nothing to score: run() fills zeros)
         none = np.zeros(0, np.int64)
-        ranks = candidates is not None or (
-            bool(self.schema.tasks) and 0 in self.ranking.plan([w], {0: (none, none)} if retrieve else {}))
-        given = candidates if candidates is not None else (None if retrieve else w.candidates)
-        rank = "none" if not ranks or (retrieve and w.source != "dense") else ("retrieved" if retrieve else "given")
+        ranks = bool(self.schema.tasks) and 0 in self.ranking.plan([w], {0: (none, none)} if retrieve else {})
+        rank = "none" if not ranks else ("retrieved" if retrieve else "given")
         excluded = w.excluded() if retrieve else None
         payload = {"items": items.tolist(), "actions": actions.tolist(), "times": tk.tolist(), "qtimes": tq.tolist(),
-                   "k": int(w.retrieve_k) if dense else 0,
-                   "excluded": None if excluded is None or not dense else excluded.tolist(),
-                   "rank": rank, "candidates": given.tolist() if rank == "given" and given is not None else None,
-                   "context": {k: v.tolist() for k, v in w.user.context.items()},
-                   "ticket": ticket, "beam": self._beam_of(w) if ticket is not None else 0,
-                   "seen": None if excluded is None or ticket is None else excluded.tolist()}
+                   "k": int(w.retrieve_k) if retrieve else 0, "source": w.source,
+                   "beam": self._beam_of(w) if retrieve and w.source != "dense" else 0,
+                   "excluded": None if excluded is None else excluded.tolist(),
+                   "rank": rank, "candidates": w.candidates.tolist() if rank == "given" else None,
+                   "context": {k: v.tolist() for k, v in w.user.context.items()}}
         # a user's entries are matched only against its own; no id: a salt of its own, evicted first
         if w.user.user_id:
             return _Req(ids, payload, self._salt(w.user.user_id), keep=True)
@@ -337,26 +317,14 @@ class SGLangEngine(InProcessEngine):
                              f"(SGLangEngine(max_beam=...); serve.limits.max_beam)")
         return beam
 
-    def _beam(self, ticket: int, beam: int, keep: bool = False) -> _Req:
-        """A beam's request: one token naming its ticket (its own salt: never shared; SGLang
-        inserts no beam in the radix cache). ``keep``: that of the request registering its prompt,
-        so that both go in one batch, the beam after it (``_generate`` batches by priority)."""
-        return _Req([TICKET_BASE + ticket], None, f"sid:{ticket}", beam, keep)
-
-    def _params(self, r: _Req) -> dict:
-        if r.payload is not None or self.sid is None:  # (a beam only where there is a decoder); greedy, one token
-            return {"max_new_tokens": 1, "temperature": 0.0, "custom_params": {PAYLOAD: r.payload}}
-        if r.beam == 1:  # greedy decoding (SGLang's beam search needs two)
-            return {"max_new_tokens": self.sid.levels, "ignore_eos": True, "temperature": 0.0}
-        # one step past the last level: SGLang hands a beam's leader the customized info of the
-        # steps that added to its output, and its final step adds nothing (the model answers at
-        # the last level; the extra step's rows are past the trie: padding only)
-        return {"max_new_tokens": self.sid.levels + 1, "ignore_eos": True, "beam_width": r.beam}
+    @staticmethod
+    def _params(r: _Req) -> dict:
+        """Greedy, one token: the answer is the model's row; nothing is sampled."""
+        return {"max_new_tokens": 1, "temperature": 0.0, "custom_params": {PAYLOAD: r.payload}}
 
     async def _generate(self, rt: sglang_runtime.Runtime, reqs: list[_Req], rids: list[str]) -> list[dict]:
         """``reqs`` through ``Engine.async_generate``: a user's at priority 1, the rest at 0 (the
-        radix cache's eviction order), as two batches in flight together (each in ``reqs``'s order:
-        a beam after the request registering its prompt, in the same batch)."""
+        radix cache's eviction order), as two batches in flight together."""
         import asyncio
 
         groups = [[i for i, r in enumerate(reqs) if r.keep], [i for i, r in enumerate(reqs) if not r.keep]]
@@ -367,8 +335,7 @@ class SGLangEngine(InProcessEngine):
             rs = [reqs[i] for i in index]
             out = await rt.engine.async_generate(
                 input_ids=[r.ids for r in rs], sampling_params=[self._params(r) for r in rs],
-                custom_logit_processor=[self.processor if r.payload is not None else None for r in rs],
-                return_hidden_states=["last" if r.payload is not None else False for r in rs],
+                custom_logit_processor=[self.processor] * len(rs), return_hidden_states=["last"] * len(rs),
                 rid=[rids[i] for i in index], cache_salt=[r.key for r in rs], priority=priority)
             return out if isinstance(out, list) else [out]
 
@@ -410,7 +377,7 @@ class SGLangEngine(InProcessEngine):
             reasons = [e for e in (o.get("meta_info", {}).get(ERROR_INFO) or []) if e]
             if reasons:
                 bad.append((i, reasons[-1]))
-            elif reqs[i].payload is not None and decode_row(self._last(o), 0).status == FAILED:
+            elif decode_row(self._last(o), 0).status == FAILED:
                 bad.append((i, "the model's forward failed"))
         return bad
 
@@ -424,42 +391,16 @@ class SGLangEngine(InProcessEngine):
             self._stats["failed_requests"] += len(bad)
         raise ModelForwardError(f"SGLang model forward failed for {len(bad)} of {len(reqs)} requests: {bad[0][1]}")
 
-    def _call(self, reqs: list[_Req], beams: dict[int, tuple[int, int]], deadline: float,
-              works: list[Work] | None = None) -> tuple[list[dict], dict]:
-        """Sends ``reqs`` and the ``beams`` ({work: (ticket, width)}, after them) in one batch ->
-        (the requests' outputs, {work: (item ids, log-probabilities)}). A beam that ran before the
-        request registering its prompt (SGLang may schedule them apart) is sent again: by then
-        the prompt is there."""
-        todo = list(beams)
-        # (in run() work i's request registers beam i's prompt; generate()'s register requests keep nothing)
-        keep = {i: works is not None and reqs[i].keep for i in todo}
-        sent = reqs + [self._beam(*beams[i], keep[i]) for i in todo]
-        outs = self.send(sent, deadline)
-        self._raise_failed(sent, outs, works)
-        outs, got = outs[: len(reqs)], dict(zip(todo, outs[len(reqs):]))
-        found = {}
-        for attempt in range(2):
-            for i, o in got.items():
-                res = next((v for v in reversed(o["meta_info"].get(SID_INFO) or []) if isinstance(v, dict)), None)
-                if res is not None and "retry" not in res:
-                    found[i] = self._items(res)
-            todo = [i for i in beams if i not in found]
-            if not todo or attempt:
-                break
-            again = [self._beam(*beams[i], keep[i]) for i in todo]
-            outs_again = self.send(again, deadline)
-            self._raise_failed(again, outs_again)
-            got = dict(zip(todo, outs_again))
-        if todo:
-            raise RuntimeError(f"SGLang ended {len(todo)} semantic-ID beams without a result")
-        return outs, found
+    def _call(self, reqs: list[_Req], deadline: float, works: list[Work] | None = None) -> list[Answer]:
+        """Sends ``reqs`` in one batch -> their answers (``codec`` rows); a failed forward raises
+        ``ModelForwardError`` (and moves the failed works' users' cache salts on)."""
+        outs = self.send(reqs, deadline)
+        self._raise_failed(reqs, outs, works)
+        return [decode_row(self._last(o), len(self.schema.tasks)) for o in outs]
 
-    def _items(self, res: dict) -> tuple[np.ndarray, np.ndarray]:
-        """A beam's result -> (item ids, log-probabilities), items outside the catalogue left out."""
-        items, logp = np.asarray(res["items"], np.int64), np.asarray(res["scores"], np.float32)
-        pos = np.minimum(np.searchsorted(self.corpus_np, items), self.corpus_np.size - 1)
-        ok = self.corpus_np[pos] == items
-        return items[ok], logp[ok]
+    def _generated(self, a: Answer) -> tuple[np.ndarray, np.ndarray]:
+        """A row's beam -> (item ids, log-probabilities), best first."""
+        return self.corpus_np[a.gen_positions], a.gen_scores
 
     def _failover(self, fn: Callable[[float], object], deadline: float) -> object:
         """``fn(deadline)``, run once more if SGLang's runtime ended under it (on the standby that
@@ -475,20 +416,20 @@ class SGLangEngine(InProcessEngine):
             raise SGLangUnavailable(f"SGLang runtime failed under the call twice: {first}; {e}") from e
 
     def generate(self, users: torch.Tensor, works: list[tuple[int, Work]]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """TorchEngine.generate's answers, decoded by SGLang: each work's prompt (row i of
-        ``users`` [B, D]) goes to the model in a register request, its beam right after it."""
-        if self.sid is None:
+        """TorchEngine.generate's answers, decoded in SGLang's scheduler: one one-token request
+        per work carrying its user vector (row i of ``users`` [B, D]), its beam and exclusions;
+        the model decodes the batch's beams together (``SIDDecoder.beam_search``)."""
+        if not self.generative:
             raise ValueError("this model has no semantic-ID decoder (model.sid)")
 
         def call(deadline: float) -> dict:
-            reqs, beams = [], {}
+            reqs = []
             for i, w in works:
-                beams[i] = (next(self._tickets), self._beam_of(w))
                 seen = w.excluded()
-                reg = {"ticket": beams[i][0], "beam": beams[i][1], "prompt": users[i].float().tolist(),
-                       "seen": None if seen is None else seen.tolist()}
-                reqs.append(_Req([0], {"register": reg}, f"sid:{beams[i][0]}:prompt"))
-            return self._call(reqs, beams, deadline)[1]
+                reqs.append(_Req([0], {"prompt": users[i].float().tolist(), "beam": self._beam_of(w),
+                                       "excluded": None if seen is None else seen.tolist()},
+                                 f"gen:{uuid.uuid4().hex}"))
+            return {i: self._generated(a) for (i, _), a in zip(works, self._call(reqs, deadline))}
 
         return self._failover(call, self._deadline([w for _, w in works]))  # type: ignore[return-value]
 
@@ -504,18 +445,20 @@ class SGLangEngine(InProcessEngine):
 
     def _run(self, works: list[Work], deadline: float, t0: float) -> list[Result]:
         retrieving = [(i, w) for i, w in enumerate(works) if w.kind == "retrieve" or w.candidates is None]
-        beams = {i: (next(self._tickets), self._beam_of(w)) for i, w in retrieving if w.source != "dense"}
-        reqs = [self._request(w, beams[i][0] if i in beams else None) for i, w in enumerate(works)]
-        outs, generated = self._call(reqs, beams, deadline, works)
-        dense, probs, computed = {}, {}, {}
+        reqs = [self._request(w) for w in works]
+        outs = self.send(reqs, deadline)
+        self._raise_failed(reqs, outs, works)
+        dense, generated, probs, computed = {}, {}, {}, {}
         tasks = len(self.schema.tasks)
         hist = cached = hits = 0
         for i, (o, r) in enumerate(zip(outs, reqs)):
-            a, p = decode_row(self._last(o), tasks), r.payload or {}  # (every tower request has its payload)
+            a, p = decode_row(self._last(o), tasks), r.payload
             computed[i] = a.computed
-            if a.positions.size or p.get("k"):
+            if p["k"] and p["source"] != "generative":
                 dense[i] = (self.corpus_np[a.positions], a.scores)
-            if p.get("rank", "none") != "none":
+            if p["beam"]:
+                generated[i] = self._generated(a)
+            if p["rank"] != "none":
                 probs[i] = a.probs
             n, c = len(r.ids), int(o["meta_info"].get("cached_tokens", 0))
             hist, cached, hits = hist + n, cached + c, hits + (c > 0)
@@ -525,13 +468,13 @@ class SGLangEngine(InProcessEngine):
             s["misses"] += len(works) - hits
             s["history_tokens"] += hist
             s["cached_tokens"] += cached
-        retrieved = merge_sources(retrieving, dense, generated) if beams else dense
+        # the model ranked what it merged from the same two lists (merge_sources is a function of them)
+        retrieved = merge_sources(retrieving, dense, generated) if generated else dense
         to_rank = self.ranking.plan(works, retrieved)
-        later = [i for i in to_rank if i in beams]  # ranks what its beam found: a second call, history cached
-        if later:
-            again = [self._request(works[i], candidates=to_rank[i][0]) for i in later]
-            second = self._call(again, {}, deadline, [works[i] for i in later])[0]
-            probs.update({i: decode_row(self._last(o), tasks).probs for i, o in zip(later, second)})
+        for i in to_rank:
+            if i in probs and probs[i].shape[0] != to_rank[i][0].size:
+                raise RuntimeError(f"the SGLang model ranked {probs[i].shape[0]} candidates of work {i}, "
+                                   f"the front end's plan {to_rank[i][0].size}")
         for i in to_rank:  # a model without tasks ranks nothing: its candidates keep their order
             probs.setdefault(i, np.zeros((to_rank[i][0].size, tasks), np.float32))
         t = time.perf_counter()

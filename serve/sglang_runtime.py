@@ -116,6 +116,8 @@ class Runtime:
         self.dead: cf.Future[str] = cf.Future()  # its result: why the runtime ended
         self.wake = threading.Event()
         self.closed = False
+        self.requests = 0  # SGLang requests sent through call() (tests count a work's requests)
+        self._count = threading.Lock()
         self.procs: list[psutil.Process] = []
         try:
             self.engine = asyncio.run_coroutine_threadsafe(self._start(kwargs), self.loop).result(START_TIMEOUT_S)
@@ -163,6 +165,8 @@ class Runtime:
         if the runtime ends meanwhile."""
         if self.dead.done():
             raise RuntimeFailed(self.dead.result())
+        with self._count:
+            self.requests += len(rids)
         fut: cf.Future = asyncio.run_coroutine_threadsafe(make(), self.loop)  # type: ignore[arg-type]
         cf.wait([fut, self.dead], timeout=max(deadline - time.monotonic(), 0.0), return_when=cf.FIRST_COMPLETED)
         if fut.done():

@@ -30,6 +30,22 @@ def test_rows_carry_int64_positions_past_2_pow_24_exactly():
     np.testing.assert_array_equal(a.probs, probs.numpy())
 
 
+def test_rows_carry_the_beams_items_and_log_probabilities():
+    """The semantic-ID beam's items travel beside the dense top-k (their positions as exact as
+    the dense ones) and the task probabilities of what was ranked; a row without one reads empty."""
+    pos, scores = torch.tensor([3, (1 << 24) + 1]), torch.tensor([0.25, -0.5])
+    gen, logp = torch.tensor([(1 << 24) + 3, 0, (1 << 47) + 9]), torch.tensor([-0.1, -1.25, -7.0])
+    probs = torch.rand(4, 3)
+    a = decode_row(encode_row(pos, scores, probs, 9, generated=(gen, logp)).numpy(), tasks=3)
+    np.testing.assert_array_equal(a.positions, pos.numpy())
+    np.testing.assert_array_equal(a.scores, scores.numpy())
+    np.testing.assert_array_equal(a.gen_positions, gen.numpy())
+    np.testing.assert_array_equal(a.gen_scores, logp.numpy())
+    np.testing.assert_array_equal(a.probs, probs.numpy())
+    b = decode_row(encode_row(pos, scores, probs, 9).numpy(), tasks=3)
+    assert b.gen_positions.size == 0 and b.gen_scores.size == 0 and b.probs.shape == (4, 3)
+
+
 def test_padded_rows_and_failed_rows_decode():
     rows = [encode_row(torch.tensor([5]), torch.tensor([0.5]), torch.zeros(0, 1), 1),
             encode_row(torch.arange(4) + (1 << 30), torch.ones(4), torch.ones(4, 1), 3), failed_row(2)]

@@ -4,6 +4,5 @@ each ``EntryClass``).
 
 * ``genrec_tower``: ``GenRecHSTU``, the model (the one module here that imports SGLang);
 * ``codec``: the answer rows and constants both sides share (the front end,
-  ``serve.sglang_engine``, reads them with it);
-* ``sid_steps``: the semantic-ID decoder's steps (pure PyTorch).
+  ``serve.sglang_engine``, reads them with it).
 """

@@ -5,15 +5,18 @@ row (SGLang's "last" hidden state; SGLang turns it into a Python list after the 
 the forward itself never leaves the device for it). The front end (``serve.sglang_engine``)
 reads it back with :func:`decode_row`. Layout::
 
-    [n_ret, n_prob, computed, status, pos_hi[n_ret], pos_lo[n_ret], scores[n_ret], probs[n_prob x tasks]]
+    [n_ret, n_prob, computed, status, n_gen,
+     pos_hi[n_ret], pos_lo[n_ret], scores[n_ret],          the dense top-k
+     gen_hi[n_gen], gen_lo[n_gen], gen_logp[n_gen],        the semantic-ID beam's items
+     probs[n_prob x tasks]]
 
 Catalogue positions are int64 split into two 24-bit halves (``pos = hi * 2^24 + lo``): each half
 is exact in float32, so positions stay exact up to 2^48 items (a plain float32 is exact only
-below 2^24 = 16.7M). ``status`` 0: answered; 1: the model's forward failed for this request (the
+below 2^24 = 16.7M). The beam's log-probabilities are float32 as the decoder computes them. ``status`` 0: answered; 1: the model's forward failed for this request (the
 reason travels as customized info under :data:`ERROR_INFO`, its K/V must not be reused).
 
-Also here: the constants both sides must agree on (payload key, customized-info keys, the beam
-ticket's token base, the dummy vocabulary of a model without a semantic-ID decoder).
+Also here: the constants both sides must agree on (payload key, customized-info key, the
+dummy vocabulary: the model decodes nothing through SGLang's sampler).
 No SGLang import: both processes load this module.
 """
 
@@ -25,30 +28,36 @@ import numpy as np
 import torch
 
 PAYLOAD = "genrec"  # the custom params' key of a request's payload
-SID_INFO = "genrec_sid"  # the customized-info key of a beam's result
 ERROR_INFO = "genrec_error"  # the customized-info key of a failed request's reason
-TICKET_BASE = 1 << 62  # a beam's one prompt token: TICKET_BASE + its ticket (never a trie node id)
-VOCAB = 4  # the dummy logits' width of a model without a semantic-ID decoder (nothing is decoded)
-HEADER = 4
+VOCAB = 4  # the dummy logits' width (every request is one greedy token: nothing is decoded)
+HEADER = 5
 OK, FAILED = 0, 1
 _HALF = 1 << 24
 
 
+def _halves(pos: torch.Tensor) -> list[torch.Tensor]:
+    pos = pos.to(torch.int64)
+    return [(pos // _HALF).to(torch.float32), (pos % _HALF).to(torch.float32)]
+
+
 def encode_row(positions: torch.Tensor, scores: torch.Tensor, probs: torch.Tensor, computed: int,
-               status: int = OK) -> torch.Tensor:
-    """One request's answer as a float32 row on the inputs' device: retrieved catalogue
-    ``positions`` [n] int64 (0 <= pos < 2^48), their ``scores`` [n], task probabilities
-    ``probs`` [p, tasks], ``computed``: tokens the pass computed for the request."""
+               status: int = OK, generated: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """One request's answer as a float32 row on the inputs' device: the dense top-k's catalogue
+    ``positions`` [n] int64 (0 <= pos < 2^48) and ``scores`` [n], task probabilities ``probs``
+    [p, tasks], ``computed``: tokens the pass computed for the request; ``generated``: the
+    semantic-ID beam's (catalogue positions [g] int64, log-probabilities [g]), best first."""
     dev = positions.device
-    pos = positions.to(torch.int64)
-    head = torch.tensor([pos.numel(), probs.shape[0], computed, status], dtype=torch.float32, device=dev)
-    return torch.cat([head, (pos // _HALF).to(torch.float32), (pos % _HALF).to(torch.float32),
-                      scores.to(torch.float32).reshape(-1), probs.to(torch.float32).reshape(-1)])
+    gen_pos, gen_logp = generated if generated is not None else (positions[:0], scores[:0])
+    head = torch.tensor([positions.numel(), probs.shape[0], computed, status, gen_pos.numel()],
+                        dtype=torch.float32, device=dev)
+    return torch.cat([head, *_halves(positions), scores.to(torch.float32).reshape(-1),
+                      *_halves(gen_pos.to(dev)), gen_logp.to(dev, torch.float32).reshape(-1),
+                      probs.to(torch.float32).reshape(-1)])
 
 
 def failed_row(computed: int = 0) -> torch.Tensor:
     """The row of a request whose forward failed (nothing in it is an answer)."""
-    return torch.tensor([0, 0, computed, FAILED], dtype=torch.float32)
+    return torch.tensor([0, 0, computed, FAILED, 0], dtype=torch.float32)
 
 
 EMPTY = torch.zeros(HEADER)  # the row of a request this pass does not end (a chunk of it)
@@ -61,24 +70,35 @@ def stack_rows(rows: list[torch.Tensor]) -> torch.Tensor:
 
 @dataclass
 class Answer:
-    """A decoded row: retrieved ``positions`` [n] int64 and ``scores`` [n] float32, task
-    probabilities ``probs`` [p, tasks], ``computed`` tokens, ``status`` (OK / FAILED)."""
+    """A decoded row: the dense top-k's ``positions`` [n] int64 and ``scores`` [n] float32, task
+    probabilities ``probs`` [p, tasks], ``computed`` tokens, ``status`` (OK / FAILED), the
+    beam's ``gen_positions`` [g] int64 and ``gen_scores`` [g] float32 (log-probabilities)."""
 
     positions: np.ndarray
     scores: np.ndarray
     probs: np.ndarray
     computed: int
     status: int
+    gen_positions: np.ndarray
+    gen_scores: np.ndarray
 
 
 def decode_row(row: np.ndarray | list, tasks: int) -> Answer:
     """The inverse of :func:`encode_row` (``row`` may carry zero padding past its end)."""
     r = np.asarray(row, np.float32)
-    n, p, computed, status = (int(v) for v in r[:HEADER])
+    n, p, computed, status, g = (int(v) for v in r[:HEADER])
     at = HEADER
-    hi, lo = r[at : at + n].astype(np.int64), r[at + n : at + 2 * n].astype(np.int64)
-    at += 2 * n
-    scores = r[at : at + n].copy()
-    at += n
-    probs = r[at : at + p * tasks].reshape(p, tasks).copy()
-    return Answer(hi * _HALF + lo, scores, probs, computed, status)
+
+    def take(count: int) -> np.ndarray:
+        nonlocal at
+        at += count
+        return r[at - count : at].copy()
+
+    def positions(count: int) -> np.ndarray:
+        hi, lo = take(count).astype(np.int64), take(count).astype(np.int64)
+        return hi * _HALF + lo
+
+    pos, scores = positions(n), take(n)
+    gen_pos, gen_scores = positions(g), take(g)
+    probs = take(p * tasks).reshape(p, tasks)
+    return Answer(pos, scores, probs, computed, status, gen_pos, gen_scores)

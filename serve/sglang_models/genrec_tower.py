@@ -7,6 +7,15 @@ carries the events; this model embeds them, writes each HSTU layer's keys and va
 KV pool, attends over the request's slots and, at a request's last token, retrieves and ranks.
 Each request's answer is one row of ``codec`` (the two sides' shared format).
 
+Generative retrieval runs in the same forward: a work whose source is the semantic-ID decoder
+(or both) has its beam decoded right after its user vector, by the torch engine's own
+``serve.retrieval.generate`` (``SIDDecoder.beam_search``, the reference itself), its items
+fused with the dense top-k (``merge_sources``) and ranked there when the work ranks: one SGLang
+request per work. A request with a ``prompt`` (``SGLangEngine.generate``: a given user vector)
+decodes that vector's beam alone. Why not SGLang's built-in beam search (the design before
+2026-12-05): it paid one scheduler round per code level plus one, which made a beam of 50 ~10x
+the reference on this CPU (benchmarks/notes/2026-12-05-sid-sglang-fast.md).
+
 A fault in the forward stays inside it: the model catches an exception of its tower pass, runs
 the pass's requests again one at a time, and answers the one at fault with a failed row and its
 reason (customized info ``codec.ERROR_INFO``); an exception that reached SGLang's scheduler would
@@ -39,18 +48,16 @@ from genrec.models.hstu import CachedHistory, JaggedMeta, PagedMeta
 from genrec.models.recommender import HistoryState
 from genrec.serve.engine import TorchEngine
 from genrec.serve.requests import UserInput
+from genrec.serve.retrieval import Pair, Retrieved, generate, merge_sources
 from genrec.serve.sglang_models.codec import (
     EMPTY,
     ERROR_INFO,
     PAYLOAD,
-    SID_INFO,
-    TICKET_BASE,
     VOCAB,
     encode_row,
     failed_row,
     stack_rows,
 )
-from genrec.serve.sglang_models.sid_steps import SIDBeams, SIDSteps
 
 log = logging.getLogger("genrec.serve.sglang")
 
@@ -63,11 +70,12 @@ class KeepLogits(CustomLogitProcessor):
         return logits
 
 
-class _Retrieval:
-    """What ``Catalogue.top_k`` reads of a work: k and the excluded rows (``catalogue.Asks``)."""
+class _Ask:
+    """What retrieval reads of a work (``Catalogue.top_k``, ``serve.retrieval.generate`` and
+    ``merge_sources``): k, the source, the beam and the items left out."""
 
-    def __init__(self, k: int, excluded: np.ndarray | None) -> None:
-        self.retrieve_k, self._excluded = k, excluded
+    def __init__(self, k: int, excluded: np.ndarray | None, source: str = "dense", beam: int = 0) -> None:
+        self.retrieve_k, self._excluded, self.source, self.beam = k, excluded, source, beam
 
     def excluded(self) -> np.ndarray | None:
         return self._excluded
@@ -93,15 +101,13 @@ class GenRecHSTU(nn.Module):
 
     ``config.genrec_artifact`` names the artifact; the model loads it itself (its quantized
     tables, tower and heads) through a ``TorchEngine`` whose lookups, retrieval and ranking
-    it reuses. Each forward returns one float row per request (``hidden_states``, capture
-    mode "last"): [n retrieved, n scored, tokens this pass computed for it, retrieved catalogue
-    positions, their scores, task probabilities (n scored x tasks)], zeros for a chunk that
-    does not end its request.
+    it reuses. Each forward returns one row of ``codec`` per request (``hidden_states``,
+    capture mode "last"): the dense top-k, the beam's items, task probabilities; a header of
+    zeros for a chunk that does not end its request. The logits are a dummy [B, VOCAB]: every
+    request is one greedy token.
 
-    With a semantic-ID decoder (``config.genrec_max_beam`` > 0) it also decodes beams with
-    SGLang's beam search (``SIDSteps``): a beam's request is one ticket token whose prompt a
-    tower request registered (payload ``ticket``) or a register request brought (payload
-    ``register``); its result comes back as customized info ``genrec_sid`` at its last level.
+    With a semantic-ID decoder the payload's ``beam`` (> 0) asks for the decoder's beam of the
+    request's user vector (module docstring); a payload ``prompt`` [D] brings the vector itself.
     """
 
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:  # noqa: ANN001
@@ -116,12 +122,7 @@ class GenRecHSTU(nn.Module):
         self.tasks = len(self.engine.schema.tasks)
         self.slot_times: torch.Tensor | None = None  # [pool slots] each slot's event time
         self.pool_checked = False
-        max_beam = int(getattr(config, "genrec_max_beam", 0))
-        head = self.model.sid_head
-        steps = SIDSteps(head, max_beam) if head is not None and max_beam else None
-        self.vocab = steps.size if steps is not None else VOCAB
-        self.sid = SIDBeams(steps, self.model.embedding_cfg.dim) if steps is not None else None
-        self.slot_ticket: torch.Tensor | None = None  # [pool slots] the ticket of a beam's prompt token
+        self.head = self.model.sid_head  # the semantic-ID decoder (None: the model has none)
         self._dummy = nn.Parameter(torch.zeros(1), requires_grad=False)  # SGLang loads one weight file
 
     def get_input_embeddings(self) -> nn.Module:
@@ -137,49 +138,26 @@ class GenRecHSTU(nn.Module):
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, get_embedding=False, **kw):  # noqa: ANN001, ANN201
         fb = forward_batch
         b = fb.batch_size
-        if fb.forward_mode.is_decode() and self.sid is not None:  # only beams decode
-            return self._decode(input_ids, positions, fb)
         rows = [EMPTY] * b  # one row per request; padded to the batch's longest
         errors: list[str | None] = [None] * b
-        logits = torch.zeros(b, self.vocab)
-        if not fb.forward_mode.is_extend():
+        logits = torch.zeros(b, VOCAB)
+        if not fb.forward_mode.is_extend():  # (every request is one token: nothing decodes)
             return LogitsProcessorOutput(next_token_logits=logits, hidden_states=stack_rows(rows))
         params = fb.sampling_info.custom_params if fb.sampling_info is not None else None
         payloads = [p.get(PAYLOAD) if isinstance(p, dict) else None for p in (params or [None] * b)]
         pre, ext = list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu)
         for i, p in enumerate(payloads):
-            if p is not None and "register" in p:
-                try:
-                    self._keep(p["register"], torch.tensor(p["register"]["prompt"], dtype=torch.float32))
-                except Exception as e:  # noqa: BLE001 - a bad request fails alone (module docstring)
-                    errors[i] = _reason(e)
-        tower = [i for i, p in enumerate(payloads) if p is not None and "register" not in p]
-        beams = [i for i, p in enumerate(payloads) if p is None]
-        if beams and self.sid is None:
-            log.error("GenRecHSTU: a request without genrec's payload; send requests through SGLangEngine")
-            for i in beams:
+            if p is None:
+                log.error("GenRecHSTU: a request without genrec's payload; send requests through SGLangEngine")
                 errors[i] = "a request without genrec's payload (send requests through SGLangEngine)"
-            beams = []
+        prompted = [i for i, p in enumerate(payloads) if p is not None and "prompt" in p]
+        tower = [i for i, p in enumerate(payloads) if p is not None and "prompt" not in p]
+        if prompted:
+            self._prompted(prompted, payloads, rows, errors)
         if tower:
             self._tower(fb, tower, payloads, pre, ext, positions, rows, errors)
-        info: dict = {}
-        if beams and self.sid is not None:  # after the tower: a beam may read a prompt its tower request registered
-            try:
-                last = torch.as_tensor(np.cumsum(ext) - 1)[beams]
-                tokens, levels = input_ids[last].to(torch.int64), positions[last].to(torch.int64)
-                tickets = tokens - TICKET_BASE
-                self._ticket_slots()[fb.out_cache_loc[last].to(torch.int64)] = tickets
-                out, results = self.sid.step(tickets, tokens, levels)
-                logits[torch.tensor(beams)] = out
-                info[SID_INFO] = [results.get(beams.index(i)) if i in beams else None for i in range(b)]
-            except Exception as e:  # noqa: BLE001
-                log.exception("GenRecHSTU: a beam step failed")
-                for i in beams:
-                    errors[i] = _reason(e)
-        if any(e is not None for e in errors):
-            info[ERROR_INFO] = errors
-        return LogitsProcessorOutput(next_token_logits=logits, hidden_states=stack_rows(rows),
-                                     customized_info=info or None)
+        info = {ERROR_INFO: errors} if any(e is not None for e in errors) else None
+        return LogitsProcessorOutput(next_token_logits=logits, hidden_states=stack_rows(rows), customized_info=info)
 
     def _tower(self, fb, tower: list[int], payloads: list, pre: list[int], ext: list[int],  # noqa: ANN001
                positions: torch.Tensor, rows: list[torch.Tensor], errors: list[str | None]) -> None:
@@ -207,36 +185,31 @@ class GenRecHSTU(nn.Module):
             self._finish(part, done, h, kv, rows)
 
     # ----- semantic-ID beams -------------------------------------------------------------
-    def _keep(self, p: dict, prompt: torch.Tensor) -> None:
-        """A beam's prompt [D] and what it leaves out, from a payload's ``ticket``, ``beam``, ``seen``."""
-        if self.sid is not None:
-            seen = None if p["seen"] is None else np.asarray(p["seen"], np.int64)
-            self.sid.keep(int(p["ticket"]), prompt, int(p["beam"]), seen)
+    def _generate(self, users: torch.Tensor, asks: list[tuple[int, _Ask]]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The decoder's beams of ``users`` [B, D] (row j: ``asks``' work j) by the torch engine's
+        ``serve.retrieval.generate`` -> {j: (catalogue positions [g] int64, log-probabilities [g])}."""
+        if self.head is None:
+            raise ValueError("this model has no semantic-ID decoder (model.sid)")
+        corpus = self.engine.corpus_np
+        got = generate(self.head, self.engine.catalogue, users, asks, self.model.cfg.sid.beam_width)  # type: ignore[arg-type]
+        return {j: (torch.from_numpy(np.searchsorted(corpus, ids).astype(np.int64)), torch.from_numpy(logp))
+                for j, (ids, logp) in got.items()}
 
-    def _ticket_slots(self) -> torch.Tensor:
-        pool = get_token_to_kv_pool()
-        if self.slot_ticket is None or self.slot_ticket.numel() < pool.size + pool.page_size:
-            self.slot_ticket = torch.full((pool.size + pool.page_size,), -1, dtype=torch.int64,
-                                          device=pool.get_key_buffer(0).device)
-        return self.slot_ticket
-
-    def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> LogitsProcessorOutput:  # noqa: ANN001
-        """One step of every beam in the batch (leaders and SGLang's member rows alike): a row's
-        ticket is its prompt token's (position 0 of its req-to-token row), its level its position."""
-        r2t = get_req_to_token_pool().req_to_token
-        prompt_slots = r2t[fb.req_pool_indices.to(torch.int64), 0].to(torch.int64)
-        tickets = self._ticket_slots()[prompt_slots]
-        if self.sid is None:
-            raise ValueError("GenRecHSTU: a decode step, but this model has no semantic-ID decoder")
+    def _prompted(self, index: list[int], payloads: list, rows: list[torch.Tensor], errors: list[str | None]) -> None:
+        """Requests that bring their user vector (payload ``prompt`` [D], ``beam``, ``excluded``):
+        their beams together, into ``rows``; a failure fails them (the reason in ``errors``)."""
         try:
-            out, results = self.sid.step(tickets, input_ids.to(torch.int64), positions.to(torch.int64))
-        except Exception as e:  # noqa: BLE001 - the beams of this step fail, the scheduler lives on
-            log.exception("GenRecHSTU: a beam step failed")
-            rows = tickets.numel()
-            return LogitsProcessorOutput(next_token_logits=torch.zeros(rows, self.vocab), hidden_states=None,
-                                         customized_info={ERROR_INFO: [_reason(e)] * rows})
-        info = {SID_INFO: [results.get(i) for i in range(out.shape[0])]}
-        return LogitsProcessorOutput(next_token_logits=out, hidden_states=None, customized_info=info)
+            users = torch.tensor([payloads[i]["prompt"] for i in index], dtype=torch.float32)
+            asks = [(j, _Ask(0, _array(payloads[i]["excluded"]), "generative", int(payloads[i]["beam"])))
+                    for j, i in enumerate(index)]
+            got = self._generate(users, asks)
+            none = torch.zeros(0, dtype=torch.int64)
+            for j, i in enumerate(index):
+                rows[i] = encode_row(none, none.float(), torch.zeros(0, self.tasks), 1, generated=got[j])
+        except Exception as e:  # noqa: BLE001 - a fault must not reach SGLang's scheduler (module docstring)
+            log.exception("GenRecHSTU: %d beams failed", len(index))
+            for i in index:
+                rows[i], errors[i] = failed_row(1), _reason(e)
 
     # ----- the tower ---------------------------------------------------------------------
     def _part(self, fb, index: list[int], payloads: list, pre: list[int], ext: list[int],  # noqa: ANN001
@@ -312,14 +285,11 @@ class GenRecHSTU(nn.Module):
 
     def _finish(self, part: _Part, done: list[int], h: torch.Tensor, kv, rows: list[torch.Tensor]) -> None:  # noqa: ANN001
         """The part's requests whose last token was in this pass (``done``: their places in the
-        part): retrieval and ranking, into ``rows``; the prompts of the beams they asked for."""
+        part): retrieval (dense, the decoder's beam, both fused) and ranking, into ``rows``."""
         eng, m, payloads, ext = self.engine, self.model, part.payloads, part.ext
         slots, pool, lengths = kv
         ends = np.cumsum(ext) - 1
         users = m.head.normalize(h[torch.as_tensor(ends[done])].float())  # [d, D]
-        for j, i in enumerate(done):
-            if payloads[i].get("ticket") is not None:  # the prompt of this user's beam (sent beside it)
-                self._keep(payloads[i], users[j].clone())
         # the requests' histories as the candidates' extend reads them, read from the pool once,
         # straight into the layout the scoring kernel takes ([layers, Th, H D]; no second copy)
         flat = torch.cat([slots[i, : int(lengths[i])] for i in done])
@@ -332,22 +302,30 @@ class GenRecHSTU(nn.Module):
         ctx = self.packed.context([UserInput(none, none, none, True, 0, {n: np.asarray(v, np.int64) for n, v in
                                                                          payloads[i]["context"].items()}) for i in done])
         state = HistoryState(hist, lengths[done].clone(), ctx)
-        need = [(j, _Retrieval(payloads[i]["k"], _array(payloads[i]["excluded"])))
-                for j, i in enumerate(done) if payloads[i]["k"]]
-        found = eng.catalogue.top_k(users, need) if need else {}
+        asks = {j: _Ask(payloads[i]["k"], _array(payloads[i]["excluded"]), payloads[i].get("source", "dense"),
+                        int(payloads[i].get("beam", 0))) for j, i in enumerate(done)}
+        need = [(j, a) for j, a in asks.items() if a.retrieve_k and a.source != "generative"]
+        found: dict[int, Pair] = eng.catalogue.top_k(users, need) if need else {}
+        beams = [(j, a) for j, a in asks.items() if a.beam]
+        generated = self._generate(users, beams) if beams else {}
+        # what the beam's works retrieve: its items (fused with the dense top-k for "both"), as the
+        # front end merges them again from the row (merge_sources is a function of the two lists)
+        merged: dict[int, Pair | Retrieved] = merge_sources(
+            beams, found, {j: (eng.corpus_np[g[0].numpy()], g[1].numpy()) for j, g in generated.items()})
         to_rank = {}
         for j, i in enumerate(done):
             p = payloads[i]
             if p["rank"] == "given":
                 to_rank[j] = (np.asarray(p["candidates"], np.int64),)
             elif p["rank"] == "retrieved":
-                to_rank[j] = (found[j][0],)
+                to_rank[j] = (merged[j][0] if j in merged else found[j][0],)
         probs = eng.score(state, to_rank) if to_rank else {}
         for j, i in enumerate(done):
             ids, scores = found.get(j, (np.zeros(0, np.int64), np.zeros(0, np.float32)))
             pr = probs.get(j, np.zeros((0, self.tasks), np.float32))
             pos = torch.from_numpy(np.searchsorted(eng.corpus_np, ids).astype(np.int64))
-            rows[part.index[i]] = encode_row(pos, torch.from_numpy(scores), torch.from_numpy(pr), ext[i])
+            rows[part.index[i]] = encode_row(pos, torch.from_numpy(scores), torch.from_numpy(pr), ext[i],
+                                             generated=generated.get(j))
 
 
     def _history(self, pool, flat: torch.Tensor, offsets: torch.Tensor, times: torch.Tensor | None,  # noqa: ANN001
