@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=40, help="requests per beam width (default: %(default)s)")
     ap.add_argument("--beams", type=int, nargs="+", default=list(BEAMS))
     ap.add_argument("--threads", type=int, default=1, help="torch threads of this process and SGLang's model")
+    ap.add_argument("--label", default="", help="what the artifact is, for the report (default: its path)")
     ap.add_argument("--json", type=Path, help="write the figures here instead of results/ (RESULTS.md untouched)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -174,9 +175,10 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         se.close()
     cmd = "python -m genrec.benchmarks.sid_decoding" + (f" --artifact {args.artifact}" if args.artifact else "") + (
-        f" --run {args.run}" if args.run else "")
+        f" --run {args.run}" if args.run else "") + (f" --label '{args.label}'" if args.label else "")
     payload = {"date": today(), "machine": machine(), "command": cmd,
                "artifact": {"tiny": not (args.artifact or args.run), "source": str(args.run or args.artifact or "synthetic"),
+                            "label": args.label,
                             "levels": head.levels, "sizes": list(head.sizes), "items": int(head.sid.item_ids.numel()),
                             "decoder_layers": len(head.blocks), "dim": int(head.norm.normalized_shape[0]),
                             "max_history": te.schema.max_history},
@@ -208,7 +210,8 @@ def sid_decoding(d: dict) -> list[str]:
                          num(get(r, "max_abs_logp_diff"), ".1e") if mode == "decode" else "",
                          num(get(r, "valid_item_share"), ".3f") if mode == "decode" else "",
                          num(get(r, "sglang_beam1_decode.p50_ms"), ".1f") if mode == "decode" else ""])
-    kind = "a tiny synthetic artifact (not a trained model's figures)" if a.get("tiny") else f"`{a.get('source')}`"
+    kind = ("a tiny synthetic artifact (not a trained model's figures)" if a.get("tiny")
+            else a.get("label") or f"`{a.get('source')}`")
     return ["## Semantic-ID decoding: the SGLang engine against the PyTorch reference", "",
             "Anchor: the PyTorch reference (`SIDDecoder.beam_search` through `TorchEngine.generate`) on the same "
             "requests, one at a time; answers must agree and every item must exist.", "",

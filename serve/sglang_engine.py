@@ -303,7 +303,7 @@ class SGLangEngine(InProcessEngine):
                    "k": int(w.retrieve_k) if retrieve else 0, "source": w.source,
                    "beam": self._beam_of(w) if retrieve and w.source != "dense" else 0,
                    "excluded": None if excluded is None else excluded.tolist(),
-                   "rank": rank, "candidates": w.candidates.tolist() if rank == "given" else None,
+                   "rank": rank, "candidates": w.candidates.tolist() if rank == "given" and w.candidates is not None else None,
                    "context": {k: v.tolist() for k, v in w.user.context.items()}}
         # a user's entries are matched only against its own; no id: a salt of its own, evicted first
         if w.user.user_id:

@@ -73,7 +73,7 @@ def test_an_exception_in_the_forward_fails_its_call_only(engines):
     assert "KeyError" in outs[0]["meta_info"]["genrec_error"][-1]
     assert not [e for o in outs[1:] for e in (o["meta_info"].get("genrec_error") or []) if e]
     with pytest.raises(ModelForwardError, match="KeyError"):
-        se._call([broken], {}, time.monotonic() + 60, works[:1])
+        se._call([broken], time.monotonic() + 60, works[:1])
     # the engine goes on, the same runtime, and the failed user's half-written entries are not matched
     got = same(te, se, works)
     assert se.runtimes.active is active and se.runtimes.failovers == 0

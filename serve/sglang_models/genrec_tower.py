@@ -310,8 +310,8 @@ class GenRecHSTU(nn.Module):
         generated = self._generate(users, beams) if beams else {}
         # what the beam's works retrieve: its items (fused with the dense top-k for "both"), as the
         # front end merges them again from the row (merge_sources is a function of the two lists)
-        merged: dict[int, Pair | Retrieved] = merge_sources(
-            beams, found, {j: (eng.corpus_np[g[0].numpy()], g[1].numpy()) for j, g in generated.items()})
+        merged: dict[int, Pair | Retrieved] = merge_sources(  # (_Ask: what merge_sources reads of a Work)
+            beams, found, {j: (eng.corpus_np[g[0].numpy()], g[1].numpy()) for j, g in generated.items()})  # type: ignore[arg-type]
         to_rank = {}
         for j, i in enumerate(done):
             p = payloads[i]
