@@ -175,7 +175,9 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         se.close()
     cmd = "python -m genrec.benchmarks.sid_decoding" + (f" --artifact {args.artifact}" if args.artifact else "") + (
-        f" --run {args.run}" if args.run else "") + (f" --label '{args.label}'" if args.label else "")
+        f" --run {args.run}" if args.run else "") + (f" --requests {args.requests}" if args.requests != 40 else "") + (
+        f" --beams {' '.join(map(str, args.beams))}" if args.beams != list(BEAMS) else "") + (
+        f" --label '{args.label}'" if args.label else "")
     payload = {"date": today(), "machine": machine(), "command": cmd,
                "artifact": {"tiny": not (args.artifact or args.run), "source": str(args.run or args.artifact or "synthetic"),
                             "label": args.label,
