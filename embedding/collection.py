@@ -141,10 +141,11 @@ class SparseArch(nn.Module):
         return fake_quantize_rows(rows, bits) if bits and self.training else rows
 
     def _lookup(self, kjt: KeyedJaggedTensor, features: list[str], mch: bool) -> dict[str, JaggedTensor]:
-        if mch:
-            lazy = self.mc_ec(kjt)[0]
-        else:
-            lazy = self.ec(kjt)
+        module = self.mc_ec if mch else self.ec
+        if module is None:  # a served model (quant.load): its tables are only the served rows
+            raise RuntimeError("this model's sequence tables are served rows only (an artifact loaded for "
+                               "inference): call it in eval mode, or train from the checkpoint instead")
+        lazy = module(kjt)[0] if mch else module(kjt)
         # a sharded collection returns a lazy awaitable; indexing by feature waits for it
         return {f: lazy[f] for f in features}
 

@@ -99,13 +99,18 @@ def _weights(configs: list[BaseEmbeddingConfig], tensors: dict[str, torch.Tensor
 
 
 def quantized_modules(
-    cfg: EmbeddingConfig, tensors: dict[str, torch.Tensor], scheme: Scheme, row_alignment: int = 16
-) -> tuple[QuantEC, QuantEBC | None]:
-    """TorchRec quantized EC (and EBC for pooled tables) holding the artifact's rows."""
+    cfg: EmbeddingConfig, tensors: dict[str, torch.Tensor], scheme: Scheme, row_alignment: int = 16,
+    sequence: bool = True,
+) -> tuple[QuantEC | None, QuantEBC | None]:
+    """TorchRec quantized EC (and EBC for pooled tables) holding the artifact's rows; each holds
+    its own padded copy of them (``row_alignment``). ``sequence`` False: no EC (None), for a
+    model whose sequence lookups are all :class:`ServedRows` (quant.load.load_model)."""
     dtype = DATA_TYPE[scheme]
-    seq = [replace(t, data_type=dtype) for t in sequence_table_configs(cfg)]
-    ec = QuantEC(seq, device=torch.device("cpu"), output_dtype=torch.float32,
-                 table_name_to_quantized_weights=_weights(seq, tensors, scheme), row_alignment=row_alignment)
+    ec = None
+    if sequence:
+        seq = [replace(t, data_type=dtype) for t in sequence_table_configs(cfg)]
+        ec = QuantEC(seq, device=torch.device("cpu"), output_dtype=torch.float32,
+                     table_name_to_quantized_weights=_weights(seq, tensors, scheme), row_alignment=row_alignment)
     ebc = None
     pooled = [replace(t, data_type=dtype) for t in pooled_table_configs(cfg)]
     if pooled:
@@ -164,13 +169,15 @@ def served_rows(cfg: EmbeddingConfig, tensors: dict[str, torch.Tensor], scheme: 
     return out
 
 
-def install(arch: SparseArch, ec: QuantEC, ebc: QuantEBC | None, rows: dict[str, ServedRows] | None = None,
+def install(arch: SparseArch, ec: QuantEC | None, ebc: QuantEBC | None, rows: dict[str, ServedRows] | None = None,
             pooled_rows: dict[str, ServedRows] | None = None) -> None:
     """Swaps the float TorchRec modules of ``arch`` for their quantized counterparts (and
     gives it ``rows``, the direct lookups inference uses for sequence features, and
     ``pooled_rows``, the pooled tables' rows for serving paths that pool them natively). A
-    managed-collision collection goes: its tables are in ``ec`` and its raw-id maps in
-    ``rows``."""
+    managed-collision collection goes: its tables are in ``ec`` (or, ``ec`` None, only in
+    ``rows``, which must then cover every sequence feature) and its raw-id maps in ``rows``."""
+    if ec is None and not all(f in (rows or {}) for f in arch.sequence_features):
+        raise ValueError("install: without a quantized EmbeddingCollection every sequence feature needs served rows")
     arch.ec = ec
     arch.mc_ec = None
     if ebc is not None:

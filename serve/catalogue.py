@@ -6,9 +6,11 @@
     exact  scores a batch of user vectors against all N items (one GEMM, the vectors laid out
            as its right-hand side), masks each work's excluded items, keeps its ``retrieve_k`` best
     ann    asks the artifact's ANN index (quant/ann.py, built by ``genrec quantize``) for a
-           shortlist per user, drops the excluded items, re-scores the rest exactly against
-           the fp32 vectors and keeps the ``retrieve_k`` best: the scores are the exact ones,
-           only which items are scored is approximate
+           shortlist per user, drops the excluded items, re-scores the rest exactly (their
+           vectors computed from the served rows, as exact search computes all of them) and
+           keeps the ``retrieve_k`` best: the scores are the exact ones, only which items are
+           scored is approximate. No [N, D] fp32 copy is kept (256 bytes an item at D = 64,
+           2.56 GB at 10^7: more than the int8 rows and the index together)
 
 ``search`` says which one answers (ModelInfo.dense_search, the engine's stage "retrieve_ann"). ``read_served`` reads what a front end needs of an artifact without the
 model (configs, catalogue ids, semantic IDs, schema, version): serve.sglang_engine.
@@ -56,14 +58,14 @@ class Catalogue:
     one layout the search in force reads: for exact search their transpose ``vectors_t`` [D, N]
     for the GEMM (or, with ``kernels``, the native path's, ``vectors_native``: the columns padded
     to a whole 8-float vector); for ANN search ``ann``, the artifact's index (``artifact`` /
-    ``manifest``: where it is read from), and ``vectors`` [N, D], the rows its shortlist is
-    re-scored against. ``temperature``: the retrieval head's."""
+    ``manifest``: where it is read from), and no vectors: the shortlist's are computed from the
+    model's served rows (:meth:`vectors_at`). ``temperature``: the retrieval head's."""
 
     def __init__(self, model: GenerativeRecommender, kernels: ServeKernels | None = None,
                  artifact: str | Path | None = None, manifest: Manifest | None = None,
                  cfg: RetrievalConfig | None = None) -> None:
         cfg = cfg or RetrievalConfig()
-        vectors = item_vectors(model)  # [N, D]
+        self.model = model
         self.ids = model.corpus_ids.cpu().numpy()
         self.temperature = float(model.head.cfg.temperature)
         has_index = manifest is not None and bool(manifest.index)
@@ -72,23 +74,31 @@ class Catalogue:
                                 "build one with 'genrec quantize' (--index auto) or serve with search = \"exact\"")
         self.ann: AnnIndex | None = None
         if cfg.search != "exact" and has_index and artifact is not None and manifest is not None:
-            self.ann = load_index(artifact, manifest, int(vectors.shape[1]), cfg.nprobe, cfg.shortlist)
+            dim = int(self.vectors_at(np.zeros(1, np.int64)).shape[1])
+            self.ann = load_index(artifact, manifest, dim, cfg.nprobe, cfg.shortlist)
         self.search = self.ann.describe if self.ann is not None else "exact"
         self.kernels = kernels if self.ann is None else None
         # one layout of the vectors, the one the search in force reads: at 10^7 items each is
-        # another N x D x 4 bytes. ANN re-scores rows [N, D]; exact search multiplies by the
+        # another N x D x 4 bytes. ANN keeps none (vectors_at); exact search multiplies by the
         # transpose [D, N] (rows contiguous), or the native kernel reads it padded to 8 columns.
-        self.vectors: torch.Tensor | None = vectors if self.ann is not None else None
-        self.vectors_np = vectors.float().numpy() if self.ann is not None else None
         self.vectors_t: torch.Tensor | None = None
         self.vectors_native: torch.Tensor | None = None
         if self.ann is None:
+            vectors = item_vectors(model)  # [N, D]
             vectors_t = vectors.t().contiguous()
             del vectors
             if self.kernels is not None:
                 self.vectors_native = torch.nn.functional.pad(vectors_t.float(), (0, -vectors_t.shape[1] % 8)).contiguous()
             else:
                 self.vectors_t = vectors_t
+
+    def vectors_at(self, pos: np.ndarray) -> np.ndarray:
+        """The item vectors at catalogue positions ``pos`` [...] -> [..., D] float32: the model's
+        normalised rows (``item_embeddings``), the same per-row computation that gives exact
+        search its [N, D] (quant.ann.item_vectors)."""
+        with torch.inference_mode():
+            ids = torch.from_numpy(self.ids[pos.reshape(-1)]).to(self.model.corpus_ids.device)
+            return self.model.item_embeddings(ids).float().cpu().numpy().reshape(*pos.shape, -1)
 
     def known(self, items: np.ndarray) -> np.ndarray:
         """[...] bool: which ``items`` are in the catalogue."""
@@ -131,12 +141,12 @@ class Catalogue:
         """:meth:`top_k` from the index: per user the index's shortlist (``ann.shortlist``, widened
         by the user's excluded items so that k remain), excluded items dropped, the rest re-scored
         exactly (the same product and temperature as exact search) and the best k kept."""
-        assert self.ann is not None and self.vectors_np is not None
+        assert self.ann is not None
         q = users.float().cpu().numpy()  # [b, D]
         n_ex = max((e.size for e in excluded if e is not None), default=0)
         s = min(max(self.ann.shortlist, k) + n_ex, self.ids.size)
         pos = self.ann.search(q, s)  # [b, s] catalogue positions, -1 where the index found fewer
-        scores = np.einsum("bd,bsd->bs", q, self.vectors_np[np.maximum(pos, 0)]) / self.temperature
+        scores = np.einsum("bd,bsd->bs", q, self.vectors_at(np.maximum(pos, 0))) / self.temperature
         scores[pos < 0] = -np.inf
         for j, e in enumerate(excluded):
             if e is not None and e.size:

@@ -84,7 +84,7 @@ def test_calibrated_ann_search_keeps_the_recall_it_was_built_for(indexed):
     model, manifest = load_model(indexed)
     exact = Catalogue(model, None, indexed, manifest, RetrievalConfig(search="exact"))
     ann = Catalogue(model, None, indexed, manifest)  # auto: the index, its calibrated nprobe
-    assert ann.ann is not None and ann.vectors_t is None and exact.vectors is None  # one layout each
+    assert ann.ann is not None and ann.vectors_t is None and exact.vectors_t is not None  # one layout each
     vectors = item_vectors(model)
     users = torch.nn.functional.normalize(vectors[:64] + 0.3 * _users(64, 16, 1), dim=1)  # near the items
     works = [(i, Ask(50)) for i in range(64)]
