@@ -100,7 +100,10 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "fsdp_memory": _lazy("fsdp_memory", "fsdp_memory"),
     "ann_index": _lazy("ann_index", "ann_index"),
     "serving_scale_ann_1m": sec.serving_scale, "serving_scale_ann_10m": sec.serving_scale,
+    "scale_10m_train": _lazy("scale_train", "scale_train_section"),
 }
+# results that extend another benchmark's section, on DETAILS.md only (as variants are)
+DETAILS_ONLY = {"scale_10m_train"}
 
 
 def renderer(stem: str) -> Callable[[dict], list[str]] | None:
@@ -155,7 +158,8 @@ def variant(stem: str) -> bool:
     """Whether ``stem`` is a variant run of another benchmark, rendered as it is
     (``serving_scale_ann_1m`` of ``serving_scale``): those are on DETAILS.md only, so that
     RESULTS.md stays one page."""
-    return any(stem.startswith(other + "_") and renderer(stem) is fn for other, fn in SECTIONS.items())
+    return stem in DETAILS_ONLY or any(stem.startswith(other + "_") and renderer(stem) is fn
+                                       for other, fn in SECTIONS.items())
 
 
 def results_page(secs: list[Section]) -> str:

@@ -169,8 +169,16 @@ def main() -> None:
             results[search]["stages_s"] = {k: round(v, 3) for k, v in p.get("stages_s", {}).items()}
             results[search]["served_calls"] = p.get("served")
     manifest = json.loads((art / "manifest.json").read_text())
+    # serving_scale's layout too (its DETAILS.md section renders this file): engine -> latency by history
+    engines = {("torch" if s == "exact" else f"torch-{s}"): {
+        "latency_by_history": {"200": r["single"]}, "server_rss_mb": r.get("server_rss_mb"),
+        **({"recall_at_100_vs_exact": r["recall_at_100_vs_exact"]} if "recall_at_100_vs_exact" in r else {})}
+        for s, r in results.items()}
     write_json(args.name, {
-        "date": today(), "machine": machine(), "load_avg": os.getloadavg(), "command": " ".join(sys.argv),
+        "date": today(), "machine": machine(), "load_avg": os.getloadavg(),
+        "command": "python -m genrec.benchmarks.scale_serve " + " ".join(sys.argv[1:]),
+        "catalogue_size": parts["items"], "artifact_bytes": sum(f.stat().st_size for f in art.iterdir() if f.is_file()),
+        "engines": engines, "server_threads": 1,
         "artifact": str(art), "source": manifest.get("source"), "index": manifest.get("index"),
         "request": {"history": 200, "retrieve_k": 100, "rank": 100, "top_k": 10},
         "pinning": f"server on CPU {SERVER_CPU} (engine in process, 1 thread), client / load generator on CPU {CLIENT_CPU}",

@@ -150,6 +150,35 @@ def throughput(recs: list[dict], skip: int = 1) -> dict:
             "trainer_peak_mem_mb_per_rank": peak[-1] if peak else None}
 
 
+def scale_train_section(d: dict) -> list[str]:
+    """DETAILS.md's section of results/scale_10m_train.json (report.py: DETAILS.md only)."""
+    from genrec.benchmarks.report_format import command, footer, num, table
+
+    sizes = {k: v for k, v in d.get("sizes", {}).items() if k != "resume"}
+    rows = []
+    for k, r in sizes.items():
+        ck = r.get("checkpoint") or {}
+        last = max((ck.get("bytes") or {}).values(), default=None)
+        write = sum((ck.get("write_s_by_window") or {}).values()) or None
+        peak = r.get("trainer_peak_mem_mb_per_rank") or []
+        rows.append([f"{int(k):,}", f"{int(r.get('seen_in_logs', 0)):,}", num(r.get("samples_per_s_rank0_median"), ".0f"),
+                     " / ".join(num(x, ".0f") for x in peak) or "missing",
+                     num(last / 1e9 if last else None, ".3f"), num(write, ".2f")])
+    res = d.get("sizes", {}).get("resume") or {}
+    resume = (f"Checkpoint / resume at {num(res.get('rows'), ',d')} rows: a job stopped at step "
+              f"{num(res.get('stopped_at'), 'd')} and restarted with the same run id resumed from its checkpoint; "
+              f"its logged losses after the resume differ from the uninterrupted run's by at most "
+              f"{num(res.get('max_abs_loss_difference'), 'g')} (steps {', '.join(res.get('loss_after_resume', {}))}).")
+    return ["## Training a 10^7-row item table (TorchRec row-wise over 2 ranks, fused row-wise Adagrad)", "",
+            "Anchor: the same recipe (configs/scale_10m.toml) at 10^5 rows, in the same session; "
+            f"{d.get('steps')} steps of 256 sequences (128 a rank), evaluation off. samples/s: rank 0's, median of "
+            "the logged windows after the first; peak memory: the trainer's per-rank peak RSS. The machine was "
+            "shared with other work (load average about 10).", "",
+            *table(["item rows", "seen in the logs", "samples/s (rank 0)", "peak MB per rank", "checkpoint GB",
+                    "checkpoint write s"], rows), "", resume,
+            *footer(d, command(d, "python -m genrec.benchmarks.scale_train"))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="10000000,100000", help="item-table sizes, largest first (its data: --data-*)")
@@ -191,7 +220,7 @@ def main() -> None:
     print("resume", json.dumps(results["resume"]), flush=True)
     write_json(args.name, {"date": today(), "machine": machine(), "load_avg": os.getloadavg(),
                            "config": str(CONFIG.relative_to(ROOT)), "steps": args.steps,
-                           "command": " ".join(sys.argv), "shared_machine": True, "sizes": results})
+                           "command": "python -m genrec.benchmarks.scale_train " + " ".join(sys.argv[1:]), "shared_machine": True, "sizes": results})
 
 
 if __name__ == "__main__":
