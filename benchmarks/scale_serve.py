@@ -42,14 +42,20 @@ from genrec.proto.v1 import recommender_pb2 as pb
 SERVER_CPU, CLIENT_CPU = 0, 1
 
 
-def workload(data: Path, out: Path, n: int, history: int = 200, seed: int = 0) -> Path:
+def workload(data: Path, out: Path, n: int, history: int = 200, seed: int = 0, valid_share: float = 0.02) -> Path:
     """JSONL Recommend requests (genrec.loadtest.workload's format): ``n`` users with at least
-    ``history`` events, drawn at random, each with their latest ``history`` events."""
+    ``history`` events, drawn at random, each with their latest ``history`` events; never a
+    validation user (``valid_share``: the run's data.valid_users), whose vectors chose the index's
+    nprobe and shortlist at quantize."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    t = pq.read_table(data / "interactions.parquet", columns=["item_ids", "timestamps"])
-    long = np.flatnonzero(pc.list_value_length(t.column("item_ids")).to_numpy() >= history)
+    from genrec.train.data.reader import holds_valid
+
+    t = pq.read_table(data / "interactions.parquet", columns=["user_id", "item_ids", "timestamps"])
+    users = t.column("user_id").to_numpy()
+    long = np.flatnonzero((pc.list_value_length(t.column("item_ids")).to_numpy() >= history)
+                          & ~np.array([holds_valid(int(u), valid_share) for u in users]))
     rows = np.sort(np.random.default_rng(seed).choice(long, size=min(n, long.size), replace=False))
     sub = t.take(rows)
     with open(out, "w") as f:
@@ -119,7 +125,8 @@ def main() -> None:
     ap.add_argument("--slo-p99-ms", type=float, default=15.0)
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--min-requests", type=int, default=300)
-    ap.add_argument("--search", default="exact,ann")
+    ap.add_argument("--search", default="exact,ann",
+                    help="servers in turn: exact, ann (the artifact's nprobe / shortlist) or ann:NPROBE:SHORTLIST")
     ap.add_argument("--name", default="serving_scale_ann_10m")
     ap.add_argument("--start-timeout", type=float, default=1200)
     args = ap.parse_args()
@@ -135,11 +142,15 @@ def main() -> None:
     print("memory", json.dumps(parts), flush=True)
     results: dict[str, dict] = {}
     exact_lists = None
-    for search in args.search.split(","):
+    for name in args.search.split(","):
+        # "ann:NPROBE:SHORTLIST" overrides the artifact's calibrated pair (serve.retrieval.nprobe / .shortlist)
+        search, *pair = name.split(":")
         os.sched_setaffinity(0, {SERVER_CPU})  # the server (and its children) inherit this CPU
         extra = [f'--serve.retrieval.search="{search}"', "--serve.process.standby=false", "--serve.engine_process=false"]
+        if pair:
+            extra += [f"--serve.retrieval.nprobe={pair[0]}", f"--serve.retrieval.shortlist={pair[1]}"]
         t0 = time.perf_counter()
-        proc, target, _ = start_server("torch", art, 1, out / f"profile-{search}.json", extra=extra,
+        proc, target, _ = start_server("torch", art, 1, out / f"profile-{name}.json", extra=extra,
                                        timeout_s=args.start_timeout)
         load_s = time.perf_counter() - t0
         os.sched_setaffinity(0, {CLIENT_CPU})
@@ -147,7 +158,7 @@ def main() -> None:
             n = args.single if search == "ann" else args.single_exact
             single_request_latency(target, payloads[:5], n=5)  # warm-up
             res: dict = {"load_s": round(load_s, 1), "single": single_request_latency(target, payloads[:n], n=n)}
-            print(search, json.dumps(res), flush=True)
+            print(name, json.dumps(res), flush=True)
             got = retrieved(target, retrieve)
             res["server_rss_mb"] = round(rss_tree_mb(proc.pid), 1)
             if search == "exact":
@@ -156,21 +167,21 @@ def main() -> None:
                 res["recall_at_100_vs_exact"] = round(float(np.mean(
                     [np.intersect1d(a, b).size / max(b.size, 1) for a, b in zip(got, exact_lists)])), 4)
             if search == "ann":
-                res["loadtest"] = sweep(target, work, out / f"loadtest-{search}", args.qps, args.slo_p99_ms,
-                                        args.duration, args.min_requests)
-            results[search] = res
-            print(search, json.dumps(res), flush=True)
+                res["loadtest"] = sweep(target, work, out / f"loadtest-{name.replace(':', '-')}", args.qps,
+                                        args.slo_p99_ms, args.duration, args.min_requests)
+            results[name] = res
+            print(name, json.dumps(res), flush=True)
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=120)
-        prof = out / f"profile-{search}.json"  # the engine's stage seconds: where a call's time went
+        prof = out / f"profile-{name}.json"  # the engine's stage seconds: where a call's time went
         if prof.exists():
             p = json.loads(prof.read_text())
-            results[search]["stages_s"] = {k: round(v, 3) for k, v in p.get("stages_s", {}).items()}
-            results[search]["served_calls"] = p.get("served")
+            results[name]["stages_s"] = {k: round(v, 3) for k, v in p.get("stages_s", {}).items()}
+            results[name]["served_calls"] = p.get("served")
     manifest = json.loads((art / "manifest.json").read_text())
     # serving_scale's layout too (its DETAILS.md section renders this file): engine -> latency by history
-    engines = {("torch" if s == "exact" else f"torch-{s}"): {
+    engines = {("torch" if s == "exact" else f"torch-{s.replace(':', '-')}"): {
         "latency_by_history": {"200": r["single"]}, "server_rss_mb": r.get("server_rss_mb"),
         **({"recall_at_100_vs_exact": r["recall_at_100_vs_exact"]} if "recall_at_100_vs_exact" in r else {})}
         for s, r in results.items()}
