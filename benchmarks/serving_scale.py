@@ -122,7 +122,15 @@ def served_calibration(art: Path, corpus: np.ndarray, history: int, n: int = 300
 
     import torch
 
-    from genrec.quant.ann import IndexConfig, ann_top, calibrate, exact_top, recall, set_nprobe
+    from genrec.quant.ann import (
+        IndexConfig,
+        ann_top,
+        calibrate,
+        exact_top,
+        item_vectors,
+        recall,
+        set_nprobe,
+    )
     from genrec.serve.ann import RetrievalConfig
     from genrec.serve.engine import TorchEngine
     from genrec.serve.requests import Limits, decode_user
@@ -137,13 +145,14 @@ def served_calibration(art: Path, corpus: np.ndarray, history: int, n: int = 300
             return np.concatenate([eng.encode(users[i : i + 32])[0].float().numpy() for i in range(0, count, 32)])
 
     cat = engines[0].catalogue
-    assert cat.ann is not None and cat.vectors_np is not None
-    nprobe, shortlist, tried = calibrate(cat.ann.index, cat.vectors_np, vectors(1, n), IndexConfig(target=target))
+    assert cat.ann is not None
+    items = item_vectors(engines[0].model).float().numpy()  # [N, D]: the catalogue keeps none in ANN mode
+    nprobe, shortlist, tried = calibrate(cat.ann.index, items, vectors(1, n), IndexConfig(target=target))
     held = vectors(0, n)  # the timed requests' users (seed 0): recall in this process, the server's re-score
     set_nprobe(cat.ann.index, nprobe)
-    rec = recall(ann_top(cat.ann.index, cat.vectors_np, held, 100, shortlist), exact_top(cat.vectors_np, held, 100))
+    rec = recall(ann_top(cat.ann.index, items, held, 100, shortlist), exact_top(items, held, 100))
     engines.clear()  # (its catalogue: gigabytes at 10^7 items, before the servers load theirs)
-    del cat
+    del cat, items
     gc.collect()
     return {"queries": f"{n} served users (seed 1)", "target": target, "nprobe": nprobe, "shortlist": shortlist,
             "recall_by_shortlist_nprobe": tried, "held_out_recall_at_100": round(rec, 4),
