@@ -9,8 +9,9 @@ server, which leaves the history out, can never return. This benchmark scores on
 * ``former``: the rule before (history excluded, a repeated target ranked by its score);
 * ``no_exclusion``: nothing excluded (``eval.exclude_history = false``).
 
-Data: the synthetic default (``data/synthetic``, the demo's logs: Zipf draws repeat popular
-items) and the same generator with repeat consumption on (``--repeat``). The model: the
+Data: the first-order synthetic process (``first_order()``, the demo's logs until 2026-12-05,
+in ``data/synthetic_first_order``: Zipf draws repeat popular items) and the same generator
+with repeat consumption on (``--repeat``): the recorded figures are on those rows. The model: the
 demo's config (``configs/demo.toml``), trained ``--epochs`` epochs on each.
 
     python -m genrec.benchmarks.eval_protocol [--epochs 5] [--repeat 0.3]
@@ -19,7 +20,6 @@ demo's config (``configs/demo.toml``), trained ``--epochs`` epochs on each.
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -99,11 +99,11 @@ def score_baseline(data: Path, kind: str, job: Any, emb: Any) -> dict:  # noqa: 
 
 
 def dataset_for(repeat: float) -> Path:
-    from genrec.train.data.synthetic import SyntheticConfig, generate
+    from genrec.train.data.synthetic import first_order, generate
 
-    out = ROOT / "data" / ("synthetic" if repeat == 0 else f"synthetic_repeat{repeat:g}")
+    out = ROOT / "data" / ("synthetic_first_order" if repeat == 0 else f"synthetic_repeat{repeat:g}")
     if not (out / "dataset.json").exists():
-        generate(replace(SyntheticConfig(), repeat=repeat), out)
+        generate(first_order(repeat=repeat), out)
     return out
 
 
@@ -114,7 +114,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--epochs", type=int, default=5)
-    ap.add_argument("--repeat", type=float, default=0.3, help="the second dataset's SyntheticConfig.repeat")
+    ap.add_argument("--repeat", type=float, default=0.3, help="the second dataset's repeat (first_order())")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
     ap.add_argument("--out-dir", default="runs/benchmarks")
     args = ap.parse_args()

@@ -29,7 +29,7 @@ from genrec.benchmarks.common import (
     update_results_md,
     write_json,
 )
-from genrec.train.data.synthetic import SyntheticConfig, generate
+from genrec.train.data.synthetic import first_order, generate
 from genrec.train.job import load_job
 from genrec.train.loop.launch import run_training
 
@@ -43,9 +43,10 @@ VARIANTS = {
 
 
 def synthetic_data() -> Path:
-    out = ROOT / "data" / "synthetic"
+    """The first-order synthetic logs (``first_order()``): the recorded figures' rows."""
+    out = ROOT / "data" / "synthetic_first_order"
     if not (out / "dataset.json").exists():
-        generate(SyntheticConfig(), out)
+        generate(first_order(), out)
     return out
 
 

@@ -25,7 +25,7 @@ logs reach:
 ``--chunks 16,64``: 64 is the protocol before 2026-12-04 (one request per user, after the
 history up to the test cutoff), kept to show what it cost.
 
-    python -m genrec.benchmarks.ranking_bounds [--data data/synthetic] [--chunks 16,64]
+    python -m genrec.benchmarks.ranking_bounds [--data data/synthetic_first_order] [--chunks 16,64]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from genrec.benchmarks.common import ROOT, machine, shown_path, today, update_re
 from genrec.train.data.files import read_interactions
 from genrec.train.data.reader import ranking_cutoffs
 from genrec.train.data.samples import RankingDataConfig
-from genrec.train.data.synthetic import SyntheticConfig, SyntheticWorld, hidden_users
+from genrec.train.data.synthetic import SyntheticConfig, SyntheticWorld, first_order, hidden_users
 from genrec.train.eval.ranking_metrics import auc, normalized_entropy
 
 EVAL_CANDIDATES = RankingDataConfig().eval_candidates  # held-out events per user
@@ -138,7 +138,7 @@ def test_samples(data: Path, chunk: int) -> tuple[list[tuple], np.ndarray, np.nd
 
 def bounds(data: Path, chunk: int) -> dict:
     info = json.loads((data / "dataset.json").read_text())
-    cfg = SyntheticConfig(**info["extra"]["synthetic"])
+    cfg = first_order(**info["extra"]["synthetic"])  # settings a dataset predates are first-order ones
     world, hidden = SyntheticWorld(cfg), hidden_users(cfg)
     samples, users, acts, oracle = test_samples(data, chunk)
     click, conv = (acts & 2) != 0, (acts & 4) != 0
@@ -166,7 +166,7 @@ def bounds(data: Path, chunk: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", default=str(ROOT / "data" / "synthetic"))
+    ap.add_argument("--data", default=str(ROOT / "data" / "synthetic_first_order"))  # benchmarks/ranking.py's
     ap.add_argument("--chunks", default=f"{REQUEST},{EVAL_CANDIDATES}")
     args = ap.parse_args()
     records = [bounds(Path(args.data), int(c)) for c in args.chunks.split(",")]

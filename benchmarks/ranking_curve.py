@@ -1,7 +1,8 @@
 """Learning curve of the ranking model on the synthetic ads logs: data size against the ceilings.
 
-For each scale m, the synthetic generator with ``num_users = 6000 * m`` (everything else the
-embedded default: the same world, item catalogue and user process), the joint ranking
+For each scale m, the synthetic generator with ``num_users = 6000 * m`` (everything else its
+first-order process, ``first_order()``, on which the recorded figures were taken: the same
+world, item catalogue and user process), the joint ranking
 config trained within a time budget; its test AUC / NE per task beside the oracle and the
 ``world+history`` ceiling (``benchmarks/ranking_bounds.py``: what an estimator that knows
 the generator's world, but the user only through the shown history, reaches on the same
@@ -29,17 +30,17 @@ from genrec.benchmarks.common import (
 )
 from genrec.benchmarks.ranking_bounds import bounds
 from genrec.train.data.schema import read_info
-from genrec.train.data.synthetic import SyntheticConfig, generate
+from genrec.train.data.synthetic import first_order, generate
 from genrec.train.job import load_job
 from genrec.train.loop.launch import run_training
 
-BASE_USERS = SyntheticConfig().num_users
+BASE_USERS = first_order().num_users
 
 
 def scaled_data(m: int) -> Path:
-    out = ROOT / "data" / ("synthetic" if m == 1 else f"synthetic_x{m}")
+    out = ROOT / "data" / ("synthetic_first_order" if m == 1 else f"synthetic_first_order_x{m}")
     if not (out / "dataset.json").exists():
-        generate(SyntheticConfig(num_users=BASE_USERS * m), out)
+        generate(first_order(num_users=BASE_USERS * m), out)
     return out
 
 

@@ -109,10 +109,10 @@ def test_synthetic_is_deterministic_and_has_its_declared_structure(tmp_path):
 def test_synthetic_repeat_consumption_is_a_knob_and_off_leaves_the_rows_as_they_were():
     import numpy as np
 
-    from genrec.train.data.synthetic import _users_chunk
+    from genrec.train.data.synthetic import _users_chunk, first_order
 
-    def sequences(**kw):  # noqa: ANN003, ANN202
-        cfg = SyntheticConfig(num_users=400, num_items=20000, num_topics=8, median_len=30, seed=5, **kw)
+    def sequences(make=first_order, **kw):  # noqa: ANN001, ANN003, ANN202
+        cfg = make(**{"num_users": 400, "num_items": 20000, "num_topics": 8, "median_len": 30, "seed": 5, **kw})
         return _users_chunk(SyntheticWorld(cfg), np.random.default_rng(cfg.seed), 1, cfg.num_users)[0]["item_ids"]
 
     def again(seqs, window=20):  # noqa: ANN001, ANN202 - share of events among the user's last `window` items
@@ -123,18 +123,65 @@ def test_synthetic_repeat_consumption_is_a_knob_and_off_leaves_the_rows_as_they_
     assert all((a == b).all() for a, b in zip(off, sequences(repeat=0.0, repeat_window=5)))
     on = sequences(repeat=0.4)
     assert again(on) - again(off) > 0.3  # about 0.4 of events come back (some were repeats anyway)
+    # the session process (the default): a repeat is one of the items before the last
+    off, on = sequences(SyntheticConfig, repeat=0.0), sequences(SyntheticConfig, repeat=0.4)
+    assert again(on) - again(off) > 0.25  # 0.4 of the events that open no session (3 in 4)
+    # ... not the last one (that again only where the last was itself a copy or a popular draw)
+    assert np.mean([s[t] == s[t - 1] for s in on for t in range(1, len(s))]) < 0.05
     with pytest.raises(ValueError, match="repeat"):
         SyntheticWorld(SyntheticConfig(repeat=1.0))
+    with pytest.raises(ValueError, match="detour"):
+        SyntheticWorld(SyntheticConfig(repeat=0.5, detour=0.5))
 
 
-def test_synthetic_default_rows_are_pinned():
-    """The default generator's rows, bit for bit (a checksum taken before the long-history mode
-    existed): an opt-in knob must not move any existing dataset."""
-    import hashlib
-
+def _next_item_rules(cfg: SyntheticConfig) -> dict[str, float]:
+    """Share of events (from the third on) that are the successor (same topic, next rank) of the
+    last item (``last``: what a first-order model can know), or instead of the item before it
+    that was its topic's latest (``history``: what only the history names); ``*_after_gap``:
+    the same over events more than 3 hours after the one before."""
     from genrec.train.data.synthetic import _users_chunk
 
-    cfg = SyntheticConfig(num_users=300, num_items=5000, num_topics=8, median_len=30, seed=3)
+    world = SyntheticWorld(cfg)
+    cols = _users_chunk(world, np.random.default_rng(cfg.seed), 1, cfg.num_users)[0]
+    hits = {"last": [], "history": [], "gap": []}
+    for items, times in zip(cols["item_ids"], cols["timestamps"]):
+        topic, rank = world.item_topic(items), world.item_rank(items)
+        latest: dict[int, int] = {}  # topic -> rank of its latest item before the last event
+        for t in range(2, len(items)):
+            latest[int(topic[t - 2])] = int(rank[t - 2])
+            last = topic[t] == topic[t - 1] and rank[t] == (rank[t - 1] + 1) % world.per_topic
+            named = latest.get(int(topic[t]), -2) + 1 == rank[t]
+            hits["last"].append(last)
+            hits["history"].append(named and not last)
+            hits["gap"].append(times[t] - times[t - 1] > 3 * 3600)
+    h = {k: np.array(v) for k, v in hits.items()}
+    return {"last": h["last"].mean(), "history": h["history"].mean(), "gap_share": h["gap"].mean(),
+            "last_after_gap": h["last"][h["gap"]].mean(), "history_after_gap": h["history"][h["gap"]].mean()}
+
+
+def test_synthetic_default_history_names_the_next_item_where_the_last_item_cannot():
+    """The default's detours, repeats and sessions make the item after some earlier one (its
+    topic's latest: a series resumed) the next item, where the first-order process almost
+    never does; after a session's long gap that rule beats the last item's successor. A
+    statistic of generated rows: the data, not a model, is what this holds."""
+    from genrec.train.data.synthetic import first_order
+
+    new, old = _next_item_rules(SyntheticConfig(num_users=500, seed=4)), _next_item_rules(first_order(num_users=500, seed=4))
+    assert old["history"] < 0.03 and new["history"] > 0.12, (old, new)  # measured 0.011 and 0.207
+    assert new["last"] > 0.25  # the first-order signal stays: the sequence model must match it too
+    assert new["gap_share"] > 0.08 and new["history_after_gap"] > new["last_after_gap"] + 0.1, new
+    assert old["history_after_gap"] < 0.03
+
+
+def test_synthetic_first_order_rows_are_pinned():
+    """The first-order generator's rows (the default until 2026-12-05), bit for bit (a checksum
+    taken before the long-history mode existed): an opt-in knob must not move any existing
+    dataset, and ``first_order()`` still writes what the old default wrote."""
+    import hashlib
+
+    from genrec.train.data.synthetic import _users_chunk, first_order
+
+    cfg = first_order(num_users=300, num_items=5000, num_topics=8, median_len=30, seed=3)
     cols = _users_chunk(SyntheticWorld(cfg), np.random.default_rng(cfg.seed), 1, cfg.num_users)[0]
     h = hashlib.sha256()
     for k in ("item_ids", "timestamps", "actions", "oracle_click"):
@@ -149,10 +196,9 @@ def test_synthetic_long_histories_carry_signal_a_recent_window_cannot_see(tmp_pa
     """long_len: every user has that many events; in the recent era some events (``resumed``)
     resume a past-era interest at the item after its last one: the full history names that
     item, the last 512 events almost never hold its topic."""
-    from genrec.train.data.synthetic import _users_chunk, chunk_users
+    from genrec.train.data.synthetic import _users_chunk, chunk_users, first_order
 
-    cfg = SyntheticConfig(num_users=40, num_items=20000, num_topics=64, seed=2, long_len=6000, long_recent=0.3,
-                          long_quiet=600, long_return=0.004)
+    cfg = first_order(num_users=40, seed=2, long_len=6000, long_recent=0.3, long_quiet=600, long_return=0.004)
     world = SyntheticWorld(cfg)
     cols = _users_chunk(world, np.random.default_rng(cfg.seed), 1, cfg.num_users)[0]
     assert {len(s) for s in cols["item_ids"]} == {6000}

@@ -1,22 +1,52 @@
 """Synthetic ads-like interaction logs with known structure (the embedded default).
 
-Generative process, per user:
-* interests: a sparse Dirichlet mixture over ``num_topics`` topics;
-* each event stays in the current topic (``topic_stay``) or redraws one from the mixture;
-* within a topic, the item is the successor of the previous item (``follow``: an
-  item-to-item pattern a sequential model can learn) or a Zipf-popular draw;
-* repeat consumption (``repeat``): with that probability an event instead consumes again
-  one of the user's last ``repeat_window`` items (uniformly; its topic with it), as buyers
-  re-order and viewers re-watch. Off by default; the Zipf draws alone already repeat
-  popular items (on the default, 19% of the test targets are in their user's history,
-  which a server that excludes the history can never return: docs/training.md);
+The default process is built so that the last item alone cannot tell what comes next but the
+history can, as in real logs; each mechanism below says what a first-order (last item ->
+next item) model such as the transition baseline cannot see. Per user:
+
+* long-lived interests: a sparse Dirichlet mixture over ``num_topics`` topics (a few stable
+  topics per user). Within a topic the items form a series (rank r, then r + 1: episodes,
+  sequels, the next size of a consumable); the user's position in each topic's series is
+  remembered across detours and sessions;
+* sessions: the history is cut into sessions of ``session_len`` events on average
+  (geometric); a session's first event comes after a long gap (log-normal, median
+  ``session_gap_s``, against ``median_gap_s`` within a session) and opens a topic drawn from
+  the user's mixture, resuming its series (``resume``: the item after the last one the user
+  consumed in that topic, else a Zipf-popular draw). *First-order*: the last item belongs to
+  the previous session, so its successors point into the old topic; the history holds the
+  user's topics and the place reached in each, and the request time (the gap) says that a
+  new session begins;
+* within a session each event stays on the session's topic (``topic_stay``) and is then the
+  successor of the topic's last item (``follow``) or a Zipf draw, or switches to another
+  topic of the mixture, resuming its series as a session start does. This part is what a
+  first-order model can learn, and the default makes it strong (one topic a session, series
+  followed closely): the sequence model must match the transition baseline here, not avoid it;
+* detours (``detour``): an event is one item of a topic drawn uniformly from the whole
+  catalogue, outside the user's interests and any series; the next event returns to the
+  session's series, after the item before the detour. *First-order*: after a detour the last
+  item is the detour's, whose successors across users are scattered over their own series;
+* repeat consumption (``repeat``): an event consumes again one of the ``repeat_window`` items
+  before the last (re-orders, re-watches); the session's series then goes on. *First-order*:
+  the re-consumed item's successors are those of its first consumption, often already
+  consumed. As a target a repeat can never be returned by a server that excludes the history
+  (evaluation does as serving does, so it is a miss for every model: docs/training.md);
+  Zipf draws repeat popular items too;
 * every event is an impression; a click is drawn from a hidden preference model,
   ``p = sigmoid(scale * <user, item> + click_bias)``, a conversion likewise given a click;
-* timestamps are a heavy-tailed (log-normal) gap process; lengths are log-normal.
+* lengths are log-normal.
 
-Long histories (``long_len`` > 0; off by default, and off leaves every row as it was): every
+``session_len = 0`` selects the earlier first-order process (:func:`first_order` gives it
+with its defaults, row for row): each event stays on the current topic or redraws one from
+the mixture, and is the successor of the previous item (``follow``) or a Zipf draw, with
+repeats of the last ``repeat_window`` items (``repeat``) and log-normal gaps of median
+``median_gap_s``; the next item then depends on the history only through the last item and
+the topic mixture.
+
+Long histories (``long_len`` > 0; off by default, and off leaves every row as it was; they
+always use the first-order process, whatever ``session_len`` says): every
 user has exactly ``long_len`` events (10^4 for the ads shape: ``genrec data synth
---long_len=10000 --num_users=2000``) in two eras. The past era (the first ``1 - long_recent``
+--long_len=10000 --num_users=2000 --num_items=20000 --num_topics=64 --repeat=0``, the catalogue
+of the 2026-12-04 figures) in two eras. The past era (the first ``1 - long_recent``
 of the history) draws its topics from one interest mixture, the recent era (the last
 ``long_recent``) from a second one; the hidden click preference is the average of both. After
 the recent era's first ``long_quiet`` events, with probability ``long_return`` an event resumes
@@ -51,22 +81,27 @@ CONTEXT = {"segment": None, "device": 4, "region": 64}  # segment cardinality = 
 @dataclass(frozen=True)
 class SyntheticConfig:
     num_users: int = 6000
-    num_items: int = 20000  # size of the id space; up to 10^8
-    num_topics: int = 64
+    num_items: int = 5000  # size of the id space; up to 10^8
+    num_topics: int = 32
     zipf: float = 1.05
     median_len: float = 40.0
     len_sigma: float = 0.9
     min_len: int = 5
     max_len: int = 400
-    topic_stay: float = 0.75
-    follow: float = 0.5
-    repeat: float = 0.0  # share of events that consume one of the last repeat_window items again
+    topic_stay: float = 1.0  # sessions: one topic each (first-order process: 0.75)
+    follow: float = 0.85  # series are followed closely (first-order process: 0.5)
+    # sessions (module docstring; 0: the first-order process, first_order())
+    session_len: float = 4.0  # mean events per session (geometric)
+    session_gap_s: float = 86400.0  # median gap before a session's first event (median_gap_s: within one)
+    resume: float = 0.95  # a session start or switch continues the series of its topic, else a Zipf draw
+    detour: float = 0.25  # share of events that are one item of a random topic, outside any series
+    repeat: float = 0.05  # share of events that consume one of the last repeat_window items again
     repeat_window: int = 20
     long_len: int = 0  # > 0: every user has exactly this many events, in two eras (module docstring)
     long_recent: float = 0.3  # share of a long history in its recent era
     long_quiet: int = 1024  # recent-era events before the first resumption (> the window it defeats)
     long_return: float = 0.003  # per later recent-era event: the chance it resumes a past-era interest
-    interest_concentration: float = 0.08
+    interest_concentration: float = 0.05  # a few stable topics per user (first-order process: 0.08)
     pref_dim: int = 16
     pref_scale: float = 2.0
     click_bias: float = -2.0
@@ -75,6 +110,15 @@ class SyntheticConfig:
     median_gap_s: float = 600.0
     seed: int = 0
     chunk_users: int = 8192
+
+
+def first_order(**overrides: object) -> SyntheticConfig:
+    """The generator before sessions (the default until 2026-12-05), row for row: no sessions,
+    detours or repeats, so the next item depends on the history only through the last item and
+    the topic mix. Callers whose figures or checks were taken on those rows pin it."""
+    old = {"num_items": 20000, "num_topics": 64, "topic_stay": 0.75, "follow": 0.5, "interest_concentration": 0.08,
+           "session_len": 0.0, "repeat": 0.0}
+    return SyntheticConfig(**{**old, **overrides})  # type: ignore[arg-type]
 
 
 def hashed_normal(ids: np.ndarray, dim: int, salt: int) -> np.ndarray:
@@ -93,6 +137,10 @@ class SyntheticWorld:
             raise ValueError("synthetic: num_items must be at least 2 * num_topics")
         if not 0.0 <= cfg.repeat < 1.0 or cfg.repeat_window < 1:
             raise ValueError("synthetic: repeat must be in [0, 1) and repeat_window at least 1")
+        if cfg.session_len and (cfg.session_len < 1.0 or not 0.0 <= cfg.resume <= 1.0 or cfg.detour < 0.0
+                                or cfg.detour + cfg.repeat >= 1.0):
+            raise ValueError("synthetic: session_len must be 0 (off) or >= 1, resume in [0, 1], detour >= 0 and "
+                             "detour + repeat < 1")
         if cfg.long_len < 0 or not 0.0 < cfg.long_recent < 1.0 or not 0.0 <= cfg.long_return <= 1.0:
             raise ValueError("synthetic: long_len must be >= 0, long_recent in (0, 1), long_return in [0, 1]")
         if cfg.long_quiet < 0:
@@ -146,6 +194,8 @@ def _users_chunk(world: SyntheticWorld, rng: np.random.Generator, first_user: in
     """One chunk's columns, and its users' hidden state (interest mixture [n, topics],
     preference vector [n, pref_dim]) for analyses that compare a model with the truth."""
     cfg = world.cfg
+    if cfg.session_len > 0 and not cfg.long_len:
+        return _session_chunk(world, rng, first_user, n)
     k = cfg.num_topics
     mix = rng.dirichlet(np.full(k, cfg.interest_concentration), size=n)
     cum = np.cumsum(mix, axis=1)
@@ -197,6 +247,78 @@ def _users_chunk(world: SyntheticWorld, rng: np.random.Generator, first_user: in
     gaps = np.exp(math.log(cfg.median_gap_s) + 1.5 * rng.standard_normal(int(lengths.sum())))
     if long:
         mix = (mix + recent_mix) / 2  # the preference: both eras' interests
+    extra = {"resumed": list(resumed)} if long else {}
+    return _columns(world, rng, first_user, mix, recent_mix if long else mix, lengths, items, gaps, extra)
+
+
+def _session_chunk(world: SyntheticWorld, rng: np.random.Generator, first_user: int,
+                   n: int) -> tuple[dict, dict[str, np.ndarray]]:
+    """:func:`_users_chunk` for the session process (``session_len`` > 0; module docstring).
+
+    Per user: ``series`` [n, topics] holds the rank of the last item consumed in each topic
+    (-1: none yet), ``cur`` [n] the session's topic; an event is a session start, a detour,
+    a repeat or a step of the session (stay and follow, or a switch to another interest)."""
+    cfg = world.cfg
+    k = cfg.num_topics
+    mix = rng.dirichlet(np.full(k, cfg.interest_concentration), size=n)
+    cum = np.cumsum(mix, axis=1)
+    lengths = np.clip(
+        np.round(cfg.median_len * np.exp(cfg.len_sigma * rng.standard_normal(n))), cfg.min_len, cfg.max_len
+    ).astype(np.int64)
+    steps = int(lengths.max())
+    topics = np.empty((n, steps), np.int64)
+    ranks = np.empty((n, steps), np.int64)
+    starts = np.zeros((n, steps), bool)  # the event opens a session (its gap is a between-session one)
+    series = np.full((n, k), -1, np.int64)
+    users = np.arange(n)
+
+    def draw_topic() -> np.ndarray:
+        return np.minimum((cum < rng.random((n, 1))).sum(1), k - 1)
+
+    def resume_or_draw(topic: np.ndarray) -> np.ndarray:
+        """The item after the user's last one in ``topic`` (with ``resume``), else a Zipf draw."""
+        last = series[users, topic]
+        go_on = (last >= 0) & (rng.random(n) < cfg.resume)
+        return np.where(go_on, (last + 1) % world.per_topic, world.zipf_rank(rng, n))
+
+    cur = draw_topic()
+    topics[:, 0], ranks[:, 0], starts[:, 0] = cur, world.zipf_rank(rng, n), True
+    series[users, cur] = ranks[:, 0]
+    for t in range(1, steps):
+        new = rng.random(n) < 1.0 / cfg.session_len
+        u = rng.random(n)
+        detour = ~new & (u < cfg.detour)
+        again = ~new & ~detour & (u < cfg.detour + cfg.repeat) & (t >= 2)
+        step = ~(new | detour | again)
+        stay = step & (rng.random(n) < cfg.topic_stay)
+        # a session start or an in-session switch: a topic of the user's interests, its series resumed
+        cur = np.where(new | (step & ~stay), draw_topic(), cur)
+        follow = stay & (rng.random(n) < cfg.follow)
+        last = series[users, cur]
+        rank = np.where(follow, (last + 1) % world.per_topic, world.zipf_rank(rng, n))
+        rank = np.where(stay, rank, resume_or_draw(cur))
+        topic = cur.copy()
+        # a detour: one item of a topic drawn from the whole catalogue, outside the series
+        wander = rng.integers(0, k, n)
+        topic[detour], rank[detour] = wander[detour], world.zipf_rank(rng, n)[detour]
+        # a repeat: one of the repeat_window items before the last, again
+        src = t - 1 - rng.integers(1, min(max(t - 1, 1), cfg.repeat_window) + 1, size=n)
+        topic[again], rank[again] = topics[again, src[again]], ranks[again, src[again]]
+        topics[:, t], ranks[:, t], starts[:, t] = topic, rank, new
+        moved = new | step  # only the session's own events advance a series
+        series[users[moved], cur[moved]] = rank[moved]
+    valid = np.arange(steps)[None, :] < lengths[:, None]
+    items = world.item_id(topics[valid], ranks[valid])
+    gaps = np.where(starts[valid], cfg.session_gap_s, cfg.median_gap_s) * np.exp(rng.standard_normal(items.size))
+    return _columns(world, rng, first_user, mix, mix, lengths, items, gaps, {})
+
+
+def _columns(world: SyntheticWorld, rng: np.random.Generator, first_user: int, mix: np.ndarray,
+             segment_mix: np.ndarray, lengths: np.ndarray, items: np.ndarray, gaps: np.ndarray,
+             extra: dict) -> tuple[dict, dict[str, np.ndarray]]:
+    """Both event processes' common tail: clicks and conversions from the hidden preference
+    (``mix`` [n, topics] -> user vectors), timestamps from ``gaps`` [events], the context."""
+    cfg, n = world.cfg, lengths.size
     user_vec = mix @ world.topic_vecs + 0.5 * rng.standard_normal((n, cfg.pref_dim))
     owner = np.repeat(np.arange(n), lengths)
     p_click = world.click_prob(user_vec[owner], items)
@@ -207,7 +329,6 @@ def _users_chunk(world: SyntheticWorld, rng: np.random.Generator, first_user: in
     splits = np.cumsum(lengths)[:-1]
     starts = cfg.start_time + rng.integers(0, 30 * 86400, size=n)
     times = [(s + np.cumsum(g)).astype(np.int64) for s, g in zip(starts, np.split(gaps, splits))]
-    extra = {"resumed": list(resumed)} if long else {}
     return {
         **extra,
         "user_id": list(range(first_user, first_user + n)),
@@ -216,7 +337,7 @@ def _users_chunk(world: SyntheticWorld, rng: np.random.Generator, first_user: in
         "actions": np.split(actions, splits),
         "oracle_click": np.split(p_click, splits),
         "oracle_conversion": np.split(p_click * p_conv, splits),
-        "ctx_segment": [[int(t)] for t in (recent_mix if long else mix).argmax(1)],
+        "ctx_segment": [[int(t)] for t in segment_mix.argmax(1)],
         "ctx_device": [[int(d)] for d in rng.integers(0, CONTEXT["device"], n)],
         "ctx_region": [[int(r)] for r in rng.integers(0, CONTEXT["region"], n)],
     }, {"mix": mix, "user_vec": user_vec}
