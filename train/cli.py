@@ -198,11 +198,19 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_demo(args: argparse.Namespace, overrides: list[str]) -> int:
-    """Synthetic data (if missing) -> train configs/demo.toml -> baselines -> one table."""
+    """Synthetic data (if missing) -> train configs/demo.toml -> baselines -> one table, and the
+    model's paired difference from the transition baseline over the same test users."""
     from genrec.train.data.reader import make_reader
     from genrec.train.data.synthetic import SyntheticConfig, generate
-    from genrec.train.eval.baselines import Baseline, evaluate_baseline
+    from genrec.train.eval.baselines import Baseline
     from genrec.train.eval.evaluate import format_table
+    from genrec.train.eval.paired import (
+        baseline_ranks,
+        format_paired,
+        model_ranks,
+        paired_difference,
+        rank_metrics,
+    )
     from genrec.train.job import load_job, resolve_embedding
     from genrec.train.loop.launch import run_training
     from genrec.train.observe.logs import progress, run_log
@@ -211,15 +219,37 @@ def cmd_demo(args: argparse.Namespace, overrides: list[str]) -> int:
     if not (data / "dataset.json").exists():
         print(f"generating synthetic ads-like logs in {data} ...")
         generate(SyntheticConfig(), data)
+    else:
+        _note_other_generator(data, SyntheticConfig())
     job = load_job(args.config, [f'--data.path="{data}"', *overrides])
     run_dir, results = run_training(job)
-    rows = {f"{job.model.tower} (test)": results["test"]}
+    name = f"{job.model.tower} (test)"
     emb_cfg = resolve_embedding(job.embedding, read_info(data))
     with run_log(run_dir):  # the baselines' warnings, too, go to RUN/train.log, not above the table
+        _, model, _, _ = load_run_model(run_dir, None, None)  # the checkpoint the run tested
+        ranks = {name: model_ranks(model, make_reader(job.data, "test", emb_cfg, job.model.max_seq_len), job.eval)}
         for kind in ("popular", "transition"):
             reader = make_reader(replace(job.data, context_features=False), "test", emb_cfg, job.model.max_seq_len)
-            rows[f"{kind} baseline (test)"] = evaluate_baseline(Baseline(data, kind, job.data.valid_users),
-                                                                progress(reader, f"{kind} baseline"), job.eval)
+            ranks[f"{kind} baseline (test)"] = baseline_ranks(Baseline(data, kind, job.data.valid_users),
+                                                              progress(reader, f"{kind} baseline"), job.eval)
+    rows = {k: rank_metrics(r, job.eval) for k, r in ranks.items()}
+    if abs(rows[name]["ndcg@10"] - results["test"]["ndcg@10"]) > 1e-6:  # one evaluation for every row
+        raise RuntimeError(f"demo: per-user ranks read test NDCG@10 {rows[name]['ndcg@10']}, "
+                           f"the trainer {results['test']['ndcg@10']}")
+    diff = paired_difference(ranks[name], ranks["transition baseline (test)"])
     print(f"\nrun directory: {run_dir}  ({results['epochs']} epochs, {results['train_seconds']:.0f}s training)")
     print(format_table(rows))
+    print(format_paired(job.model.tower, "transition baseline", diff, len(ranks[name])))
     return 0
+
+
+def _note_other_generator(data: Path, default: object) -> None:
+    """One line when ``data`` was generated with other settings than today's default (an older
+    ``genrec demo``'s logs are reused as they are: the table then describes those)."""
+    stored = read_info(data).extra.get("synthetic") or {}
+    other = {k: v for k, v in stored.items() if getattr(default, k, v) != v}
+    missing = [k for k in default.__dataclass_fields__ if k not in stored] if stored else []  # type: ignore[attr-defined]
+    if other or missing:
+        print(f"note: {data} holds logs of other generator settings than the default "
+              f"({', '.join([f'{k}={v}' for k, v in other.items()] + [f'no {k}' for k in missing])}); "
+              f"remove it (or pass --data DIR) for today's")
