@@ -57,10 +57,11 @@ def synthesize(root: Path, users: int) -> dict[str, Any]:
     """The partitioned log and the same users as one file; what they hold."""
     from genrec.train.data.files import InteractionFiles
     from genrec.train.data.schema import Layout
-    from genrec.train.data.synthetic import SyntheticConfig, generate
+    from genrec.train.data.synthetic import first_order, generate
 
-    # histories as long as ML-1M's (median 96 events): the reader's work a sample is the recipe's
-    cfg = SyntheticConfig(num_users=users, num_items=100_000, median_len=80)
+    # histories as long as ML-1M's (median 96 events): the reader's work a sample is the recipe's;
+    # the first-order process, as recorded: its gaps set how many days (partitions) the log spans
+    cfg = first_order(num_users=users, num_items=100_000, median_len=80)
     out: dict[str, Any] = {}
     for name, layout in (("partitioned", Layout(partition="date")), ("one_file", Layout())):
         t0 = time.perf_counter()
