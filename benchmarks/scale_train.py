@@ -13,7 +13,8 @@ Checkpoint / resume (largest size only): the run of ``--steps`` steps that check
 written), one started again with the same run id, which resumes from that checkpoint and
 trains to ``--steps``; its logged losses after the resume must equal the uninterrupted run's.
 
-The data: ``genrec data synth --num_items=N`` writes the items its logs hold (a Zipf catalogue of
+The data: ``genrec data synth --num_items=N`` with the first-order process's settings (as
+configs/scale_10m.toml's header: the figures were measured on it) writes the items its logs hold (a Zipf catalogue of
 10^7 ids shows about 3 x 10^6 of them in 200,000 users' logs); :func:`whole_catalogue` makes
 the dataset's catalogue every id of the generator's id space, seen or not, as an ads catalogue
 holds ads no log has shown yet (their rows stay at their initialisation: a cold start).
