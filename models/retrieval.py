@@ -13,6 +13,10 @@ Losses:
   is corrected by ``-log(R * q_j)``, q_j its sampling probability, so the loss estimates
   the full softmax instead of a popularity-skewed one.
 
+Under bf16 autocast (``train.precision = "bf16"``) the full softmax runs its GEMMs in bf16
+with fp32 accumulation and keeps its exp, normaliser and loss in fp32
+(``kernels.softmax_ce``, ``gemm_dtype``); fp32 otherwise.
+
 ``exclude_history`` (full softmax): each position's softmax leaves out the items of the
 history up to it (its own target excepted). Evaluation and serving never recommend an item
 the user already has (full-corpus ranking with the history removed), so the loss need not
@@ -76,6 +80,11 @@ def prefix_pairs(lengths: torch.Tensor, pos: torch.Tensor | None = None, first: 
     return rows, torch.arange(n_pairs, device=pos.device).add_(shift[rows])
 
 
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast runs GEMMs in on ``device`` here, None where it is off."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
 class RetrievalHead(nn.Module):
     def __init__(self, cfg: RetrievalConfig) -> None:
         super().__init__()
@@ -113,6 +122,7 @@ class RetrievalHead(nn.Module):
             items = self.normalize(lookup(corpus_ids))
             index = torch.searchsorted(corpus_ids, targets)
             scale = 1.0 / self.cfg.temperature
+            gemm = autocast_dtype(users.device)
             if self.cfg.exclude_history:
                 if history is None:
                     raise ValueError("retrieval.exclude_history needs the batch's history items")
@@ -121,13 +131,13 @@ class RetrievalHead(nn.Module):
                     raise ValueError(f"history of {history[0].numel()} events for {t} rows")
                 total = None
                 for a, b, ex in self._seen(history, corpus_ids):  # each run's mean, weighted by its rows
-                    part = softmax_cross_entropy(users[a:b], items, index[a:b], scale, exclude=ex)
+                    part = softmax_cross_entropy(users[a:b], items, index[a:b], scale, exclude=ex, gemm_dtype=gemm)
                     part = part if b - a == t else part * ((b - a) / t)
                     total = part if total is None else total + part
                 if total is not None:
                     return total
             # = F.cross_entropy(self.scores(users, items), index), without the [T, N] logits
-            return softmax_cross_entropy(users, items, index, scale)
+            return softmax_cross_entropy(users, items, index, scale, gemm_dtype=gemm)
         neg_ids, log_q = self._sample(targets, corpus_ids)
         rows = self.normalize(lookup(torch.cat([targets, neg_ids])))
         pos_rows, neg_rows = rows[: targets.numel()], rows[targets.numel() :]

@@ -167,3 +167,33 @@ def test_chunked_softmax_cross_entropy_keeps_fp32_under_bf16_autocast():
     assert out.item() == pytest.approx(ref.item(), rel=1e-5)
     out.backward()
     assert u.grad.dtype == torch.float32 and torch.isfinite(u.grad).all()
+
+
+@pytest.mark.parametrize("scale,chunk", [(20.0, None), (20.0, 7), (90.0, 7)])  # 90: the row max is needed
+def test_chunked_softmax_cross_entropy_with_bf16_gemms(scale, chunk):
+    """gemm_dtype=bf16 (what a bf16 training step runs): the loss and gradients within bf16
+    rounding of the fp64 reference, excluded pairs still left out, on both sides of the
+    bound below which the row max is skipped."""
+    from genrec.kernels.softmax_ce import SHIFT_FREE_BOUND, softmax_cross_entropy
+
+    g = torch.Generator().manual_seed(7)
+    t, n = 90, 400
+    u = torch.nn.functional.normalize(torch.randn(t, 64, generator=g, dtype=torch.float64), dim=-1)
+    it = torch.nn.functional.normalize(torch.randn(n, 64, generator=g, dtype=torch.float64), dim=-1)
+    idx = torch.randint(n, (t,), generator=g)
+    flat = torch.unique(torch.randint(t * n, (2000,), generator=g))
+    flat = flat[flat % n != idx[flat // n]]  # (the kernel ignores a token's own target; the reference would not)
+    u.requires_grad_(), it.requires_grad_()
+    logits = (u @ it.t() * scale).view(-1).index_fill(0, flat, float("-inf")).view(t, n)
+    ref = torch.nn.functional.cross_entropy(logits, idx)
+    ref_gu, ref_git = torch.autograd.grad(ref, (u, it))
+    assert (scale > SHIFT_FREE_BOUND) == (scale == 90.0)
+    u32, it32 = u.detach().float().requires_grad_(), it.detach().float().requires_grad_()
+    out = softmax_cross_entropy(u32, it32, idx, scale, chunk_rows=chunk, exclude=flat, gemm_dtype=torch.bfloat16)
+    gu, git = torch.autograd.grad(out, (u32, it32))
+    assert out.dtype == torch.float32 and gu.dtype == torch.float32
+    assert out.item() == pytest.approx(ref.item(), rel=1e-2)
+    for a, b in ((gu, ref_gu), (git, ref_git)):
+        assert ((a.double() - b).norm() / b.norm()).item() < 2e-2
+    exact = softmax_cross_entropy(u32, it32, idx, scale, chunk_rows=chunk, exclude=flat)
+    assert exact.item() == pytest.approx(ref.item(), rel=1e-5)

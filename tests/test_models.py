@@ -39,6 +39,26 @@ def test_full_softmax_is_cross_entropy_over_the_corpus():
     torch.testing.assert_close(loss, F.cross_entropy(logits, torch.tensor([1, 3, 0, 0, 2])))
 
 
+def test_full_softmax_runs_its_gemms_in_the_autocast_dtype():
+    """Under bf16 autocast (train.precision = "bf16") the head's full softmax takes bf16 GEMMs
+    (the kernel's gemm_dtype), its loss within bf16 rounding of fp32; fp32 outside autocast."""
+    from genrec.kernels.softmax_ce import softmax_cross_entropy
+
+    g = torch.Generator().manual_seed(2)
+    head = RetrievalHead(RetrievalConfig(loss="full_softmax", temperature=0.07))
+    table, corpus = torch.randn(300, 32, generator=g), torch.arange(300)
+    users, targets = torch.randn(64, 32, generator=g), torch.randint(300, (64,), generator=g)
+    lookup = lambda ids: table[ids]  # noqa: E731
+    u, it = F.normalize(users, dim=-1), F.normalize(table, dim=-1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = head.loss(users, targets, corpus, lookup)
+    assert low.dtype == torch.float32
+    assert low.item() == softmax_cross_entropy(u, it, targets, 1 / 0.07, gemm_dtype=torch.bfloat16).item()
+    exact = head.loss(users, targets, corpus, lookup)
+    assert exact.item() == pytest.approx(F.cross_entropy(u @ it.t() / 0.07, targets).item(), rel=1e-5)
+    assert low.item() != exact.item() and low.item() == pytest.approx(exact.item(), rel=1e-2)
+
+
 def test_prefix_pairs_list_each_event_with_its_history_so_far():
     from genrec.models.retrieval import prefix_pairs
 
