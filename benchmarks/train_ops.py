@@ -18,9 +18,19 @@ One process runs the training loop of ``genrec train --config configs/hstu.toml`
   per-interval record of a step, without the step) timed over many iterations, against the
   step time;
 * MFU: model FLOPs a step (counted once) over the step time, against the matmul peak;
-* a profile of ``--profile-steps`` steps (``train.observe.profiling``), its summary kept.
+* a profile of ``--profile-steps`` steps (``train.observe.profiling``), its summary kept;
+* precision, side by side (issue 47, ``precision`` in the JSON): the step as it was (fp32)
+  and the bf16 step (``train.precision = "bf16"``: autocast tower, bf16 loss GEMMs), two
+  trainers built from the same seed (same initial weights), run on the same batches in
+  alternating rounds (ABBA), each with its own RNG stream (the same seed: the same dropout
+  draws up to bf16 rounding); seconds a step (wall and process CPU time, the latter less
+  moved by other work on a shared machine), the ratio of the arms (median over rounds),
+  MFU of each against the measured peak of its precision (bf16 also against fp32's), the
+  loss of both arms at every step (the trajectory within ``--loss-tol``), and each arm's
+  peak RSS measured in a process of its own (one process holds both arms here).
 
     python -m genrec.benchmarks.train_ops [--steps 40] [--rounds 6] [--ab-steps 16] [--profile-steps 8]
+        [--precision-rounds 8] [--precision-steps 3]
 
 The matmul peak is measured afresh in the run (its cache in the temporary run folder), under
 the same load as the steps it is compared with.
@@ -29,8 +39,10 @@ the same load as the steps it is compared with.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import queue
 import statistics
 import tempfile
 import time
@@ -48,11 +60,11 @@ from genrec.train.observe.profiling import StepProfiler
 from genrec.train.observe.stepstats import PARTS, StepStats
 
 
-def build_trainer(config: str, run_dir: Path, threads: int) -> tuple[Trainer, Any]:
+def build_trainer(config: str, run_dir: Path, threads: int, overrides: tuple[str, ...] = ()) -> tuple[Trainer, Any]:
     """The one-process trainer ``genrec train`` builds for ``config`` on ML-1M, training
-    only, and its job config."""
+    only, and its job config (``overrides``: dotted command-line overrides on top)."""
     job = load_job(config, [f'--data.path="{dataset("ml1m")}"', "--train.evaluate=false",
-                            "--train.progress=false", f"--train.threads={threads}"])
+                            "--train.progress=false", f"--train.threads={threads}", *overrides])
     torch.set_num_threads(threads)
     torch.set_float32_matmul_precision(job.train.matmul_precision)
     torch.manual_seed(job.train.seed)
@@ -114,6 +126,109 @@ def direct_cost(iterations: int = 20000, log_every: int = 20) -> dict[str, float
     return out
 
 
+# the two arms of the precision comparison: the step as it was, and the bf16 step
+PRECISION_ARMS: dict[str, tuple[str, ...]] = {"fp32": ('--train.precision="fp32"',),
+                                              "bf16": ('--train.precision="bf16"',)}
+
+
+def _arm_rss(config: str, threads: int, overrides: tuple[str, ...], steps: int, out: Any) -> None:
+    """(A child process) ``steps`` steps of one arm; puts the process's peak RSS (MB) on ``out``."""
+    import resource
+
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["GENREC_CACHE"] = tmp
+        t, _ = build_trainer(config, Path(tmp), threads, (*overrides, "--train.step_stats=false"))
+        for _, batch in zip(range(steps), iter(t.train_reader)):
+            t.train_step(batch)
+    out.put(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+def arm_peak_rss(config: str, threads: int, overrides: tuple[str, ...], steps: int = 4) -> float:
+    """Peak RSS (MB) of a process that builds one arm's trainer and runs ``steps`` steps."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_arm_rss, args=(config, threads, overrides, steps, q))
+    proc.start()
+    try:
+        while True:  # a child that fails says so instead of leaving the parent waiting
+            with contextlib.suppress(queue.Empty):
+                return float(q.get(timeout=5))
+            if not proc.is_alive():
+                raise RuntimeError(f"the memory probe of {overrides} exited with code {proc.exitcode}")
+    finally:
+        proc.join(timeout=60)
+
+
+def compare_precisions(config: str, run_dir: Path, threads: int, rounds: int, steps: int,
+                       loss_tol: float) -> dict[str, Any]:
+    """The fp32 and bf16 steps side by side (see the module docstring): ``rounds`` rounds of
+    ``steps`` batches, each round's batches run by both arms, the order alternating."""
+    from genrec.train.observe.stepstats import count_model_flops, matmul_peak
+
+    trainers = {}
+    for arm, over in PRECISION_ARMS.items():  # the same seed: the same initial weights and batches
+        trainers[arm], _ = build_trainer(config, run_dir / arm, threads, (*over, "--train.step_stats=false"))
+    first = trainers["fp32"]
+    batches = [b for _, b in zip(range(2 + rounds * steps), iter(first.train_reader))]
+    seed_rng = torch.get_rng_state()
+    rng = dict.fromkeys(trainers, seed_rng)
+    wall: dict[str, list[float]] = {a: [] for a in trainers}
+    cpu: dict[str, list[float]] = {a: [] for a in trainers}
+    losses: dict[str, list[float]] = {a: [] for a in trainers}
+
+    def run(arm: str, chunk: list) -> tuple[float, float]:
+        torch.set_rng_state(rng[arm])
+        w, c = time.perf_counter(), time.process_time()
+        for b in chunk:
+            losses[arm].append(trainers[arm].train_step(b)["loss"])
+        w, c = time.perf_counter() - w, time.process_time() - c
+        rng[arm] = torch.get_rng_state()
+        return w / len(chunk), c / len(chunk)
+
+    for arm in trainers:  # warm-up (allocator, oneDNN primitives), the same two batches; not timed
+        run(arm, batches[:2])
+    for r in range(rounds):
+        chunk = batches[2 + r * steps: 2 + (r + 1) * steps]
+        for arm in (list(trainers) if r % 2 == 0 else list(trainers)[::-1]):
+            w, c = run(arm, chunk)
+            wall[arm].append(w)
+            cpu[arm].append(c)
+        print(f"precision round {r}: " + ", ".join(f"{a} {wall[a][-1] * 1e3:.0f} ms ({cpu[a][-1] * 1e3:.0f} ms cpu)"
+                                                  for a in trainers), flush=True)
+    # FLOPs of each timed batch (the same model FLOPs in both arms), counted on a model of its own
+    # state: the fp32 arm's, its gradients dropped afterwards
+    counter, _ = build_trainer(config, run_dir / "count", threads, ('--train.precision="fp32"', "--train.step_stats=false"))
+    flops = []
+    for b in batches[2:]:
+        flops.append(count_model_flops(counter.model, b, contextlib.nullcontext)[0])
+        counter.optimizer.zero_grad(set_to_none=True)
+    per_round = [sum(flops[r * steps:(r + 1) * steps]) / steps for r in range(rounds)]
+    dev = torch.device("cpu")
+    peaks = {a: matmul_peak(dev, torch.float32 if a == "fp32" else torch.bfloat16, run_dir) for a in trainers}
+    arms: dict[str, Any] = {}
+    for a in trainers:
+        achieved = statistics.median(f / w for f, w in zip(per_round, wall[a], strict=True)) / 1e12
+        arms[a] = {"s_per_step": wall[a], "cpu_s_per_step": cpu[a], "median_s": statistics.median(wall[a]),
+                   "tflops_median": achieved, "peak": peaks[a], "mfu": achieved / peaks[a]["tflops"],
+                   "mfu_vs_fp32_peak": achieved / peaks["fp32"]["tflops"], "loss": losses[a]}
+    gaps = [abs(x - y) for x, y in zip(losses["fp32"], losses["bf16"], strict=True)]
+    return {
+        "rounds": rounds, "steps_per_round": steps, "threads": threads,
+        "arms": arms,
+        "speedup_median": statistics.median(a / b for a, b in zip(wall["fp32"], wall["bf16"], strict=True)),
+        "speedup_range": [min(a / b for a, b in zip(wall["fp32"], wall["bf16"], strict=True)),
+                          max(a / b for a, b in zip(wall["fp32"], wall["bf16"], strict=True))],
+        "speedup_cpu_median": statistics.median(a / b for a, b in zip(cpu["fp32"], cpu["bf16"], strict=True)),
+        "flops_per_step_mean": statistics.fmean(flops),
+        "loss_steps": len(gaps), "loss_max_abs_gap": max(gaps), "loss_tol": loss_tol,
+        "loss_within_tol": max(gaps) <= loss_tol,
+        "loss_first_last": {a: [losses[a][0], losses[a][-1]] for a in trainers},
+        "compile": {"used": False, "why": "eager: neither arm compiles (train.compile = false); see the dated note"},
+    }
+
+
 def records(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -127,6 +242,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--profile-steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--precision-rounds", type=int, default=8, help="fp32 / bf16 side-by-side rounds (ABBA); 0: skip")
+    ap.add_argument("--precision-steps", type=int, default=3, help="batches of each arm in a round")
+    ap.add_argument("--loss-tol", type=float, default=0.01, help="largest |fp32 - bf16| loss at any compared step")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -145,6 +263,12 @@ def main() -> None:
         run_steps(t, args.profile_steps + 3)
         summary = (run_dir / "profile" / "summary_rank0.txt").read_text()
         recs = records(run_dir)
+        precision = None
+        if args.precision_rounds:
+            precision = compare_precisions(args.config, run_dir / "precision", args.threads, args.precision_rounds,
+                                           args.precision_steps, args.loss_tol)
+            for arm, over in PRECISION_ARMS.items():
+                precision["arms"][arm]["peak_rss_mb"] = arm_peak_rss(args.config, args.threads, over)
 
     ratios = [a / b for a, b in zip(arms[True], arms[False], strict=True)]
     on = statistics.median(arms[True])
@@ -172,6 +296,7 @@ def main() -> None:
         "mfu_median": statistics.median(r["mfu"] for r in train),
         "peak_mem_mb": max(r["peak_mem_mb"] for r in train),
         "profile_summary": summary.splitlines(),
+        "precision": precision,
     }
     print(json.dumps({k: v for k, v in payload.items() if k not in ("profile_summary", "ab")}, indent=1))
     print(json.dumps(payload["ab"], indent=1))
@@ -199,10 +324,35 @@ def train_ops(d: dict) -> list[str]:
         ["MFU", f"{d['mfu_median']:.1%}"],
         ["peak memory (RSS)", f"{num(d['peak_mem_mb'], '.0f')} MB"],
     ]) + [""]
+    out += precision_section(d.get("precision"))
     summary = d.get("profile_summary", [])
     head = summary[: summary.index("")] if "" in summary else summary  # the lines above the operator table
     out += ["Profile (the operator table is in the run's profile summary):", "", *(f"- {line}" for line in head), ""]
     out += [f"Machine: {machine_text(d['machine'])}; {d['date']}. Command: `{d['command']}`.", ""]
+    return out
+
+
+def precision_section(p: dict | None) -> list[str]:
+    """The fp32 / bf16 side-by-side table (issue 47), or nothing when the run skipped it."""
+    if not p:
+        return []
+    from genrec.benchmarks.report import table
+
+    arms = p["arms"]
+    out = [f"fp32 and bf16 steps side by side (issue 47: at least 1.8x, MFU at least 30%): {p['rounds']} rounds "
+           f"of {p['steps_per_round']} batches, both arms on each round's batches, ABBA, {p['threads']} threads:", ""]
+    rows = []
+    for name, a in arms.items():
+        rows.append([name, f"{a['median_s'] * 1e3:.0f}", f"{a['tflops_median'] * 1e3:.0f}",
+                     f"{a['mfu']:.1%} of {a['peak']['dtype']} {a['peak']['tflops'] * 1e3:.0f}",
+                     f"{a['mfu_vs_fp32_peak']:.1%}", f"{a.get('peak_rss_mb', float('nan')):.0f}",
+                     f"{a['loss'][0]:.4f} -> {a['loss'][-1]:.4f}"])
+    out += table(["arm", "ms/step (median)", "GFLOP/s", "MFU (own peak)", "MFU (fp32 peak)", "peak RSS MB",
+                  "loss first -> last"], rows)
+    out += ["", f"Speed-up bf16 over fp32: {p['speedup_median']:.2f}x wall (rounds {p['speedup_range'][0]:.2f}-"
+            f"{p['speedup_range'][1]:.2f}x), {p['speedup_cpu_median']:.2f}x process CPU time; loss gap over "
+            f"{p['loss_steps']} steps at most {p['loss_max_abs_gap']:.4f} (tolerance {p['loss_tol']}: "
+            f"{'within' if p['loss_within_tol'] else 'OUTSIDE'}).", ""]
     return out
 
 
