@@ -124,8 +124,9 @@ class _CodedAttention(torch.autograd.Function):
             do = dout[:, :, s:e]
             dv[:, :, :e] += torch.matmul(F.silu(sc).transpose(-1, -2), do)
             ds = torch.ops.aten.silu_backward(torch.matmul(do, v[:, :, :e].transpose(-1, -2)), sc)  # [B, H, r, e]
-            if need_table:
-                dtable.index_add_(0, code.reshape(-1), ds.sum(1).reshape(-1).to(acc))
+            if need_table:  # (one head: its scores' gradient as it is, no pass summing over heads)
+                per_pair = ds[:, 0] if ds.shape[1] == 1 else ds.sum(1)
+                dtable.index_add_(0, code.reshape(-1), per_pair.reshape(-1).to(acc))
             ds.mul_(ctx.alpha)
             dq[:, :, s:e] = torch.matmul(ds, k[:, :, :e])
             dk[:, :, :e] += torch.matmul(ds.transpose(-1, -2), q[:, :, s:e])
