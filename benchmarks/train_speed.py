@@ -33,7 +33,7 @@ from genrec.kernels.jagged import jagged_to_padded
 from genrec.models.inputs import SequenceBatch
 from genrec.models.recommender import GenerativeRecommender
 from genrec.train.data.reader import make_reader
-from genrec.train.job import build_model, load_job
+from genrec.train.job import build_model, load_job, resolve_precision
 from genrec.train.loop.trainer import build_optimizer
 
 
@@ -82,7 +82,7 @@ def measure(job, steps: int, rounds: int, label: str) -> dict:
     fast_batches = [b for _, b in zip(range(steps + 1), make_reader(job.data, "train", emb, msl))]
     naive_batches = [b for _, b in zip(range(steps + 1), make_reader(replace(job.data, sort_window=0), "train", emb, msl))]
 
-    amp = job.train.precision == "bf16"
+    amp = resolve_precision(job.train.precision, None) == "bf16"
 
     def step_with(loss_fn):
         def step(b: SequenceBatch) -> None:

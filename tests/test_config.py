@@ -105,3 +105,20 @@ def test_a_shipped_config_is_found_by_name_from_any_directory(tmp_path, monkeypa
     assert config_path("demo.toml").resolve() == tmp_path / "demo.toml"
     with pytest.raises(ConfigError, match=r"nope.toml.*hstu.toml"):
         config_path("nope")
+
+
+def test_auto_precision_is_bf16_only_where_the_cpu_has_native_bf16(monkeypatch):
+    import torch
+
+    from genrec.train.job import resolve_precision
+
+    native = bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    assert resolve_precision("auto", None) == resolve_precision("auto", torch.device("cpu")) == ("bf16" if native else "fp32")
+    assert resolve_precision("auto", torch.device("cuda")) == "fp32"
+    assert [resolve_precision(p, None) for p in ("fp32", "bf16")] == ["fp32", "bf16"]
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert resolve_precision("auto", None) == "fp32"
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert resolve_precision("auto", None) == "bf16"
+    assert load_job("configs/hstu.toml", ['--train.precision="auto"']).train.precision == "auto"

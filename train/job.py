@@ -42,6 +42,19 @@ class OptimConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 disables
 
 
+def resolve_precision(precision: str, device: torch.device | None) -> Literal["fp32", "bf16"]:
+    """``train.precision`` as a training step runs it on ``device`` (None: the CPU): "auto"
+    is "bf16" on a CPU with native bf16 GEMMs (AVX512-BF16 or AMX tiles, where they run at
+    about twice the fp32 rate), "fp32" elsewhere (emulated bf16 is slower than fp32)."""
+    if precision != "auto":
+        return "bf16" if precision == "bf16" else "fp32"
+    if device is not None and device.type != "cpu":
+        return "fp32"
+    cpu = getattr(torch, "cpu", None)
+    checks = [getattr(cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return "bf16" if any(bool(f()) for f in checks if f is not None) else "fp32"
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     max_epochs: int = 100
@@ -65,7 +78,11 @@ class TrainConfig:
     # that apart; among those, the newest has trained longest at the annealed LR.
     # 0 = the best window itself.
     select_within_se: float = 0.0
-    precision: Literal["fp32", "bf16"] = "fp32"
+    # "bf16": autocast (bf16 GEMMs with fp32 accumulation, fp32 weights, optimizer and residual
+    # stream; the full softmax's normaliser and loss in fp32). "auto": bf16 where the device runs
+    # bf16 GEMMs natively faster than fp32 (a CPU with AVX512-BF16 or AMX tiles), else fp32
+    # (GPUs included: not measured here); see resolve_precision
+    precision: Literal["fp32", "bf16", "auto"] = "fp32"
     # torch.set_float32_matmul_precision for fp32 GEMMs. "medium" lets torch route them to
     # oneDNN, which may use bf16 inside where the CPU has fast bf16: faster there at fp32-level
     # error, no change elsewhere (benchmarks/train_speed.py measures both and the error).

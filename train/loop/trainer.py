@@ -25,7 +25,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from genrec.train.data.reader import SequenceReader
 from genrec.train.eval.calibrate import fit_calibration
 from genrec.train.eval.evaluate import EvalConfig, evaluate
 from genrec.train.eval.ranking_metrics import evaluate_ranking
-from genrec.train.job import OptimConfig, TrainConfig
+from genrec.train.job import OptimConfig, TrainConfig, resolve_precision
 from genrec.train.loop import checkpoint as ckpt
 from genrec.train.loop.average import AveragedWeights
 from genrec.train.loop.parallel import full_params, time_collectives
@@ -140,6 +140,8 @@ class Trainer:
         state_io: Any = None,
         world_size: int = 1,
     ) -> None:
+        # "auto" precision decided once, for this device: the step and its accounting read the result
+        cfg = replace(cfg, precision=resolve_precision(cfg.precision, device))
         self.cfg, self.eval_cfg, self.run_dir = cfg, eval_cfg, run_dir
         self.model, self.module, self.optimizer = model, module, optimizer
         self.train_reader, self.valid_readers, self.test_readers = train_reader, valid_readers, test_readers
