@@ -744,6 +744,22 @@ def test_history_as_columns_is_the_same_request_and_its_errors_name_the_column(a
         srv.stop()
 
 
+def calls_while_the_loop_is_blocked(srv: ThreadedServer, calls: int = 30) -> tuple[list[str], RecommenderClient]:
+    """``calls`` Retrieve calls at once while the server's event loop is blocked for 1.5 s: the
+    codes of those answered within 0.5 s (refused, not left to expire); the loop is back after."""
+    c = RecommenderClient(srv.target, timeout_s=1.0)
+    u = user(history(6), CTX)
+    c.retrieve(u, k=5)  # connected and warm
+    srv.loop.call_soon_threadsafe(time.sleep, 1.5)  # the front-end busy: no handler runs
+    time.sleep(0.05)
+    results: list[tuple[str, float]] = []
+    with ThreadPoolExecutor(calls) as pool:
+        list(pool.map(timed_retrieve(c, u, results), range(calls)))
+    time.sleep(1.6)
+    assert len(c.retrieve(u, k=5).items) == 5  # the front-end back: served again
+    return [code for code, t in results if t < 0.5], c
+
+
 def test_calls_past_the_pending_bound_are_refused_by_grpc_core_while_the_front_end_is_busy(artifacts):
     """A front-end whose event loop is saturated (blocked here for 1.5 s) cannot take calls off
     gRPC's core. Past ``connections.max_pending_calls`` the core refuses new ones itself, at once;
@@ -751,20 +767,8 @@ def test_calls_past_the_pending_bound_are_refused_by_grpc_core_while_the_front_e
     cfg = local_config(connections=replace(local_config().connections, max_pending_calls=2))
     srv = ThreadedServer(artifacts["hstu"], cfg)
     try:
-        c = RecommenderClient(srv.target, timeout_s=1.0)
-        u = user(history(6), CTX)
-        c.retrieve(u, k=5)  # connected and warm
-        srv.loop.call_soon_threadsafe(time.sleep, 1.5)  # the front-end busy: no handler runs
-        time.sleep(0.05)
-        results: list[tuple[str, float]] = []
-        one = timed_retrieve(c, u, results)
-
-        with ThreadPoolExecutor(30) as pool:
-            list(pool.map(one, range(30)))
-        fast = [code for code, t in results if t < 0.5]
-        assert len(fast) >= 25 and set(fast) == {"CANCELLED"}, results  # refused, not left to expire
-        time.sleep(1.6)
-        assert len(c.retrieve(u, k=5).items) == 5  # the front-end back: served again
+        fast, _ = calls_while_the_loop_is_blocked(srv)
+        assert len(fast) >= 25 and set(fast) == {"CANCELLED"}, fast
     finally:
         srv.stop()
 
@@ -777,20 +781,8 @@ def test_the_thread_pool_front_end_refuses_past_its_slots_at_once_while_the_loop
     conn = replace(local_config().connections, front_end="threads", max_concurrent_rpcs=4, max_pending_calls=1000)
     srv = ThreadedServer(artifacts["hstu"], local_config(connections=conn))
     try:
-        c = RecommenderClient(srv.target, timeout_s=1.0)
-        u = user(history(6), CTX)
-        c.retrieve(u, k=5)  # connected and warm
-        srv.loop.call_soon_threadsafe(time.sleep, 1.5)  # the event loop busy: no call is served
-        time.sleep(0.05)
-        results: list[tuple[str, float]] = []
-        one = timed_retrieve(c, u, results)
-
-        with ThreadPoolExecutor(30) as pool:
-            list(pool.map(one, range(30)))
-        fast = [code for code, t in results if t < 0.5]
-        assert len(fast) >= 24 and set(fast) == {"RESOURCE_EXHAUSTED"}, results  # refused, not left to expire
-        time.sleep(1.6)
-        assert len(c.retrieve(u, k=5).items) == 5  # the loop back: served again
+        fast, _ = calls_while_the_loop_is_blocked(srv)
+        assert len(fast) >= 24 and set(fast) == {"RESOURCE_EXHAUSTED"}, fast
         health = health_pb2_grpc.HealthStub(grpc.insecure_channel(srv.target))
         assert health.Check(health_pb2.HealthCheckRequest(service=RECOMMENDER)).status == \
             health_pb2.HealthCheckResponse.SERVING

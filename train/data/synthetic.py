@@ -189,6 +189,17 @@ class SyntheticWorld:
         return np.clip(np.floor(r).astype(np.int64) - 1, 0, m - 1)
 
 
+def _mix_and_lengths(cfg: SyntheticConfig, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray,
+                                                                                   np.ndarray]:
+    """n users' topic mixes [n, topics], their cumulative sums, and history lengths [n] (int64),
+    drawn in this order from ``rng`` (both processes: the first draws of a chunk)."""
+    mix = rng.dirichlet(np.full(cfg.num_topics, cfg.interest_concentration), size=n)
+    lengths = np.clip(
+        np.round(cfg.median_len * np.exp(cfg.len_sigma * rng.standard_normal(n))), cfg.min_len, cfg.max_len
+    ).astype(np.int64)
+    return mix, np.cumsum(mix, axis=1), lengths
+
+
 def _users_chunk(world: SyntheticWorld, rng: np.random.Generator, first_user: int,
                  n: int) -> tuple[dict, dict[str, np.ndarray]]:
     """One chunk's columns, and its users' hidden state (interest mixture [n, topics],
@@ -197,11 +208,7 @@ def _users_chunk(world: SyntheticWorld, rng: np.random.Generator, first_user: in
     if cfg.session_len > 0 and not cfg.long_len:
         return _session_chunk(world, rng, first_user, n)
     k = cfg.num_topics
-    mix = rng.dirichlet(np.full(k, cfg.interest_concentration), size=n)
-    cum = np.cumsum(mix, axis=1)
-    lengths = np.clip(
-        np.round(cfg.median_len * np.exp(cfg.len_sigma * rng.standard_normal(n))), cfg.min_len, cfg.max_len
-    ).astype(np.int64)
+    mix, cum, lengths = _mix_and_lengths(cfg, rng, n)
     long = cfg.long_len > 0
     if long:  # (every draw of this mode after the default's: its rows stay what they were)
         lengths = np.full(n, cfg.long_len, np.int64)
@@ -260,11 +267,7 @@ def _session_chunk(world: SyntheticWorld, rng: np.random.Generator, first_user: 
     a repeat or a step of the session (stay and follow, or a switch to another interest)."""
     cfg = world.cfg
     k = cfg.num_topics
-    mix = rng.dirichlet(np.full(k, cfg.interest_concentration), size=n)
-    cum = np.cumsum(mix, axis=1)
-    lengths = np.clip(
-        np.round(cfg.median_len * np.exp(cfg.len_sigma * rng.standard_normal(n))), cfg.min_len, cfg.max_len
-    ).astype(np.int64)
+    mix, cum, lengths = _mix_and_lengths(cfg, rng, n)
     steps = int(lengths.max())
     topics = np.empty((n, steps), np.int64)
     ranks = np.empty((n, steps), np.int64)
