@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from genrec.benchmarks.common import ROOT, machine, today, write_json
+from genrec.benchmarks.common import ROOT, machine, shown_path, today, write_json
 from genrec.benchmarks.serving import single_request_latency, start_server
 from genrec.benchmarks.serving_scale import retrieved, rss_mb, rss_tree_mb
 from genrec.proto.v1 import recommender_pb2 as pb
@@ -190,7 +190,7 @@ def main() -> None:
         "command": "python -m genrec.benchmarks.scale_serve " + " ".join(sys.argv[1:]),
         "catalogue_size": parts["items"], "artifact_bytes": sum(f.stat().st_size for f in art.iterdir() if f.is_file()),
         "engines": engines, "server_threads": 1,
-        "artifact": str(art), "source": manifest.get("source"), "index": manifest.get("index"),
+        "artifact": shown_path(art), "source": manifest.get("source"), "index": manifest.get("index"),
         "request": {"history": 200, "retrieve_k": 100, "rank": 100, "top_k": 10},
         "pinning": f"server on CPU {SERVER_CPU} (engine in process, 1 thread), client / load generator on CPU {CLIENT_CPU}",
         "memory": parts, "searches": results, "planted": False, "shared_machine": True})

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from genrec.benchmarks.common import machine, today, update_results_md, write_json
+from genrec.benchmarks.common import machine, shown_path, today, update_results_md, write_json
 
 BEAMS = (10, 20, 50)
 T0 = 1_700_000_000
@@ -174,12 +174,13 @@ def main(argv: list[str] | None = None) -> None:
         results = {str(b): bench_beam(te, se, b, args.requests) for b in args.beams}
     finally:
         se.close()
-    cmd = "python -m genrec.benchmarks.sid_decoding" + (f" --artifact {args.artifact}" if args.artifact else "") + (
-        f" --run {args.run}" if args.run else "") + (f" --requests {args.requests}" if args.requests != 40 else "") + (
+    cmd = "python -m genrec.benchmarks.sid_decoding" + (f" --artifact {shown_path(args.artifact)}" if args.artifact else "") + (
+        f" --run {shown_path(args.run)}" if args.run else "") + (f" --requests {args.requests}" if args.requests != 40 else "") + (
         f" --beams {' '.join(map(str, args.beams))}" if args.beams != list(BEAMS) else "") + (
         f" --label '{args.label}'" if args.label else "")
     payload = {"date": today(), "machine": machine(), "command": cmd,
-               "artifact": {"tiny": not (args.artifact or args.run), "source": str(args.run or args.artifact or "synthetic"),
+               "artifact": {"tiny": not (args.artifact or args.run),
+                            "source": shown_path(args.run or args.artifact) if args.run or args.artifact else "synthetic",
                             "label": args.label,
                             "levels": head.levels, "sizes": list(head.sizes), "items": int(head.sid.item_ids.numel()),
                             "decoder_layers": len(head.blocks), "dim": int(head.norm.normalized_shape[0]),
