@@ -8,7 +8,7 @@ the model code.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 Precision = Literal["fp32", "bf16", "auto"]
 
@@ -28,6 +28,6 @@ class ScoringConfig:
     candidate_precision: Precision = "fp32"
 
     def __post_init__(self) -> None:
-        if self.candidate_precision not in ("fp32", "bf16", "auto"):
+        if self.candidate_precision not in get_args(Precision):
             raise ValueError(f"serve.scoring.candidate_precision = {self.candidate_precision!r}; "
                              "choose fp32, bf16 or auto")

@@ -132,16 +132,16 @@ class ConnectionConfig:
     # handler slot, calls handed to the event loop; past max_concurrent_rpcs gRPC refuses on its
     # polling thread at ~50 us a call: serve.frontend)
     front_end: FrontEnd = "aio"
-
-    def __post_init__(self) -> None:
-        if self.front_end not in get_args(FrontEnd):
-            raise ValueError(f"serve.connections.front_end = {self.front_end!r}; choose aio or threads")
     max_message_bytes: int = 0
     keepalive_time_s: float = 60.0  # ping an idle connection this often ...
     keepalive_timeout_s: float = 20.0  # ... and close it if the ping goes unanswered this long
     max_connection_idle_s: float = 600.0
     max_connection_age_s: float = 3600.0  # clients reconnect now and then: load rebalances
     max_connection_age_grace_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.front_end not in get_args(FrontEnd):
+            raise ValueError(f"serve.connections.front_end = {self.front_end!r}; choose aio or threads")
 
 
 @dataclass(frozen=True)
@@ -588,16 +588,16 @@ class RecommenderServer:
         batcher = self.batcher
         if batcher is None:
             raise ShuttingDown("the server has not started")
-        if caller is not None:  # (its share taken on the thread-pool listener's handler thread)
-            batcher.admit(deadline, caller)
-            return await self._run(kind, data, batcher, deadline, caller, t0)
-        caller = self._caller(context)
-        self._take_share(caller)  # its share of the server, then the server's admission
+        share = caller is None  # (else taken, and released, on the thread-pool listener's handler thread)
+        if caller is None:
+            caller = self._caller(context)
+            self._take_share(caller)  # its share of the server, then the server's admission
         try:
             batcher.admit(deadline, caller)  # before decoding: a refusal costs next to nothing
             return await self._run(kind, data, batcher, deadline, caller, t0)
         finally:
-            self.shares.release(caller)
+            if share:
+                self.shares.release(caller)
 
     def _caller(self, context: Any) -> str:
         return caller_of(context.invocation_metadata(), context.peer(), self.cfg.fair.metadata_key)
