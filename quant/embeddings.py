@@ -22,6 +22,7 @@ from torchrec.types import DataType
 
 from genrec.embedding.collection import SparseArch, pooled_table_configs, sequence_table_configs
 from genrec.embedding.spec import EmbeddingConfig
+from genrec.quant.pages import on_huge_pages
 
 Scheme = Literal["fp32", "fp16", "int8", "int4"]
 DATA_TYPE = {"fp32": DataType.FP32, "fp16": DataType.FP16, "int8": DataType.INT8, "int4": DataType.INT4}
@@ -133,7 +134,8 @@ class ServedRows(nn.Module):
         super().__init__()
         self.bits, self.dim = BITS.get(scheme), dim
         packed = torch.cat([parts["codes"], parts["scale_bias"]], dim=1) if self.bits else parts["weight"]
-        self.register_buffer("packed", packed.contiguous(), persistent=False)
+        # random row reads: on huge pages a gather misses the TLB far less (quant/pages.py)
+        self.register_buffer("packed", on_huge_pages(packed.contiguous()), persistent=False)
         self.remap = "mch_ids" in parts
         if self.remap:
             self.register_buffer("mch_ids", parts["mch_ids"], persistent=False)

@@ -15,6 +15,7 @@ from genrec.models.sid import SemanticIdError, SemanticIds
 from genrec.quant.artifact import ArtifactError, Manifest, check_artifact, load_tensors
 from genrec.quant.dense import load_dense
 from genrec.quant.embeddings import install, quantized_modules, served_rows
+from genrec.quant.pages import on_huge_pages
 
 SID_PREFIX = "sid_head.book_"  # the decoder's codebook in dense.safetensors: book_item_ids, book_codes, book_sizes
 
@@ -45,6 +46,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[Ge
             served_rows(emb_cfg, emb, q["embeddings"], pooled=True))
     del emb, tensors  # (the served rows are packed copies: the file's tensors go now, not at return)
     load_dense(model, dense, q["dense"], device)
+    model.corpus_ids = on_huge_pages(model.corpus_ids)  # the catalogue's ids, read at random by retrieval
     if model.ranking is not None:
         try:
             model.ranking.calibrator.validate()
