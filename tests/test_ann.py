@@ -164,3 +164,24 @@ def test_a_changed_index_file_is_refused(indexed, tmp_path):
     (other / INDEX_FILE).write_bytes(bytes(raw))
     with pytest.raises(ArtifactError, match="checksum mismatch"):
         TorchEngine(other)
+
+
+def test_shortlist_best_k_is_the_full_sort_and_exclusion_is_membership() -> None:
+    """The re-score keeps each row's k best by a partition and a sort of those k: the same ids and
+    scores, in the same order, as a stable sort of the whole shortlist (masked entries included);
+    exclusion by binary search marks exactly np.isin's items."""
+    from genrec.serve.catalogue import _among, _best
+
+    rng = np.random.default_rng(0)
+    items = rng.integers(1, 10**7, size=(3, 500))
+    scores = rng.standard_normal((3, 500)).astype(np.float32)
+    scores[0, rng.choice(500, 480, replace=False)] = -np.inf  # fewer than k left: masked ones come last
+    for k in (1, 100, 500):
+        got_ids, got_vals = _best(items, scores, k)
+        order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+        np.testing.assert_array_equal(got_vals, np.take_along_axis(scores, order, 1))
+        kept = np.take_along_axis(scores, order, 1) > -np.inf  # (which masked item fills a slot is moot)
+        np.testing.assert_array_equal(got_ids[kept], np.take_along_axis(items, order, 1)[kept])
+    history = np.unique(np.concatenate([items[1, ::7], rng.integers(1, 10**7, 50)]))
+    np.testing.assert_array_equal(_among(items[1], history), np.isin(items[1], history))
+    assert not _among(items[1], np.zeros(0, np.int64)).any()
