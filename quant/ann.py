@@ -77,6 +77,13 @@ def build_index(vectors: np.ndarray, factory: str, train_points: int = 262144, s
 
     n, dim = vectors.shape
     index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+    if hasattr(index, "implem") and hasattr(index, "by_residual"):
+        # an IVF fast-scan index codes each vector's offset from its list's centroid, not the
+        # vector: faiss turns that off for fast scan by default (cheaper under L2), but for inner
+        # products a list's look-up table only gains a constant, and the codes are finer. At
+        # 10^7 items (IVF8192,PQ32x4fs, validation users) recall@100 against exact at nprobe
+        # 512 rose from 0.928 to 0.954 with 2,000 re-scored, 0.961 to 0.972 with 4,000
+        index.by_residual = True
     try:  # k-means wants 39+ points a list: below that faiss warns, and its centroids are poorer
         train_points = max(train_points, 40 * faiss.extract_index_ivf(index).nlist)
     except RuntimeError:  # (not an IVF index)

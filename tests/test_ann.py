@@ -64,6 +64,23 @@ def test_the_index_is_listed_hashed_and_described_in_the_manifest(indexed):
     assert tried[str(m.index["shortlist"])][str(m.index["nprobe"])] >= 0.95 or m.index["nprobe"] == 16
 
 
+def test_fast_scan_codes_residuals_and_lone_queries_use_a_reservoir(indexed):
+    """An IVF fast-scan index codes each vector's offset from its centroid (finer codes for inner
+    products: faiss's default for fast scan leaves it off), and a lone query's search keeps its
+    shortlist in a reservoir, a batch in faiss's default; both give the same distances."""
+    from genrec.quant.ann import LONE_QUERY_IMPLEM, load_index
+
+    model, manifest = load_model(indexed)
+    ann = load_index(indexed, manifest, 16, nprobe=4, shortlist=200)
+    assert ann.index.by_residual
+    users = _users(3, 16).numpy()
+    lone = np.concatenate([ann.search(users[i : i + 1], 200) for i in range(3)])
+    assert ann.index.implem == LONE_QUERY_IMPLEM
+    batch = ann.search(users, 200)
+    assert ann.index.implem == 0
+    assert np.mean([len(set(a) & set(b)) / 200 for a, b in zip(lone, batch)]) > 0.99  # (ties at the cut)
+
+
 def test_ann_search_with_every_list_probed_equals_exact_search(indexed):
     model, manifest = load_model(indexed)
     exact = Catalogue(model, None, indexed, manifest, RetrievalConfig(search="exact"))
