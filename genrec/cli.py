@@ -135,6 +135,9 @@ def _sid_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--balanced", action=argparse.BooleanOptionalAction, default=False,
                    help="balanced clusters (each level's codes used evenly) instead of plain k-means")
+    b.add_argument("--sample-per-code", type=int, default=256,
+                   help="fit each level's centroids on at most this many items per code, drawn at random, then "
+                   "assign every item once (0: fit on all items); plain k-means only")
 
 
 def _runs_parser(sub: argparse._SubParsersAction) -> None:

@@ -35,6 +35,10 @@ from safetensors.torch import save_file
 FORMAT = "genrec.semantic_ids/1"
 KEYS = ("item_ids", "codes", "sizes")
 ASSIGN_ROWS = 1 << 15  # points per distance block in k-means: [rows, k] float32 at a time
+# k-means fits its centroids on at most this many points per centroid, drawn at random, then
+# assigns every point once (faiss's max_points_per_centroid): at 10^7 items a level costs one
+# pass over the table instead of `iters`, and the seeding k passes over 65,536 points, not 10^7
+SAMPLE_PER_CENTROID = 256
 
 
 class SemanticIdError(ValueError):
@@ -149,7 +153,7 @@ class SemanticIds:
         n, levels = self.codes.shape
         codes = self.codes.cpu()
         if levels > 1:
-            _, inv, counts = torch.unique(codes[:, :-1], dim=0, return_inverse=True, return_counts=True)
+            inv, counts = unique_rows(codes[:, :-1])
             shared = counts[inv] > 1
         else:
             counts, shared = torch.tensor([n]), torch.full((n,), n > 1)
@@ -281,12 +285,26 @@ def _assign(x: torch.Tensor, xx: torch.Tensor, cent: torch.Tensor, balanced: boo
 
 
 def kmeans(x: torch.Tensor, k: int, iters: int = 30, gen: torch.Generator | None = None,
-           balanced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+           balanced: bool = False, sample_per_centroid: int = SAMPLE_PER_CENTROID,
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lloyd's k-means from k-means++ seeds: x [N, D] -> (codes [N] in [0, k'), centroids
     [k', D]), k' = min(k, distinct points). The centroids are the means of the returned
     clusters (so the residual x - centroids[codes] has no larger norm than x). An emptied
-    cluster is re-seeded at the point farthest from its centroid."""
+    cluster is re-seeded at the point farthest from its centroid.
+
+    Above ``k * sample_per_centroid`` points (0: never) the centroids are fitted on that many
+    points drawn without replacement (``gen``), then every point is assigned once, in blocks,
+    and the centroids become its clusters' means: the same contract, one pass over x instead
+    of ``iters``. Balanced k-means is never sampled (its assignment needs all points at once)."""
     gen = gen if gen is not None else torch.Generator().manual_seed(0)
+    cap = k * sample_per_centroid
+    if not balanced and sample_per_centroid > 0 and x.shape[0] > cap:
+        pick = torch.randperm(x.shape[0], generator=gen)[:cap].sort().values.to(x.device)
+        _, cent = kmeans(x[pick], k, iters, gen, balanced=False, sample_per_centroid=0)
+        codes, _ = _assign(x, x.square().sum(1), cent, balanced=False)
+        counts = torch.bincount(codes, minlength=cent.shape[0])
+        means = torch.zeros_like(cent).index_add_(0, codes, x) / counts.clamp_min(1)[:, None]
+        return codes, torch.where((counts > 0)[:, None], means, cent)
     xx = x.square().sum(1)
     cent = _kmeans_pp(x, xx, min(k, x.shape[0]), gen)
     k, prev, tol = cent.shape[0], None, _tolerance(xx)
@@ -306,7 +324,7 @@ def kmeans(x: torch.Tensor, k: int, iters: int = 30, gen: torch.Generator | None
 
 
 def rq_kmeans(x: torch.Tensor, sizes: Sequence[int], iters: int = 30, seed: int = 0,
-              balanced: bool = False) -> torch.Tensor:
+              balanced: bool = False, sample_per_centroid: int = SAMPLE_PER_CENTROID) -> torch.Tensor:
     """Residual k-means: x [N, D] -> codes [N, len(sizes)], codes[:, l] in [0, sizes[l]).
 
     Level l clusters the residual left by levels < l into (at most) sizes[l] centroids.
@@ -319,22 +337,54 @@ def rq_kmeans(x: torch.Tensor, sizes: Sequence[int], iters: int = 30, seed: int 
     level and shared whole codes between more items: 64,64,64 put 6-14% of items on a
     shared code against 1-4%, up to 13-17 items on one code against 2-4. Its greedy order
     hands the last clusters the leftover outliers, level after level, so outliers collide.
-    Both used every code of every level.
+    Both used every code of every level. ``sample_per_centroid``: see :func:`kmeans`.
     """
-    r = x.float().clone()
-    out = torch.empty(x.shape[0], len(sizes), dtype=torch.long, device=x.device)
+    return _rq_kmeans_(x.float().clone(), sizes, iters, seed, balanced, sample_per_centroid)
+
+
+def _rq_kmeans_(r: torch.Tensor, sizes: Sequence[int], iters: int, seed: int, balanced: bool,
+                sample_per_centroid: int) -> torch.Tensor:
+    """rq_kmeans on r [N, D] float32, which it overwrites with the residuals (no copy: 2.56 GB
+    at 10^7 x 64)."""
+    out = torch.empty(r.shape[0], len(sizes), dtype=torch.long, device=r.device)
     for level, size in enumerate(sizes):
         gen = torch.Generator(device="cpu").manual_seed(seed * 1000003 + level)
-        codes, cent = kmeans(r, int(size), iters, gen, balanced)
+        codes, cent = kmeans(r, int(size), iters, gen, balanced, sample_per_centroid)
         out[:, level] = codes
-        r -= cent[codes]
+        for i in range(0, r.shape[0], ASSIGN_ROWS):  # in blocks: cent[codes] whole is another [N, D]
+            r[i : i + ASSIGN_ROWS] -= cent[codes[i : i + ASSIGN_ROWS]]
     return out
+
+
+def _row_keys(codes: torch.Tensor) -> torch.Tensor | None:
+    """codes [N, l] (non-negative) -> one int64 per row, in the rows' lexicographic order (mixed
+    radix over each column's max + 1), or None where that does not fit 63 bits. ``torch.unique``
+    of these is that of the rows (``dim=0``), without sorting [N, l] rows: seconds at 10^7."""
+    key = torch.zeros(codes.shape[0], dtype=torch.long, device=codes.device)
+    span = 1
+    for col in codes.unbind(1):
+        base = int(col.max()) + 1 if col.numel() else 1
+        span *= base
+        if span >= 1 << 62:
+            return None
+        key = key * base + col
+    return key
+
+
+def unique_rows(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes [N, l] -> (inverse [N], counts [U]) as ``torch.unique(codes, dim=0, ...)`` gives."""
+    key = _row_keys(codes)
+    if key is None:
+        _, inv, counts = torch.unique(codes, dim=0, return_inverse=True, return_counts=True)
+        return inv, counts
+    _, inv, counts = torch.unique(key, return_inverse=True, return_counts=True)
+    return inv, counts
 
 
 def collision_level(codes: torch.Tensor) -> tuple[torch.Tensor, int]:
     """codes [N, l] in item order -> (rank [N] of each item among the items with its code,
     0, 1, 2, ... in that order; the largest number of items sharing a code)."""
-    _, inv, counts = torch.unique(codes, dim=0, return_inverse=True, return_counts=True)
+    inv, counts = unique_rows(codes)
     order = torch.argsort(inv, stable=True)
     start = counts.cumsum(0) - counts
     rank = torch.empty_like(inv)
@@ -343,14 +393,19 @@ def collision_level(codes: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def build_semantic_ids(item_ids: torch.Tensor, vectors: torch.Tensor, sizes: Sequence[int] = (256, 256, 256),
-                       iters: int = 30, seed: int = 0, balanced: bool = False) -> SemanticIds:
+                       iters: int = 30, seed: int = 0, balanced: bool = False,
+                       sample_per_centroid: int = SAMPLE_PER_CENTROID) -> SemanticIds:
     """item_ids [N], vectors [N, D] -> codes of len(sizes) + 1 levels: RQ-KMeans over the
     L2-normalised vectors, then a last level numbering the items that share those codes
-    (its size: the most items sharing one, at least 1). Every item gets exactly one code."""
+    (its size: the most items sharing one, at least 1). Every item gets exactly one code.
+    Holds one [N, D] float32 copy of ``vectors`` beside them (the residuals)."""
     item_ids, order = torch.sort(item_ids.long())
-    x = vectors[order].float()
-    x = x / torch.linalg.vector_norm(x, dim=1, keepdim=True).clamp_min(1e-12)
-    rq = rq_kmeans(x, sizes, iters, seed, balanced)
+    x = vectors.float() if bool((order == torch.arange(order.numel())).all()) else vectors[order].float()
+    x = x.clone() if x.data_ptr() == vectors.data_ptr() else x
+    for i in range(0, x.shape[0], ASSIGN_ROWS):
+        x[i : i + ASSIGN_ROWS] /= torch.linalg.vector_norm(x[i : i + ASSIGN_ROWS], dim=1, keepdim=True).clamp_min(1e-12)
+    rq = _rq_kmeans_(x, sizes, iters, seed, balanced, sample_per_centroid)
+    del x
     last, width = collision_level(rq)
     codes = torch.cat([rq, last[:, None]], 1)
     return SemanticIds.from_codes(item_ids, codes, (*(int(s) for s in sizes), width))

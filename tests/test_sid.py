@@ -234,3 +234,44 @@ def test_sid_build_on_a_tiny_trained_run(capfd, tiny_synth, tmp_path):
     assert (tmp_path / "o" / "sid.safetensors").exists() and (tmp_path / "o" / "sid.json").exists()
     assert cli(capfd, "sid", "build", "--checkpoint", run_dir, "--levels", "4", "--out", tmp_path / "c.safetensors")[0] == 0
     assert SemanticIds.load(tmp_path / "c.safetensors").sizes[0] == 4 and (tmp_path / "c.json").exists()
+
+
+def test_kmeans_above_the_sample_cap_fits_on_a_sample_and_assigns_every_point(monkeypatch):
+    """At 10^7 items Lloyd's iterations run on k * sample_per_centroid points drawn at random
+    and every point is assigned once: the contract stays (each point's code is its nearest
+    centroid, the centroids its clusters' means, deterministic for a generator), and the
+    iterations never see more than the sample."""
+    import genrec.models.sid as sid_mod
+
+    g = torch.Generator().manual_seed(5)
+    centres = torch.randn(6, 8, generator=g) * 4
+    x = centres[torch.randint(6, (3000,), generator=g)] + 0.1 * torch.randn(3000, 8, generator=g)
+    seen_rows: list[int] = []
+    pp = sid_mod._kmeans_pp
+    monkeypatch.setattr(sid_mod, "_kmeans_pp", lambda x, *a: seen_rows.append(x.shape[0]) or pp(x, *a))
+    codes, cent = kmeans(x, 6, iters=10, gen=torch.Generator().manual_seed(1), sample_per_centroid=20)
+    assert seen_rows == [120]  # the seeding and the iterations ran on the sample only
+    again, _ = kmeans(x, 6, iters=10, gen=torch.Generator().manual_seed(1), sample_per_centroid=20)
+    assert torch.equal(codes, again)
+    d = (x.square().sum(1, keepdim=True) - 2 * x @ cent.T + cent.square().sum(1))
+    assert torch.equal(codes, d.argmin(1))  # nearest centroid, every point
+    counts = torch.bincount(codes, minlength=6)
+    means = torch.zeros_like(cent).index_add_(0, codes, x) / counts.clamp_min(1)[:, None]
+    torch.testing.assert_close(cent[counts > 0], means[counts > 0])
+    # the well-separated clusters are found from 120 of the 3000 points
+    assert torch.unique(torch.stack([codes, torch.cdist(x, centres).argmin(1)], 1), dim=0).shape[0] == 6
+    seen_rows.clear()
+    kmeans(x, 6, iters=10, sample_per_centroid=0)
+    assert seen_rows == [3000]  # 0: no sample
+
+
+def test_unique_rows_equals_torch_unique_over_rows():
+    from genrec.models.sid import unique_rows
+
+    codes = torch.randint(5, (500, 3), generator=torch.Generator().manual_seed(2))
+    _, inv, counts = torch.unique(codes, dim=0, return_inverse=True, return_counts=True)
+    got_inv, got_counts = unique_rows(codes)
+    assert torch.equal(got_inv, inv) and torch.equal(got_counts, counts)
+    wide = torch.tensor([[2**40, 1], [2**40, 0], [0, 2**40]])  # beyond 63 bits of mixed radix: the row sort
+    _, inv, counts = torch.unique(wide, dim=0, return_inverse=True, return_counts=True)
+    assert all(torch.equal(a, b) for a, b in zip(unique_rows(wide), (inv, counts)))

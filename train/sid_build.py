@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -43,9 +44,11 @@ def load_item_vectors(run_dir: Path, checkpoint: Path) -> tuple[torch.Tensor, to
     ckpt.load_checkpoint(checkpoint, model, None)
     model.eval()
     ids = model.corpus_ids.clone()
+    out = torch.empty(ids.numel(), model.item_embeddings(ids[:1]).shape[1])  # filled in blocks: no second copy
     with torch.no_grad():
-        vecs = [model.item_embeddings(ids[i : i + LOOKUP_ROWS]).float() for i in range(0, ids.numel(), LOOKUP_ROWS)]
-    return ids, torch.cat(vecs)
+        for i in range(0, ids.numel(), LOOKUP_ROWS):
+            out[i : i + LOOKUP_ROWS] = model.item_embeddings(ids[i : i + LOOKUP_ROWS]).float()
+    return ids, out
 
 
 def output_path(out: str | Path | None, run_dir: Path) -> Path:
@@ -94,13 +97,15 @@ def cmd_sid(args: argparse.Namespace, overrides: list[str]) -> int:
     t0 = time.perf_counter()
     ids, vectors = load_item_vectors(run_dir, checkpoint)
     t1 = time.perf_counter()
-    sid = build_semantic_ids(ids, vectors, sizes, iters=args.iters, seed=args.seed, balanced=args.balanced)
+    sid = build_semantic_ids(ids, vectors, sizes, iters=args.iters, seed=args.seed, balanced=args.balanced,
+                             sample_per_centroid=args.sample_per_code)
     t2 = time.perf_counter()
     path = output_path(args.out, run_dir)
     info = {"source": {"run_dir": str(run_dir), "checkpoint": checkpoint.name},
             "build": {"levels": list(sizes), "iters": args.iters, "seed": args.seed, "balanced": args.balanced,
-                      "dim": int(vectors.shape[1]), "load_seconds": round(t1 - t0, 3),
-                      "build_seconds": round(t2 - t1, 3)}}
+                      "sample_per_code": args.sample_per_code, "dim": int(vectors.shape[1]),
+                      "load_seconds": round(t1 - t0, 3), "build_seconds": round(t2 - t1, 3),
+                      "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}}
     meta = write(sid, path, info)
     print(f"wrote {path} and {meta.name} ({t2 - t1:.1f}s): {format_stats(sid.stats())}")
     return 0
