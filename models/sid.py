@@ -39,6 +39,9 @@ ASSIGN_ROWS = 1 << 15  # points per distance block in k-means: [rows, k] float32
 # assigns every point once (faiss's max_points_per_centroid): at 10^7 items a level costs one
 # pass over the table instead of `iters`, and the seeding k passes over 65,536 points, not 10^7
 SAMPLE_PER_CENTROID = 256
+# a trie level with more entries than this (num_nodes(l) * sizes[l]; 128 MB of int64) is kept
+# sparse: SemanticIds.keys
+DENSE_TRIE_ENTRIES = 1 << 24
 
 
 class SemanticIdError(ValueError):
@@ -55,10 +58,13 @@ class SemanticIds:
     (node 0); node ids at each level are 0..num_nodes(l)-1, in lexicographic order of their
     prefixes. ``leaf_item`` [num_nodes(L)] = [N]: the item of each full code.
 
-    The trie is dense: ``children[l]`` holds num_nodes(l) * sizes[l] int64, at most
-    N * sizes[l], so ~200 MB at N = 1e5 with 256 codes a level. ``step`` is then one gather.
-    Far beyond 1e5 items the deep levels would be stored sparse (per node a sorted run of
-    child codes, CSR-style) and ``step`` would scatter that run into a -1 row instead.
+    A level whose table has at most ``DENSE_TRIE_ENTRIES`` entries is dense: ``children[l]``
+    holds num_nodes(l) * sizes[l] int64 and ``step`` is one gather. A larger one (at 10^7 items
+    the last level: millions of 3-code prefixes x the most items sharing one, tens of GB dense)
+    is sparse: ``children[l]`` is empty ([0, sizes[l]]) and ``keys[l]`` [num_nodes(l+1)] holds
+    parent * sizes[l] + code of every child, sorted (a child's node id is its position: node
+    ids are in that order), so a node's children are one run found by binary search and
+    ``step`` scatters the run into a -1 row. Dense levels have ``keys[l] = None``.
     Build with ``from_codes`` (validates); ``to(device)`` moves every tensor.
     """
 
@@ -67,6 +73,7 @@ class SemanticIds:
     sizes: tuple[int, ...]
     children: list[torch.Tensor]
     leaf_item: torch.Tensor
+    keys: list[torch.Tensor | None] | None = None  # per level; None: every level dense
 
     @classmethod
     def from_codes(cls, item_ids: torch.Tensor, codes: torch.Tensor, sizes: Sequence[int]) -> SemanticIds:
@@ -80,14 +87,19 @@ class SemanticIds:
         if bool((item_ids[1:] == item_ids[:-1]).any()):
             dup = int(item_ids[1:][item_ids[1:] == item_ids[:-1]][0])
             raise SemanticIdError(f"item {dup} appears more than once; each item has exactly one code")
-        children, node, num = [], torch.zeros_like(item_ids), 1
+        children, keys, node, num = [], [], torch.zeros_like(item_ids), 1
         for level, size in enumerate(sizes):
             # a prefix's node id is the rank of (parent node, code): lexicographic order
             key = node * size + codes[:, level]
             uniq, node = torch.unique(key, return_inverse=True)
-            table = torch.full((num * size,), -1, dtype=torch.long, device=codes.device)
-            table[uniq] = torch.arange(uniq.numel(), device=codes.device)
-            children.append(table.view(num, size))
+            if num * size <= DENSE_TRIE_ENTRIES:
+                table = torch.full((num * size,), -1, dtype=torch.long, device=codes.device)
+                table[uniq] = torch.arange(uniq.numel(), device=codes.device)
+                children.append(table.view(num, size))
+                keys.append(None)
+            else:
+                children.append(torch.empty(0, size, dtype=torch.long, device=codes.device))
+                keys.append(uniq)
             num = uniq.numel()
         if num != item_ids.numel():
             _, inv, counts = torch.unique(codes, dim=0, return_inverse=True, return_counts=True)
@@ -96,7 +108,7 @@ class SemanticIds:
                                   f"(e.g. items {shared[:4].tolist()}); every code may name at most one item")
         leaf_item = torch.empty_like(item_ids)
         leaf_item[node] = item_ids
-        return cls(item_ids, codes, sizes, children, leaf_item)
+        return cls(item_ids, codes, sizes, children, leaf_item, keys)
 
     @property
     def num_levels(self) -> int:
@@ -105,7 +117,12 @@ class SemanticIds:
     def to(self, device: torch.device | str) -> SemanticIds:
         move = lambda t: t.to(device)  # noqa: E731
         return SemanticIds(move(self.item_ids), move(self.codes), self.sizes, [move(c) for c in self.children],
-                           move(self.leaf_item))
+                           move(self.leaf_item), [None if k is None else move(k) for k in self.level_keys])
+
+    @property
+    def level_keys(self) -> list[torch.Tensor | None]:
+        """``keys`` per level (None: that level is dense)."""
+        return self.keys if self.keys is not None else [None] * self.num_levels
 
     def codes_of(self, items: torch.Tensor) -> torch.Tensor:
         """items [...] -> codes [..., L]; an id not in the catalogue -> a row of -1."""
@@ -126,7 +143,7 @@ class SemanticIds:
         for level in range(depth):
             c, size = flat[:, level], self.sizes[level]
             ok = (node >= 0) & (c >= 0) & (c < size)
-            nxt = self.children[level][node.clamp(min=0), c.clamp(0, size - 1)]
+            nxt = self._child(level, node.clamp(min=0), c.clamp(0, size - 1))
             node = torch.where(ok, nxt, torch.full_like(nxt, -1))
         return node.reshape(lead)
 
@@ -141,8 +158,29 @@ class SemanticIds:
         """nodes [K] at ``level`` (valid ids, >= 0) -> [K, sizes[level]] child node ids at
         level + 1, -1 where the code is not allowed. One gather (a negative node is an
         index error, not a silent wrap to the last node)."""
-        table = self.children[level]
-        return table.index_select(0, nodes.reshape(-1)).reshape(*nodes.shape, table.shape[1])
+        keys, size = self.level_keys[level], self.sizes[level]
+        if keys is None:
+            return self.children[level].index_select(0, nodes.reshape(-1)).reshape(*nodes.shape, size)
+        flat = nodes.reshape(-1)
+        if bool((flat < 0).any()):
+            raise IndexError(f"step: negative node id at level {level}")
+        lo = torch.searchsorted(keys, flat * size)
+        count = torch.searchsorted(keys, (flat + 1) * size) - lo
+        row = torch.repeat_interleave(torch.arange(flat.numel(), device=flat.device), count)
+        child = torch.arange(row.numel(), device=flat.device) - torch.repeat_interleave(
+            count.cumsum(0) - count, count) + lo[row]
+        out = torch.full((flat.numel(), size), -1, dtype=torch.long, device=flat.device)
+        out[row, keys[child] - flat[row] * size] = child
+        return out.reshape(*nodes.shape, size)
+
+    def _child(self, level: int, node: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+        """The child node id of each node [P] (>= 0) with code [P] (in range) at ``level``, -1 where none."""
+        keys = self.level_keys[level]
+        if keys is None:
+            return self.children[level][node, code]
+        want = node * self.sizes[level] + code
+        pos = torch.searchsorted(keys, want).clamp(max=keys.numel() - 1)
+        return torch.where(keys[pos] == want, pos, torch.full_like(pos, -1))
 
     def stats(self) -> dict[str, Any]:
         """How the codebook uses its codes. ``collision_rate``: fraction of items whose first
@@ -247,6 +285,11 @@ def _dist_to(x: torch.Tensor, xx: torch.Tensor, i: int, tol: float) -> torch.Ten
     return d.masked_fill(d <= tol, 0.0)
 
 
+def _sq_norms(x: torch.Tensor) -> torch.Tensor:
+    """x [N, D] -> squared row norms [N], in blocks (x.square() whole is another [N, D])."""
+    return torch.cat([x[i : i + ASSIGN_ROWS].square().sum(1) for i in range(0, x.shape[0], ASSIGN_ROWS)])
+
+
 def _sq_dist(x: torch.Tensor, xx: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
     """x [n, D], xx [n] its squared norms, cent [k, D] -> squared distances [n, k]."""
     return torch.addmm(cent.square().sum(1), x, cent.T, alpha=-2).add_(xx[:, None]).clamp_min_(0)
@@ -301,11 +344,11 @@ def kmeans(x: torch.Tensor, k: int, iters: int = 30, gen: torch.Generator | None
     if not balanced and sample_per_centroid > 0 and x.shape[0] > cap:
         pick = torch.randperm(x.shape[0], generator=gen)[:cap].sort().values.to(x.device)
         _, cent = kmeans(x[pick], k, iters, gen, balanced=False, sample_per_centroid=0)
-        codes, _ = _assign(x, x.square().sum(1), cent, balanced=False)
+        codes, _ = _assign(x, _sq_norms(x), cent, balanced=False)
         counts = torch.bincount(codes, minlength=cent.shape[0])
         means = torch.zeros_like(cent).index_add_(0, codes, x) / counts.clamp_min(1)[:, None]
         return codes, torch.where((counts > 0)[:, None], means, cent)
-    xx = x.square().sum(1)
+    xx = _sq_norms(x)
     cent = _kmeans_pp(x, xx, min(k, x.shape[0]), gen)
     k, prev, tol = cent.shape[0], None, _tolerance(xx)
     for _ in range(max(1, iters)):
@@ -394,14 +437,15 @@ def collision_level(codes: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def build_semantic_ids(item_ids: torch.Tensor, vectors: torch.Tensor, sizes: Sequence[int] = (256, 256, 256),
                        iters: int = 30, seed: int = 0, balanced: bool = False,
-                       sample_per_centroid: int = SAMPLE_PER_CENTROID) -> SemanticIds:
+                       sample_per_centroid: int = SAMPLE_PER_CENTROID, inplace: bool = False) -> SemanticIds:
     """item_ids [N], vectors [N, D] -> codes of len(sizes) + 1 levels: RQ-KMeans over the
     L2-normalised vectors, then a last level numbering the items that share those codes
     (its size: the most items sharing one, at least 1). Every item gets exactly one code.
-    Holds one [N, D] float32 copy of ``vectors`` beside them (the residuals)."""
+    Holds one [N, D] float32 copy of ``vectors`` beside them (the residuals); ``inplace``: none,
+    ``vectors`` (float32, item_ids sorted) is overwritten with them instead."""
     item_ids, order = torch.sort(item_ids.long())
     x = vectors.float() if bool((order == torch.arange(order.numel())).all()) else vectors[order].float()
-    x = x.clone() if x.data_ptr() == vectors.data_ptr() else x
+    x = x.clone() if x.data_ptr() == vectors.data_ptr() and not inplace else x
     for i in range(0, x.shape[0], ASSIGN_ROWS):
         x[i : i + ASSIGN_ROWS] /= torch.linalg.vector_norm(x[i : i + ASSIGN_ROWS], dim=1, keepdim=True).clamp_min(1e-12)
     rq = _rq_kmeans_(x, sizes, iters, seed, balanced, sample_per_centroid)

@@ -96,14 +96,16 @@ def cmd_sid(args: argparse.Namespace, overrides: list[str]) -> int:
     run_dir, checkpoint = ckpt.resolve_checkpoint(args.checkpoint)
     t0 = time.perf_counter()
     ids, vectors = load_item_vectors(run_dir, checkpoint)
+    dim = int(vectors.shape[1])
     t1 = time.perf_counter()
     sid = build_semantic_ids(ids, vectors, sizes, iters=args.iters, seed=args.seed, balanced=args.balanced,
-                             sample_per_centroid=args.sample_per_code)
+                             sample_per_centroid=args.sample_per_code, inplace=True)
+    del vectors  # overwritten with the residuals
     t2 = time.perf_counter()
     path = output_path(args.out, run_dir)
     info = {"source": {"run_dir": str(run_dir), "checkpoint": checkpoint.name},
             "build": {"levels": list(sizes), "iters": args.iters, "seed": args.seed, "balanced": args.balanced,
-                      "sample_per_code": args.sample_per_code, "dim": int(vectors.shape[1]),
+                      "sample_per_code": args.sample_per_code, "dim": dim,
                       "load_seconds": round(t1 - t0, 3), "build_seconds": round(t2 - t1, 3),
                       "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}}
     meta = write(sid, path, info)
