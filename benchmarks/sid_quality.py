@@ -51,40 +51,85 @@ def build_codebook(dense_run: Path, out: Path, levels: tuple[int, ...], seed: in
     return {**sid.stats(), "build_seconds": round(seconds, 1)}
 
 
+ITEM_CHUNK = 1 << 18  # catalogue rows scored at a time: a [B, chunk] float32 block (128 MB at B = 128)
+
+
+def chunked_topk(user: torch.Tensor, items: torch.Tensor, corpus: torch.Tensor, seen_ids: torch.Tensor,
+                 seen_lengths: torch.Tensor, k: int, chunk: int = ITEM_CHUNK) -> torch.Tensor:
+    """Exact top-``k`` catalogue ids per user by dot product, the history left out, without a
+    [B, N] matrix: user [B, D], items [N, D] (rows of the sorted ``corpus`` [N]), seen_ids [E]
+    with seen_lengths [B] -> ids [B, k], best first. Each block of ``chunk`` items keeps its
+    own top-k and the running top-k merges them: the same list as one ``topk`` over [B, N]
+    (ties aside), in O(B * chunk) memory."""
+    from genrec.train.eval.evaluate import mask_seen
+
+    b, n = user.shape[0], corpus.numel()
+    best_s = torch.full((b, 0), float("-inf"))
+    best_i = torch.zeros((b, 0), dtype=torch.long)
+    for start in range(0, n, chunk):
+        ids = corpus[start : start + chunk]
+        scores = mask_seen(user @ items[start : start + chunk].T, ids, seen_ids, seen_lengths)
+        top = scores.topk(min(k, ids.numel()), dim=1)
+        cand_s = torch.cat([best_s, top.values], 1)
+        cand_i = torch.cat([best_i, ids[top.indices]], 1)
+        keep = cand_s.topk(min(k, cand_s.shape[1]), dim=1).indices
+        best_s, best_i = cand_s.gather(1, keep), cand_i.gather(1, keep)
+    return best_i
+
+
+def user_sample(num_users: int, max_users: int | None) -> int:
+    """How many interleaved slices the split's users are cut into so that the first holds at
+    most ``max_users`` (every ``stride``-th user of the file: a deterministic sample); 1: all."""
+    return 1 if not max_users or num_users <= max_users else -(-num_users // max_users)
+
+
 @torch.no_grad()
-def merged_recall(run_dir: Path, dense_k: int = 100, gen_k: int = 50) -> dict:
-    """Recall of the held-out test item: dense top-``dense_k``; decoded top-``gen_k``; their
+def merged_recall(run_dir: Path, dense_k: int = 100, gen_k: int = 50, max_users: int | None = None,
+                  split: str = "test", chunk: int = ITEM_CHUNK) -> dict:
+    """Recall of the held-out ``split`` item: dense top-``dense_k``; decoded top-``gen_k``; their
     union; dense top-(dense_k + gen_k) (a dense list as long as the union can be); and the
-    share of decoded items that are catalogue items outside the user's history."""
+    share of decoded items that are catalogue items outside the user's history.
+
+    The dense lists are exact (every catalogue item scored) in blocks of ``chunk`` items
+    (:func:`chunked_topk`), so a 10^7-item catalogue needs no [B, N] matrix. ``max_users``:
+    at most that many users, every ``stride``-th of the split's file (deterministic); None:
+    all of them."""
     from genrec.train.cli import load_run_model
     from genrec.train.data.reader import make_reader
-    from genrec.train.eval.evaluate import mask_seen
 
     job, model, emb, _ = load_run_model(run_dir, None, None)
     model.eval()
     corpus = model.corpus_ids
-    items = model.item_embeddings(corpus)
-    catalogue = set(corpus.tolist())
+    items = torch.empty(corpus.numel(), job.embedding.item_table.dim)
+    for i in range(0, corpus.numel(), chunk):
+        items[i : i + chunk] = model.item_embeddings(corpus[i : i + chunk]).float()
+    reader = make_reader(job.data, split, emb, job.model.max_seq_len)  # type: ignore[arg-type]
+    stride = user_sample(reader.num_rows, max_users)
+    if stride > 1:
+        reader = make_reader(job.data, split, emb, job.model.max_seq_len, rank=0, world_size=stride)  # type: ignore[arg-type]
     hits = {"dense": 0, "generative": 0, "merged": 0, "dense_long": 0}
     users = decoded = valid = 0
-    for batch in make_reader(job.data, "test", emb, job.model.max_seq_len):
+    for batch in reader:
         states = model.user_states(batch)
-        scores = mask_seen(model.head.scores(model.head.normalize(states.float()), items).float(), corpus,
-                           batch.seen_ids, batch.seen_lengths)
-        dense = corpus[scores.topk(dense_k + gen_k, dim=1).indices]
+        user = model.head.normalize(states.float()).float()
+        dense = chunked_topk(user, items, corpus, batch.seen_ids, batch.seen_lengths, dense_k + gen_k, chunk)
         beams, _ = model.sid_head.beam_search(states, gen_k, (batch.seen_ids, batch.seen_lengths))
         t = batch.targets[:, None]
         hits["dense"] += int((dense[:, :dense_k] == t).any(1).sum())
         hits["dense_long"] += int((dense == t).any(1).sum())
         hits["generative"] += int((beams == t).any(1).sum())
         hits["merged"] += int(((dense[:, :dense_k] == t).any(1) | (beams == t).any(1)).sum())
-        seen = [set(s.tolist()) for s in torch.split(batch.seen_ids, batch.seen_lengths.tolist())]
-        for u, row_items in enumerate(beams.tolist()):
-            real = [i for i in row_items if i >= 0]
-            decoded += len(real)
-            valid += sum(i in catalogue and i not in seen[u] for i in real)
+        real = beams >= 0
+        pos = torch.searchsorted(corpus, beams.clamp(min=0)).clamp(max=corpus.numel() - 1)
+        in_catalogue = real & (corpus[pos] == beams)
+        seen = torch.zeros_like(real)
+        for u, row in enumerate(torch.split(batch.seen_ids, batch.seen_lengths.tolist())):
+            seen[u] = torch.isin(beams[u], row)
+        decoded += int(real.sum())
+        valid += int((in_catalogue & ~seen).sum())
         users += beams.shape[0]
-    return {"users": users, f"dense_recall@{dense_k}": hits["dense"] / users,
+    return {"users": users, "user_stride": stride, "split": split, "catalogue": corpus.numel(),
+            f"dense_recall@{dense_k}": hits["dense"] / users,
             f"generative_recall@{gen_k}": hits["generative"] / users,
             f"merged_recall@{dense_k}+{gen_k}": hits["merged"] / users,
             f"dense_recall@{dense_k + gen_k}": hits["dense_long"] / users,

@@ -59,7 +59,7 @@ def resolve_precision(precision: str, device: torch.device | None) -> Literal["f
 class TrainConfig:
     max_epochs: int = 100
     # a run directory (its best checkpoint) or a checkpoint directory to start from: the model's
-    # tensors it holds with the same shapes (e.g. a dense run under a new decoder head); one process
+    # tensors it holds with the same shapes (e.g. a dense run under a new decoder head); 1 or N ranks
     init_from: str = ""
     max_steps: int = 0  # stop after this many optimizer steps in total; 0 = no limit
     time_budget_min: float = 0.0  # stop after this many minutes of training; 0 = no limit

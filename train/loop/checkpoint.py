@@ -329,6 +329,27 @@ def warm_start(model: torch.nn.Module, path: Path) -> list[str]:
     return left
 
 
+def warm_start_state(io: Any, path: Path) -> list[str]:
+    """``warm_start`` for a checkpoint I/O object (``Parallelized``: a DMP model whose tables are
+    sharded, the state keyed as ``io.state()["model"]``): every tensor of ``path`` this model
+    has with the same name and shape is read into this rank's shards (DCP reshards); the rest,
+    and the optimizer, start as initialised. Returns the names left as initialised."""
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    state = io.state()["model"]
+    take, left = {}, []
+    for key, value in state.items():
+        meta = stored.get(f"model.{key}")
+        if meta is not None and not is_calibration_key(key) and list(getattr(meta, "size", [])) == list(getattr(value, "size", lambda: ())()):
+            take[key] = value
+        else:
+            left.append(key)
+    if not take:
+        raise IncompatibleCheckpoint(f"{path}: none of this model's tensors is in the checkpoint")
+    dcp.load({"model": take}, checkpoint_id=path)  # in place, into this rank's shards and replicas
+    io.load({"model": {**state, **take}})
+    return left
+
+
 def prune_checkpoints(root: Path, keep: int, protect: set[Path]) -> None:
     """Deletes all but the newest ``keep`` finished checkpoints (and any in ``protect``)."""
     rank, _ = _rank_world()

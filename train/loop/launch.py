@@ -60,6 +60,11 @@ def resolve_run_dir(job: JobConfig, resolved: JobConfig, ctx: DistContext, run_d
     return run_dir
 
 
+def _log_init_from(start: Path, left: list[str]) -> None:
+    log.info(f"init_from {start}: {len(left)} tensors not in it, as initialised "
+             f"({', '.join(sorted({k.split('.')[0] for k in left})) or 'none'})")
+
+
 def run_training(job: JobConfig, run_dir: Path | None = None) -> tuple[Path, dict[str, Any]]:
     """Trains ``job`` (or resumes ``run_dir``); returns (run dir, results). Under torchrun every
     rank calls this; rank 0 writes files and returns the results the others also get."""
@@ -122,8 +127,6 @@ def _train(job: JobConfig, run_dir: Path | None, ctx: DistContext, state: dict[s
         def dense_optimizer(params) -> torch.optim.Optimizer:  # noqa: ANN001
             return build_optimizer(list(params), optim)
 
-        if ctx.distributed and job.train.init_from:
-            raise ConfigError("train.init_from works in one process (not under torchrun) for now")
         if ctx.distributed:
             par = (replicate(model, emb, dense_optimizer, ctx, job.train.parallel) if how == "ddp" else
                    parallelize(model, emb, job.train.parallel, optim.lr, dense_optimizer, ctx, per_rank.batch_size))
@@ -131,6 +134,9 @@ def _train(job: JobConfig, run_dir: Path | None, ctx: DistContext, state: dict[s
                 par.module.tower.compile(dynamic=True)
             if ctx.rank == 0:
                 (run_dir / "sharding.json").write_text(json.dumps(par.describe(), indent=2) + "\n")
+            if job.train.init_from:  # into the shards, before fit(): a resumed run's own checkpoint overrides it
+                _, start = ckpt.resolve_checkpoint(job.train.init_from)
+                _log_init_from(start, ckpt.warm_start_state(par, start))
             trainer = Trainer(job.train, job.eval, run_dir, par.model, par.module, par.optimizer,
                               readers["train"], valid, test, tasks=list(tasks), rank=ctx.rank, reduce=ctx.reduce,
                               dense_params=par.dense_params, device=ctx.device, state_io=par,
@@ -144,9 +150,7 @@ def _train(job: JobConfig, run_dir: Path | None, ctx: DistContext, state: dict[s
                 model.tower.compile(dynamic=True)
             if job.train.init_from:  # before fit(): a resumed run's own checkpoint then overrides it
                 _, start = ckpt.resolve_checkpoint(job.train.init_from)
-                left = warm_start(model, start)
-                log.info(f"init_from {start}: {len(left)} tensors not in it, as initialised "
-                         f"({', '.join(sorted({k.split('.')[0] for k in left})) or 'none'})")
+                _log_init_from(start, warm_start(model, start))
             trainer = Trainer(job.train, job.eval, run_dir, model, model, optimizer,
                               readers["train"], valid, test, tasks=list(tasks), device=ctx.device)
         results = trainer.fit()
