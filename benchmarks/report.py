@@ -101,9 +101,10 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "ann_index": _lazy("ann_index", "ann_index"),
     "serving_scale_ann_1m": sec.serving_scale, "serving_scale_ann_10m": sec.serving_scale,
     "scale_10m_train": _lazy("scale_train", "scale_train_section"),
+    "merged_10m": _lazy("merged_scale", "merged_scale_section"),
 }
 # results that extend another benchmark's section, on DETAILS.md only (as variants are)
-DETAILS_ONLY = {"scale_10m_train"}
+DETAILS_ONLY = {"scale_10m_train", "merged_10m"}
 
 
 def renderer(stem: str) -> Callable[[dict], list[str]] | None:

@@ -104,7 +104,9 @@ def merged_recall(run_dir: Path, dense_k: int = 100, gen_k: int = 50, max_users:
     for i in range(0, corpus.numel(), chunk):
         items[i : i + chunk] = model.item_embeddings(corpus[i : i + chunk]).float()
     reader = make_reader(job.data, split, emb, job.model.max_seq_len)  # type: ignore[arg-type]
-    stride = user_sample(reader.num_rows, max_users)
+    # the valid split holds data.valid_users of the users (a hash of the id): about that share of the rows
+    share = job.data.valid_users if split == "valid" else 1.0
+    stride = user_sample(round(reader.num_rows * share), max_users)
     if stride > 1:
         reader = make_reader(job.data, split, emb, job.model.max_seq_len, rank=0, world_size=stride)  # type: ignore[arg-type]
     hits = {"dense": 0, "generative": 0, "merged": 0, "dense_long": 0}
