@@ -227,11 +227,22 @@ def serving_scale(d: dict) -> list[str]:
              if ix else "")
     planted = (" Planted: an untrained model whose item table holds topic-clustered rows (no logs, no training)."
                if d.get("planted") else "")
+    # scale_serve's open-loop steps per search (its ANN servers): p99 with failures counted, and the max QPS
+    loads = {name: r["loadtest"] for name, r in (d.get("searches") or {}).items() if r.get("loadtest")}
+    load_rows = [[name, num(s.get("offered_qps"), "g"), num(s.get("p50_ms"), ".1f"), num(s.get("p99_all_ms"), ".1f"),
+                  num(s.get("compute_p99_ms"), ".1f"), num(s.get("mean_batch"), ".2f")]
+                 for name, lt in loads.items() for s in lt.get("steps", [])]
+    load = (["", "Open-loop load (Poisson, server on one CPU, generator on the other; p99 counts failures as "
+             "infinitely slow): max QPS within the p99 budget "
+             + ", ".join(f"{name} {num(lt.get('max_qps_within_slo'), 'g')}" for name, lt in loads.items()) + ".", "",
+             *table(["search", "offered QPS", "p50 ms", "p99 ms", "engine batch p99 ms", "mean batch"], load_rows)]
+            if loads else [])
     return [f"## Serving at scale ({num(d.get('catalogue_size'), ',d')}-item catalogue, long histories)", "",
             "Anchor: none set; a scale check (one request at a time, exact top-k over the whole catalogue, "
             f"artifact {num((d.get('artifact_bytes') or 0) / 1e6 if d.get('artifact_bytes') else None, '.0f')} MB)."
             + index + planted, "",
-            *table(["engine", "history", "p50 ms", "p99 ms", "server RSS MB", "recall@100"], rows), *footer(d, cmd)]
+            *table(["engine", "history", "p50 ms", "p99 ms", "server RSS MB", "recall@100"], rows), *load,
+            *footer(d, cmd)]
 
 
 def resilience(d: dict) -> list[str]:

@@ -130,6 +130,7 @@ def main() -> None:
     ap.add_argument("--name", default="serving_scale_ann_10m")
     ap.add_argument("--start-timeout", type=float, default=1200)
     args = ap.parse_args()
+    load_at_start = os.getloadavg()  # other work on the machine inflates every figure: recorded
     art, out = Path(args.artifact).resolve(), (ROOT / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     work = workload(Path(args.data).resolve(), out / "workload.jsonl", max(args.single, args.recall_users))
@@ -186,14 +187,14 @@ def main() -> None:
         **({"recall_at_100_vs_exact": r["recall_at_100_vs_exact"]} if "recall_at_100_vs_exact" in r else {})}
         for s, r in results.items()}
     write_json(args.name, {
-        "date": today(), "machine": machine(), "load_avg": os.getloadavg(),
+        "date": today(), "machine": machine(), "load_avg_at_start": load_at_start, "load_avg": os.getloadavg(),
         "command": "python -m genrec.benchmarks.scale_serve " + " ".join(sys.argv[1:]),
         "catalogue_size": parts["items"], "artifact_bytes": sum(f.stat().st_size for f in art.iterdir() if f.is_file()),
         "engines": engines, "server_threads": 1,
         "artifact": shown_path(art), "source": manifest.get("source"), "index": manifest.get("index"),
         "request": {"history": 200, "retrieve_k": 100, "rank": 100, "top_k": 10},
         "pinning": f"server on CPU {SERVER_CPU} (engine in process, 1 thread), client / load generator on CPU {CLIENT_CPU}",
-        "memory": parts, "searches": results, "planted": False, "shared_machine": True})
+        "memory": parts, "searches": results, "planted": False})
 
 
 if __name__ == "__main__":
