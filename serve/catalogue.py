@@ -230,8 +230,11 @@ class Served:
     version: str
 
 
-def read_served(path: str | Path) -> Served:
-    """:class:`Served` of the artifact at ``path``, every file verified against its manifest."""
+def read_served(path: str | Path, retrieval: RetrievalConfig | None = None) -> Served:
+    """:class:`Served` of the artifact at ``path``, every file verified against its manifest;
+    its schema's ``dense_search`` says what ``retrieval`` ([serve.retrieval]) makes the model
+    search with (an artifact without an index and ``search = "ann"``: refused, as the engine does)."""
+    retrieval = retrieval or RetrievalConfig()
     manifest, tensors = load_tensors(path)
     try:
         cfg, emb = from_dict(ModelConfig, manifest.model), from_dict(EmbeddingConfig, manifest.embedding)
@@ -243,6 +246,9 @@ def read_served(path: str | Path) -> Served:
     ids = dense["corpus_ids"].numpy().copy()
     sid = artifact_semantic_ids(dense, path) if cfg.sid.enabled else None
     schema = served_schema(cfg, emb, int(ids.size), tuple(int(s) for s in sid.sizes) if sid is not None else ())
-    if manifest.index:  # (the model process's TorchEngine searches with the defaults: the index where there is one)
-        schema = replace(schema, dense_search=describe(manifest.index))
+    if retrieval.search == "ann" and not manifest.index:
+        raise ArtifactError(f"{path}: serve.retrieval.search = \"ann\" but the artifact has no index; "
+                            "build one with 'genrec quantize' (--index auto) or serve with search = \"exact\"")
+    if manifest.index and retrieval.search != "exact":  # (what Catalogue answers with under ``retrieval``)
+        schema = replace(schema, dense_search=describe(manifest.index, retrieval.nprobe, retrieval.shortlist))
     return Served(manifest, cfg, emb, ids, sid, schema, version_of(manifest))

@@ -32,9 +32,9 @@ def make_engine(kind: str, artifact: str, device: str, cache: CacheConfig | None
 
         # a warm standby runtime: a fault in SGLang's scheduler fails over instead of failing calls
         if cache is None:
-            return SGLangEngine(artifact, device=device, standby=True)
+            return SGLangEngine(artifact, device=device, standby=True, retrieval=retrieval)
         return SGLangEngine(artifact, device=device, pool_tokens=cache.pool_tokens, window_block=cache.window_block,
-                            standby=True)
+                            standby=True, retrieval=retrieval)
     if kind != "torch":
         raise ValueError(f"engine '{kind}': serve torch or sglang (the naive baseline is the benchmarks': "
                          "python -m genrec.benchmarks.naive_engine)")

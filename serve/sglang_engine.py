@@ -66,7 +66,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +75,7 @@ from safetensors.torch import save_file
 
 from genrec.serve import sglang_runtime
 from genrec.serve.accounting import mark, stamp
+from genrec.serve.ann import RetrievalConfig
 from genrec.serve.batcher import DeadlineExceeded, ShuttingDown
 from genrec.serve.catalogue import read_served
 from genrec.serve.contract import InProcessEngine, Result
@@ -186,8 +187,9 @@ class SGLangEngine(InProcessEngine):
 
     def __init__(self, artifact: str | Path, device: str = "cpu", pool_tokens: int = 262144, window_block: int = 1,
                  chunk_tokens: int = 4096, max_running: int = 64, threads: int = 1, max_beam: int = 256,
-                 standby: bool = False) -> None:
-        served = read_served(artifact)
+                 standby: bool = False, retrieval: RetrievalConfig | None = None) -> None:
+        retrieval = retrieval or RetrievalConfig()
+        served = read_served(artifact, retrieval)
         if not packed_covers(served.model, served.embedding):
             raise ValueError("the SGLang engine serves HSTU models with the summed action encoding; "
                              "serve this model with engine = \"torch\"")
@@ -224,7 +226,9 @@ class SGLangEngine(InProcessEngine):
                    "vocab_size": VOCAB,
                    "max_position_embeddings": served.model.max_seq_len + 16,  # SGLang keeps a few positions back
                    "torch_dtype": "float32", "genrec_artifact": str(Path(artifact).resolve()),
-                   "genrec_threads": threads}
+                   "genrec_threads": threads,
+                   # [serve.retrieval]: the model process's catalogue searches as the torch engine's would
+                   "genrec_retrieval": asdict(retrieval)}
             (self.ckpt / "config.json").write_text(json.dumps(cfg))
             save_file({"_dummy": torch.zeros(1)}, str(self.ckpt / "model.safetensors"))
             from genrec.serve.sglang_models.genrec_tower import KeepLogits

@@ -202,3 +202,17 @@ def test_shortlist_best_k_is_the_full_sort_and_exclusion_is_membership() -> None
     history = np.unique(np.concatenate([items[1, ::7], rng.integers(1, 10**7, 50)]))
     np.testing.assert_array_equal(_among(items[1], history), np.isin(items[1], history))
     assert not _among(items[1], np.zeros(0, np.int64)).any()
+
+
+def test_what_a_front_end_reads_reports_the_configured_search(indexed, tmp_path):
+    """read_served (the SGLang engine's front end) reports the search [serve.retrieval] asks for,
+    as the torch engine's catalogue does, and refuses "ann" on an artifact without an index."""
+    assert read_served(indexed, RetrievalConfig(search="exact")).schema.dense_search == "exact"
+    got = read_served(indexed, RetrievalConfig(search="ann", nprobe=3, shortlist=77)).schema.dense_search
+    assert got == "ann IVF16,PQ8x4fs nprobe=3 shortlist=77"
+    model, manifest = load_model(indexed)
+    cat = Catalogue(model, None, indexed, manifest, RetrievalConfig(search="ann", nprobe=3, shortlist=77))
+    assert cat.search == got and read_served(indexed).schema.dense_search.startswith("ann IVF16,PQ8x4fs nprobe=")
+    bare = untrained_artifact(tmp_path / "bare", ranking=False, items=200)
+    with pytest.raises(ArtifactError, match="no index"):
+        read_served(bare, RetrievalConfig(search="ann"))

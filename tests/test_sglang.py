@@ -158,6 +158,29 @@ def test_a_tiny_pool_evicts_and_chunks_and_recomputes_without_errors(artifact):
         se.close()
 
 
+def test_serve_retrieval_reaches_the_model_process(artifact):
+    """[serve.retrieval] configures the SGLang engine's search too: its model process (which
+    builds a TorchEngine of its own) probes the lists and re-scores the shortlist it is told, as
+    the torch engine configured the same way does, and ModelInfo says which search answers.
+    (The model process used to search with the artifact's calibrated values whatever was set.)"""
+    from genrec.quant.artifact import read_manifest
+    from genrec.serve.ann import RetrievalConfig
+    from genrec.serve.sglang_engine import SGLangEngine
+
+    assert read_manifest(artifact).index, "the fixture's artifact was exported with its ANN index"
+    narrow = RetrievalConfig(search="ann", nprobe=1, shortlist=20)  # one list: not what calibration chose
+    te = TorchEngine(artifact, retrieval=narrow)
+    assert te.schema.dense_search.endswith("nprobe=1 shortlist=20")
+    assert TorchEngine(artifact).catalogue.ann.nprobe != 1
+    se = SGLangEngine(artifact, pool_tokens=4096, threads=1, retrieval=narrow)
+    try:
+        assert se.schema.dense_search == te.schema.dense_search
+        same(te, se, [work(te.schema, history(40, seed=500 + i), kind, seed=i)
+                      for i, kind in enumerate(["retrieve", "recommend", "retrieve"])])
+    finally:
+        se.close()
+
+
 def test_several_batches_in_flight(engines):
     """run() from several threads at once: SGLang batches the requests of all of them."""
     from concurrent.futures import ThreadPoolExecutor

@@ -46,6 +46,7 @@ from torch import nn
 from genrec.kernels import hstu_native
 from genrec.models.hstu import CachedHistory, JaggedMeta, PagedMeta
 from genrec.models.recommender import HistoryState
+from genrec.serve.ann import RetrievalConfig
 from genrec.serve.engine import TorchEngine
 from genrec.serve.requests import UserInput
 from genrec.serve.retrieval import Pair, Retrieved, generate, merge_sources
@@ -113,7 +114,8 @@ class GenRecHSTU(nn.Module):
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:  # noqa: ANN001
         super().__init__()
         torch.set_num_threads(int(getattr(config, "genrec_threads", 1)) or torch.get_num_threads())
-        self.engine = TorchEngine(config.genrec_artifact)
+        retrieval = RetrievalConfig(**(getattr(config, "genrec_retrieval", None) or {}))  # [serve.retrieval]
+        self.engine = TorchEngine(config.genrec_artifact, retrieval=retrieval)
         self.model = self.engine.model.eval()
         packed = self.engine.packed  # its token lookups and context (SGLangEngine checked it exists)
         if packed is None:
