@@ -307,15 +307,12 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
     raise FileNotFoundError(f"{path}: neither a run directory (config.toml) nor a checkpoint inside one")
 
 
-def warm_start(model: torch.nn.Module, path: Path) -> list[str]:
-    """Loads into ``model`` every tensor of checkpoint ``path`` that it has with the same name
-    and shape (a fine-tune starting from another run: say, a dense run's tables and tower
-    under a new decoder head); returns the names of the model's tensors left as initialised.
-    The optimizer and trainer state start fresh."""
+def _stored_alike(path: Path, state: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Splits a model's ``state`` into the tensors checkpoint ``path`` holds with the same name and
+    shape (to read) and the names of the rest (left as initialised); none in common: refused."""
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    msd, _ = get_state_dict(model, [], options=StateDictOptions(full_state_dict=False))
     take, left = {}, []
-    for key, value in msd.items():
+    for key, value in state.items():
         meta = stored.get(f"model.{key}")
         # another model's calibration does not fit this one: it starts unfitted, and is fitted anew after training
         if meta is not None and not is_calibration_key(key) and list(getattr(meta, "size", [])) == list(getattr(value, "size", lambda: ())()):
@@ -324,6 +321,16 @@ def warm_start(model: torch.nn.Module, path: Path) -> list[str]:
             left.append(key)
     if not take:
         raise IncompatibleCheckpoint(f"{path}: none of this model's tensors is in the checkpoint")
+    return take, left
+
+
+def warm_start(model: torch.nn.Module, path: Path) -> list[str]:
+    """Loads into ``model`` every tensor of checkpoint ``path`` that it has with the same name
+    and shape (a fine-tune starting from another run: say, a dense run's tables and tower
+    under a new decoder head); returns the names of the model's tensors left as initialised.
+    The optimizer and trainer state start fresh."""
+    msd, _ = get_state_dict(model, [], options=StateDictOptions(full_state_dict=False))
+    take, left = _stored_alike(path, msd)
     dcp.load({"model": take}, checkpoint_id=path)
     set_state_dict(model, [], model_state_dict=take, optim_state_dict={}, options=StateDictOptions(strict=False))
     return left
@@ -334,17 +341,8 @@ def warm_start_state(io: Any, path: Path) -> list[str]:
     sharded, the state keyed as ``io.state()["model"]``): every tensor of ``path`` this model
     has with the same name and shape is read into this rank's shards (DCP reshards); the rest,
     and the optimizer, start as initialised. Returns the names left as initialised."""
-    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     state = io.state()["model"]
-    take, left = {}, []
-    for key, value in state.items():
-        meta = stored.get(f"model.{key}")
-        if meta is not None and not is_calibration_key(key) and list(getattr(meta, "size", [])) == list(getattr(value, "size", lambda: ())()):
-            take[key] = value
-        else:
-            left.append(key)
-    if not take:
-        raise IncompatibleCheckpoint(f"{path}: none of this model's tensors is in the checkpoint")
+    take, left = _stored_alike(path, state)
     dcp.load({"model": take}, checkpoint_id=path)  # in place, into this rank's shards and replicas
     io.load({"model": {**state, **take}})
     return left
