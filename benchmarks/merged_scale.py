@@ -25,14 +25,13 @@ from typing import Any
 from genrec.benchmarks.common import machine, shown_path, today, write_json
 
 
-def _minutes(run_dir: Path) -> float | None:
+def _run(run_dir: Path) -> tuple[float | None, int | None]:
+    """A finished run's (training minutes, steps), from its results.json (None: not there)."""
     res = run_dir / "results.json"
-    return round(json.loads(res.read_text())["train_seconds"] / 60, 2) if res.exists() else None
-
-
-def _steps(run_dir: Path) -> int | None:
-    res = run_dir / "results.json"
-    return json.loads(res.read_text()).get("steps") if res.exists() else None
+    if not res.exists():
+        return None, None
+    r = json.loads(res.read_text())
+    return round(r["train_seconds"] / 60, 2), r.get("steps")
 
 
 def measure(run_dir: Path, max_users: int, dense_k: int = 100, gen_k: int = 50, split: str = "test") -> dict[str, Any]:
@@ -48,12 +47,13 @@ def measure(run_dir: Path, max_users: int, dense_k: int = 100, gen_k: int = 50, 
     codebook = json.loads(book.read_text()) if book.exists() else {}
     t0 = time.perf_counter()
     merged = merged_recall(run_dir, dense_k, gen_k, max_users=max_users, split=split)
-    minutes = {"dense_train": _minutes(dense_dir),
+    (dense_min, dense_steps), (gen_min, gen_steps) = _run(dense_dir), _run(run_dir)
+    minutes = {"dense_train": dense_min,
                "sid_build": round((codebook.get("build", {}).get("load_seconds", 0)
                                    + codebook.get("build", {}).get("build_seconds", 0)) / 60, 2) or None,
-               "generative_train": _minutes(run_dir), "merged_recall": round((time.perf_counter() - t0) / 60, 2)}
+               "generative_train": gen_min, "merged_recall": round((time.perf_counter() - t0) / 60, 2)}
     return {"date": today(), "machine": machine(), "shared_machine": True, "merged": merged,
-            "minutes": minutes, "steps": {"dense": _steps(dense_dir), "generative": _steps(run_dir)},
+            "minutes": minutes, "steps": {"dense": dense_steps, "generative": gen_steps},
             "peak_rss_mb": {"merged_recall": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
                             "sid_build": codebook.get("build", {}).get("peak_rss_mb")},
             "codebook": codebook.get("stats"), "codebook_build": codebook.get("build"),

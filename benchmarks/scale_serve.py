@@ -191,7 +191,8 @@ def main() -> None:
         "command": "python -m genrec.benchmarks.scale_serve " + " ".join(sys.argv[1:]),
         "catalogue_size": parts["items"], "artifact_bytes": sum(f.stat().st_size for f in art.iterdir() if f.is_file()),
         "engines": engines, "server_threads": 1,
-        "artifact": shown_path(art), "source": manifest.get("source"), "index": manifest.get("index"),
+        "artifact": shown_path(art), "source": {k: shown_path(v) if k in ("run_dir", "dataset") and v else v  # (no machine's paths)
+                   for k, v in (manifest.get("source") or {}).items()}, "index": manifest.get("index"),
         "request": {"history": 200, "retrieve_k": 100, "rank": 100, "top_k": 10},
         "pinning": f"server on CPU {SERVER_CPU} (engine in process, 1 thread), client / load generator on CPU {CLIENT_CPU}",
         "memory": parts, "searches": results, "planted": False})

@@ -69,9 +69,7 @@ class Catalogue:
         self.ids = model.corpus_ids.cpu().numpy()
         self.temperature = float(model.head.cfg.temperature)
         has_index = manifest is not None and bool(manifest.index)
-        if cfg.search == "ann" and not has_index:
-            raise ArtifactError(f"{artifact}: serve.retrieval.search = \"ann\" but the artifact has no index; "
-                                "build one with 'genrec quantize' (--index auto) or serve with search = \"exact\"")
+        _check_search(cfg, has_index, artifact)
         self.ann: AnnIndex | None = None
         if cfg.search != "exact" and has_index and artifact is not None and manifest is not None:
             dim = int(self.vectors_at(np.zeros(1, np.int64)).shape[1])
@@ -106,8 +104,7 @@ class Catalogue:
 
     def known(self, items: np.ndarray) -> np.ndarray:
         """[...] bool: which ``items`` are in the catalogue."""
-        pos = np.minimum(np.searchsorted(self.ids, items), self.ids.size - 1)
-        return self.ids[pos] == items
+        return _among(items, self.ids)
 
     def top_k(self, users: torch.Tensor, works: Sequence[tuple[int, Asks]]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Exact top-k over the whole catalogue for user vectors ``users`` [B, D] (a work's
@@ -159,8 +156,15 @@ class Catalogue:
         return _top(*_best(items, scores, k), works)
 
 
+def _check_search(cfg: RetrievalConfig, has_index: bool, artifact: str | Path | None) -> None:
+    """``search = "ann"`` on an artifact without an index: refused, naming the way out."""
+    if cfg.search == "ann" and not has_index:
+        raise ArtifactError(f"{artifact}: serve.retrieval.search = \"ann\" but the artifact has no index; "
+                            "build one with 'genrec quantize' (--index auto) or serve with search = \"exact\"")
+
+
 def _among(items: np.ndarray, sorted_items: np.ndarray) -> np.ndarray:
-    """[s] bool: which of ``items`` are in ``sorted_items`` (sorted, unique): a binary search
+    """[...] bool: which of ``items`` are in ``sorted_items`` (sorted, unique): a binary search
     each, not np.isin's sort of both (a shortlist of thousands against a history of hundreds)."""
     if sorted_items.size == 0:
         return np.zeros(items.shape, bool)
@@ -246,9 +250,7 @@ def read_served(path: str | Path, retrieval: RetrievalConfig | None = None) -> S
     ids = dense["corpus_ids"].numpy().copy()
     sid = artifact_semantic_ids(dense, path) if cfg.sid.enabled else None
     schema = served_schema(cfg, emb, int(ids.size), tuple(int(s) for s in sid.sizes) if sid is not None else ())
-    if retrieval.search == "ann" and not manifest.index:
-        raise ArtifactError(f"{path}: serve.retrieval.search = \"ann\" but the artifact has no index; "
-                            "build one with 'genrec quantize' (--index auto) or serve with search = \"exact\"")
+    _check_search(retrieval, bool(manifest.index), path)
     if manifest.index and retrieval.search != "exact":  # (what Catalogue answers with under ``retrieval``)
         schema = replace(schema, dense_search=describe(manifest.index, retrieval.nprobe, retrieval.shortlist))
     return Served(manifest, cfg, emb, ids, sid, schema, version_of(manifest))
