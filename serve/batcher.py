@@ -175,7 +175,10 @@ class Batcher:
         if self.cfg.max_queue_ms > 0 and wait * 1e3 > self.cfg.max_queue_ms:
             raise Overloaded(f"overloaded: a call would wait ~{wait * 1e3:.0f} ms to start, more than the "
                              f"server's {self.cfg.max_queue_ms:g} ms; retry with backoff or another replica")
-        if time.monotonic() + wait + a + c > deadline:  # (+ its own batch)
+        # (+ its own batch). An idle server always tries: a refusal teaches the cost model nothing,
+        # so one slow batch (a cold prefill) would otherwise refuse every later call for good
+        idle = not self.running and not self.queued
+        if not idle and time.monotonic() + wait + a + c > deadline:
             raise Overloaded(f"overloaded: a call would wait ~{wait * 1e3:.0f} ms to start and could not finish "
                              "before its deadline; retry with backoff or another replica")
 

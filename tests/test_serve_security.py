@@ -453,6 +453,20 @@ def test_admission_refuses_at_once_what_could_not_start_in_time():
     assert "deadline" in refusals[0] and "10 ms" in refusals[1] and "10 ms" in refusals[2]
 
 
+def test_an_idle_server_admits_a_call_past_a_slow_batch():
+    """One cold batch (a long history's first prefill) must not refuse every later call: an
+    idle server tries the call, and its cost is learned again."""
+    from genrec.serve.batcher import BatchConfig, Batcher
+
+    async def scenario() -> None:
+        engine = SimpleNamespace(batches_together=False, parallel=1)
+        b = Batcher(lambda: engine, BatchConfig(max_batch=4, max_queue=100, max_queue_ms=20))
+        b.cost.observe(1, 2.0)  # a cold 2 s batch
+        b.admit(time.monotonic() + 1.0)  # idle: admitted although 2 s > the 1 s deadline
+
+    asyncio.run(scenario())
+
+
 def test_error_details_are_ascii_and_bounded_and_the_message_limit_fits_the_request_limits():
     from genrec.serve.requests import Limits
     from genrec.serve.server import ConnectionConfig, _server_options, bounded
