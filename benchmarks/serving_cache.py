@@ -6,8 +6,8 @@ Three servers, each a ``genrec serve`` on 127.0.0.1 with its Prometheus metrics 
 another: ``torch`` (no cache: ``serve.cache.kv_cache_mb = 0``), ``torch-cache`` (the per-user
 K/V cache, its budget sized for the run's active users) and ``sglang`` (its KV pool and radix
 cache, ``serve.cache.pool_tokens`` sized the same way); on request (``--engines``) also
-``torch-cache-bf16``, the cached engine scoring candidates in bf16
-(``serve.scoring.candidate_precision``). Each gets the same repeated-user
+``torch-cache-auto``, the cached engine scoring large calls' candidates in bf16
+(``serve.scoring.candidate_precision = "auto"``). Each gets the same repeated-user
 workloads (``genrec.loadtest.workload.RepeatedUsers``: Zipf-popular users, page views of 3-5 calls with
 one history, 1-5 events appended between a user's views, ``User.user_id`` set): the serving
 shape (Recommend: history 200, retrieve 100, rank them, return 10) and Rank of 100-500 given
@@ -78,9 +78,9 @@ SHAPES = (Shape("serving", "Recommend", 200, (25, 50, 100, 200, 300)),
 QUICK = {"serving": (25, 50), "rank-1k": (10,)}  # --quick: these workloads, these steps
 # engine config -> (--engine, the serve.cache key it is sized by; None: the cache off)
 ENGINES = {"torch": ("torch", None), "torch-cache": ("torch", "kv_cache_mb"), "sglang": ("sglang", "pool_tokens"),
-           "torch-cache-bf16": ("torch", "kv_cache_mb")}
+           "torch-cache-auto": ("torch", "kv_cache_mb")}
 # engine configs that differ from another by server flags only
-FLAGS = {"torch-cache-bf16": ["--serve.scoring.candidate_precision=bf16"]}
+FLAGS = {"torch-cache-auto": ['--serve.scoring.candidate_precision="auto"']}
 
 
 # ----- the artifact ------------------------------------------------------------------------------

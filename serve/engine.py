@@ -44,7 +44,7 @@ from genrec.serve.catalogue import Catalogue, version_of
 from genrec.serve.contract import InProcessEngine, Result
 from genrec.serve.kvcache import KVCache, token_bytes
 from genrec.serve.layout import collate_users, schema_of
-from genrec.serve.packed import PackedPath, packed_supports
+from genrec.serve.packed import BF16_FROM_PAIRS, PackedPath, packed_supports
 from genrec.serve.ranking import Ranking, score_jagged
 from genrec.serve.requests import UserInput, Work
 from genrec.serve.retrieval import Pair, Retrieved, generate, retrieve_sources
@@ -74,7 +74,8 @@ class TorchEngine(InProcessEngine):
         (``PackedPath.min_prefix``: "auto", or "always"). ``candidate_precision``: "bf16" scores
         candidates with their attention GEMMs in bf16 (the packed path; ``kernels.hstu_candidates``:
         about twice the fp32 rate on CPUs with AVX512-BF16 or AMX), "fp32" in the model's dtype,
-        "auto" bf16 where the CPU has either (:func:`bf16_gemm_fast`). ``retrieval``: exact or ANN
+        "auto" bf16 where the CPU has either (:func:`bf16_gemm_fast`) and, beside the native
+        kernel, only for micro-batches large enough to gain (``BF16_FROM_PAIRS``). ``retrieval``: exact or ANN
         search of the catalogue ([serve.retrieval], serve.ann.RetrievalConfig; None: its defaults)."""
         if padded is not None:
             warnings.warn("TorchEngine(padded=...) is now packed=...", DeprecationWarning, stacklevel=2)
@@ -94,10 +95,12 @@ class TorchEngine(InProcessEngine):
             raise ValueError(f"candidate_precision: '{candidate_precision}'; use 'fp32', 'bf16' or 'auto'")
         bf16 = candidate_precision == "bf16" or (candidate_precision == "auto" and bf16_gemm_fast(self.device))
         score: TowerBackend | None = "torch-bf16" if bf16 else None
+        # "auto": bf16 only where a micro-batch is large enough for it to win (BF16_FROM_PAIRS)
+        score_from = BF16_FROM_PAIRS if candidate_precision == "auto" and native else 0
         self.stages: dict[str, float] = {}  # seconds spent per stage, summed over batches
         # the tower's backend on the packed path (the model's methods either way)
         self.packed = (PackedPath(self.model, "native" if native else "torch", micro_batch, self.stages,
-                                  self.window_block, cache_reuse, score) if packed else None)
+                                  self.window_block, cache_reuse, score, score_from) if packed else None)
         self.path = ("native" if native else "packed") if packed else "jagged"
         self.catalogue = Catalogue(self.model, self.packed.kernels if self.packed is not None else None,
                                    artifact, self.manifest, retrieval)

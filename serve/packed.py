@@ -44,6 +44,11 @@ def packed_supports(model: GenerativeRecommender) -> bool:
 # this share of new tokens their per-token cost does (both on CPU, measured when chosen)
 NATIVE_REUSE_TOKENS = 512
 NATIVE_NEW_SHARE = 1 / 8
+# candidate_precision "auto" (serve.scoring) scores a micro-batch in bf16 from this many candidate
+# x history-event pairs: below it the fp32 native kernel is faster than bf16's PyTorch GEMMs and
+# their conversions (measured on an AVX512-BF16 EPYC, one core: 0.58x at 200 events x 100
+# candidates, 1.0x near 0.4M pairs, 1.8x at 8,000 x 300; benchmarks/notes/2026-12-05-bf16-crossover.md)
+BF16_FROM_PAIRS = 500_000
 
 
 class PackedPath:
@@ -56,11 +61,13 @@ class PackedPath:
     (:func:`history_window`). :meth:`encode_cached` encodes with a per-user K/V cache, reusing
     the prefixes :meth:`min_prefix` allows (``cache_reuse``). ``score_backend``: the tower's
     backend for the candidates (default ``backend``; "torch-bf16": their attention GEMMs in
-    bf16 against the keys / values either backend encoded, ``kernels.hstu_candidates``)."""
+    bf16 against the keys / values either backend encoded, ``kernels.hstu_candidates``), for
+    micro-batches of at least ``score_from`` candidate x history-event pairs; smaller ones take
+    ``backend`` (where bf16's conversions cost more than its GEMMs save: :data:`BF16_FROM_PAIRS`)."""
 
     def __init__(self, model: GenerativeRecommender, backend: TowerBackend = "torch", micro_batch: int = 4096,
                  stages: dict[str, float] | None = None, window_block: int = 1, cache_reuse: str = "auto",
-                 score_backend: TowerBackend | None = None) -> None:
+                 score_backend: TowerBackend | None = None, score_from: int = 0) -> None:
         if not packed_supports(model):
             raise ValueError("the packed path needs an HSTU tower with summed action encoding and no other "
                              "sequence features")
@@ -68,7 +75,7 @@ class PackedPath:
             raise ValueError("the tower's native backend does not cover this model here (fp32 dense weights, "
                              "widths in multiples of 8, the library built: HSTUTower.native_supported)")
         self.model, self.backend, self.micro_batch = model, backend, micro_batch
-        self.score_backend = score_backend or backend
+        self.score_backend, self.score_from = score_backend or backend, score_from
         self.kernels = ServeKernels(model) if backend == "native" else None
         if backend == "native":  # the weights laid out for the kernel now, not on the first request
             model.tower.native_weights()
@@ -279,7 +286,8 @@ class PackedPath:
             c = torch.from_numpy(cands)
             rows, x = m.summed_tokens(c, torch.zeros_like(c) if self.has_action else None, torch.from_numpy(positions))
         t0 = self._mark("candidate_lookup", t0)
-        h = m.extend(state, x, owner_t, self.score_backend)
+        pairs = int(counts @ state.lengths.numpy()[users]) if self.score_from else 0
+        h = m.extend(state, x, owner_t, self.score_backend if pairs >= self.score_from else self.backend)
         t0 = self._mark("candidate_tower", t0)
         if k is not None and k.mlp is not None:  # the context's share of the first layer once per user
             cand_offsets = np.concatenate([[0], np.cumsum(counts)])

@@ -121,6 +121,46 @@ def test_bf16_candidate_scoring_ranks_the_call_as_fp32_does(backend):
     assert len(top(got) & top(want)) >= 90
 
 
+def test_auto_precision_scores_small_calls_on_the_fp32_kernel_and_large_ones_in_bf16(monkeypatch):
+    """candidate_precision "auto" beside the native kernel: a micro-batch of fewer candidate x
+    history pairs than ``score_from`` takes the fp32 native backend (bf16 loses there: 0.4-0.6x
+    at the serving shape), a larger one the bf16 GEMMs."""
+    if native_library() is None:
+        pytest.skip("no C++ compiler: the native kernels did not build")
+    m = long_model()
+    rng = np.random.default_rng(5)
+    work = decode("rank", rank_request(rng, history=300, candidates=40), schema_of(m), Limits())
+    path = PackedPath(m, "native", score_backend="torch-bf16", score_from=300 * 100)
+    _, state = path.encode([work.user])
+    used = []
+    extend = m.extend
+    monkeypatch.setattr(m, "extend", lambda st, x, owner, backend: used.append(backend) or extend(st, x, owner, backend))
+    path.score(state, [0], [work.candidates])  # 300 x 40 pairs
+    path.score(state, [0], [np.tile(work.candidates, 3)])  # 300 x 120
+    assert used == ["native", "torch-bf16"]
+
+
+def test_the_engine_s_auto_precision_keeps_small_calls_on_the_native_kernel(tmp_path):
+    from genrec.config import to_dict
+    from genrec.quant.artifact import Manifest, save_artifact
+    from genrec.quant.dense import dense_tensors
+    from genrec.quant.embeddings import table_tensors
+    from genrec.serve.engine import TorchEngine, bf16_gemm_fast
+    from genrec.serve.packed import BF16_FROM_PAIRS
+
+    if native_library() is None or not bf16_gemm_fast(torch.device("cpu")):
+        pytest.skip("needs the native kernels and a CPU with fast bf16")
+    m = long_model()
+    art = save_artifact(tmp_path / "art", Manifest(to_dict(m.cfg), to_dict(m.embedding_cfg),
+                                                   {"embeddings": "fp32", "dense": "fp32", "row_alignment": 16}),
+                        {"embeddings.safetensors": table_tensors(m.sparse, "fp32"),
+                         "dense.safetensors": dense_tensors(m, "fp32")})
+    auto, bf16 = (TorchEngine(art, candidate_precision=p).packed for p in ("auto", "bf16"))
+    assert auto is not None and bf16 is not None
+    assert (auto.backend, auto.score_backend, auto.score_from) == ("native", "torch-bf16", BF16_FROM_PAIRS)
+    assert bf16.score_from == 0  # asked for: every call in bf16
+
+
 def test_auto_candidate_precision_follows_the_cpu():
     from genrec.serve.engine import bf16_gemm_fast
 
