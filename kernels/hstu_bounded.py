@@ -77,44 +77,8 @@ def hstu_bounded_attention(
     hist = lengths - (num_targets if num_targets is not None else 0)
     use_time = time_weights is not None and timestamps is not None and query_times is not None
     tq, tk = padded_relative_times(query_times, timestamps, offsets, max_len, index) if use_time else (None, None)
-    nblk = max_len // block
-    kb = kp[:, :, : nblk * block].unflatten(2, (nblk, block)).mean(3)  # [B, H, nblk, Dqk]
-    vb = vp[:, :, : nblk * block].unflatten(2, (nblk, block)).sum(3)
-    ends = torch.arange(nblk, device=q.device, dtype=torch.int32) * block + block - 1  # each block's last position
-    ar = torch.arange(max_len, device=q.device)
-
-    def bias(pi: torch.Tensor, pj: torch.Tensor, ti: torch.Tensor | None, tj: torch.Tensor | None) -> torch.Tensor:
-        out = torch.zeros(pi.shape[0], pi.shape[1], pj.shape[-1], dtype=q.dtype, device=q.device)
-        if pos_weights is not None:
-            out = out + lookup(pos_weights, (pi[:, :, None] - pj[:, None, :]).clamp_(0, max_seq_len - 1)).to(q.dtype)
-        if ti is not None and tj is not None:
-            out = out + lookup(time_weights, time_bucket(ti[:, :, None] - tj[:, None, :], time_weights.numel())).to(q.dtype)
-        return out  # [B, r, n]
-
-    def rows(s: int, e: int) -> torch.Tensor:
-        pi = pos[:, s:e]  # [B, r]
-        nsum = summaries(pi, window, block)  # [B, r]
-        k0 = int(nsum.min()) * block  # the block's widest window starts here
-        ns = int(nsum.max())
-        i, j = ar[s:e], ar[k0:e]
-        target = (i[None, :] >= hist[:, None])  # [B, r]
-        see = (j[None, None, :] >= (nsum * block)[:, :, None]) & (j[None, None, :] < lengths[:, None, None])
-        see &= torch.where(target[:, :, None], (j[None, None, :] < hist[:, None, None]) | (j == i[:, None])[None],
-                           (j <= i[:, None])[None])
-        see &= (i[None, :] < lengths[:, None])[:, :, None]
-        sc = torch.matmul(qp[:, :, s:e], kp[:, :, k0:e].transpose(-1, -2)) * alpha  # [B, H, r, nw]
-        sc = sc + bias(pi, pos[:, k0:e], tq[:, s:e] if use_time else None, tk[:, k0:e] if use_time else None)[:, None]
-        out = torch.matmul(F.silu(sc) * see[:, None].to(sc.dtype), vp[:, :, k0:e])
-        if ns:
-            ssc = torch.matmul(qp[:, :, s:e], kb[:, :, :ns].transpose(-1, -2)) * alpha  # [B, H, r, ns]
-            pe = ends[:ns].expand(b, ns)
-            te = tk[:, ends[:ns]] if use_time else None
-            ssc = ssc + bias(pi, pe, tq[:, s:e] if use_time else None, te)[:, None]
-            use = (torch.arange(ns, device=q.device)[None, None, :] < nsum[:, :, None])
-            use &= (i[None, :] < lengths[:, None])[:, :, None]
-            out = out + torch.matmul(F.silu(ssc) * use[:, None].to(ssc.dtype), vb[:, :, :ns])
-        return out  # [B, H, r, Dv]
-
+    rows = _Rows(qp, kp, vp, pos, lengths, hist, tq, tk, window=window, block=block, max_seq_len=max_seq_len,
+                 alpha=alpha, pos_weights=pos_weights, time_weights=time_weights if use_time else None)
     # training: each block of rows recomputed in the backward pass (activation checkpointing), so
     # a long sequence keeps one block's scores, bias and masks alive instead of all of them
     grad = records_grad(q, k, v, pos_weights, time_weights)
@@ -122,6 +86,109 @@ def hstu_bounded_attention(
             for s in range(0, max_len, ROWS)]
     out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).transpose(1, 2)  # [B, L, H, Dv]
     return padded_to_jagged(out, offsets, index=index) / max_seq_len
+
+
+class _Rows:
+    """Query rows ``s .. e-1`` of padded sequences against their windows and the block summaries
+    before them -> [B, H, e - s, Dv] (not yet divided by max_seq_len). qp, kp, vp [B, H, L, D];
+    pos [B, L] each row's position; lengths [B] rows of each sequence, hist [B] its rows before
+    the targets; tq, tk [B, L] relative query / key times (None: no time bias). Row i's keys are
+    rows j <= i (a target: the history and itself), so a call may fill only rows s..e-1 of qp."""
+
+    def __init__(self, qp: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, pos: torch.Tensor,
+                 lengths: torch.Tensor, hist: torch.Tensor, tq: torch.Tensor | None, tk: torch.Tensor | None, *,
+                 window: int, block: int, max_seq_len: int, alpha: float, pos_weights: torch.Tensor | None,
+                 time_weights: torch.Tensor | None) -> None:
+        self.qp, self.kp, self.vp, self.pos, self.lengths, self.hist, self.tq, self.tk = qp, kp, vp, pos, lengths, hist, tq, tk
+        self.window, self.block, self.max_seq_len, self.alpha = window, block, max_seq_len, alpha
+        self.pos_weights, self.time_weights = pos_weights, time_weights
+        nblk = kp.shape[2] // block
+        self.kb = kp[:, :, : nblk * block].unflatten(2, (nblk, block)).mean(3)  # [B, H, nblk, Dqk]
+        self.vb = vp[:, :, : nblk * block].unflatten(2, (nblk, block)).sum(3)
+        self.ends = torch.arange(nblk, device=kp.device, dtype=torch.int32) * block + block - 1  # blocks' last positions
+
+    def bias(self, pi: torch.Tensor, pj: torch.Tensor, ti: torch.Tensor | None, tj: torch.Tensor | None) -> torch.Tensor:
+        dt = self.qp.dtype
+        out = torch.zeros(pi.shape[0], pi.shape[1], pj.shape[-1], dtype=dt, device=pi.device)
+        if self.pos_weights is not None:
+            out = out + lookup(self.pos_weights, (pi[:, :, None] - pj[:, None, :]).clamp_(0, self.max_seq_len - 1)).to(dt)
+        if self.time_weights is not None and ti is not None and tj is not None:
+            out = out + lookup(self.time_weights, time_bucket(ti[:, :, None] - tj[:, None, :], self.time_weights.numel())).to(dt)
+        return out  # [B, r, n]
+
+    def __call__(self, s: int, e: int) -> torch.Tensor:
+        qp, kp, vp, pos, lengths, hist, tq, tk = self.qp, self.kp, self.vp, self.pos, self.lengths, self.hist, self.tq, self.tk
+        b, dev, block = qp.shape[0], qp.device, self.block
+        pi = pos[:, s:e]  # [B, r]
+        nsum = summaries(pi, self.window, block)  # [B, r]
+        k0 = int(nsum.min()) * block  # the block's widest window starts here
+        ns = int(nsum.max())
+        ar = torch.arange(e, device=dev)
+        i, j = ar[s:e], ar[k0:e]
+        target = (i[None, :] >= hist[:, None])  # [B, r]
+        see = (j[None, None, :] >= (nsum * block)[:, :, None]) & (j[None, None, :] < lengths[:, None, None])
+        see &= torch.where(target[:, :, None], (j[None, None, :] < hist[:, None, None]) | (j == i[:, None])[None],
+                           (j <= i[:, None])[None])
+        see &= (i[None, :] < lengths[:, None])[:, :, None]
+        sc = torch.matmul(qp[:, :, s:e], kp[:, :, k0:e].transpose(-1, -2)) * self.alpha  # [B, H, r, nw]
+        sc = sc + self.bias(pi, pos[:, k0:e], tq[:, s:e] if tq is not None else None,
+                            tk[:, k0:e] if tk is not None else None)[:, None]
+        out = torch.matmul(F.silu(sc) * see[:, None].to(sc.dtype), vp[:, :, k0:e])
+        if ns:
+            ssc = torch.matmul(qp[:, :, s:e], self.kb[:, :, :ns].transpose(-1, -2)) * self.alpha  # [B, H, r, ns]
+            pe = self.ends[:ns].expand(b, ns)
+            te = tk[:, self.ends[:ns]] if tk is not None else None
+            ssc = ssc + self.bias(pi, pe, tq[:, s:e] if tq is not None else None, te)[:, None]
+            use = (torch.arange(ns, device=dev)[None, None, :] < nsum[:, :, None])
+            use &= (i[None, :] < lengths[:, None])[:, :, None]
+            out = out + torch.matmul(F.silu(ssc) * use[:, None].to(ssc.dtype), self.vb[:, :, :ns])
+        return out  # [B, H, r, Dv]
+
+
+def hstu_bounded_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq: torch.Tensor,
+    index: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    window: int,
+    block: int,
+    max_seq_len: int,
+    alpha: float,
+    pos_weights: torch.Tensor | None = None,
+    time_weights: torch.Tensor | None = None,
+    key_times: torch.Tensor | None = None,
+    query_times: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """New history tokens q [Tq, H, Dqk] (token ``index[i]`` of sequence ``seq[i]``) against their
+    sequences' cached and new keys / values k, v [B, L, H, D] (``lengths`` [B] after this call,
+    ``key_times`` [B, L], ``query_times`` [Tq]) -> [Tq, H, Dv]: what :func:`hstu_bounded_attention`
+    gives these rows over the whole sequences (``kernels.hstu_paged``'s contract, bounded).
+    A token's keys all precede it, so the cached tokens' keys and values stay valid as a history
+    grows: each new token reads its window and the summaries of the cached blocks before it."""
+    out = v.new_zeros(q.shape[0], v.shape[2], v.shape[3])
+    use_time = time_weights is not None and key_times is not None and query_times is not None
+    for b in torch.unique(seq).tolist():
+        rows = torch.nonzero(seq == b).flatten()
+        n, idx = int(lengths[b]), index[rows]
+        s, e = int(idx.min()), int(idx.max()) + 1
+        qp = q.new_zeros(1, q.shape[1], e, q.shape[2])
+        qp[0, :, idx] = q[rows].transpose(0, 1)
+        kp, vp = (t[b : b + 1, :n].transpose(1, 2) for t in (k, v))  # [1, H, n, D]
+        tq = tk = None
+        if use_time:
+            base = key_times[b, :n].min()
+            tk = (key_times[b : b + 1, :n] - base)
+            tq = tk.new_zeros(1, e)
+            tq[0, idx] = query_times[rows] - base
+        ln = torch.tensor([n], device=q.device)
+        part = _Rows(qp, kp, vp, torch.arange(n, device=q.device, dtype=torch.int32)[None], ln, ln, tq, tk,
+                     window=window, block=block, max_seq_len=max_seq_len, alpha=alpha, pos_weights=pos_weights,
+                     time_weights=time_weights if use_time else None)(s, e)  # [1, H, e - s, Dv]
+        out[rows] = part[0].transpose(0, 1)[idx - s]
+    return out / max_seq_len
 
 
 def bounded_history(k_hist: torch.Tensor, v_hist: torch.Tensor, hist_offsets: torch.Tensor,

@@ -251,11 +251,18 @@ class HSTULayer(nn.Module):
     def forward_paged(self, x: torch.Tensor, meta: PagedMeta, store: KVStore, index: int) -> torch.Tensor:
         """New rows x [Tq, D] against their sequences' cached keys / values -> [Tq, D]; this
         layer's new keys and values go to ``store`` (as layer ``index``) first."""
-        if self.cfg.window:
-            raise ValueError("hstu.window > 0: a bounded tower encodes grown histories whole (no incremental "
-                             "extend of a cached prefix); serve it without cache reuse")
+        if self.cfg.window and (meta.slots is not None or meta.hist_lengths is not None):
+            raise ValueError("hstu.window > 0: a bounded tower extends a cached history by its new events (an "
+                             "engine's cache); a paged pool and candidates in the same pass are not supported")
         u, v, q, k = self._split(x)
         keys, values = store(index, k, v)
+        if self.cfg.window:  # each new event's window and the summaries of the cached blocks before it
+            attn = hstu_bounded.hstu_bounded_paged_attention(
+                q, keys, values, meta.seq, meta.index, meta.lengths, window=self.cfg.window,
+                block=self.cfg.summary_block, max_seq_len=self.max_seq_len, alpha=self.alpha,
+                pos_weights=self.pos_weights, time_weights=self.time_weights, key_times=meta.key_times,
+                query_times=meta.query_times)
+            return self._gate(x, u, attn)
         if meta.slots is not None:  # the pool read in place through the slot map (Triton on CUDA)
             attn = hstu_paged_attention_pool(
                 q, keys, values, meta.slots, meta.seq, meta.index, meta.lengths, max_seq_len=self.max_seq_len,

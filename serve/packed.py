@@ -180,8 +180,6 @@ class PackedPath:
         ``cache_reuse="auto"`` reuses a prefix only on windows of at least ``NATIVE_REUSE_TOKENS``
         with at most ``NATIVE_NEW_SHARE`` of them new (a changed action early in a history
         re-encodes it natively); "always": any prefix (the parity tests)."""
-        if self.model.tower.cfg.window:  # a bounded tower (hstu.window) has no incremental extend
-            return n  # (more than a prefix can be: none reused)
         if self.backend != "native" or self.cache_reuse == "always":
             return 1
         if n < NATIVE_REUSE_TOKENS:

@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from genrec.kernels.hstu_attention import hstu_attention_reference, time_bucket
 from genrec.kernels.hstu_bounded import hstu_bounded_attention
 from genrec.kernels.jagged import lengths_to_offsets
-from genrec.models.hstu import HSTUConfig, HSTUTower, JaggedMeta
+from genrec.models.hstu import HSTUConfig, HSTUTower, JaggedMeta, PagedMeta
 
 N = 64  # max_seq_len
+ITEMS = 500  # the bounded artifact's catalogue
 
 
 def loop_bounded(q, k, v, lengths, nt, window, block, pos_w, time_w, ts, qt):
@@ -127,40 +128,90 @@ def test_bounded_config_is_checked_and_refuses_incremental_extend():
         HSTUConfig(window=-1)
     m = tower(6)
     assert not m.native_supported()
+    with pytest.raises(ValueError, match="bounded tower"):  # a pool, or candidates in the pass: not supported
+        m.extend_paged(torch.zeros(1, 16), PagedMeta(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                                                    torch.ones(1, dtype=torch.int64), None, None,
+                                                    hist_lengths=torch.ones(1, dtype=torch.int64)), None)
+
+
+@pytest.mark.parametrize("window,block", [(5, 3), (9, 2), (4, 16)])
+def test_a_grown_history_extends_its_cached_keys_as_the_whole_pass_encodes_it(window, block):
+    """The new events of grown histories against their cached keys / values
+    (``hstu_bounded_paged_attention``) == the whole sequences' bounded pass at those rows."""
+    from genrec.kernels.hstu_bounded import hstu_bounded_paged_attention
+
+    lengths, new = [23, 11, 30, 2], [3, 1, 12, 2]
+    q, k, v, lens, kw = case(lengths, [0] * len(lengths), seed=2)
+    kw.pop("num_targets")
+    offsets = lengths_to_offsets(lens)
+    want = hstu_bounded_attention(q, k, v, offsets, window=window, block=block, **kw)
+    b, L = len(lengths), max(lengths)
+    kp, vp = (torch.zeros(b, L, *t.shape[1:], dtype=t.dtype) for t in (k, v))
+    times = torch.zeros(b, L, dtype=torch.int64)
+    seq, index, rows = [], [], []
+    for i, (n, m) in enumerate(zip(lengths, new)):
+        s = int(offsets[i])
+        kp[i, :n], vp[i, :n], times[i, :n] = k[s : s + n], v[s : s + n], kw["timestamps"][s : s + n]
+        seq += [i] * m
+        index += list(range(n - m, n))
+        rows += list(range(s + n - m, s + n))
+    rows_t = torch.tensor(rows)
+    got = hstu_bounded_paged_attention(
+        q[rows_t], kp, vp, torch.tensor(seq), torch.tensor(index), lens, window=window, block=block,
+        max_seq_len=N, alpha=kw["alpha"], pos_weights=kw["pos_weights"], time_weights=kw["time_weights"],
+        key_times=times, query_times=kw["query_times"][rows_t])
+    torch.testing.assert_close(got, want[rows_t])
+
+
+def bounded_artifact(tmp_path):  # noqa: ANN001, ANN201
+    """A bounded ranking model (window 64, summaries of 16) and its fp32 artifact."""
+    from genrec.config import to_dict
+    from genrec.embedding.spec import EmbeddingConfig, TableConfig
+    from genrec.models.ranking import RankingConfig, TaskConfig
+    from genrec.models.recommender import GenerativeRecommender, ModelConfig
+    from genrec.quant.artifact import Manifest, save_artifact
+    from genrec.quant.dense import dense_tensors
+    from genrec.quant.embeddings import table_tensors
+
+    torch.manual_seed(0)
+    tables = (TableConfig("item", ("item",), dim=16, num_embeddings=ITEMS + 1),
+              TableConfig("action", ("action",), dim=16, num_embeddings=4))
+    cfg = ModelConfig(max_seq_len=1024, input_dropout=0.0, ranking=RankingConfig(
+        tasks=(TaskConfig("click", ("click",)),), hidden=(8,), dropout=0.0),
+        hstu=HSTUConfig(num_layers=2, num_heads=2, qk_dim=8, v_dim=8, dropout=0.0, window=64, summary_block=16))
+    model = GenerativeRecommender(cfg, EmbeddingConfig(tables=tables), torch.arange(1, ITEMS + 1)).eval()
+    art = save_artifact(tmp_path / "art", Manifest(to_dict(model.cfg), to_dict(model.embedding_cfg),
+                                                   {"embeddings": "fp32", "dense": "fp32", "row_alignment": 16}),
+                        {"embeddings.safetensors": table_tensors(model.sparse, "fp32"),
+                         "dense.safetensors": dense_tensors(model, "fp32")})
+    return model, art
+
+
+def test_the_sglang_engine_refuses_a_bounded_model(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:  # (not imported here: the engine installs its shims first)
+        pytest.skip("SGLang is not installed (bash .ci/setup-sglang)")
+    from genrec.serve.sglang_engine import SGLangEngine
+
+    _, art = bounded_artifact(tmp_path)
     with pytest.raises(ValueError, match="bounded tower"):
-        m.extend_paged(torch.zeros(1, 16), None, None)
+        SGLangEngine(art)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_engine_serves_a_bounded_model_as_training_ranks(tmp_path, precision):
     """A bounded model's artifact behind TorchEngine (K/V cache on, called twice: the second
-    call finds the user cached and must not extend the prefix) ranks a 600-event user's
-    candidates as the model's training pass ranks them as targets."""
+    call finds the first 595 of its 600 events cached and reuses 594 of them) ranks a
+    600-event user's candidates as the model's training pass ranks them as targets."""
     import numpy as np
 
-    from genrec.config import to_dict
-    from genrec.embedding.spec import EmbeddingConfig, TableConfig
-    from genrec.models.ranking import RankingConfig, TaskConfig
-    from genrec.models.recommender import GenerativeRecommender, ModelConfig
     from genrec.proto.v1 import recommender_pb2 as pb
-    from genrec.quant.artifact import Manifest, save_artifact
-    from genrec.quant.dense import dense_tensors
-    from genrec.quant.embeddings import table_tensors
     from genrec.serve.engine import TorchEngine, collate_users
     from genrec.serve.requests import Limits, decode
 
-    torch.manual_seed(0)
-    items = 500
-    tables = (TableConfig("item", ("item",), dim=16, num_embeddings=items + 1),
-              TableConfig("action", ("action",), dim=16, num_embeddings=4))
-    cfg = ModelConfig(max_seq_len=1024, input_dropout=0.0, ranking=RankingConfig(
-        tasks=(TaskConfig("click", ("click",)),), hidden=(8,), dropout=0.0),
-        hstu=HSTUConfig(num_layers=2, num_heads=2, qk_dim=8, v_dim=8, dropout=0.0, window=64, summary_block=16))
-    model = GenerativeRecommender(cfg, EmbeddingConfig(tables=tables), torch.arange(1, items + 1)).eval()
-    art = save_artifact(tmp_path / "art", Manifest(to_dict(model.cfg), to_dict(model.embedding_cfg),
-                                                   {"embeddings": "fp32", "dense": "fp32", "row_alignment": 16}),
-                        {"embeddings.safetensors": table_tensors(model.sparse, "fp32"),
-                         "dense.safetensors": dense_tensors(model, "fp32")})
+    model, art = bounded_artifact(tmp_path)
+    items = ITEMS
     rng = np.random.default_rng(0)
     req = pb.RankRequest()
     req.user.user_id = "long"
@@ -171,8 +222,12 @@ def test_the_engine_serves_a_bounded_model_as_training_ranks(tmp_path, precision
         req.candidates.add(item_id=int(c), bid=1.0)
     engine = TorchEngine(art, kv_cache_mb=8, candidate_precision=precision)
     work = decode("rank", req.SerializeToString(), engine.schema, Limits())
-    engine.run([work])
+    earlier = pb.RankRequest()
+    earlier.CopyFrom(req)
+    del earlier.user.history[595:]
+    engine.run([decode("rank", earlier.SerializeToString(), engine.schema, Limits())])
     (res,) = engine.run([work])
+    assert res.cached_tokens == 594  # (the last cached event is encoded again: its query time moved)
     with torch.inference_mode():
         want = model.rank(collate_users([work.user], model, torch.device("cpu"), [work.candidates]))[:, 0].numpy()
     got = dict(zip(res.item_ids.tolist(), res.tasks["click"].tolist()))
