@@ -23,6 +23,7 @@ import ctypes.util
 import functools
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -88,6 +89,41 @@ def _libc() -> ctypes.CDLL | None:
     except OSError:
         return None
     return lib if hasattr(lib, "malloc_trim") else None
+
+
+# RSS growth since the last trim that makes the trainer trim again (StepMemory): ~20 steps of
+# the 10^6-row recipe, whose steps leave ~12 MB each in glibc's heap; a trim costs ~30 ms there
+TRIM_SLACK_MB = 256
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set size (Linux ``/proc/self/statm``; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class StepMemory:
+    """Trims the allocator (:func:`release_free_memory`) after a step once RSS has grown by
+    ``TRIM_SLACK_MB`` since the last trim. Without it a 10^6-row sampled-softmax run grew
+    ~12 MB a step (1.3 -> 3.1 GB in 120 steps, one process) and ended a 10^7 run's epoch
+    early; trimmed, it levels off (1.39 GB from step 100). The growth is freed memory held in
+    glibc's heap, not live tensors: a trim returns it. Each trim costs tens of ms on a
+    GB heap, so it runs only when there is that much to return, not every step."""
+
+    def __init__(self) -> None:
+        self.floor = rss_bytes()
+
+    def after_step(self) -> bool:
+        """Trims if RSS is past the slack; returns whether it did."""
+        now = rss_bytes()
+        if now is None or self.floor is None or now - self.floor <= TRIM_SLACK_MB * 2**20:
+            return False
+        release_free_memory()
+        self.floor = rss_bytes() or now
+        return True
 
 
 def release_free_memory() -> None:
@@ -285,6 +321,7 @@ class Trainer:
         window_samples, losses = 0, {}
         self.model.train()
         stats, batches = self.stats, iter(reader)
+        memory = StepMemory()
         stats.start()
         with self.watchdog.running():
             while True:
@@ -297,6 +334,7 @@ class Trainer:
                 if batch is None:
                     break
                 step_losses = self.train_step(batch)
+                memory.after_step()
                 for k, v in step_losses.items():
                     losses.setdefault(k, []).append(v)
                 self.diag.after_step(self.state.step, step_losses["loss"])
