@@ -61,20 +61,13 @@ def chunked_topk(user: torch.Tensor, items: torch.Tensor, corpus: torch.Tensor, 
     with seen_lengths [B] -> ids [B, k], best first. Each block of ``chunk`` items keeps its
     own top-k and the running top-k merges them: the same list as one ``topk`` over [B, N]
     (ties aside), in O(B * chunk) memory."""
+    from genrec.quant.ann import blockwise_top
     from genrec.train.eval.evaluate import mask_seen
 
-    b, n = user.shape[0], corpus.numel()
-    best_s = torch.full((b, 0), float("-inf"))
-    best_i = torch.zeros((b, 0), dtype=torch.long)
-    for start in range(0, n, chunk):
-        ids = corpus[start : start + chunk]
-        scores = mask_seen(user @ items[start : start + chunk].T, ids, seen_ids, seen_lengths)
-        top = scores.topk(min(k, ids.numel()), dim=1)
-        cand_s = torch.cat([best_s, top.values], 1)
-        cand_i = torch.cat([best_i, ids[top.indices]], 1)
-        keep = cand_s.topk(min(k, cand_s.shape[1]), dim=1).indices
-        best_s, best_i = cand_s.gather(1, keep), cand_i.gather(1, keep)
-    return best_i
+    def scores(s: int, e: int) -> torch.Tensor:
+        return mask_seen(user @ items[s:e].T, corpus[s:e], seen_ids, seen_lengths)
+
+    return corpus[blockwise_top(scores, corpus.numel(), k, chunk)]
 
 
 def user_sample(num_users: int, max_users: int | None) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,17 +107,27 @@ def set_nprobe(index: Any, nprobe: int) -> None:
         index.hnsw.efSearch = nprobe
 
 
+def blockwise_top(scores: Callable[[int, int], torch.Tensor], n: int, k: int, chunk: int) -> torch.Tensor:
+    """[Q, k] positions in 0..n-1 of the top-k of ``scores(start, end)`` ([Q, end - start], the
+    block's scores), best first, block by block: each block's top-k merged into a running one,
+    the same list as one top-k over [Q, n] (ties aside) in O(Q x chunk) memory."""
+    best_v = best_i = None
+    for i in range(0, max(n, 1), chunk):  # (an empty catalogue: one empty block, [Q, 0])
+        s = scores(i, min(i + chunk, n))
+        v, j = torch.topk(s, min(k, s.shape[1]), dim=1)
+        if best_v is None or best_i is None:
+            best_v, best_i = v, j + i
+            continue
+        best_v, at = torch.topk(torch.cat([best_v, v], 1), min(k, best_v.shape[1] + v.shape[1]), dim=1)
+        best_i = torch.gather(torch.cat([best_i, j + i], 1), 1, at)
+    assert best_i is not None
+    return best_i
+
+
 def exact_top(vectors: np.ndarray, queries: np.ndarray, k: int, chunk: int = 262144) -> np.ndarray:
     """[Q, k] positions of the exact top-k inner products (the reference recall is measured to)."""
     q = torch.from_numpy(np.ascontiguousarray(queries, np.float32))
-    best_v = torch.full((q.shape[0], 0), -math.inf)
-    best_i = torch.zeros((q.shape[0], 0), dtype=torch.int64)
-    for i in range(0, vectors.shape[0], chunk):
-        s = q @ torch.from_numpy(vectors[i : i + chunk]).float().t()
-        v, j = torch.topk(s, min(k, s.shape[1]), dim=1)
-        best_v, at = torch.topk(torch.cat([best_v, v], 1), min(k, best_v.shape[1] + v.shape[1]), dim=1)
-        best_i = torch.gather(torch.cat([best_i, j + i], 1), 1, at)
-    return best_i.numpy()
+    return blockwise_top(lambda s, e: q @ torch.from_numpy(vectors[s:e]).float().t(), vectors.shape[0], k, chunk).numpy()
 
 
 def ann_top(index: Any, vectors: np.ndarray, queries: np.ndarray, k: int, shortlist: int) -> np.ndarray:
