@@ -7,7 +7,9 @@ another: ``torch`` (no cache: ``serve.cache.kv_cache_mb = 0``), ``torch-cache`` 
 K/V cache, its budget sized for the run's active users) and ``sglang`` (its KV pool and radix
 cache, ``serve.cache.pool_tokens`` sized the same way); on request (``--engines``) also
 ``torch-cache-auto``, the cached engine scoring large calls' candidates in bf16
-(``serve.scoring.candidate_precision = "auto"``). Each gets the same repeated-user
+(``serve.scoring.candidate_precision = "auto"``), and ``torch-cache-bounded``, the same
+serving a model with a bounded reach (``MODELS``: the last 512 events in full, earlier blocks
+of 64 as summaries; its own artifact, built the same way). Each gets the same repeated-user
 workloads (``genrec.loadtest.workload.RepeatedUsers``: Zipf-popular users, page views of 3-5 calls with
 one history, 1-5 events appended between a user's views, ``User.user_id`` set): the serving
 shape (Recommend: history 200, retrieve 100, rank them, return 10) and Rank of 100-500 given
@@ -51,7 +53,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from genrec.benchmarks.common import ROOT, dataset, machine, today, update_results_md, write_json
+from genrec.benchmarks.common import (
+    ROOT,
+    dataset,
+    machine,
+    shown_path,
+    today,
+    update_results_md,
+    write_json,
+)
 
 SLO_MS = 15.0
 HISTORY_LIMIT = 16384  # serve.limits.max_history: 8,000 events and what the run appends
@@ -78,9 +88,13 @@ SHAPES = (Shape("serving", "Recommend", 200, (25, 50, 100, 200, 300)),
 QUICK = {"serving": (25, 50), "rank-1k": (10,)}  # --quick: these workloads, these steps
 # engine config -> (--engine, the serve.cache key it is sized by; None: the cache off)
 ENGINES = {"torch": ("torch", None), "torch-cache": ("torch", "kv_cache_mb"), "sglang": ("sglang", "pool_tokens"),
-           "torch-cache-auto": ("torch", "kv_cache_mb")}
+           "torch-cache-auto": ("torch", "kv_cache_mb"), "torch-cache-bounded": ("torch", "kv_cache_mb")}
 # engine configs that differ from another by server flags only
-FLAGS = {"torch-cache-auto": ['--serve.scoring.candidate_precision="auto"']}
+FLAGS = {"torch-cache-auto": ['--serve.scoring.candidate_precision="auto"'],
+         "torch-cache-bounded": ['--serve.scoring.candidate_precision="auto"']}
+# engine configs that serve another model: its training flags (the bounded reach of issue 44,
+# kernels.hstu_bounded: the last 512 events in full, blocks of 64 before them as one summary each)
+MODELS = {"torch-cache-bounded": ("bounded", ["--model.hstu.window=512", "--model.hstu.summary_block=64"])}
 
 
 # ----- the artifact ------------------------------------------------------------------------------
@@ -88,16 +102,18 @@ def genrec(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "genrec.cli", *args], cwd=ROOT, check=True)
 
 
-def build(out: Path, steps: int = 10) -> Path:
-    """ML-1M ranking HSTU with an 8,192-token window -> a few steps -> int8 artifact (once)."""
-    art = out / "artifact-int8"
+def build(out: Path, steps: int = 10, variant: str = "", flags: tuple[str, ...] = ()) -> Path:
+    """ML-1M ranking HSTU with an 8,192-token window (``flags``: more model flags, built as
+    ``variant``) -> a few steps -> int8 artifact (once)."""
+    suffix = f"-{variant}" if variant else ""
+    art = out / f"artifact-int8{suffix}"
     if not (art / "manifest.json").exists():
         genrec("train", "--config", "configs/ranking_ml1m.toml", f'--data.path="{dataset("ml1m")}"',
-               f'--run.out_dir="{out}"', "--run.name=cache", "--run.id=train", "--model.max_seq_len=8192",
+               f'--run.out_dir="{out}"', "--run.name=cache", f"--run.id=train{suffix}", "--model.max_seq_len=8192",
                f"--train.max_steps={steps}", "--train.evaluate=false", "--train.progress=false",
-               '--train.parallel.sparse_optimizer="rowwise_adagrad"')
-        genrec("quantize", "--checkpoint", str(out / "cache" / "train"), "--out", str(art), "--embeddings", "int8",
-               "--no-eval", "--no-progress")
+               '--train.parallel.sparse_optimizer="rowwise_adagrad"', *flags)
+        genrec("quantize", "--checkpoint", str(out / "cache" / f"train{suffix}"), "--out", str(art),
+               "--embeddings", "int8", "--no-eval", "--no-progress")
     return art
 
 
@@ -476,7 +492,11 @@ def main() -> None:
             engines[name] = {"skipped": server_args}
             continue
         try:
-            engines[name], res = run_engine(name, server_args, shapes, items, art, args)
+            variant, flags = MODELS.get(name, ("", []))
+            model_art = build(out, variant=variant, flags=tuple(flags)) if variant else art
+            engines[name], res = run_engine(name, server_args, shapes, items, model_art, args)
+            if variant:
+                engines[name]["artifact"] = shown_path(model_art)
         except RuntimeError as e:  # a server that would not start: the others still run
             engines[name] = {"failed": str(e)[-2000:]}
             continue
@@ -486,7 +506,7 @@ def main() -> None:
         if key and key in keys and not (args.quick and ENGINES[name][0] == "sglang"):  # (quick: one SGLang start)
             try:
                 small_runs[name] = small_pool(name, engine_args(name, keys, small[key], args), small_shape, items,
-                                              art, args, f"{key} = {small[key]:g}",
+                                              model_art, args, f"{key} = {small[key]:g}",
                                               engines[name]["shapes"].get(small_shape.name, {}))
             except RuntimeError as e:
                 small_runs[name] = {"failed": str(e)[-2000:]}
