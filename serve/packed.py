@@ -46,8 +46,7 @@ NATIVE_REUSE_TOKENS = 512
 NATIVE_NEW_SHARE = 1 / 8
 # candidate_precision "auto" (serve.scoring) scores a micro-batch in bf16 from this many candidate
 # x history-event pairs: below it the fp32 native kernel is faster than bf16's PyTorch GEMMs and
-# their conversions (measured on an AVX512-BF16 EPYC, one core: 0.58x at 200 events x 100
-# candidates, 1.0x near 0.4M pairs, 1.8x at 8,000 x 300; benchmarks/notes/2026-12-05-bf16-crossover.md)
+# their conversions (the crossover measured on an AVX512-BF16 CPU: benchmarks/notes/2026-12-05-bf16-crossover.md)
 BF16_FROM_PAIRS = 500_000
 
 

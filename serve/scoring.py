@@ -22,8 +22,7 @@ class ScoringConfig:
     ranking thousands of candidates against 10^3-10^4 cached events is bound by), or "auto"
     (bf16 where the CPU has either, for the calls large enough to gain: candidates x history
     events past ``serve.packed.BF16_FROM_PAIRS``; smaller calls run faster on the fp32 native
-    kernel, e.g. 200 events x 300 candidates at 0.4x in bf16). The default is fp32: bf16 moved probabilities by up to
-    4e-4 on the ML-1M ranking model (benchmarks/notes/2026-12-04-ultra-long-histories.md), which an ads pipeline that
+    kernel). The default is fp32: bf16 moved probabilities by up to 4e-4 on the ML-1M ranking model (benchmarks/notes/2026-12-04-ultra-long-histories.md), which an ads pipeline that
     prices on the probability should choose knowingly. The SGLang engine scores in the model's
     precision and refuses any other."""
 

@@ -91,8 +91,8 @@ def _libc() -> ctypes.CDLL | None:
     return lib if hasattr(lib, "malloc_trim") else None
 
 
-# RSS growth since the last trim that makes the trainer trim again (StepMemory): ~20 steps of
-# the 10^6-row recipe, whose steps leave ~12 MB each in glibc's heap; a trim costs ~30 ms there
+# RSS growth since the last trim that makes the trainer trim again (StepMemory): large enough
+# that the trim's own cost (a walk of a GB heap) is paid every few dozen steps, not every step
 TRIM_SLACK_MB = 256
 
 
@@ -107,11 +107,11 @@ def rss_bytes() -> int | None:
 
 class StepMemory:
     """Trims the allocator (:func:`release_free_memory`) after a step once RSS has grown by
-    ``TRIM_SLACK_MB`` since the last trim. Without it a 10^6-row sampled-softmax run grew
-    ~12 MB a step (1.3 -> 3.1 GB in 120 steps, one process) and ended a 10^7 run's epoch
-    early; trimmed, it levels off (1.39 GB from step 100). The growth is freed memory held in
-    glibc's heap, not live tensors: a trim returns it. Each trim costs tens of ms on a
-    GB heap, so it runs only when there is that much to return, not every step."""
+    ``TRIM_SLACK_MB`` since the last trim. Steps of new shapes leave freed memory in glibc's
+    heap, not live tensors: without a trim within the epoch a large-table run's RSS climbs
+    every step until the epoch ends (or the machine runs out); a trim returns it. A trim walks
+    the heap, so it runs when there is that much to return, not every step (figures:
+    benchmarks/notes/2026-12-05-trainer-rss.md)."""
 
     def __init__(self) -> None:
         self.floor = rss_bytes()
