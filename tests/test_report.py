@@ -145,3 +145,16 @@ def test_update_results_md_regenerates_both_pages(tmp_path: Path, monkeypatch) -
     common.update_results_md()
     for name, text in report.render(results).items():
         assert (tmp_path / name).read_text() == text
+
+
+def test_a_resilience_step_whose_sender_ran_late_is_marked_generator_bound() -> None:
+    """A 4x step the one-core generator could not send on time measured the generator as much
+    as the server: its headline says so (benchmarks/notes/2026-12-05-resilience-generator.md)."""
+    from genrec.benchmarks.report_summaries import resilience_summary
+
+    def at4(late_ms: float) -> str:
+        run = {"multiple": 4, "goodput": 200.0, "send_late_p99_ms": late_ms}
+        return resilience_summary({"capacity_qps": 400.0, "servers": {"default": {"overload": [run]}}})[0]
+
+    assert "generator-bound" in at4(201.0) and "0.50x" in at4(201.0)
+    assert "generator-bound" not in at4(3.0)
