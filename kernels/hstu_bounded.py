@@ -93,12 +93,14 @@ class _Rows:
     before them -> [B, H, e - s, Dv] (not yet divided by max_seq_len). qp, kp, vp [B, H, L, D];
     pos [B, L] each row's position; lengths [B] rows of each sequence, hist [B] its rows before
     the targets; tq, tk [B, L] relative query / key times (None: no time bias). Row i's keys are
-    rows j <= i (a target: the history and itself), so a call may fill only rows s..e-1 of qp."""
+    rows j <= i (a target: the history and itself), so qp and tq may hold only the rows from
+    ``q0`` on (a cached history's new rows: [B, H, L - q0, D], [B, L - q0])."""
 
     def __init__(self, qp: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, pos: torch.Tensor,
                  lengths: torch.Tensor, hist: torch.Tensor, tq: torch.Tensor | None, tk: torch.Tensor | None, *,
                  window: int, block: int, max_seq_len: int, alpha: float, pos_weights: torch.Tensor | None,
-                 time_weights: torch.Tensor | None) -> None:
+                 time_weights: torch.Tensor | None, q0: int = 0) -> None:
+        self.q0 = q0
         self.qp, self.kp, self.vp, self.pos, self.lengths, self.hist, self.tq, self.tk = qp, kp, vp, pos, lengths, hist, tq, tk
         self.window, self.block, self.max_seq_len, self.alpha = window, block, max_seq_len, alpha
         self.pos_weights, self.time_weights = pos_weights, time_weights
@@ -120,6 +122,8 @@ class _Rows:
         qp, kp, vp, pos, lengths, hist, tq, tk = self.qp, self.kp, self.vp, self.pos, self.lengths, self.hist, self.tq, self.tk
         b, dev, block = qp.shape[0], qp.device, self.block
         pi = pos[:, s:e]  # [B, r]
+        qs = qp[:, :, s - self.q0 : e - self.q0]
+        ts = tq[:, s - self.q0 : e - self.q0] if tq is not None else None
         nsum = summaries(pi, self.window, block)  # [B, r]
         k0 = int(nsum.min()) * block  # the block's widest window starts here
         ns = int(nsum.max())
@@ -130,15 +134,14 @@ class _Rows:
         see &= torch.where(target[:, :, None], (j[None, None, :] < hist[:, None, None]) | (j == i[:, None])[None],
                            (j <= i[:, None])[None])
         see &= (i[None, :] < lengths[:, None])[:, :, None]
-        sc = torch.matmul(qp[:, :, s:e], kp[:, :, k0:e].transpose(-1, -2)) * self.alpha  # [B, H, r, nw]
-        sc = sc + self.bias(pi, pos[:, k0:e], tq[:, s:e] if tq is not None else None,
-                            tk[:, k0:e] if tk is not None else None)[:, None]
+        sc = torch.matmul(qs, kp[:, :, k0:e].transpose(-1, -2)) * self.alpha  # [B, H, r, nw]
+        sc = sc + self.bias(pi, pos[:, k0:e], ts, tk[:, k0:e] if tk is not None else None)[:, None]
         out = torch.matmul(F.silu(sc) * see[:, None].to(sc.dtype), vp[:, :, k0:e])
         if ns:
-            ssc = torch.matmul(qp[:, :, s:e], self.kb[:, :, :ns].transpose(-1, -2)) * self.alpha  # [B, H, r, ns]
+            ssc = torch.matmul(qs, self.kb[:, :, :ns].transpose(-1, -2)) * self.alpha  # [B, H, r, ns]
             pe = self.ends[:ns].expand(b, ns)
             te = tk[:, self.ends[:ns]] if tk is not None else None
-            ssc = ssc + self.bias(pi, pe, tq[:, s:e] if tq is not None else None, te)[:, None]
+            ssc = ssc + self.bias(pi, pe, ts, te)[:, None]
             use = (torch.arange(ns, device=dev)[None, None, :] < nsum[:, :, None])
             use &= (i[None, :] < lengths[:, None])[:, :, None]
             out = out + torch.matmul(F.silu(ssc) * use[:, None].to(ssc.dtype), self.vb[:, :, :ns])
@@ -174,19 +177,19 @@ def hstu_bounded_paged_attention(
         rows = torch.nonzero(seq == b).flatten()
         n, idx = int(lengths[b]), index[rows]
         s, e = int(idx.min()), int(idx.max()) + 1
-        qp = q.new_zeros(1, q.shape[1], e, q.shape[2])
-        qp[0, :, idx] = q[rows].transpose(0, 1)
+        qp = q.new_zeros(1, q.shape[1], e - s, q.shape[2])  # only the new rows (q0 = s)
+        qp[0, :, idx - s] = q[rows].transpose(0, 1)
         kp, vp = (t[b : b + 1, :n].transpose(1, 2) for t in (k, v))  # [1, H, n, D]
         tq = tk = None
         if use_time:
             base = key_times[b, :n].min()
             tk = (key_times[b : b + 1, :n] - base)
-            tq = tk.new_zeros(1, e)
-            tq[0, idx] = query_times[rows] - base
+            tq = tk.new_zeros(1, e - s)
+            tq[0, idx - s] = query_times[rows] - base
         ln = torch.tensor([n], device=q.device)
         part = _Rows(qp, kp, vp, torch.arange(n, device=q.device, dtype=torch.int32)[None], ln, ln, tq, tk,
                      window=window, block=block, max_seq_len=max_seq_len, alpha=alpha, pos_weights=pos_weights,
-                     time_weights=time_weights if use_time else None)(s, e)  # [1, H, e - s, Dv]
+                     time_weights=time_weights if use_time else None, q0=s)(s, e)  # [1, H, e - s, Dv]
         out[rows] = part[0].transpose(0, 1)[idx - s]
     return out / max_seq_len
 
