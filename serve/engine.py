@@ -96,7 +96,7 @@ class TorchEngine(InProcessEngine):
         bf16 = candidate_precision == "bf16" or (candidate_precision == "auto" and bf16_gemm_fast(self.device))
         score: TowerBackend | None = "torch-bf16" if bf16 else None
         # "auto": bf16 only where a micro-batch is large enough for it to win (BF16_FROM_PAIRS)
-        score_from = BF16_FROM_PAIRS if candidate_precision == "auto" and native else 0
+        score_from = BF16_FROM_PAIRS if candidate_precision == "auto" and native and bf16 else 0
         self.stages: dict[str, float] = {}  # seconds spent per stage, summed over batches
         # the tower's backend on the packed path (the model's methods either way)
         self.packed = (PackedPath(self.model, "native" if native else "torch", micro_batch, self.stages,
