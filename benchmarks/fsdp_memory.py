@@ -70,11 +70,11 @@ def _bytes(ts: Any) -> int:
 def rss_mb(trim: bool = False) -> float:
     """This process's resident memory now; ``trim``: after handing freed heap back to the OS
     (glibc's malloc_trim), so it counts live memory rather than the allocator's high-water."""
-    if trim:
-        import ctypes
+    from genrec.train.loop.trainer import release_free_memory, rss_bytes
 
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    if trim:
+        release_free_memory()
+    return (rss_bytes() or 0) / 2**20
 
 
 def worker(a: argparse.Namespace) -> None:
