@@ -59,10 +59,15 @@ THREADS = ["--serve.connections.front_end=threads"]
 SERVERS = {"default": [], "threads front-end": THREADS, "former defaults": FORMER}
 
 
-def server_cpus() -> tuple[list[int], list[int]]:
-    """(the server's CPUs, the load generator's): the last CPU and the rest, where there are two."""
-    cpus = sorted(os.sched_getaffinity(0))
-    return (cpus[-1:], cpus[:-1]) if len(cpus) >= 2 else (cpus, cpus)
+# the CPUs this run may use, read once before main pins itself to the generator's share of them
+CPUS = tuple(sorted(os.sched_getaffinity(0)))
+
+
+def server_cpus(cpus: tuple[int, ...] = CPUS) -> tuple[list[int], list[int]]:
+    """(the server's CPUs, the load generator's) of ``cpus``: the last CPU and the rest, where
+    there are two. Not of this process's affinity now: once main has pinned itself to the
+    generator's CPUs, that would put every server on them too."""
+    return (list(cpus[-1:]), list(cpus[:-1])) if len(cpus) >= 2 else (list(cpus), list(cpus))
 
 
 class Server:
