@@ -46,7 +46,8 @@ import numpy as np
 
 from genrec.benchmarks.common import ROOT, machine, today, update_results_md, write_json
 from genrec.benchmarks.serving import artifact_and_requests
-from genrec.loadtest.runner import RESPONSES, run_step
+from genrec.loadtest.runner import RESPONSES, native_step, run_step
+from genrec.loadtest.sender import available
 from genrec.loadtest.workload import load_workload
 
 STEPS = [50, 100, 150, 200, 300, 400, 500, 600, 800]
@@ -57,6 +58,11 @@ FORMER = ["--serve.connections.max_concurrent_rpcs=64", "--serve.connections.max
 # the thread-pool listener (serve.frontend): gRPC refuses past the handler slots on its polling thread
 THREADS = ["--serve.connections.front_end=threads"]
 SERVERS = {"default": [], "threads front-end": THREADS, "former defaults": FORMER}
+
+
+# who sends (main sets it): the C++ sender (genrec/loadtest/cpp) where it builds; one Python core
+# falls behind its schedule past ~2,000 calls/s (benchmarks/notes/2026-12-05-resilience-generator.md)
+SENDER = "python"
 
 
 # the CPUs this run may use, read once before main pins itself to the generator's share of them
@@ -130,8 +136,13 @@ def cpu_seconds(pid: int) -> float:
 
 def step(target: str, payloads: list[bytes], qps: float, seconds: float, seed: int, timeout_s: float,
          calls: list | None = None, began: threading.Event | None = None, tenant: str = "") -> dict:
-    """One open-loop step; ``began`` is set as it starts sending (its calls' times count from
-    then, within a millisecond)."""
+    """One open-loop step, from the native sender where it builds (:data:`SENDER`); ``began``
+    is set as it starts sending (its calls' times count from 50 ms later)."""
+    metadata = (("tenant", tenant),) if tenant else ()
+    if SENDER == "native":
+        r = native_step(target, "Recommend", payloads, qps, seconds, timeout_s, seed, 10**7,
+                        response=RESPONSES["Recommend"], calls=calls, metadata=metadata, warmup=20, began=began)
+        return asdict(r)
     with grpc.insecure_channel(target) as ch:
         grpc.channel_ready_future(ch).result(timeout=30)
         call = ch.unary_unary("/genrec.v1.Recommender/Recommend")
@@ -144,7 +155,7 @@ def step(target: str, payloads: list[bytes], qps: float, seconds: float, seed: i
         if began is not None:
             began.set()
         r = run_step(call, payloads, qps, seconds, timeout_s, seed, 10**7, response=RESPONSES["Recommend"],
-                     calls=calls, metadata=(("tenant", tenant),) if tenant else ())
+                     calls=calls, metadata=metadata)
     return asdict(r)
 
 
@@ -306,11 +317,19 @@ def main() -> None:
     ap.add_argument("--out", default="runs/benchmarks/serving")
     ap.add_argument("--workload", help="JSONL requests (genrec loadtest --make-workload; default: ML-1M's)")
     ap.add_argument("--servers", default=",".join(SERVERS), help="the server configurations, side by side")
+    ap.add_argument("--sender", choices=("auto", "native", "python"), default="auto",
+                    help="who sends the load (genrec loadtest --sender); auto: native where it builds")
     ap.add_argument("--skip-crash", action="store_true", help="leave out the engine kill and shutdown runs")
     args = ap.parse_args()
     artifact, payloads = artifact_and_requests(Path(args.out), args.artifact)
     if args.workload:
         payloads = load_workload(args.workload)
+    global SENDER
+    why = available() if args.sender != "python" else None
+    if why is not None and args.sender == "native":
+        raise SystemExit(why)
+    SENDER = "native" if args.sender != "python" and why is None else "python"
+    print(f"sender: {SENDER}" + (f" ({why})" if why else ""), flush=True)
     mine, generator = server_cpus()
     os.sched_setaffinity(0, generator)
     servers: dict[str, dict] = {}
@@ -330,7 +349,7 @@ def main() -> None:
         finally:
             srv.stop()
     payload = {"date": today(), "machine": machine(), "artifact": str(artifact), "slo_p99_ms": args.slo_p99_ms,
-               "pinning": {"server_cpus": mine, "generator_cpus": generator},
+               "pinning": {"server_cpus": mine, "generator_cpus": generator}, "sender": SENDER,
                "capacity_qps": cap, "capacity_within_slo_qps": within, "capacity_steps": steps,
                "servers": servers}
     if args.skip_crash:  # (a probe: its JSON stays under --out)

@@ -16,6 +16,7 @@ from genrec.loadtest.hdr import Histogram
 from genrec.loadtest.report import markdown, write_outputs
 from genrec.loadtest.runner import sweep
 from genrec.loadtest.scrape import cpu_shares, cpu_times
+from genrec.loadtest.sender import available
 from genrec.loadtest.workload import (
     RepeatedUsers,
     RepeatedUserWorkload,
@@ -70,12 +71,25 @@ def test_histogram_percentiles_are_within_one_percent():
     assert h.total == 1000
 
 
-def test_sweep_counts_percentiles_and_errors_match_the_known_server(tmp_path):
+def native_sender_or_skip() -> None:
+    """Skip where the native sender cannot be built, except under CI (.ci/run installs the gRPC
+    C++ library and sets GENREC_REQUIRE_NATIVE): there its absence fails."""
+    why = available()
+    if why is not None and os.environ.get("GENREC_REQUIRE_NATIVE"):
+        pytest.fail(why)
+    if why is not None:
+        pytest.skip(why)
+
+
+@pytest.mark.parametrize("sender", ["python", "native"])
+def test_sweep_counts_percentiles_and_errors_match_the_known_server(tmp_path, sender):
+    if sender == "native":
+        native_sender_or_skip()
     srv = KnownServer()
     try:
         payload = [pb.RecommendRequest(top_k=1).SerializeToString()]
         res = sweep(f"127.0.0.1:{srv.port}", [40.0, 80.0], 3.0, payload, slo_ms=30.0,
-                    progress=False, cooldown_s=0.2)
+                    progress=False, cooldown_s=0.2, sender=sender)
         warmup = 1
         assert srv.calls == warmup + sum(s.sent for s in res.steps)
         for s in res.steps:
@@ -302,8 +316,12 @@ def test_the_hit_rate_is_cached_over_history_tokens_between_two_scrapes():
     assert set(cache_figures(None, None).values()) == {None}
 
 
-def test_a_sweep_reads_a_stream_on_through_its_steps_and_reports_the_cache(tmp_path):
+@pytest.mark.parametrize("sender", ["python", "native"])
+def test_a_sweep_reads_a_stream_on_through_its_steps_and_reports_the_cache(tmp_path, sender):
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    if sender == "native":
+        native_sender_or_skip()
 
     srv = KnownServer()
 
@@ -329,7 +347,8 @@ def test_a_sweep_reads_a_stream_on_through_its_steps_and_reports_the_cache(tmp_p
 
     try:
         res = sweep(f"127.0.0.1:{srv.port}", [30.0, 30.0], 1.0, stream(), slo_ms=30.0, progress=False,
-                    cooldown_s=0.1, warmup=3, metrics_url=f"http://127.0.0.1:{http.server_port}/metrics")
+                    cooldown_s=0.1, warmup=3, metrics_url=f"http://127.0.0.1:{http.server_port}/metrics",
+                    sender=sender)
         assert len(taken) == 3 + sum(s.sent for s in res.steps) == srv.calls  # one stream, never restarted
         assert all(s.hit_rate == pytest.approx(0.7) and s.cache_bytes == 4096 for s in res.steps)
         assert res.steps[0].cache_history_tokens == 10 * res.steps[0].sent and res.steps[0].cache_users is None

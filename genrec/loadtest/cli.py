@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from genrec.config import ConfigError, load_config, to_dict
 from genrec.loadtest.report import markdown, write_outputs
 from genrec.loadtest.runner import Payloads, sweep
+from genrec.loadtest.sender import available
 from genrec.loadtest.workload import (
     RepeatedUsers,
     RepeatedUserWorkload,
@@ -73,13 +74,19 @@ def cmd_loadtest(args: argparse.Namespace, overrides: list[str]) -> int:
                          "or --workload repeated")
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+    why = available() if args.sender != "python" else None
+    if why is not None and args.sender == "native":
+        raise SystemExit(why)
+    if why is not None:
+        print(f"the Python sender sends ({why})")
+    sender = "native" if args.sender != "python" and why is None else "python"
     payloads, method, described = workload_of(args, overrides)
     qps = [float(x) for x in args.qps.split(",")]
     t0 = time.perf_counter()
     result = sweep(args.target, qps, args.duration, payloads, args.slo_p99_ms, args.timeout_ms / 1e3,
                    args.max_requests, progress=not args.no_progress, min_requests=args.min_requests,
-                   method=method, metrics_url=args.metrics_url, tenant=args.tenant)
-    result.workload = described
+                   method=method, metrics_url=args.metrics_url, tenant=args.tenant, sender=sender)
+    result.workload, result.sender = described, sender
     out = write_outputs(result, args.out or "loadtest-out")
     print(markdown(result))
     print(f"\n{len(qps)} steps in {time.perf_counter() - t0:.0f}s; results in {out}/")

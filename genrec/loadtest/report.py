@@ -17,7 +17,7 @@ from genrec.loadtest.results import LoadTestResult, StepResult
 def markdown(result: LoadTestResult) -> str:
     """The sweep as markdown: the headline figure, a row of latencies per step, the cache per
     step (when the server reported one), and what the columns mean."""
-    head = (f"Target {result.target}, {result.method}, p99 budget {result.slo_p99_ms:g} ms: "
+    head = (f"Target {result.target}, {result.method} ({result.sender} sender), p99 budget {result.slo_p99_ms:g} ms: "
             f"**max QPS within budget: {result.max_qps_within_slo:g}** (every step up to it met the budget)"
             + (f"; the highest step that met it: {result.highest_passing_qps:g} QPS"
                if result.highest_passing_qps != result.max_qps_within_slo else ""))

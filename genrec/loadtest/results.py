@@ -86,6 +86,7 @@ class LoadTestResult:
     max_qps_within_slo: float = 0.0
     highest_passing_qps: float = 0.0  # the highest step that met the budget, whatever the steps below it did
     workload: str = ""
+    sender: str = "python"  # who sent: this Python process or the native (C++) sender
 
 
 def qps_within(steps: list[StepResult], slo_ms: float) -> tuple[float, float]:

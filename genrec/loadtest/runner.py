@@ -7,7 +7,7 @@ slow server cannot hide latency by slowing the sender (no coordinated omission).
 calls count as infinitely slow in ``p99_all``, the number the SLO is checked against.
 
 What flows through: serialized requests (:mod:`genrec.loadtest.workload`) -> :func:`run_step`
-sends them on a schedule, a :class:`_Recorder` fills histograms from gRPC's callback threads
+sends them on a schedule, a :class:`Recorder` fills histograms from gRPC's callback threads
 -> one :class:`~genrec.loadtest.results.StepResult` per offered QPS -> :func:`sweep` gathers
 them, with the server's cache and the machine's CPU around each step
 (:mod:`genrec.loadtest.scrape`), into a :class:`~genrec.loadtest.results.LoadTestResult`.
@@ -33,6 +33,7 @@ from tqdm import tqdm
 from genrec.loadtest.hdr import Histogram
 from genrec.loadtest.results import LoadTestResult, StepResult, qps_within
 from genrec.loadtest.scrape import cache_figures, cpu_shares, cpu_times, scrape
+from genrec.loadtest.sender import send
 from genrec.proto.v1 import recommender_pb2 as pb
 
 # a refusal: the server's admission (RESOURCE_EXHAUSTED), or gRPC's core refusing a call past the
@@ -52,7 +53,7 @@ def _timing(response: type[Message], reply: bytes) -> pb.Timing | None:
     return msg.timing if msg.HasField("timing") else None
 
 
-class _Recorder:
+class Recorder:
     """What one step's answers add up to, filled from gRPC's callback threads: the latency
     histogram (seconds from the scheduled send), status codes, the parts of the server's Timing,
     refusals; ``finished`` is set once the ``expected`` answers are in. The sender itself records
@@ -77,11 +78,16 @@ class _Recorder:
             reply, code = None, e.code().name
         except grpc.FutureCancelledError:
             reply, code = None, "CANCELLED"
+        self.record(scheduled - self.start, took, code, reply)
+
+    def record(self, offset: float, took: float, code: str, reply: bytes | None) -> None:
+        """One answer: the call scheduled ``offset`` seconds into the step came back after
+        ``took`` seconds (from its scheduled time) with status ``code`` and, if OK, ``reply``."""
         timing = _timing(self.response, reply) if reply is not None and self.response is not None else None
         with self.lock:
             self.codes[code] += 1
             if self.calls is not None:
-                self.calls.append((scheduled - self.start, took, code))
+                self.calls.append((offset, took, code))
             if code in REFUSALS:
                 self.refused.record(took)
             if reply is not None:
@@ -169,7 +175,7 @@ def run_step(call: grpc.UnaryUnaryMultiCallable, payloads: Payloads, qps: float,
     and more: lateness that counts against the server, since latency runs from the scheduled
     time."""
     offsets = send_times(qps, duration, seed, max_requests)
-    rec = _Recorder(len(offsets), response, bar, calls)
+    rec = Recorder(len(offsets), response, bar, calls)
     source = itertools.cycle(payloads) if isinstance(payloads, Sequence) else iter(payloads)
     machine = cpu_times()
     late, rec.start = 0, time.perf_counter() + 0.05
@@ -192,6 +198,42 @@ def run_step(call: grpc.UnaryUnaryMultiCallable, payloads: Payloads, qps: float,
     if len(offsets):
         rec.finished.wait()
     busy, steal = cpu_shares(machine, cpu_times())
+    return rec.result(qps, duration, len(offsets), late, busy, steal)
+
+
+def native_step(target: str, method: str, payloads: Payloads, qps: float, duration: float, timeout: float,
+                seed: int, max_requests: int, bar: tqdm | None = None, response: type[Message] | None = None,
+                calls: list[tuple[float, float, str]] | None = None, metadata: tuple[tuple[str, str], ...] = (),
+                warmup: int = 0, began: threading.Event | None = None) -> StepResult:
+    """:func:`run_step` sent by the native sender (:mod:`genrec.loadtest.sender`) on a
+    connection of its own: the same schedule for the same seed, the same payloads in the same
+    order, the same figures. ``warmup``: calls sent one at a time first (from the start of a
+    list; taken off a stream, before its scheduled calls). ``began``: set once the warm-up is
+    over and the schedule's clock starts. Returns once every call has its answer; ``bar`` moves
+    at the end."""
+    offsets = send_times(qps, duration, seed, max_requests)
+    if isinstance(payloads, Sequence):
+        items, first = list(payloads), 0
+    else:  # a stream: the warm-up's requests, then one per scheduled call, as far as it goes
+        items, first = list(itertools.islice(payloads, warmup + len(offsets))), warmup
+        offsets = offsets[:max(len(items) - warmup, 0)]
+    rec = Recorder(len(offsets), response, None, calls)
+    if not len(offsets):
+        if began is not None:
+            began.set()
+        return rec.result(qps, duration, 0, 0, math.nan, math.nan)
+    machine = cpu_times()
+    answers = send(target, f"/genrec.v1.Recommender/{method}", items, offsets.tolist(), timeout, warmup=warmup,
+                   first=first, replies=response is not None, metadata=metadata, began=began)
+    busy, steal = cpu_shares(machine, cpu_times())
+    late = 0
+    for offset, took, behind, code, reply in zip(answers.offsets, answers.took, answers.late, answers.codes,
+                                                 answers.replies):
+        rec.lateness.record(behind)
+        late += behind > 1e-3
+        rec.record(offset, took, code, reply)
+    if bar is not None:
+        bar.update(len(offsets))
     return rec.result(qps, duration, len(offsets), late, busy, steal)
 
 
@@ -222,11 +264,14 @@ def _progress_line(qps: float, step: StepResult) -> str:
 def sweep(target: str, qps_steps: list[float], duration: float, payloads: Payloads,
           slo_ms: float, timeout_s: float = 1.0, max_requests: int = 1_000_000, progress: bool = True,
           cooldown_s: float = 1.0, method: str = "Recommend", min_requests: int = 0, warmup: int = 50,
-          metrics_url: str | None = None, tenant: str = "") -> LoadTestResult:
+          metrics_url: str | None = None, tenant: str = "", sender: str = "python") -> LoadTestResult:
     """Steps of :func:`run_step` at each offered QPS, after ``warmup`` calls. ``payloads``: a
     list (each step starts it again) or one stream read on through the steps. ``metrics_url``:
     the server's Prometheus endpoint; each step then reports its cache (:func:`cache_figures`).
-    ``tenant``: sent as ``tenant`` metadata on every call (the server's per-caller shares)."""
+    ``tenant``: sent as ``tenant`` metadata on every call (the server's per-caller shares).
+    ``sender``: "python" (this process) or "native" (each step sent by :func:`native_step`)."""
+    if sender not in ("python", "native"):
+        raise ValueError(f"sender is python or native, not {sender!r}")
     result = LoadTestResult(target, method, slo_ms)
     # what is loaded now stays; a full collection over it would stall the sender mid-step
     # (serve.factory.quiet_gc has the same reason on the server side)
@@ -241,8 +286,13 @@ def sweep(target: str, qps_steps: list[float], duration: float, payloads: Payloa
             seconds = step_seconds(qps, duration, min_requests)
             bar = tqdm(total=int(qps * seconds), desc=f"{qps:g} qps", unit="req", leave=False, disable=not progress)
             before = scrape(metrics_url)
-            step = run_step(call, payloads, qps, seconds, timeout_s, seed=i, max_requests=budget, bar=bar,
-                            response=RESPONSES.get(method), metadata=(("tenant", tenant),) if tenant else ())
+            metadata = (("tenant", tenant),) if tenant else ()
+            if sender == "native":
+                step = native_step(target, method, payloads, qps, seconds, timeout_s, seed=i, max_requests=budget,
+                                   bar=bar, response=RESPONSES.get(method), metadata=metadata)
+            else:
+                step = run_step(call, payloads, qps, seconds, timeout_s, seed=i, max_requests=budget, bar=bar,
+                                response=RESPONSES.get(method), metadata=metadata)
             if metrics_url:
                 step = replace(step, **cache_figures(before, scrape(metrics_url)))
             bar.close()
