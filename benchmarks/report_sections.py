@@ -252,6 +252,7 @@ def resilience(d: dict) -> list[str]:
     cap = d.get("capacity_qps")
     rows = [[name, f"{num(r.get('offered_qps'), 'g')} ({num(r.get('multiple'), 'g')}x)",
              num(r.get("goodput") / cap if r.get("goodput") is not None and cap else None, ".2f", "x"),
+             num(r.get("goodput_within_2x_x"), ".2f", "x"),
              num(r.get("refused_p50_ms"), ".1f"), num(r.get("p99_ms"), ".1f"), num(r.get("send_late_p99_ms"), ".0f")]
             for name, s in d.get("servers", {}).items() for r in s.get("overload", [])]
     kill, stop = d.get("engine_kill") or {}, d.get("shutdown") or {}
@@ -265,9 +266,10 @@ def resilience(d: dict) -> list[str]:
     cmd = command(d, f"python -m genrec.benchmarks.resilience --artifact {d.get('artifact', 'DIR')}")
     return ["## Resilience (overload, engine crash, shutdown)", "", f"Anchor: targets: {RESILIENCE_TARGETS}. "
             f"Capacity: {num(cap, '.0f')} answers/s (the default server's sweep)"
-            + (f"; server on CPU {pin['server_cpus']}, load generator on {pin['generator_cpus']}." if pin else "."), "",
-            *table(["server", "offered QPS", "goodput x capacity", "refused p50 ms", "admitted p99 ms",
-                    "sender late p99 ms"], rows), "",
+            + (f"; server on CPU {pin['server_cpus']}, load generator on {pin['generator_cpus']}" if pin else "")
+            + f"; sender: {d.get('sender', 'python')}.", "",
+            *table(["server", "offered QPS", "goodput x capacity", "within 2x budget", "refused p50 ms",
+                    "admitted p99 ms", "sender late p99 ms"], rows), "",
             f"A step whose sender ran more than {GENERATOR_LATE_MS:g} ms late (p99) measured the load "
             "generator as much as the server.", "",
             f"Engine SIGKILL at {num(kill.get('offered_qps'), '.0f')} QPS: {num(kill.get('failed_pct'), '.2f')}% "

@@ -94,11 +94,15 @@ def serving_scale_summary(d: dict) -> tuple[str, str]:
 def resilience_summary(d: dict) -> tuple[str, str]:
     cap = d.get("capacity_qps")
     servers = d.get("servers", {})
-    runs = servers.get("default") or servers.get("admission (default)") or {}  # (the name before issue 46)
-    at4 = next((r for r in runs.get("overload", []) if r.get("multiple") == 4), {})
-    good, late = at4.get("goodput"), at4.get("send_late_p99_ms")
-    bound = f" (sender {late:.0f} ms late: generator-bound)" if late is not None and late > GENERATOR_LATE_MS else ""
-    return (f"goodput at 4x offered {num(good / cap if good is not None and cap else None, '.2f', 'x')} capacity{bound}; "
+    shown = []  # the default server's, and the native front end's where it ran
+    for name in ("default", "admission (default)", "native front-end"):  # ("admission": the name before issue 46)
+        at4 = next((r for r in servers.get(name, {}).get("overload", []) if r.get("multiple") == 4), None)
+        if at4 is None:
+            continue
+        good, late = at4.get("goodput"), at4.get("send_late_p99_ms")
+        bound = f" (sender {late:.0f} ms late: generator-bound)" if late is not None and late > GENERATOR_LATE_MS else ""
+        shown.append(f"{name.split(' (')[0]} {num(good / cap if good is not None and cap else None, '.2f', 'x')}{bound}")
+    return (f"goodput at 4x offered (x capacity): {', '.join(shown) or 'n/a'}; "
             f"engine SIGKILL {num(get(d, 'engine_kill.failed_pct'), '.2f', '%')} failed",
             ">= 0.9x; <= 1%")
 

@@ -28,7 +28,7 @@ from typing import Any, Literal
 import grpc
 from grpc_health.v1 import health
 
-FrontEnd = Literal["aio", "threads"]
+FrontEnd = Literal["aio", "threads", "native"]  # (native: serve.proxy)
 
 
 class ThreadListener:

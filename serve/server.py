@@ -54,6 +54,7 @@ from genrec.serve.frontend import FrontEnd, Health, ThreadListener
 from genrec.serve.kvcache import CacheConfig
 from genrec.serve.loading import Loading
 from genrec.serve.metrics import ServerMetrics
+from genrec.serve.proxy import FrontPlan, NativeFront
 from genrec.serve.requests import MAX_DETAIL, InvalidRequest, Kind, Limits, decode, parse
 from genrec.serve.scoring import ScoringConfig
 from genrec.serve.worker import EngineProcess, EngineProcessError, ProcessSettings
@@ -132,6 +133,11 @@ class ConnectionConfig:
     # handler slot, calls handed to the event loop; past max_concurrent_rpcs gRPC refuses on its
     # polling thread at ~50 us a call: serve.frontend)
     front_end: FrontEnd = "aio"
+    # front_end = "native" (serve.proxy): Recommender calls the front end passes to the server at
+    # once; past it (or, while others call, past a caller's fair.max_share of it) the front end
+    # refuses with RESOURCE_EXHAUSTED in C++. Size it near what the server answers within
+    # batch.max_queue_ms: that budget / one call's cost
+    max_in_flight: int = 12
     max_message_bytes: int = 0
     keepalive_time_s: float = 60.0  # ping an idle connection this often ...
     keepalive_timeout_s: float = 20.0  # ... and close it if the ping goes unanswered this long
@@ -141,7 +147,9 @@ class ConnectionConfig:
 
     def __post_init__(self) -> None:
         if self.front_end not in get_args(FrontEnd):
-            raise ValueError(f"serve.connections.front_end = {self.front_end!r}; choose aio or threads")
+            raise ValueError(f"serve.connections.front_end = {self.front_end!r}; choose aio, threads or native")
+        if self.max_in_flight < 1:
+            raise ValueError(f"serve.connections.max_in_flight = {self.max_in_flight}; it must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -381,6 +389,9 @@ class RecommenderServer:
         self.cfg, self.artifact, self.replica_cpus, self.build = cfg, artifact, tuple(replica_cpus), build
         # the token first: a config error is refused before an engine starts
         self.admin_token = _read_token(cfg.admin.token_file) if cfg.admin.token_file else None
+        if cfg.connections.front_end == "native" and cfg.tls.enabled:
+            raise ValueError("serve.connections.front_end = 'native' does not terminate TLS yet: use aio or threads "
+                             "with serve.tls, or TLS in a proxy of your own")
         self.engine: Engine = engine if engine is not None else open_engine(cfg, artifact, self.replica_cpus, build)
         self.owns_engine = engine is None  # an engine handed in is closed by whoever made it
         self.metrics = ServerMetrics()
@@ -397,6 +408,8 @@ class RecommenderServer:
         else:
             self.health = self.health_servicer = health.aio.HealthServicer()
         self.port = self.admin_port = 0
+        self.front: NativeFront | None = None  # connections.front_end = "native" (serve.proxy)
+        self._watch_front: asyncio.Task | None = None
         self.artifact_root = Path(cfg.admin.artifact_root or Path(artifact).resolve().parent).resolve()
         self._reloading = asyncio.Lock()
         self._retiring: set[asyncio.Task] = set()  # replaced engines closing after their calls (reload)
@@ -426,10 +439,16 @@ class RecommenderServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health_servicer, grpc_server)
         names = (RECOMMENDER, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, grpc_server)
-        self.port = _bind(self.server, self.cfg.host, self.cfg.port, self.cfg.tls)
+        if conn.front_end == "native":  # (serve.proxy) the server on a loopback port behind it
+            self.front = self._front(_bind(self.server, "127.0.0.1", 0, TLSConfig()))
+        else:
+            self.port = _bind(self.server, self.cfg.host, self.cfg.port, self.cfg.tls)
         if self.admin_token is not None:
             await self._start_admin()
         await self.server.start()
+        if self.front is not None:
+            self.port = await asyncio.get_running_loop().run_in_executor(None, self.front.start)
+            self._watch_front = asyncio.get_running_loop().create_task(self._front_watchdog())
         self._observe(self.engine)
         await self._set_health()
         if self.cfg.metrics_port:
@@ -437,6 +456,25 @@ class RecommenderServer:
         quiet_gc()
         log.info("serving %s (%s engine) on %s:%d", self.engine.version, self.engine.name, self.cfg.host, self.port)
         return self.port
+
+    def _front(self, upstream_port: int) -> NativeFront:
+        """The native front end on the public host and port, before the server's ``upstream_port``."""
+        conn, fair = self.cfg.connections, self.cfg.fair
+        return NativeFront(FrontPlan(
+            host=self.cfg.host, port=self.cfg.port, upstream_port=upstream_port, max_in_flight=conn.max_in_flight,
+            max_share=fair.max_share if fair.enabled else 0.0, active_s=fair.active_s, metadata_key=fair.metadata_key,
+            max_message_bytes=conn.max_message_bytes or self.cfg.limits.request_bytes() + 1024))
+
+    async def _front_watchdog(self) -> None:
+        """The front end gone while serving: nothing reaches the server any more, so it stops
+        (its supervisor restarts it) instead of reporting SERVING on a port nobody answers."""
+        while not self._stopping:
+            await asyncio.sleep(0.5)
+            if self.front is not None and not self.front.alive and not self._stopping:
+                log.error("the native front end exited (status %s): stopping", self.front.proc and
+                          self.front.proc.returncode)
+                await self.stop(0)
+                return
 
     async def _start_admin(self) -> None:
         a = self.cfg.admin
@@ -473,6 +511,8 @@ class RecommenderServer:
         await self.health.enter_graceful_shutdown()
         if self.admin_server:
             await self.admin_server.stop(0)
+        if self.front is not None:  # it stops taking calls and lets those it passed on finish
+            await asyncio.get_running_loop().run_in_executor(None, self.front.stop, grace)
         if self.batcher:
             await self.batcher.drain(grace)
         if self.server:

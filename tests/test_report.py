@@ -158,3 +158,7 @@ def test_a_resilience_step_whose_sender_ran_late_is_marked_generator_bound() -> 
 
     assert "generator-bound" in at4(201.0) and "0.50x" in at4(201.0)
     assert "generator-bound" not in at4(3.0)
+    both = resilience_summary({"capacity_qps": 400.0, "servers": {
+        "default": {"overload": [{"multiple": 4, "goodput": 200.0}]},
+        "native front-end": {"overload": [{"multiple": 4, "goodput": 360.0}]}}})[0]
+    assert "default 0.50x, native front-end 0.90x" in both

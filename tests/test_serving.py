@@ -31,12 +31,20 @@ from genrec.serve.requests import Limits
 from genrec.serve.server import (
     RECOMMENDER,
     SGLANG_INFLIGHT,
+    RecommenderServer,
     ServeConfig,
+    TLSConfig,
     batch_inflight,
     open_engine,
 )
 from genrec.serve.worker import EngineProcess, ProcessSettings, plan_cpus
-from tests.serving_helpers import SlowEngine, ThreadedServer, local_config, tiny_ranking_artifact
+from tests.serving_helpers import (
+    SlowEngine,
+    ThreadedServer,
+    local_config,
+    native_front_or_skip,
+    tiny_ranking_artifact,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 T0 = 1_700_000_000
@@ -771,6 +779,34 @@ def test_calls_past_the_pending_bound_are_refused_by_grpc_core_while_the_front_e
         assert len(fast) >= 25 and set(fast) == {"CANCELLED"}, fast
     finally:
         srv.stop()
+
+
+def test_the_native_front_end_refuses_past_its_cap_at_once_while_the_loop_is_busy(artifacts):
+    """``connections.front_end = "native"`` (serve.proxy): the C++ front end passes at most
+    ``max_in_flight`` calls to the server; the rest it refuses itself (RESOURCE_EXHAUSTED),
+    without the server, whose event loop is blocked here. Health checks pass the cap and report
+    SERVING; the server stops the front end with itself."""
+    native_front_or_skip()
+    conn = replace(local_config().connections, front_end="native", max_in_flight=4, max_pending_calls=1000)
+    srv = ThreadedServer(artifacts["hstu"], local_config(connections=conn))
+    front = srv.server.front
+    try:
+        fast, client = calls_while_the_loop_is_blocked(srv)
+        assert len(fast) >= 24 and set(fast) == {"RESOURCE_EXHAUSTED"}, fast
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(srv.target))
+        assert health.Check(health_pb2.HealthCheckRequest(service=RECOMMENDER)).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        assert front is not None and front.alive
+    finally:
+        srv.stop()
+    assert not front.alive
+
+
+def test_the_native_front_end_refuses_tls_it_cannot_terminate(artifacts, tmp_path):
+    conn = replace(local_config().connections, front_end="native")
+    cfg = local_config(connections=conn, tls=TLSConfig(cert=str(tmp_path / "c"), key=str(tmp_path / "k")))
+    with pytest.raises(ValueError, match="does not terminate TLS"):
+        RecommenderServer(cfg, artifacts["hstu"])
 
 
 def test_the_thread_pool_front_end_refuses_past_its_slots_at_once_while_the_loop_is_busy(artifacts):

@@ -1,0 +1,299 @@
+// genrec's native front end (serve/proxy.py builds and starts it; serve.connections.front_end = "native").
+//
+// A gRPC proxy in front of the Python server that sheds load in C++: it passes at most
+// MAX_IN_FLIGHT Recommender calls to the server at once, and while another caller is active, at
+// most MAX_SHARE of them to one caller (a caller: its METADATA_KEY value, else its peer's host;
+// work-conserving as serve.admission.Shares: a caller alone may use every place, and a caller
+// within its share is let in past the cap, see Shares::acquire). A call past either is answered
+// RESOURCE_EXHAUSTED here, in microseconds, without the server seeing it.
+// Every other method (health, reflection) is passed on uncapped. The caller's name is forwarded
+// as METADATA_KEY, so the server's own shares see the same callers; the call's deadline and a
+// client's cancellation are passed on too.
+//
+//   front LISTEN UPSTREAM MAX_IN_FLIGHT MAX_SHARE ACTIVE_S METADATA_KEY MAX_MESSAGE_BYTES
+//
+// LISTEN: host:port (port 0: any; "listening PORT" on stdout once it listens). UPSTREAM: the
+// server's host:port. MAX_SHARE 0: no per-caller cap. SIGTERM / SIGQUIT / SIGINT: stop taking
+// calls, let those passed on finish (up to 10 s), exit 0.
+//
+// One thread drives one completion queue; each call is a small state machine (Call below):
+// accepted -> refused, or read -> upstream call -> reply written; the done notice arrives
+// independently, and the call is freed once both its last write and that notice are in.
+
+#include <grpc/support/time.h>
+#include <grpcpp/generic/async_generic_service.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdlib>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <unordered_map>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+const std::string kCapped = "/genrec.v1.Recommender/";
+std::atomic<bool> g_stop{false};
+
+void on_signal(int) { g_stop = true; }
+
+// Places for calls at once: everyone's (cap) and, while another caller is active, one caller's.
+class Shares {
+ public:
+  Shares(int cap, double share, double active_s) : cap_(cap), share_(share), active_s_(active_s) {}
+
+  // "" when the caller may have one more call at once, else why not. A caller within its share
+  // is let in past the cap (up to twice it): a caller that had the server to itself may hold
+  // every place, and a newcomer must not wait for them; the other's calls past its share are
+  // refused from then on, so the total is back under the cap within a call's time.
+  std::string acquire(const std::string& caller) {
+    const auto now = Clock::now();
+    Held& mine = held_[caller];
+    const int share_limit = share_ > 0 ? std::max(1, static_cast<int>(std::ceil(cap_ * share_))) : cap_;
+    const bool within_share = share_ > 0 && mine.calls < share_limit;
+    if (share_ > 0 && !within_share && others_active(caller, now)) {
+      return "overloaded: caller '" + caller + "' has " + std::to_string(mine.calls) +
+             " calls at once, its share of the server's front end while others call; retry with backoff";
+    }
+    if (total_ >= (within_share ? 2 * cap_ : cap_)) {
+      return "overloaded: the server's front end has its " + std::to_string(cap_) +
+             " calls at once; retry with backoff or another replica";
+    }
+    ++mine.calls;
+    ++total_;
+    mine.last = now;
+    return "";
+  }
+
+  void release(const std::string& caller) {
+    auto it = held_.find(caller);
+    if (it == held_.end()) return;
+    it->second.calls = std::max(it->second.calls - 1, 0);
+    it->second.last = Clock::now();
+    --total_;
+    if (held_.size() > 4096) forget_idle();
+  }
+
+ private:
+  struct Held {
+    int calls = 0;
+    Clock::time_point last{};
+  };
+
+  bool others_active(const std::string& caller, Clock::time_point now) const {
+    for (const auto& [name, h] : held_) {
+      if (name != caller && (h.calls > 0 || std::chrono::duration<double>(now - h.last).count() < active_s_)) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+  void forget_idle() {
+    const auto now = Clock::now();
+    for (auto it = held_.begin(); it != held_.end();) {
+      const bool idle = it->second.calls == 0 && std::chrono::duration<double>(now - it->second.last).count() > active_s_;
+      it = idle ? held_.erase(it) : std::next(it);
+    }
+  }
+
+  int cap_;
+  double share_, active_s_;
+  int total_ = 0;
+  std::unordered_map<std::string, Held> held_;
+};
+
+struct Front {
+  grpc::AsyncGenericService service;
+  std::unique_ptr<grpc::ServerCompletionQueue> cq;
+  std::unique_ptr<grpc::GenericStub> upstream;
+  std::unique_ptr<Shares> shares;
+  std::string key;
+  void accept_one();
+};
+
+enum class Event { kAccepted, kRead, kUpstream, kWritten, kDone };
+
+struct Call;
+struct Tag {
+  Call* call;
+  Event event;
+};
+
+std::string caller_of(const grpc::GenericServerContext& ctx, const std::string& key) {
+  const auto& md = ctx.client_metadata();
+  auto it = md.find(key);
+  if (it != md.end()) return std::string(it->second.data(), std::min<size_t>(it->second.size(), 64));
+  std::string peer = ctx.peer();  // "ipv4:10.0.0.7:5123", "ipv6:[::1]:5123": the host, as the server names it
+  const auto colon = peer.rfind(':');
+  if (std::count(peer.begin(), peer.end(), ':') >= 2 && colon != std::string::npos) peer.resize(colon);
+  return peer.substr(0, 64);
+}
+
+bool forwarded(const std::string& name) {
+  return !(name.empty() || name[0] == ':' || name.rfind("grpc-", 0) == 0 || name == "te" ||
+           name == "content-type" || name == "user-agent" || name == "host");
+}
+
+struct Call {
+  Front* front;
+  grpc::GenericServerContext ctx;
+  grpc::GenericServerAsyncReaderWriter stream{&ctx};
+  grpc::ByteBuffer request, reply;
+  grpc::ClientContext up;
+  std::unique_ptr<grpc::GenericClientAsyncResponseReader> reader;
+  grpc::Status status;
+  std::string caller;
+  bool holds = false, upstream_busy = false, written = false, done = false;
+  Tag accepted{this, Event::kAccepted}, read{this, Event::kRead}, answered{this, Event::kUpstream},
+      wrote{this, Event::kWritten}, finished{this, Event::kDone};
+
+  explicit Call(Front* f) : front(f) {}
+
+  // returns false once the call may be freed
+  bool on(Event event, bool ok) {
+    switch (event) {
+      case Event::kAccepted:
+        if (!ok) return false;  // shutting down: never started, no done notice will come
+        front->accept_one();
+        on_accepted();
+        return true;
+      case Event::kRead:
+        if (!ok) {
+          release();
+          stream.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the call ended before its request arrived"), &wrote);
+          return true;
+        }
+        forward();
+        return true;
+      case Event::kUpstream:
+        upstream_busy = false;
+        release();
+        if (status.ok()) {
+          stream.WriteAndFinish(reply, grpc::WriteOptions(), grpc::Status::OK, &wrote);
+        } else {
+          stream.Finish(status, &wrote);
+        }
+        return true;
+      case Event::kWritten:
+        written = true;
+        return !done;
+      case Event::kDone:
+        done = true;
+        if (ctx.IsCancelled() && upstream_busy) up.TryCancel();  // the client went away: so does the server's call
+        return !written || upstream_busy;
+    }
+    return true;
+  }
+
+  void on_accepted() {
+    caller = caller_of(ctx, front->key);
+    if (ctx.method().rfind(kCapped, 0) == 0) {
+      const std::string why = front->shares->acquire(caller);
+      if (!why.empty()) {
+        stream.Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, why), &wrote);
+        return;
+      }
+      holds = true;
+    }
+    stream.Read(&request, &read);
+  }
+
+  void forward() {
+    up.set_deadline(ctx.raw_deadline());
+    for (const auto& [k, v] : ctx.client_metadata()) {
+      const std::string name(k.data(), k.size());
+      if (forwarded(name) && name != front->key) up.AddMetadata(name, std::string(v.data(), v.size()));
+    }
+    up.AddMetadata(front->key, caller);
+    reader = front->upstream->PrepareUnaryCall(&up, ctx.method(), request, front->cq.get());
+    upstream_busy = true;
+    reader->StartCall();
+    reader->Finish(&reply, &status, &answered);
+  }
+
+  void release() {
+    if (holds) front->shares->release(caller);
+    holds = false;
+  }
+};
+
+void Front::accept_one() {
+  Call* call = new Call(this);
+  call->ctx.AsyncNotifyWhenDone(&call->finished);
+  service.RequestCall(&call->ctx, &call->stream, cq.get(), cq.get(), &call->accepted);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 8) {
+    std::cerr << "usage: front LISTEN UPSTREAM MAX_IN_FLIGHT MAX_SHARE ACTIVE_S METADATA_KEY MAX_MESSAGE_BYTES\n";
+    return 2;
+  }
+  const std::string listen = argv[1], target = argv[2];
+  const int cap = std::atoi(argv[3]);
+  const double share = std::atof(argv[4]), active_s = std::atof(argv[5]);
+  const int max_bytes = std::atoi(argv[7]);
+  if (cap < 1 || share < 0 || share > 1 || max_bytes < 1) {
+    std::cerr << "front: MAX_IN_FLIGHT >= 1, 0 <= MAX_SHARE <= 1, MAX_MESSAGE_BYTES >= 1\n";
+    return 2;
+  }
+  Front front;
+  front.key = argv[6];
+  front.shares = std::make_unique<Shares>(cap, share, active_s);
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);  // (a refused or failed call is the caller's to retry; no send buffering)
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(max_bytes);
+  front.upstream = std::make_unique<grpc::GenericStub>(
+      grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args));
+
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.RegisterAsyncGenericService(&front.service);
+  builder.SetMaxReceiveMessageSize(max_bytes);
+  builder.SetMaxSendMessageSize(-1);
+  front.cq = builder.AddCompletionQueue();
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || port == 0) {
+    std::cerr << "front: cannot listen on " << listen << "\n";
+    return 3;
+  }
+  for (int i = 0; i < 64; ++i) front.accept_one();  // calls accepted while others are handled
+  std::signal(SIGTERM, on_signal);
+  std::signal(SIGQUIT, on_signal);
+  std::signal(SIGINT, on_signal);
+  std::cout << "listening " << port << std::endl;
+
+  std::thread stopper;
+  for (;;) {
+    void* raw;
+    bool ok;
+    const auto got = front.cq->AsyncNext(&raw, &ok, gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                                                                  gpr_time_from_millis(100, GPR_TIMESPAN)));
+    if (got == grpc::CompletionQueue::SHUTDOWN) break;
+    if (got == grpc::CompletionQueue::TIMEOUT) {
+      if (g_stop && !stopper.joinable()) {  // graceful: no new calls, those passed on finish (10 s at most)
+        stopper = std::thread([&] {
+          server->Shutdown(gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_seconds(10, GPR_TIMESPAN)));
+          front.cq->Shutdown();
+        });
+      }
+      continue;
+    }
+    Tag* tag = static_cast<Tag*>(raw);
+    if (!tag->call->on(tag->event, ok)) delete tag->call;
+  }
+  if (stopper.joinable()) stopper.join();
+  return 0;
+}
