@@ -148,8 +148,8 @@ class ConnectionConfig:
     def __post_init__(self) -> None:
         if self.front_end not in get_args(FrontEnd):
             raise ValueError(f"serve.connections.front_end = {self.front_end!r}; choose aio, threads or native")
-        if self.max_in_flight < 2:
-            raise ValueError(f"serve.connections.max_in_flight = {self.max_in_flight}; it must be at least 2")
+        if self.max_in_flight < 4:
+            raise ValueError(f"serve.connections.max_in_flight = {self.max_in_flight}; it must be at least 4")
 
 
 @dataclass(frozen=True)

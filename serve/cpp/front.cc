@@ -12,8 +12,8 @@
 //
 //   front LISTEN UPSTREAM MAX_IN_FLIGHT MAX_SHARE ACTIVE_S METADATA_KEY MAX_MESSAGE_BYTES TARGET_MS
 //
-// The cap on calls at once moves between 2 and MAX_IN_FLIGHT with the server's latency (Limiter:
-// the most it answers within TARGET_MS, at the 90th percentile).
+// The cap on calls at once moves between 4 and MAX_IN_FLIGHT with the server's latency (Limiter:
+// the most it answers within TARGET_MS of queueing, at the 90th percentile).
 // LISTEN: host:port (port 0: any; "listening PORT" on stdout once it listens). UPSTREAM: the
 // server's host:port. MAX_SHARE 0: no per-caller cap. SIGTERM / SIGQUIT / SIGINT: stop taking
 // calls, let those passed on finish (up to 10 s), exit 0.
@@ -118,9 +118,11 @@ class Shares {
 };
 
 // The cap follows the server (AIMD on latency): the calls it holds at once that it answers
-// within TARGET_MS. Each window of answered calls (at least 16, or the cap's worth) ends with its
-// 90th-percentile time in the server: within the target, one more place; past it, a tenth
-// fewer; always within [2, MAX_IN_FLIGHT]. A batching server answers more as its batches
+// within TARGET_MS of queueing. Each window of answered calls (at least 16, or the cap's worth)
+// ends with its 90th-percentile time in the server: within its time without queueing (the
+// lowest window p10 seen) plus TARGET_MS, one more place; past it, a tenth fewer; always within
+// [4, MAX_IN_FLIGHT]. (Against TARGET_MS alone, a server whose calls take that long unqueued
+// shrank the cap until it refused at half its capacity.) A batching server answers more as its batches
 // fill, so a fixed cap small enough for a slow moment wastes a fast one, and one large enough
 // for a fast moment queues calls past their budget in a slow one.
 class Limiter {
@@ -130,11 +132,16 @@ class Limiter {
   void observe(double ms) {
     window_.push_back(ms);
     if (window_.size() < static_cast<size_t>(std::max(16, shares_->cap()))) return;
+    auto p10 = window_.begin() + static_cast<long>(window_.size() / 10);
+    std::nth_element(window_.begin(), p10, window_.end());
+    // the server's own time without queueing: the lowest window p10 seen, let drift up 2% a
+    // window (a machine that slows down raises it)
+    base_ms_ = std::min(*p10, base_ms_ * 1.02);
     auto p90 = window_.begin() + static_cast<long>(window_.size() * 9 / 10);
     std::nth_element(window_.begin(), p90, window_.end());
     const int cap = shares_->cap();
-    const int next = *p90 <= target_ms_ ? cap + 1 : static_cast<int>(cap * 0.9);
-    shares_->set_cap(std::clamp(next, 2, ceiling_));
+    const int next = *p90 <= base_ms_ + target_ms_ ? cap + 1 : static_cast<int>(cap * 0.9);
+    shares_->set_cap(std::clamp(next, 4, ceiling_));
     window_.clear();
   }
 
@@ -142,13 +149,18 @@ class Limiter {
   Shares* shares_;
   int ceiling_;
   double target_ms_;
+  double base_ms_ = 1e9;
   std::vector<double> window_;
 };
 
 struct Front {
   grpc::AsyncGenericService service;
   std::unique_ptr<grpc::ServerCompletionQueue> cq;
-  std::unique_ptr<grpc::GenericStub> upstream;
+  // several connections to the server, taken in turn: calls multiplexed on one connection
+  // reached the Python server in bursts (its time per call at low load 2-3x that of direct calls)
+  std::vector<std::unique_ptr<grpc::GenericStub>> upstreams;
+  size_t next_upstream = 0;
+  grpc::GenericStub& upstream() { return *upstreams[next_upstream++ % upstreams.size()]; }
   std::unique_ptr<Shares> shares;
   std::unique_ptr<Limiter> limiter;
   std::string key;
@@ -253,7 +265,7 @@ struct Call {
       if (forwarded(name) && name != front->key) up.AddMetadata(name, std::string(v.data(), v.size()));
     }
     up.AddMetadata(front->key, caller);
-    reader = front->upstream->PrepareUnaryCall(&up, ctx.method(), request, front->cq.get());
+    reader = front->upstream().PrepareUnaryCall(&up, ctx.method(), request, front->cq.get());
     upstream_busy = true;
     sent = Clock::now();
     reader->StartCall();
@@ -285,8 +297,8 @@ int main(int argc, char** argv) {
   const double share = std::atof(argv[4]), active_s = std::atof(argv[5]);
   const int max_bytes = std::atoi(argv[7]);
   const double target_ms = std::atof(argv[8]);
-  if (cap < 2 || share < 0 || share > 1 || max_bytes < 1 || target_ms <= 0) {
-    std::cerr << "front: MAX_IN_FLIGHT >= 2, 0 <= MAX_SHARE <= 1, MAX_MESSAGE_BYTES >= 1, TARGET_MS > 0\n";
+  if (cap < 4 || share < 0 || share > 1 || max_bytes < 1 || target_ms <= 0) {
+    std::cerr << "front: MAX_IN_FLIGHT >= 4, 0 <= MAX_SHARE <= 1, MAX_MESSAGE_BYTES >= 1, TARGET_MS > 0\n";
     return 2;
   }
   Front front;
@@ -297,8 +309,11 @@ int main(int argc, char** argv) {
   args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);  // (a refused or failed call is the caller's to retry; no send buffering)
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(max_bytes);
-  front.upstream = std::make_unique<grpc::GenericStub>(
-      grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args));
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // (each channel its own connection)
+  for (int i = 0; i < 8; ++i) {
+    front.upstreams.push_back(std::make_unique<grpc::GenericStub>(
+        grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args)));
+  }
 
   grpc::ServerBuilder builder;
   int port = 0;
