@@ -7,15 +7,14 @@ generator that keeps its schedule, the aio listener answered 0.61-0.85x of its c
 offered and 0.34-0.49x at 8x (benchmarks/notes/2026-12-05-native-front.md).
 
 How: ``genrec serve`` starts ``cpp/front.cc`` as its child on the public host and port; the
-gRPC server listens on an ephemeral loopback port behind it. The front end passes a capped
-number of Recommender calls to the server at once (the cap follows the server's latency: the
-calls it answers within ``batch.max_queue_ms`` at p90, at most ``connections.max_in_flight``),
-and while another caller is active at most ``fair.max_share`` of them to one caller (named by ``fair.metadata_key``,
+gRPC server listens on an ephemeral loopback port behind it. The front end passes at most
+``connections.max_in_flight`` Recommender calls to the server at once, and while another
+caller is active at most ``fair.max_share`` of them to one caller (named by ``fair.metadata_key``,
 else its peer host, as serve.admission names callers; work-conserving, as its shares are).
 Past either it answers RESOURCE_EXHAUSTED itself, without the server seeing the call. The cap
-is the server's admission moved in front of it: holding the server near what it answers within
-its queueing budget, the server's own admission rarely refuses, so Python runs almost only for
-calls it answers. The caller's name travels on as metadata (the server's rate quotas and
+is the server's admission moved in front of it: sized near what the server answers within its
+queueing budget (``batch.max_queue_ms`` / one call's cost), the server's own admission rarely
+refuses, so Python runs almost only for calls it answers. The caller's name travels on as metadata (the server's rate quotas and
 shares see the same callers), so do deadlines and cancellations. Health checks and reflection
 pass uncapped.
 
@@ -50,18 +49,16 @@ class FrontPlan:
     host: str
     port: int  # 0: any free port (reported once it listens)
     upstream_port: int  # the gRPC server's loopback port
-    max_in_flight: int  # the most Recommender calls passed to the server at once (the cap starts at 8)
+    max_in_flight: int  # Recommender calls passed to the server at once
     max_share: float  # one caller's share of them while another is active (0: no per-caller cap)
     active_s: float  # a caller counts as active this long after its last call
     metadata_key: str  # the callers' name key
     max_message_bytes: int  # the largest request the server's limits allow
-    target_ms: float  # the cap follows the server: the calls it answers within this, at p90
 
     def argv(self) -> list[str]:
         host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
         return [f"{host}:{self.port}", f"127.0.0.1:{self.upstream_port}", str(self.max_in_flight),
-                f"{self.max_share:g}", f"{self.active_s:g}", self.metadata_key, str(self.max_message_bytes),
-                f"{self.target_ms:g}"]
+                f"{self.max_share:g}", f"{self.active_s:g}", self.metadata_key, str(self.max_message_bytes)]
 
 
 @functools.cache

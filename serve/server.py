@@ -133,11 +133,11 @@ class ConnectionConfig:
     # handler slot, calls handed to the event loop; past max_concurrent_rpcs gRPC refuses on its
     # polling thread at ~50 us a call: serve.frontend)
     front_end: FrontEnd = "aio"
-    # front_end = "native" (serve.proxy): the most Recommender calls the front end passes to the
-    # server at once. Its cap moves below this with the server's latency (the calls it answers
-    # within batch.max_queue_ms at p90); past the cap (or, while others call, past a caller's
-    # fair.max_share of it) the front end refuses with RESOURCE_EXHAUSTED in C++
-    max_in_flight: int = 32
+    # front_end = "native" (serve.proxy): Recommender calls the front end passes to the server at
+    # once; past it (or, while others call, past a caller's fair.max_share of it) the front end
+    # refuses with RESOURCE_EXHAUSTED in C++. Size it near what the server answers within
+    # batch.max_queue_ms: that budget / one call's cost (12 here: ~20 ms / ~1.6 ms)
+    max_in_flight: int = 12
     max_message_bytes: int = 0
     keepalive_time_s: float = 60.0  # ping an idle connection this often ...
     keepalive_timeout_s: float = 20.0  # ... and close it if the ping goes unanswered this long
@@ -148,8 +148,8 @@ class ConnectionConfig:
     def __post_init__(self) -> None:
         if self.front_end not in get_args(FrontEnd):
             raise ValueError(f"serve.connections.front_end = {self.front_end!r}; choose aio, threads or native")
-        if self.max_in_flight < 4:
-            raise ValueError(f"serve.connections.max_in_flight = {self.max_in_flight}; it must be at least 4")
+        if self.max_in_flight < 1:
+            raise ValueError(f"serve.connections.max_in_flight = {self.max_in_flight}; it must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -463,8 +463,7 @@ class RecommenderServer:
         return NativeFront(FrontPlan(
             host=self.cfg.host, port=self.cfg.port, upstream_port=upstream_port, max_in_flight=conn.max_in_flight,
             max_share=fair.max_share if fair.enabled else 0.0, active_s=fair.active_s, metadata_key=fair.metadata_key,
-            max_message_bytes=conn.max_message_bytes or self.cfg.limits.request_bytes() + 1024,
-            target_ms=self.cfg.batch.max_queue_ms or self.cfg.default_timeout_ms))
+            max_message_bytes=conn.max_message_bytes or self.cfg.limits.request_bytes() + 1024))
 
     async def _front_watchdog(self) -> None:
         """The front end gone while serving: nothing reaches the server any more, so it stops

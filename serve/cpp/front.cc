@@ -10,10 +10,7 @@
 // as METADATA_KEY, so the server's own shares see the same callers; the call's deadline and a
 // client's cancellation are passed on too.
 //
-//   front LISTEN UPSTREAM MAX_IN_FLIGHT MAX_SHARE ACTIVE_S METADATA_KEY MAX_MESSAGE_BYTES TARGET_MS
-//
-// The cap on calls at once moves between 4 and MAX_IN_FLIGHT with the server's latency (Limiter:
-// the most it answers within TARGET_MS of queueing, at the 90th percentile).
+//   front LISTEN UPSTREAM MAX_IN_FLIGHT MAX_SHARE ACTIVE_S METADATA_KEY MAX_MESSAGE_BYTES
 // LISTEN: host:port (port 0: any; "listening PORT" on stdout once it listens). UPSTREAM: the
 // server's host:port. MAX_SHARE 0: no per-caller cap. SIGTERM / SIGQUIT / SIGINT: stop taking
 // calls, let those passed on finish (up to 10 s), exit 0.
@@ -53,8 +50,6 @@ class Shares {
  public:
   Shares(int cap, double share, double active_s) : cap_(cap), share_(share), active_s_(active_s) {}
 
-  int cap() const { return cap_; }
-  void set_cap(int cap) { cap_ = cap; }
 
   // "" when the caller may have one more call at once, else why not. A caller within its share
   // is let in past the cap (up to twice it): a caller that had the server to itself may hold
@@ -117,42 +112,6 @@ class Shares {
   std::unordered_map<std::string, Held> held_;
 };
 
-// The cap follows the server (AIMD on latency): the calls it holds at once that it answers
-// within TARGET_MS of queueing. Each window of answered calls (at least 16, or the cap's worth)
-// ends with its 90th-percentile time in the server: within its time without queueing (the
-// lowest window p10 seen) plus TARGET_MS, one more place; past it, a tenth fewer; always within
-// [4, MAX_IN_FLIGHT]. (Against TARGET_MS alone, a server whose calls take that long unqueued
-// shrank the cap until it refused at half its capacity.) A batching server answers more as its batches
-// fill, so a fixed cap small enough for a slow moment wastes a fast one, and one large enough
-// for a fast moment queues calls past their budget in a slow one.
-class Limiter {
- public:
-  Limiter(Shares* shares, int ceiling, double target_ms) : shares_(shares), ceiling_(ceiling), target_ms_(target_ms) {}
-
-  void observe(double ms) {
-    window_.push_back(ms);
-    if (window_.size() < static_cast<size_t>(std::max(16, shares_->cap()))) return;
-    auto p10 = window_.begin() + static_cast<long>(window_.size() / 10);
-    std::nth_element(window_.begin(), p10, window_.end());
-    // the server's own time without queueing: the lowest window p10 seen, let drift up 2% a
-    // window (a machine that slows down raises it)
-    base_ms_ = std::min(*p10, base_ms_ * 1.02);
-    auto p90 = window_.begin() + static_cast<long>(window_.size() * 9 / 10);
-    std::nth_element(window_.begin(), p90, window_.end());
-    const int cap = shares_->cap();
-    const int next = *p90 <= base_ms_ + target_ms_ ? cap + 1 : static_cast<int>(cap * 0.9);
-    shares_->set_cap(std::clamp(next, 4, ceiling_));
-    window_.clear();
-  }
-
- private:
-  Shares* shares_;
-  int ceiling_;
-  double target_ms_;
-  double base_ms_ = 1e9;
-  std::vector<double> window_;
-};
-
 struct Front {
   grpc::AsyncGenericService service;
   std::unique_ptr<grpc::ServerCompletionQueue> cq;
@@ -162,7 +121,6 @@ struct Front {
   size_t next_upstream = 0;
   grpc::GenericStub& upstream() { return *upstreams[next_upstream++ % upstreams.size()]; }
   std::unique_ptr<Shares> shares;
-  std::unique_ptr<Limiter> limiter;
   std::string key;
   void accept_one();
 };
@@ -199,7 +157,6 @@ struct Call {
   std::unique_ptr<grpc::GenericClientAsyncResponseReader> reader;
   grpc::Status status;
   std::string caller;
-  Clock::time_point sent{};
   bool holds = false, upstream_busy = false, written = false, done = false;
   Tag accepted{this, Event::kAccepted}, read{this, Event::kRead}, answered{this, Event::kUpstream},
       wrote{this, Event::kWritten}, finished{this, Event::kDone};
@@ -224,9 +181,6 @@ struct Call {
         return true;
       case Event::kUpstream:
         upstream_busy = false;
-        if (holds && status.ok()) {
-          front->limiter->observe(std::chrono::duration<double, std::milli>(Clock::now() - sent).count());
-        }
         release();
         if (status.ok()) {
           stream.WriteAndFinish(reply, grpc::WriteOptions(), grpc::Status::OK, &wrote);
@@ -267,7 +221,6 @@ struct Call {
     up.AddMetadata(front->key, caller);
     reader = front->upstream().PrepareUnaryCall(&up, ctx.method(), request, front->cq.get());
     upstream_busy = true;
-    sent = Clock::now();
     reader->StartCall();
     reader->Finish(&reply, &status, &answered);
   }
@@ -287,24 +240,21 @@ void Front::accept_one() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 9) {
-    std::cerr << "usage: front LISTEN UPSTREAM MAX_IN_FLIGHT MAX_SHARE ACTIVE_S METADATA_KEY MAX_MESSAGE_BYTES "
-                 "TARGET_MS\n";
+  if (argc != 8) {
+    std::cerr << "usage: front LISTEN UPSTREAM MAX_IN_FLIGHT MAX_SHARE ACTIVE_S METADATA_KEY MAX_MESSAGE_BYTES\n";
     return 2;
   }
   const std::string listen = argv[1], target = argv[2];
   const int cap = std::atoi(argv[3]);
   const double share = std::atof(argv[4]), active_s = std::atof(argv[5]);
   const int max_bytes = std::atoi(argv[7]);
-  const double target_ms = std::atof(argv[8]);
-  if (cap < 4 || share < 0 || share > 1 || max_bytes < 1 || target_ms <= 0) {
-    std::cerr << "front: MAX_IN_FLIGHT >= 4, 0 <= MAX_SHARE <= 1, MAX_MESSAGE_BYTES >= 1, TARGET_MS > 0\n";
+  if (cap < 1 || share < 0 || share > 1 || max_bytes < 1) {
+    std::cerr << "front: MAX_IN_FLIGHT >= 1, 0 <= MAX_SHARE <= 1, MAX_MESSAGE_BYTES >= 1\n";
     return 2;
   }
   Front front;
   front.key = argv[6];
-  front.shares = std::make_unique<Shares>(std::min(cap, 8), share, active_s);
-  front.limiter = std::make_unique<Limiter>(front.shares.get(), cap, target_ms);
+  front.shares = std::make_unique<Shares>(cap, share, active_s);
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);  // (a refused or failed call is the caller's to retry; no send buffering)
   args.SetMaxReceiveMessageSize(-1);
