@@ -1,4 +1,5 @@
 """The public listener on gRPC's thread-pool server (``serve.connections.front_end = "threads"``).
+(The third kind, ``"native"``, a C++ front end before the aio listener: ``serve.proxy``.)
 
 Why: under overload most calls must be refused, and on the CPU the server has, a refusal must
 cost far less than an answer (issue 46). What one refused call costs the server's CPU

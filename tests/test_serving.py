@@ -781,6 +781,16 @@ def test_calls_past_the_pending_bound_are_refused_by_grpc_core_while_the_front_e
         srv.stop()
 
 
+def refused_at_once_and_still_serving(srv: ThreadedServer) -> None:
+    """Calls past the listener's limit while the loop is blocked are refused at once, by the
+    listener (RESOURCE_EXHAUSTED), and health still reports SERVING."""
+    fast, _ = calls_while_the_loop_is_blocked(srv)
+    assert len(fast) >= 24 and set(fast) == {"RESOURCE_EXHAUSTED"}, fast
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(srv.target))
+    assert health.Check(health_pb2.HealthCheckRequest(service=RECOMMENDER)).status == \
+        health_pb2.HealthCheckResponse.SERVING
+
+
 def test_the_native_front_end_refuses_past_its_cap_at_once_while_the_loop_is_busy(artifacts):
     """``connections.front_end = "native"`` (serve.proxy): the C++ front end passes at most
     ``max_in_flight`` calls to the server; the rest it refuses itself (RESOURCE_EXHAUSTED),
@@ -791,11 +801,7 @@ def test_the_native_front_end_refuses_past_its_cap_at_once_while_the_loop_is_bus
     srv = ThreadedServer(artifacts["hstu"], local_config(connections=conn))
     front = srv.server.front
     try:
-        fast, client = calls_while_the_loop_is_blocked(srv)
-        assert len(fast) >= 24 and set(fast) == {"RESOURCE_EXHAUSTED"}, fast
-        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(srv.target))
-        assert health.Check(health_pb2.HealthCheckRequest(service=RECOMMENDER)).status == \
-            health_pb2.HealthCheckResponse.SERVING
+        refused_at_once_and_still_serving(srv)
         assert front is not None and front.alive
     finally:
         srv.stop()
@@ -817,10 +823,6 @@ def test_the_thread_pool_front_end_refuses_past_its_slots_at_once_while_the_loop
     conn = replace(local_config().connections, front_end="threads", max_concurrent_rpcs=4, max_pending_calls=1000)
     srv = ThreadedServer(artifacts["hstu"], local_config(connections=conn))
     try:
-        fast, _ = calls_while_the_loop_is_blocked(srv)
-        assert len(fast) >= 24 and set(fast) == {"RESOURCE_EXHAUSTED"}, fast
-        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(srv.target))
-        assert health.Check(health_pb2.HealthCheckRequest(service=RECOMMENDER)).status == \
-            health_pb2.HealthCheckResponse.SERVING
+        refused_at_once_and_still_serving(srv)
     finally:
         srv.stop()
