@@ -270,6 +270,8 @@ class EngineProcess:
                 raise EngineProcessError(f"engine process for {self.artifact} was closed before it started")
             self.conn, self.proc, self._starting = conn, proc, True
             proc.start()
+            if self.settings.nice and proc.pid is not None:  # idle from its first instruction: a spawned
+                _background(proc.pid)  # child imports torch and unpickles its arguments before _child runs
         child.close()
         try:
             tag, body = self._await_ready()

@@ -88,6 +88,31 @@ def stop_child(engine: EngineProcess) -> int:
     return engine.proc.pid
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
+def test_a_standby_loads_at_idle_priority_from_its_first_instruction(artifact):
+    """A standby (``settings.nice``) loads on the CPUs of an engine that serves: from the moment
+    its process exists it runs at SCHED_IDLE. (Set only inside the child, the seconds of a
+    spawned interpreter's imports and unpickling before it ran normal: 8% of calls refused for
+    ~8 s after an engine kill at half capacity, benchmarks/notes/2026-12-05-native-front.md.)"""
+    engine = EngineProcess("torch", str(artifact), settings=ProcessSettings(threads=1, nice=10), start=False)
+    t, out = start_in_thread(engine)
+    try:
+        assert wait_until(lambda: engine.proc is not None and engine.proc.pid is not None, 30)
+        time.sleep(0.05)  # (past the parent's own call right after the spawn; the imports take seconds)
+        seen = set()
+        while not out:  # the child's policy while it loads
+            try:
+                seen.add(os.sched_getscheduler(engine.proc.pid))
+            except OSError:
+                break
+            time.sleep(0.005)
+        t.join(120)
+        assert out == [None], out
+        assert seen == {os.SCHED_IDLE}, seen
+    finally:
+        engine.close()
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process states from /proc")
 def test_a_start_that_hangs_times_out_and_leaves_no_process(artifact):
     engine = EngineProcess("torch", str(artifact), settings=ProcessSettings(threads=1, start_timeout_s=2),
