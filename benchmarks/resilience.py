@@ -51,7 +51,7 @@ import numpy as np
 from genrec.benchmarks.common import ROOT, machine, today, update_results_md, write_json
 from genrec.benchmarks.serving import artifact_and_requests
 from genrec.loadtest.runner import RESPONSES, native_step, run_step
-from genrec.loadtest.sender import available
+from genrec.loadtest.sender import choose
 from genrec.loadtest.workload import load_workload
 
 STEPS = [50, 100, 150, 200, 300, 400, 500, 600, 800, 1000, 1200, 1600]
@@ -338,10 +338,7 @@ def main() -> None:
     if args.workload:
         payloads = load_workload(args.workload)
     global SENDER
-    why = available() if args.sender != "python" else None
-    if why is not None and args.sender == "native":
-        raise SystemExit(why)
-    SENDER = "native" if args.sender != "python" and why is None else "python"
+    SENDER, why = choose(args.sender)
     print(f"sender: {SENDER}" + (f" ({why})" if why else ""), flush=True)
     mine, generator = server_cpus()
     os.sched_setaffinity(0, generator)

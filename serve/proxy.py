@@ -70,6 +70,15 @@ def binary() -> Path:
         raise FrontError(f"serve.connections.front_end = 'native': {e}") from None
 
 
+def available() -> str | None:
+    """None where the front end builds, else why not."""
+    try:
+        binary()
+    except FrontError as e:
+        return str(e)
+    return None
+
+
 class NativeFront:
     """The front-end process for a :class:`FrontPlan`; :meth:`stop` ends it gracefully."""
 

@@ -79,6 +79,16 @@ def _sources(item: pytest.Item) -> str:
     return "\n".join(out)
 
 
+def native_or_skip(why: str | None) -> None:
+    """For a test of a native program (genrec.native_build): skip where it cannot be built here
+    (``why``), except under CI, where .ci/run installs the gRPC C++ library and sets
+    GENREC_REQUIRE_NATIVE: there it fails."""
+    if why is not None and os.environ.get("GENREC_REQUIRE_NATIVE"):
+        pytest.fail(why)
+    if why is not None:
+        pytest.skip(why)
+
+
 def tier_of(item: pytest.Item) -> str:
     file = item.path.name
     if file in FILE_TIERS:

@@ -11,7 +11,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import pytest
 import torch
 
 from genrec.config import to_dict
@@ -130,19 +129,6 @@ def tiny_sid_artifact(data: Path, out: Path, embeddings: str = "fp32", dense: st
 
 
 ADMIN_TOKEN = "test-admin-token-0123456789"
-
-
-def native_front_or_skip() -> None:
-    """Skip where the native front end (serve.proxy) cannot be built, except under CI (.ci/run
-    installs the gRPC C++ library and sets GENREC_REQUIRE_NATIVE): there it fails."""
-    from genrec.serve.proxy import FrontError, binary
-
-    try:
-        binary()
-    except FrontError as e:
-        if os.environ.get("GENREC_REQUIRE_NATIVE"):
-            pytest.fail(str(e))
-        pytest.skip(str(e))
 
 
 def local_config(**kwargs) -> ServeConfig:  # noqa: ANN003

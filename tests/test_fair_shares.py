@@ -17,12 +17,13 @@ from genrec.loadtest.client import RecommenderClient, user
 from genrec.serve.admission import FairConfig, Shares, TenantQuota, caller_of
 from genrec.serve.batcher import BatchConfig, Batcher, Overloaded
 from genrec.serve.engine import TorchEngine
+from genrec.serve.proxy import available as front_available
 from genrec.serve.server import ConnectionConfig
+from tests.conftest import native_or_skip
 from tests.serving_helpers import (
     SlowEngine,
     ThreadedServer,
     local_config,
-    native_front_or_skip,
     tiny_ranking_artifact,
 )
 
@@ -118,7 +119,7 @@ def test_a_flooding_tenant_is_refused_past_its_share_while_another_is_served(art
     """On every listener (serve.frontend: the thread-pool one takes shares on its handler threads;
     serve.proxy: the native front end takes them in front of the server, a caller's share of its cap)."""
     if front_end == "native":
-        native_front_or_skip()
+        native_or_skip(front_available())
     engine = SlowEngine(TorchEngine(artifact), delay=0.05)  # ~80 calls/s at batches of 4
     cfg = local_config(batch=BatchConfig(max_batch=4, max_wait_ms=1, max_queue=64, max_queue_ms=200),
                        fair=FairConfig(max_share=0.25), connections=ConnectionConfig(front_end=front_end))

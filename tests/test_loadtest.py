@@ -24,6 +24,7 @@ from genrec.loadtest.workload import (
     make_workload,
 )
 from genrec.proto.v1 import recommender_pb2 as pb
+from tests.conftest import native_or_skip
 
 DELAY_S, COMPUTE_S, FAIL_EVERY = 0.02, 0.005, 10
 
@@ -71,20 +72,10 @@ def test_histogram_percentiles_are_within_one_percent():
     assert h.total == 1000
 
 
-def native_sender_or_skip() -> None:
-    """Skip where the native sender cannot be built, except under CI (.ci/run installs the gRPC
-    C++ library and sets GENREC_REQUIRE_NATIVE): there its absence fails."""
-    why = available()
-    if why is not None and os.environ.get("GENREC_REQUIRE_NATIVE"):
-        pytest.fail(why)
-    if why is not None:
-        pytest.skip(why)
-
-
 @pytest.mark.parametrize("sender", ["python", "native"])
 def test_sweep_counts_percentiles_and_errors_match_the_known_server(tmp_path, sender):
     if sender == "native":
-        native_sender_or_skip()
+        native_or_skip(available())
     srv = KnownServer()
     try:
         payload = [pb.RecommendRequest(top_k=1).SerializeToString()]
@@ -321,7 +312,7 @@ def test_a_sweep_reads_a_stream_on_through_its_steps_and_reports_the_cache(tmp_p
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     if sender == "native":
-        native_sender_or_skip()
+        native_or_skip(available())
 
     srv = KnownServer()
 

@@ -27,6 +27,7 @@ from genrec.serve.admission import FairConfig
 from genrec.serve.batcher import BatchConfig
 from genrec.serve.engine import TorchEngine
 from genrec.serve.failover import EnginePool
+from genrec.serve.proxy import available as front_available
 from genrec.serve.requests import Limits
 from genrec.serve.server import (
     RECOMMENDER,
@@ -38,11 +39,11 @@ from genrec.serve.server import (
     open_engine,
 )
 from genrec.serve.worker import EngineProcess, ProcessSettings, plan_cpus
+from tests.conftest import native_or_skip
 from tests.serving_helpers import (
     SlowEngine,
     ThreadedServer,
     local_config,
-    native_front_or_skip,
     tiny_ranking_artifact,
 )
 
@@ -796,7 +797,7 @@ def test_the_native_front_end_refuses_past_its_cap_at_once_while_the_loop_is_bus
     ``max_in_flight`` calls to the server; the rest it refuses itself (RESOURCE_EXHAUSTED),
     without the server, whose event loop is blocked here. Health checks pass the cap and report
     SERVING; the server stops the front end with itself."""
-    native_front_or_skip()
+    native_or_skip(front_available())
     conn = replace(local_config().connections, front_end="native", max_in_flight=4, max_pending_calls=1000)
     srv = ThreadedServer(artifacts["hstu"], local_config(connections=conn))
     front = srv.server.front

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from genrec.config import ConfigError, load_config, to_dict
 from genrec.loadtest.report import markdown, write_outputs
 from genrec.loadtest.runner import Payloads, sweep
-from genrec.loadtest.sender import available
+from genrec.loadtest.sender import choose
 from genrec.loadtest.workload import (
     RepeatedUsers,
     RepeatedUserWorkload,
@@ -74,12 +74,9 @@ def cmd_loadtest(args: argparse.Namespace, overrides: list[str]) -> int:
                          "or --workload repeated")
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
-    why = available() if args.sender != "python" else None
-    if why is not None and args.sender == "native":
-        raise SystemExit(why)
+    sender, why = choose(args.sender)
     if why is not None:
         print(f"the Python sender sends ({why})")
-    sender = "native" if args.sender != "python" and why is None else "python"
     payloads, method, described = workload_of(args, overrides)
     qps = [float(x) for x in args.qps.split(",")]
     t0 = time.perf_counter()

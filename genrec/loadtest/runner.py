@@ -57,7 +57,7 @@ class Recorder:
     """What one step's answers add up to, filled from gRPC's callback threads: the latency
     histogram (seconds from the scheduled send), status codes, the parts of the server's Timing,
     refusals; ``finished`` is set once the ``expected`` answers are in. The sender itself records
-    its lateness (``lateness``, one thread: no lock)."""
+    its lateness (:meth:`sent_late`, one thread: no lock)."""
 
     def __init__(self, expected: int, response: type[Message] | None, bar: tqdm | None,
                  calls: list[tuple[float, float, str]] | None) -> None:
@@ -65,7 +65,7 @@ class Recorder:
         self.latency, self.codes = Histogram(), Counter()
         self.server, self.compute, self.outside, self.lateness = (Histogram() for _ in range(4))
         self.decode, self.wait, self.handoff, self.refused = (Histogram() for _ in range(4))
-        self.batch_sum, self.pending = 0, expected
+        self.batch_sum, self.pending, self.late_sends = 0, expected, 0
         self.lock, self.finished = threading.Lock(), threading.Event()
         self.start = 0.0  # the step's time origin (perf_counter), set before the first send
 
@@ -79,6 +79,11 @@ class Recorder:
         except grpc.FutureCancelledError:
             reply, code = None, "CANCELLED"
         self.record(scheduled - self.start, took, code, reply)
+
+    def sent_late(self, behind: float) -> None:
+        """A call was sent ``behind`` seconds after its scheduled time (over 1 ms: a late send)."""
+        self.lateness.record(behind)
+        self.late_sends += int(behind > 1e-3)
 
     def record(self, offset: float, took: float, code: str, reply: bytes | None) -> None:
         """One answer: the call scheduled ``offset`` seconds into the step came back after
@@ -119,7 +124,7 @@ class Recorder:
         if self.pending == 0:
             self.finished.set()
 
-    def result(self, qps: float, duration: float, sent: int, late: int, busy: float, steal: float) -> StepResult:
+    def result(self, qps: float, duration: float, sent: int, busy: float, steal: float) -> StepResult:
         """The step's figures, once ``finished`` (milliseconds)."""
         ok = self.codes["OK"]
         if sent == 0:
@@ -134,7 +139,7 @@ class Recorder:
         return StepResult(
             qps, duration, sent, ok, {k: v for k, v in self.codes.items() if k != "OK"}, ok / duration,
             ms(self.latency, 50), ms(self.latency, 90), ms(self.latency, 99), ms(self.latency, 99.9), p99_all,
-            self.latency.max * 1e3 if ok else math.nan, late,
+            self.latency.max * 1e3 if ok else math.nan, self.late_sends,
             server_p50_ms=ms(self.server, 50), server_p99_ms=ms(self.server, 99),
             compute_p50_ms=ms(self.compute, 50), compute_p99_ms=ms(self.compute, 99),
             outside_p50_ms=ms(self.outside, 50), outside_p99_ms=ms(self.outside, 99),
@@ -178,7 +183,7 @@ def run_step(call: grpc.UnaryUnaryMultiCallable, payloads: Payloads, qps: float,
     rec = Recorder(len(offsets), response, bar, calls)
     source = itertools.cycle(payloads) if isinstance(payloads, Sequence) else iter(payloads)
     machine = cpu_times()
-    late, rec.start = 0, time.perf_counter() + 0.05
+    rec.start = time.perf_counter() + 0.05
     for i, off in enumerate(offsets):
         payload = next(source, None)
         if payload is None:  # a finite stream ran out: the step ends with it
@@ -189,16 +194,13 @@ def run_step(call: grpc.UnaryUnaryMultiCallable, payloads: Payloads, qps: float,
         delay = scheduled - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        behind = time.perf_counter() - scheduled
-        rec.lateness.record(behind)
-        if behind > 1e-3:
-            late += 1
+        rec.sent_late(time.perf_counter() - scheduled)
         fut = call.future(payload, timeout=timeout, metadata=metadata or None)
         fut.add_done_callback(functools.partial(rec.answered, scheduled=scheduled))
     if len(offsets):
         rec.finished.wait()
     busy, steal = cpu_shares(machine, cpu_times())
-    return rec.result(qps, duration, len(offsets), late, busy, steal)
+    return rec.result(qps, duration, len(offsets), busy, steal)
 
 
 def native_step(target: str, method: str, payloads: Payloads, qps: float, duration: float, timeout: float,
@@ -221,20 +223,18 @@ def native_step(target: str, method: str, payloads: Payloads, qps: float, durati
     if not len(offsets):
         if began is not None:
             began.set()
-        return rec.result(qps, duration, 0, 0, math.nan, math.nan)
+        return rec.result(qps, duration, 0, math.nan, math.nan)
     machine = cpu_times()
     answers = send(target, f"/genrec.v1.Recommender/{method}", items, offsets.tolist(), timeout, warmup=warmup,
                    first=first, replies=response is not None, metadata=metadata, began=began)
     busy, steal = cpu_shares(machine, cpu_times())
-    late = 0
     for offset, took, behind, code, reply in zip(answers.offsets, answers.took, answers.late, answers.codes,
                                                  answers.replies):
-        rec.lateness.record(behind)
-        late += behind > 1e-3
+        rec.sent_late(behind)
         rec.record(offset, took, code, reply)
     if bar is not None:
         bar.update(len(offsets))
-    return rec.result(qps, duration, len(offsets), late, busy, steal)
+    return rec.result(qps, duration, len(offsets), busy, steal)
 
 
 def step_seconds(qps: float, duration: float, min_requests: int = 0) -> float:

@@ -47,6 +47,15 @@ def available() -> str | None:
     return None
 
 
+def choose(requested: str) -> tuple[str, str | None]:
+    """(the sender to use, why not the native one or None) for ``--sender``: "native" where it
+    builds, else (for "auto") "python"; asking for "native" where it does not build exits."""
+    why = available() if requested != "python" else None
+    if why is not None and requested == "native":
+        raise SystemExit(why)
+    return ("native" if requested != "python" and why is None else "python"), why
+
+
 @dataclass
 class Answers:
     """What the sender sent and got back, in schedule order."""
