@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from genrec.kernels.hstu_coded import AttentionPlan, bias_table, hstu_cached_attention_coded
-from genrec.kernels.hstu_reference import lookup, records_grad, time_bucket
+from genrec.kernels.hstu_coded import AttentionPlan, bias_entries, hstu_cached_attention_coded
+from genrec.kernels.hstu_reference import records_grad, time_bucket
 
 # oneDNN's linear + pointwise op (what torch.compile's CPU backend fuses into); None where absent
 _linear_pointwise = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None) if (
@@ -143,13 +143,13 @@ def hstu_cached_attention_blocked(
                                   request_times if use_time else None, key_positions, query_positions)
         if plan is not None:
             plan.blocked = layout
-    table = bias_table(pos_weights, time_weights if use_time else None, max_seq_len, q.dtype)
+    tw = time_weights if use_time else None
     gemm = dtype or q.dtype
     fused = _fused_silu(gemm, q)
     qs = q if layout.order is None else q[layout.order]
     qg = (qs * alpha).to(gemm) if fused else qs.to(gemm)  # (no copy where the dtype is already)
     kg, vg = k_hist.to(gemm), v_hist.to(gemm)
-    bias = lookup(table, layout.code).to(gemm)  # [Th]
+    bias = bias_entries(pos_weights, tw, layout.code, max_seq_len, q.dtype).to(gemm)  # [Th]
     out = v.new_zeros(c, h, v.shape[-1])
     for c0, c1, s, n in layout.users:
         if n == 0:  # an empty history: the candidate sees itself only
@@ -168,5 +168,6 @@ def hstu_cached_attention_blocked(
                 out[b0:b1, hd] = torch.mm(attn, vh)  # [cb, Dv]
     if layout.order is not None:
         out = torch.empty_like(out).index_copy_(0, layout.order, out)
-    self_score = (q * k).sum(-1).mul_(alpha).add_(table[0])  # [C, H]: distance 0, time gap 0
+    zero = bias_entries(pos_weights, tw, layout.code.new_zeros(1), max_seq_len, q.dtype)  # distance 0, time gap 0
+    self_score = (q * k).sum(-1).mul_(alpha).add_(zero)  # [C, H]
     return out.add_(F.silu(self_score)[..., None] * v).div_(max_seq_len)

@@ -60,6 +60,25 @@ def bias_table(pos_weights: torch.Tensor | None, time_weights: torch.Tensor | No
     return torch.cat([(pos[:, None] + tw[None, :]).reshape(-1), masked])
 
 
+def bias_entries(pos_weights: torch.Tensor | None, time_weights: torch.Tensor | None, code: torch.Tensor,
+                 max_seq_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """``bias_table(...)[code]`` without the table: each code's position and time terms read
+    from the weights themselves, in the same dtype (the same values, bit for bit). The table
+    has ``max_seq_len x num_buckets`` entries (524,288 at 8,192 x 64): where a call reads a few
+    hundred of them (serving's candidates over a cached history), building it cost more than
+    the call's GEMMs."""
+    nb = time_weights.numel() if time_weights is not None else 1
+    masked = code >= max_seq_len * nb
+    flat = code.reshape(-1).clamp(max=max_seq_len * nb - 1).long()
+    out = torch.zeros(flat.shape, dtype=dtype, device=code.device)
+    if pos_weights is not None:
+        out += pos_weights.to(dtype).index_select(0, torch.div(flat, nb, rounding_mode="floor"))
+    if time_weights is not None:
+        out += time_weights.to(dtype).index_select(0, flat % nb)
+    out = out.view(code.shape)
+    return out.masked_fill_(masked, torch.finfo(dtype).min / 2) if bool(masked.any()) else out
+
+
 def bias_codes(lengths: torch.Tensor, max_len: int, max_seq_len: int, num_buckets: int,
                times: tuple[torch.Tensor, torch.Tensor] | None, num_targets: torch.Tensor | None,
                rows: tuple[int, int]) -> torch.Tensor:

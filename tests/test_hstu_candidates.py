@@ -100,3 +100,21 @@ def test_no_candidates_and_block_sizes():
         out = hstu_cached_attention_blocked(q[:0], k[:0], v[:0], kh, vh, offsets, owner[:0], **kw)
     assert out.shape == (0, *v.shape[1:])
     assert block_rows(4096) == 256 and block_rows(0) == 1 << 20 and block_rows(10**9) == 16
+
+
+@pytest.mark.parametrize("terms", ["both", "position", "time", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bias_entries_read_the_table_without_building_it(terms, dtype):
+    """``bias_entries`` gives ``bias_table(...)[code]`` bit for bit, the masked slot included."""
+    from genrec.kernels.hstu_coded import bias_entries, bias_table
+
+    g = torch.Generator().manual_seed(3)
+    n, nb = 50, 7
+    pos = torch.randn(n, generator=g) if terms in ("both", "position") else None
+    tw = torch.randn(nb, generator=g) if terms in ("both", "time") else None
+    slots = n * (nb if tw is not None else 1)
+    code = torch.randint(0, slots + 1, (4, 33), generator=g, dtype=torch.int32)  # the last: masked
+    code[0, 0] = slots
+    want = bias_table(pos, tw, n, dtype)[code.long()]
+    got = bias_entries(pos, tw, code, n, dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
