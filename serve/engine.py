@@ -27,6 +27,7 @@ past the longest prefix it shares with the cached window (``tower.extend_paged``
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -108,6 +109,9 @@ class TorchEngine(InProcessEngine):
         self.ranking = Ranking(self.schema.tasks, objective_tasks)
         self.cache = KVCache(int(self._cache_mb(kv_cache_mb) * 2**20), self._token_bytes())
         self.accounting = Accounting(self.cache, self.schema.max_history, self.window_block)
+        # batches running now (the server may run several in threads): the cache's entries are
+        # grown in place only by a batch that runs alone (serve.packed.PackedPath.encode_cached)
+        self.running, self.running_lock = 0, threading.Lock()
 
     def _cache_mb(self, kv_cache_mb: float) -> float:
         if kv_cache_mb and self.packed is None:  # (extend_paged is the HSTU tower's, on the packed layout)
@@ -134,6 +138,15 @@ class TorchEngine(InProcessEngine):
 
     @torch.inference_mode()
     def run(self, works: list[Work]) -> list[Result]:
+        with self.running_lock:
+            self.running += 1
+        try:
+            return self._run(works)
+        finally:
+            with self.running_lock:
+                self.running -= 1
+
+    def _run(self, works: list[Work]) -> list[Result]:
         t0 = time.perf_counter()
         users, state, cached, evicted = self.encode([w.user for w in works])
         t = time.perf_counter()
@@ -152,7 +165,7 @@ class TorchEngine(InProcessEngine):
         """The users' vectors [B, D] and encoded histories, and (with the K/V cache) the tokens
         each reused and evicted [B] (None without)."""
         if self.packed is not None and self.cache.enabled:
-            return self.packed.encode_cached(users, self.cache)
+            return self.packed.encode_cached(users, self.cache, alone=lambda: self.running == 1)
         if self.packed is not None:  # (lays the batch out itself)
             return (*self.packed.encode(users), None, None)
         t = time.perf_counter()

@@ -13,8 +13,14 @@ calls (the ads pipeline: 3-5 calls per page view) then encode only the new event
 An entry holds its user's keys k [layers, n, H * Dqk] and values v [layers, n, H * Dv] in the
 layout of one history of the native backend (``kernels.hstu_native.NativeHistory``; the
 PyTorch layers read views of it, [n, H, D] per layer) and the window's events as int64 arrays.
-Entries are never written in place: a call copies a reused prefix out and puts a new entry
-back, so a failed call (or the same user twice in one batch) leaves the cache consistent.
+An entry in the cache is never written: a call either copies a reused prefix out, or *takes*
+the entry out of the cache (``lookup(take=True)``), writes its new tokens into the entry's
+storage after the prefix (``Entry.room``: storage for more tokens than it holds, so a history
+that grows by a few events is not copied whole every call: 4 MiB a layer at 8,000 events)
+and puts a new entry back. A taken entry is invisible to other calls, and the engine takes
+one only while no other call of it runs (``serve.packed.PackedPath.encode_cached``): nobody
+holds a view of the storage it writes. A failed call loses that user's entry; the cache stays
+consistent either way.
 
 The torch engine owns one (``TorchEngine(kv_cache_mb=)``); the SGLang engine keeps the same
 prefixes in its radix cache (``pool_tokens``).
@@ -75,10 +81,18 @@ class Entry:
     query_times: np.ndarray  # each token's query time (the next event's; the last: the request's)
     k: torch.Tensor  # [layers, n, H * Dqk]
     v: torch.Tensor  # [layers, n, H * Dv]
+    # the storage k and v are the first n tokens of ([layers, capacity, width] each), where it
+    # has room for more; None: k and v are the whole storage
+    room: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def tokens(self) -> int:
         return int(self.items.size)
+
+    @property
+    def held(self) -> int:
+        """Tokens of storage the entry holds (what the budget counts): its tokens and its room."""
+        return int(self.room[0].shape[1]) if self.room is not None else self.tokens
 
 
 # the events an entry matches on, in Entry's order
@@ -122,11 +136,13 @@ class KVCache:
     def enabled(self) -> bool:
         return self.capacity_tokens > 0
 
-    def lookup(self, user_id: str, events: tuple[np.ndarray, ...], min_prefix: int = 1) -> tuple[Entry | None, int]:
+    def lookup(self, user_id: str, events: tuple[np.ndarray, ...], min_prefix: int = 1,
+               take: bool = False) -> tuple[Entry | None, int]:
         """(the user's entry, how many leading tokens of the window ``events`` it has encoded:
         :func:`common_prefix`); (None, 0) for a user not cached, or a prefix shorter than
         ``min_prefix`` (not worth reusing). Counts a hit or a miss and makes the user the most
-        recently used."""
+        recently used. ``take``: a hit's entry leaves the cache (its caller may write its
+        storage, and puts the user's new entry back)."""
         with self.lock:
             entry = self.entries.get(user_id)
             prefix = 0
@@ -134,6 +150,9 @@ class KVCache:
                 self.entries.move_to_end(user_id)
                 prefix = common_prefix(entry, events)
                 prefix = prefix if prefix >= max(min_prefix, 1) else 0
+                if prefix and take:
+                    del self.entries[user_id]
+                    self.used_tokens -= entry.held
             self.counts["hits" if prefix else "misses"] += 1
             self.counts["cached_tokens"] += prefix
         return (entry if prefix else None), prefix
@@ -150,21 +169,22 @@ class KVCache:
         with self.lock:
             old = self.entries.pop(user_id, None)
             if old is not None:
-                self.used_tokens -= old.tokens
-            if entry.tokens > self.capacity_tokens:
+                self.used_tokens -= old.held
+            if entry.held > self.capacity_tokens:
                 return 0
             evicted = 0
-            while self.used_tokens + entry.tokens > self.capacity_tokens:
+            while self.used_tokens + entry.held > self.capacity_tokens:
                 _, gone = self.entries.popitem(last=False)
-                self.used_tokens -= gone.tokens
+                self.used_tokens -= gone.held
                 evicted += gone.tokens
             self.entries[user_id] = entry
-            self.used_tokens += entry.tokens
+            self.used_tokens += entry.held
             self.counts["evicted_tokens"] += evicted
         return evicted
 
     def gauges(self) -> dict[str, int]:
-        """users, used_tokens, capacity_tokens and bytes (used_tokens x token_bytes) now."""
+        """users, used_tokens (held: entries' tokens and their room), capacity_tokens and bytes
+        (used_tokens x token_bytes) now."""
         with self.lock:
             users, used = len(self.entries), self.used_tokens
         return {"users": users, "used_tokens": used, "capacity_tokens": self.capacity_tokens,

@@ -11,6 +11,7 @@ summed action encoding (:func:`packed_supports`); other models take the batch pa
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -128,15 +129,17 @@ class PackedPath:
         meta = JaggedMeta(torch.from_numpy(offsets), int(lens.max()), torch.from_numpy(tk), torch.from_numpy(tq), None)
         return self.model.encode_history_tokens(x, meta, ctx, self.backend)
 
-    def encode_cached(self, users: list[UserInput], cache: KVCache) -> tuple[torch.Tensor, HistoryState, np.ndarray,
-                                                                            np.ndarray]:
+    def encode_cached(self, users: list[UserInput], cache: KVCache, alone: Callable[[], bool] | None = None,
+                      ) -> tuple[torch.Tensor, HistoryState, np.ndarray, np.ndarray]:
         """:meth:`encode` with ``cache``: (user vectors [B, D], the encoded histories, tokens
         reused per user [B], tokens evicted per user [B]). A user with a ``user_id`` whose cached
         window shares a prefix with this one (``serve.kvcache``) encodes only the rest, through
         ``tower.extend_paged`` over the prefix's keys / values (such users of the batch together);
         the others through ``encode_history_tokens`` as :meth:`encode`. Users with an id are kept
         in the cache afterwards. The state is one packed history as :meth:`encode` gives, so
-        candidates are scored the same way."""
+        candidates are scored the same way. ``alone()``: whether this call is the only one of the
+        engine running, asked after the entries are taken out of the cache: then a lone warm user
+        grows its entry's storage in place (``serve.kvcache``) instead of copying its prefix."""
         t0 = time.perf_counter()
         items, actions, tk, tq, positions, lens = pack_users(users, self.cap, self.has_action, self.block)
         b = lens.size
@@ -144,11 +147,13 @@ class PackedPath:
         np.cumsum(lens, out=offsets[1:])
         entries: list[Entry | None] = [None] * b
         prefix = np.zeros(b, np.int64)
+        take = alone is not None and b == 1  # (in place: one warm user, see _extend)
         for i, u in enumerate(users):
             if u.user_id:
                 s, e = offsets[i], offsets[i + 1]
                 entries[i], prefix[i] = cache.lookup(u.user_id, (items[s:e], actions[s:e], tk[s:e], tq[s:e]),
-                                                     self.min_prefix(int(e - s)))
+                                                     self.min_prefix(int(e - s)), take=take)
+        in_place = take and alone is not None and alone()  # (asked after the take: see the docstring)
         cache.count_history(int(lens.sum()))
         keep = positions >= np.repeat(prefix, lens)  # the rows to encode: all but the reused prefixes
         x = self.tokens(items[keep], actions[keep], positions[keep])
@@ -159,7 +164,7 @@ class PackedPath:
             vec, state = self._encode(x, lens, tk, tq, ctx)
             kv = _split_kv(self.model.tower, state.history, offsets, [bool(u.user_id) for u in users])
         else:
-            vec, state, kv = self._encode_warm(x, keep, warm, entries, prefix, lens, offsets, tk, tq, ctx)
+            vec, state, kv = self._encode_warm(x, keep, warm, entries, prefix, lens, offsets, tk, tq, ctx, in_place)
         t0 = self._mark("history_tower", t0)
         evicted = np.zeros(b, np.int64)
         for i, u in enumerate(users):
@@ -167,7 +172,7 @@ class PackedPath:
             if u.user_id and pair is not None:
                 s, e = offsets[i], offsets[i + 1]
                 evicted[i] = cache.put(u.user_id, Entry(items[s:e].copy(), actions[s:e].copy(), tk[s:e].copy(),
-                                                        tq[s:e].copy(), *pair))
+                                                        tq[s:e].copy(), pair[0], pair[1], pair[2] if len(pair) > 2 else None))
         self._mark("cache_update", t0)
         return vec, state, prefix, evicted
 
@@ -187,7 +192,7 @@ class PackedPath:
 
     def _encode_warm(self, x: torch.Tensor, keep: np.ndarray, warm: np.ndarray, entries: list[Entry | None],
                      prefix: np.ndarray, lens: np.ndarray, offsets: np.ndarray, tk: np.ndarray, tq: np.ndarray,
-                     ctx: torch.Tensor | None) -> tuple[torch.Tensor, HistoryState, list]:
+                     ctx: torch.Tensor | None, in_place: bool = False) -> tuple[torch.Tensor, HistoryState, list]:
         """A batch with cached prefixes: the cold users through the encode, the warm ones' new
         tokens through ``tower.extend_paged``; (vectors, one packed state, each user's k / v)."""
         m, b = self.model, lens.size
@@ -204,7 +209,7 @@ class PackedPath:
                 kv[j] = pair
         new = np.isin(owner, warm)
         vec_w, kv_w = self._extend(x[torch.from_numpy(new)], [entries[i] for i in warm], prefix[warm], lens[warm],
-                                   tk, tq, offsets[warm])
+                                   tk, tq, offsets[warm], in_place and warm.size == 1)
         vec[torch.from_numpy(warm)] = vec_w
         for j, pair in zip(warm, kv_w):
             kv[j] = pair
@@ -212,18 +217,26 @@ class PackedPath:
                                  torch.from_numpy(lens), ctx), kv
 
     def _extend(self, x: torch.Tensor, entries: list[Entry], prefix: np.ndarray, lens: np.ndarray, tk: np.ndarray,
-                tq: np.ndarray, starts: np.ndarray) -> tuple[torch.Tensor, list]:
+                tq: np.ndarray, starts: np.ndarray, in_place: bool = False) -> tuple[torch.Tensor, list]:
         """Warm users' new tokens x (rows ``prefix[i]..lens[i]-1`` of each, in order) over their
-        cached prefixes: (user vectors [W, D], each user's k / v [layers, n, H D] afterwards)."""
+        cached prefixes: (user vectors [W, D], each user's k / v [layers, n, H D] afterwards,
+        and for an entry grown in place its storage). ``in_place`` (one user, its entry taken
+        out of the cache): the new tokens are written into the entry's storage after the
+        prefix, grown with room for :func:`room` more tokens where it is full."""
         tower, w, big = self.model.tower, lens.size, int(lens.max())
         c = tower.kv_dims()
         dtype = x.dtype
-        kp = torch.empty(c.layers, w, big, c.key_width, dtype=dtype)
-        vp = torch.empty(c.layers, w, big, c.value_width, dtype=dtype)
-        for i, (e, p, n) in enumerate(zip(entries, prefix, lens)):
-            kp[:, i, :p], vp[:, i, :p] = e.k[:, :p], e.v[:, :p]
-            if n < big:  # padding the op reads (masked, so it must be finite)
-                kp[:, i, n:], vp[:, i, n:] = 0, 0
+        if in_place:
+            (e,), p = entries, int(prefix[0])
+            ks, vs = e.room if e.room is not None and e.room[0].shape[1] >= big else _grown(e, p, big + room(big))
+            kp, vp = ks[:, None], vs[:, None]  # [layers, 1, capacity, width]
+        else:
+            kp = torch.empty(c.layers, w, big, c.key_width, dtype=dtype)
+            vp = torch.empty(c.layers, w, big, c.value_width, dtype=dtype)
+            for i, (e, p, n) in enumerate(zip(entries, prefix, lens)):
+                kp[:, i, :p], vp[:, i, :p] = e.k[:, :p], e.v[:, :p]
+                if n < big:  # padding the op reads (masked, so it must be finite)
+                    kp[:, i, n:], vp[:, i, n:] = 0, 0
         seq = torch.from_numpy(np.repeat(np.arange(w), lens - prefix))
         index = torch.from_numpy(np.concatenate([np.arange(p, n) for p, n in zip(prefix, lens)]))
         rows = np.concatenate([np.arange(s + p, s + n) for s, p, n in zip(starts, prefix, lens)])
@@ -233,13 +246,16 @@ class PackedPath:
         meta = PagedMeta(seq, index, torch.from_numpy(lens), key_times, torch.from_numpy(tq[rows]))
 
         def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            keys, values = kp[layer].view(w, big, c.heads, c.key_dim), vp[layer].view(w, big, c.heads, c.value_dim)
+            keys = kp[layer, :, :big].view(w, big, c.heads, c.key_dim)
+            values = vp[layer, :, :big].view(w, big, c.heads, c.value_dim)
             keys[seq, index], values[seq, index] = k, v
             return keys, values
 
         h = tower.extend_paged(x, meta, store)  # [new rows, D]
         last = torch.from_numpy(np.cumsum(lens - prefix) - 1)
         vec = self.model.head.normalize(h[last].float())
+        if in_place:
+            return vec, [(kp[:, 0, :big], vp[:, 0, :big], (kp[:, 0], vp[:, 0]))]
         if w == 1:  # [layers, 1, n, .] is one history's layout already
             return vec, [(kp[:, 0], vp[:, 0])]
         return vec, [(kp[:, i, :n].contiguous(), vp[:, i, :n].contiguous()) for i, n in enumerate(lens)]
@@ -315,6 +331,20 @@ def micro_batches(counts: np.ndarray, size: int) -> list[list[tuple[int, int, in
         out.append([(i, max(a - int(starts[i]), 0), min(b, int(ends[i])) - int(starts[i]))
                     for i in range(lo, hi) if counts[i]])
     return out
+
+
+def room(n: int) -> int:
+    """Tokens of room an entry of n tokens is given when its storage grows: an eighth (at least
+    16), so a history growing by a few events a call is copied once per n / 8 new events."""
+    return max(16, n // 8)
+
+
+def _grown(e: Entry, prefix: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """New storage ([layers, capacity, width] keys and values) holding ``e``'s first ``prefix`` tokens."""
+    ks = e.k.new_empty(e.k.shape[0], capacity, e.k.shape[2])
+    vs = e.v.new_empty(e.v.shape[0], capacity, e.v.shape[2])
+    ks[:, :prefix], vs[:, :prefix] = e.k[:, :prefix], e.v[:, :prefix]
+    return ks, vs
 
 
 def _split_kv(tower: HSTUTower, hist: CachedHistory, offsets: np.ndarray,

@@ -22,6 +22,7 @@ from genrec.quant.embeddings import table_tensors
 from genrec.serve.engine import Result, TorchEngine
 from genrec.serve.kvcache import CacheConfig, Entry, KVCache, common_prefix
 from genrec.serve.metrics import ServerMetrics
+from genrec.serve.packed import room
 from genrec.serve.requests import UserInput, Work
 
 T0 = 1_700_000_000
@@ -316,7 +317,9 @@ def test_the_metrics_count_the_results_and_show_the_gauges(artifact):
     text = generate_latest(metrics.registry).decode()
     want = {"genrec_cache_history_tokens_total": 30.0, "genrec_cache_cached_tokens_total": 18.0,
             "genrec_cache_evicted_tokens_total": 0.0, "genrec_cache_hits_total": 2.0,
-            "genrec_cache_misses_total": 1.0, "genrec_cache_used_tokens": 10.0, "genrec_cache_users": 1.0,
+            "genrec_cache_misses_total": 1.0, "genrec_cache_users": 1.0,
+            # its 10 tokens and the room its storage was given when it grew in place (serve.kvcache)
+            "genrec_cache_used_tokens": 10.0 + room(10),
             "genrec_cache_capacity_tokens": float(engine.cache_stats()["capacity_tokens"]),
             "genrec_cache_bytes": float(engine.cache_stats()["bytes"])}
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("genrec_cache")}
@@ -354,3 +357,33 @@ def test_metrics_count_hits_of_an_engine_that_reports_only_its_tokens():
     text = generate_latest(metrics.registry).decode()
     assert "genrec_cache_hits_total 1.0" in text and "genrec_cache_misses_total 0.0" in text
     assert "genrec_cache_cached_tokens_total 9.0" in text and "genrec_cache_history_tokens_total 20.0" in text
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_growing_history_is_extended_in_its_storage_and_never_under_another_call(artifact, backend):
+    """A lone call of a warm user writes its new tokens into the entry's storage (not a copy of
+    the whole prefix per call: 4 MiB a layer at 8,000 events); while another call of the engine
+    runs, it copies instead, so the entry another call may still read is never written."""
+    ref, cached = _engines(artifact, backend)
+    u = named(history(20, seed=11), "grow")
+    rank = lambda x: [Work("rank", x, candidates=CANDIDATES, candidate_ids=CANDIDATES,  # noqa: E731
+                           bids=np.ones(CANDIDATES.size))]
+    assert_same(cached.run(rank(u)), ref.run(rank(u)))  # cold: the entry is a copy, no room
+    storage = []
+    for k in range(1, 5):  # grown in place: one new storage with room, then the same one
+        u = grown(u, 1, seed=20 + k)
+        assert_same(cached.run(rank(u)), ref.run(rank(u)))
+        entry = cached.cache.entries["grow"]
+        assert entry.room is not None and entry.k.data_ptr() == entry.room[0].data_ptr()
+        storage.append(entry.room[0].data_ptr())
+    assert len(set(storage)) == 1
+    before = cached.cache.entries["grow"]
+    kept = before.k.clone(), before.v.clone()
+    cached.running += 1  # another call in flight
+    try:
+        u = grown(u, 1, seed=30)
+        assert_same(cached.run(rank(u)), ref.run(rank(u)))
+    finally:
+        cached.running -= 1
+    assert torch.equal(before.k, kept[0]) and torch.equal(before.v, kept[1])  # (not written)
+    assert cached.cache.entries["grow"].k.data_ptr() != storage[0]
