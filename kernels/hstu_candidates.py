@@ -92,6 +92,30 @@ def _fused_silu(gemm: torch.dtype, q: torch.Tensor) -> bool:
     return gemm == torch.bfloat16 and q.device.type == "cpu" and _linear_pointwise is not None
 
 
+def _padded(gemm: torch.dtype, q: torch.Tensor) -> bool:
+    """Whether the GEMMs' shapes are rounded up to :func:`bucket` sizes: bf16 / fp16 GEMMs on
+    CPU are oneDNN's, which builds a kernel for every new shape (about 1 ms each, measured: a
+    call's first layer paid 1.5 ms more than its second when candidates and history lengths
+    changed from call to call, as they do in serving); fp32 GEMMs (MKL) have no such cost."""
+    return gemm != torch.float32 and q.device.type == "cpu"
+
+
+def bucket(n: int) -> int:
+    """n rounded up to one of few sizes: a multiple of 16 up to 128, then of an eighth to a
+    sixteenth of n's power of two (at most 1/8 more work): 636 -> 640, 8,000 -> 8,192."""
+    step = 16 if n <= 128 else 1 << (n.bit_length() - 4)
+    return -(-n // step) * step
+
+
+def _zero_padded(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t`` [m, ...] with zero rows after it to n rows (``t`` itself where m = n)."""
+    if t.shape[0] == n:
+        return t
+    out = t.new_zeros(n, *t.shape[1:])
+    out[: t.shape[0]] = t
+    return out
+
+
 def block_rows(hist_len: int, block_elems: int = BLOCK_ELEMS) -> int:
     """Candidates per GEMM block over a history of ``hist_len`` keys (a multiple of 16)."""
     return max(MIN_BLOCK, (block_elems // max(hist_len, 1)) // MIN_BLOCK * MIN_BLOCK)
@@ -151,21 +175,25 @@ def hstu_cached_attention_blocked(
     kg, vg = k_hist.to(gemm), v_hist.to(gemm)
     bias = bias_entries(pos_weights, tw, layout.code, max_seq_len, q.dtype).to(gemm)  # [Th]
     out = v.new_zeros(c, h, v.shape[-1])
+    pad = _padded(gemm, q)
     for c0, c1, s, n in layout.users:
         if n == 0:  # an empty history: the candidate sees itself only
             continue
         rows = block_rows(n, block_elems)
         for hd in range(h):
-            kh, vh = kg[s : s + n, hd], vg[s : s + n, hd]  # [n, D], [n, Dv]: views of the cache
-            if fused:
+            kh, vh, bh = kg[s : s + n, hd], vg[s : s + n, hd], bias[s : s + n]  # [n, D], [n, Dv], [n]: views
+            if pad:  # keys to a bucket's length: zero keys, values and bias, so SiLU(0) * 0 adds nothing
+                kh, vh, bh = (_zero_padded(t, bucket(n)) for t in (kh, vh, bh))
+            elif fused:
                 kh = kh.contiguous()
             for b0 in range(c0, c1, rows):
                 b1 = min(b0 + rows, c1)
+                qb = _zero_padded(qg[b0:b1, hd], bucket(b1 - b0)) if pad else qg[b0:b1, hd]
                 if fused:  # SiLU(q k^T + bias) in the GEMM's epilogue, on its fp32 accumulators
-                    attn = _linear_pointwise(qg[b0:b1, hd].contiguous(), kh, bias[s : s + n], "swish", [], "")
+                    attn = _linear_pointwise(qb.contiguous(), kh, bh, "swish", [], "")
                 else:
-                    attn = F.silu(torch.addmm(bias[None, s : s + n], qg[b0:b1, hd], kh.T, alpha=alpha), inplace=True)
-                out[b0:b1, hd] = torch.mm(attn, vh)  # [cb, Dv]
+                    attn = F.silu(torch.addmm(bh[None], qb, kh.T, alpha=alpha), inplace=True)
+                out[b0:b1, hd] = torch.mm(attn, vh)[: b1 - b0]  # [cb, Dv]
     if layout.order is not None:
         out = torch.empty_like(out).index_copy_(0, layout.order, out)
     zero = bias_entries(pos_weights, tw, layout.code.new_zeros(1), max_seq_len, q.dtype)  # distance 0, time gap 0

@@ -118,3 +118,30 @@ def test_bias_entries_read_the_table_without_building_it(terms, dtype):
     want = bias_table(pos, tw, n, dtype)[code.long()]
     got = bias_entries(pos, tw, code, n, dtype)
     assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_bf16_gemms_see_few_shapes_as_histories_and_candidates_vary(monkeypatch):
+    """oneDNN builds a kernel per new GEMM shape (~1 ms): serving's calls, each with its own
+    history length and candidate count, must reach it in a few bucketed shapes, with the same
+    answers (zero keys, values and bias in the padding add nothing)."""
+    shapes = set()
+    mm = torch.mm
+
+    def spy(a, b):  # noqa: ANN001, ANN202
+        if a.dtype == torch.bfloat16:
+            shapes.add((tuple(a.shape), tuple(b.shape)))
+        return mm(a, b)
+
+    monkeypatch.setattr(hc.torch, "mm", spy)
+    g = torch.Generator().manual_seed(5)
+    for n, c in zip(range(600, 640, 3), range(100, 140, 3)):
+        kh, vh = torch.randn(n, 1, 16, generator=g), torch.randn(n, 1, 8, generator=g)
+        q, k, v = torch.randn(c, 1, 16, generator=g), torch.randn(c, 1, 16, generator=g), torch.randn(c, 1, 8, generator=g)
+        kw = dict(max_seq_len=N, alpha=0.25, pos_weights=torch.randn(N, generator=g))
+        offsets, owner = torch.tensor([0, n]), torch.zeros(c, dtype=torch.long)
+        with torch.inference_mode():
+            got = hstu_cached_attention_blocked(q, k, v, kh, vh, offsets, owner, dtype=torch.bfloat16, **kw)
+            want = hstu_cached_attention_blocked(q, k, v, kh, vh, offsets, owner, **kw)
+        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+    assert 0 < len(shapes) <= 4, sorted(shapes)  # (the second GEMM's: [candidates, keys] x [keys, Dv])
+    assert hc.bucket(636) == 640 and hc.bucket(8000) == 8192 and hc.bucket(100) == 112
