@@ -75,32 +75,35 @@ class BatchConfig:
 class BatchCost:
     """Engine seconds of a batch of ``b`` calls, ``a + c x b``, by least squares over the last
     ``window`` batches (the model follows the machine), refitted without the batches that cost
-    more than ``outlier`` times what the fit predicts for them. Until the sizes vary (or when
-    the fit makes no sense), the mean batch with no per-call part: small batches cost about the
-    same whatever their size, and charging a lone call's whole cost to every call ahead refused
-    calls at half the capacity (a fresh server, batches of 1-3 calls).
+    more than ``outlier`` times what the fit predicts for them where those are few (at most an
+    eighth of the window). Until the sizes vary (or when the fit makes no sense), the mean
+    batch with no per-call part: small batches cost about the same whatever their size, and
+    charging a lone call's whole cost to every call ahead refused calls at half the capacity (a
+    fresh server, batches of 1-3 calls).
 
     Why a window and the trim: a user's first call with a long history encodes it whole (an
     8,000-event history: 0.3-2 s) where its later calls extend a cached one (10-20 ms). An
     exponential mean carried a burst of such cold batches (a fresh cache) for about a hundred
     batches after it, predicting waits of hundreds of ms behind every warm call, and refused
-    them. Now a cold batch is forgotten once the typical ones are most of the window, and a rare
-    one does not move the prediction. (Behind a cold batch in flight, admission then predicts
-    less wait than there is: the caller's deadline still bounds it, serve.server.)"""
+    them. Now the burst is gone from the fit a window later (sooner: once it is an eighth of
+    the window), and a rare cold batch among warm ones does not move it. Calls of different
+    costs mixed (a fifth of them 10x the rest) stay in the fit: only rare extremes leave it.
+    (Behind a cold batch in flight, admission then predicts less wait than there is: the
+    caller's deadline still bounds it, serve.server.)"""
 
-    def __init__(self, window: int = 32, outlier: float = 4.0) -> None:
+    def __init__(self, window: int = 32, outlier: float = 8.0) -> None:
         self.obs: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
-        self.outlier = outlier
+        self.outlier, self.rare = outlier, max(window // 8, 1)
         self.fit: tuple[float, float] | None = None
 
     def observe(self, size: int, seconds: float) -> None:
         self.obs.append((size, seconds))
         self.fit = self._fit(list(self.obs))
-        if len(self.obs) > 2:  # the fit again without the batches far above it (cold ones)
+        if len(self.obs) > 2:  # the fit again without a few batches far above it (cold ones)
             a, c = self.fit
             ratio = sorted(t / max(a + c * b, 1e-9) for b, t in self.obs)[len(self.obs) // 2]
             kept = [(b, t) for b, t in self.obs if t <= self.outlier * ratio * (a + c * b)]
-            if len(kept) < len(self.obs):
+            if 0 < len(self.obs) - len(kept) <= self.rare:
                 self.fit = self._fit(kept)
 
     @staticmethod

@@ -481,16 +481,21 @@ def test_error_details_are_ascii_and_bounded_and_the_message_limit_fits_the_requ
 
 def test_batch_cost_model_forgets_a_burst_of_cold_batches():
     """A fresh cache's first calls encode whole long histories (seconds each); the warm calls
-    after them cost milliseconds. The model predicts the warm cost once they are most of its
-    window (an exponential mean still predicted ~1 s after 40 warm batches), and a rare cold
-    batch among warm ones does not move it."""
+    after them cost milliseconds. The model predicts the warm cost once the burst is a few of
+    its window (an exponential mean still predicted ~1 s after 40 warm batches), a rare cold
+    batch among warm ones does not move it, and a mix of costs is not trimmed."""
     from genrec.serve.batcher import BatchCost
 
     cost = BatchCost()
     for _ in range(49):
         cost.observe(1, 2.0)  # cold: an 8,000-event history encoded whole
-    for _ in range(20):
+    for _ in range(28):
         cost.observe(1, 0.015)  # warm: a few new events on the cached history
     assert cost.coefficients()[0] == pytest.approx(0.015)
     cost.observe(1, 2.0)  # one cold call among warm ones
     assert cost.coefficients()[0] == pytest.approx(0.015)
+    mixed = BatchCost()
+    for i in range(64):
+        mixed.observe(1, 0.1 if i % 5 == 0 else 0.01)  # a fifth of the calls 10x the rest
+    last = [0.1 if i % 5 == 0 else 0.01 for i in range(32, 64)]
+    assert mixed.coefficients()[0] == pytest.approx(sum(last) / 32)
