@@ -18,7 +18,8 @@ candidates with histories of 200 / 1,000 / 4,000 / 8,000 events. Per workload:
 * single requests, closed loop, after a warm-up: p50 / p99 of every call, of each page view's
   first call and of the calls after it ("warm": the history was just sent), Rank with 200
   candidates; warm p50 against torch without cache, as a ratio;
-* an open-loop sweep (genrec.loadtest.runner.sweep): p50 / p99 per offered QPS, the max QPS within the
+* an open-loop sweep (genrec.loadtest.runner.sweep; sent by the C++ sender where it builds,
+  ``--sender``): p50 / p99 per offered QPS, the max QPS within the
   p99 budget, and per step the cache's hit rate (cached / history tokens, from /metrics);
 * memory per cached user: the cache's bytes per token (its gauges) times the workload's mean
   history.
@@ -62,6 +63,7 @@ from genrec.benchmarks.common import (
     update_results_md,
     write_json,
 )
+from genrec.loadtest.sender import choose
 
 SLO_MS = 15.0
 HISTORY_LIMIT = 16384  # serve.limits.max_history: 8,000 events and what the run appends
@@ -303,7 +305,7 @@ def measure(server: Server, shape: Shape, streams: dict[str, Any], args: argpars
     before_sweep = server.memory()
     res = sweep(server.target, steps, args.duration, streams["load"].payloads(), SLO_MS,
                 timeout_s=args.timeout_s, progress=not args.no_progress, method=shape.method, warmup=args.warmup,
-                metrics_url=server.metrics_url)
+                metrics_url=server.metrics_url, sender=args.sender)
     hist = sum(s.cache_history_tokens or 0 for s in res.steps)
     cached = [s.cache_cached_tokens for s in res.steps if s.cache_cached_tokens is not None]
     last = res.steps[-1] if res.steps else None
@@ -456,6 +458,8 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--window-block", type=int, default=0, help="serve.cache.window_block (0: the server's)")
     ap.add_argument("--kv-cache-mb", type=float, help="the torch cache's budget (default: sized for the active users)")
     ap.add_argument("--pool-tokens", type=int, help="SGLang's pool (default: sized for the active users)")
+    ap.add_argument("--sender", choices=("auto", "native", "python"), default="auto",
+                    help="who sends the sweeps' load (genrec loadtest --sender); auto: native where it builds")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args()
     if args.quick:
@@ -468,6 +472,8 @@ def main() -> None:
     from genrec.loadtest.workload import catalogue_ids
 
     args = arguments()
+    args.sender, why = choose(args.sender)
+    print(f"sender: {args.sender}" + (f" ({why})" if why else ""), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -516,6 +522,7 @@ def main() -> None:
     payload = {"date": today(), "machine": machine(), "command": "python -m genrec.benchmarks.serving_cache "
                + " ".join(sys.argv[1:]), "artifact": str(art), "slo_p99_ms": SLO_MS, "quick": args.quick,
                "step_seconds": args.duration, "qps_scale": args.qps_scale, "server_threads": args.server_threads,
+               "sender": args.sender,
                "workload": {"users": args.users, "zipf": args.zipf, "calls_per_view": [3, 5], "appended": [1, 5],
                             "candidates": [100, 500], "single_candidates": SINGLE_CANDIDATES, "seed": args.seed,
                             "serving_shape": {"history": 200, "retrieve_k": 100, "top_k": 10}},
