@@ -25,6 +25,8 @@ scored by ``kernels.hstu_candidates`` with the summaries' own positions and time
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -40,6 +42,35 @@ from genrec.kernels.hstu_reference import (
 from genrec.kernels.jagged import jagged_index, jagged_to_padded, padded_to_jagged
 
 ROWS = 256  # query rows per block of the padded pass
+
+
+@dataclass(frozen=True)
+class BlockSums:
+    """One sequence's block summaries at one layer: the mean key and the summed value of each
+    whole block of its first ``blocks x block`` tokens, kb [blocks, H, Dqk] and vb [blocks, H, Dv].
+    Kept with a cached history (serving), so that a call that adds a few tokens recomputes only
+    the blocks they touch instead of every block at every layer twice (its own rows' pass, then
+    its candidates'). Never written in place: :func:`block_sums` makes new ones."""
+
+    kb: torch.Tensor
+    vb: torch.Tensor
+
+    @property
+    def blocks(self) -> int:
+        return int(self.kb.shape[0])
+
+
+def block_sums(k: torch.Tensor, v: torch.Tensor, block: int, prev: BlockSums | None = None,
+               unchanged: int = 0) -> BlockSums:
+    """The summaries of every whole block of one sequence's keys k [n, H, Dqk] and values v
+    [n, H, Dv], taking from ``prev`` the blocks that lie within its first ``unchanged`` tokens."""
+    nblk = k.shape[0] // block
+    keep = min(prev.blocks, unchanged // block, nblk) if prev is not None else 0
+    kn = k[keep * block : nblk * block].unflatten(0, (nblk - keep, block)).mean(1)
+    vn = v[keep * block : nblk * block].unflatten(0, (nblk - keep, block)).sum(1)
+    if prev is None or keep == 0:
+        return BlockSums(kn, vn)
+    return BlockSums(torch.cat([prev.kb[:keep], kn]), torch.cat([prev.vb[:keep], vn]))
 
 
 def summaries(p: torch.Tensor, window: int, block: int) -> torch.Tensor:
@@ -99,14 +130,17 @@ class _Rows:
     def __init__(self, qp: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, pos: torch.Tensor,
                  lengths: torch.Tensor, hist: torch.Tensor, tq: torch.Tensor | None, tk: torch.Tensor | None, *,
                  window: int, block: int, max_seq_len: int, alpha: float, pos_weights: torch.Tensor | None,
-                 time_weights: torch.Tensor | None, q0: int = 0) -> None:
+                 time_weights: torch.Tensor | None, q0: int = 0, sums: BlockSums | None = None) -> None:
         self.q0 = q0
         self.qp, self.kp, self.vp, self.pos, self.lengths, self.hist, self.tq, self.tk = qp, kp, vp, pos, lengths, hist, tq, tk
         self.window, self.block, self.max_seq_len, self.alpha = window, block, max_seq_len, alpha
         self.pos_weights, self.time_weights = pos_weights, time_weights
         nblk = kp.shape[2] // block
-        self.kb = kp[:, :, : nblk * block].unflatten(2, (nblk, block)).mean(3)  # [B, H, nblk, Dqk]
-        self.vb = vp[:, :, : nblk * block].unflatten(2, (nblk, block)).sum(3)
+        if sums is not None:  # (one sequence's, computed already: [nblk, H, D] -> [1, H, nblk, D])
+            self.kb, self.vb = sums.kb.transpose(0, 1)[None], sums.vb.transpose(0, 1)[None]
+        else:
+            self.kb = kp[:, :, : nblk * block].unflatten(2, (nblk, block)).mean(3)  # [B, H, nblk, Dqk]
+            self.vb = vp[:, :, : nblk * block].unflatten(2, (nblk, block)).sum(3)
         self.ends = torch.arange(nblk, device=kp.device, dtype=torch.int32) * block + block - 1  # blocks' last positions
 
     def bias(self, pi: torch.Tensor, pj: torch.Tensor, ti: torch.Tensor | None, tj: torch.Tensor | None) -> torch.Tensor:
@@ -164,19 +198,26 @@ def hstu_bounded_paged_attention(
     time_weights: torch.Tensor | None = None,
     key_times: torch.Tensor | None = None,
     query_times: torch.Tensor | None = None,
+    sums: list[BlockSums | None] | None = None,
 ) -> torch.Tensor:
     """New history tokens q [Tq, H, Dqk] (token ``index[i]`` of sequence ``seq[i]``) against their
     sequences' cached and new keys / values k, v [B, L, H, D] (``lengths`` [B] after this call,
     ``key_times`` [B, L], ``query_times`` [Tq]) -> [Tq, H, Dv]: what :func:`hstu_bounded_attention`
     gives these rows over the whole sequences (``kernels.hstu_paged``'s contract, bounded).
     A token's keys all precede it, so the cached tokens' keys and values stay valid as a history
-    grows: each new token reads its window and the summaries of the cached blocks before it."""
+    grows: each new token reads its window and the summaries of the cached blocks before it.
+    ``sums`` [B]: each sequence's block summaries before this call (None: none kept), replaced
+    in the list by its summaries after it (:func:`block_sums`: only blocks with new tokens are
+    computed)."""
     out = v.new_zeros(q.shape[0], v.shape[2], v.shape[3])
     use_time = time_weights is not None and key_times is not None and query_times is not None
     for b in torch.unique(seq).tolist():
         rows = torch.nonzero(seq == b).flatten()
         n, idx = int(lengths[b]), index[rows]
         s, e = int(idx.min()), int(idx.max()) + 1
+        kept = None
+        if sums is not None:
+            kept = sums[b] = block_sums(k[b, :n], v[b, :n], block, sums[b], s)
         qp = q.new_zeros(1, q.shape[1], e - s, q.shape[2])  # only the new rows (q0 = s)
         qp[0, :, idx - s] = q[rows].transpose(0, 1)
         kp, vp = (t[b : b + 1, :n].transpose(1, 2) for t in (k, v))  # [1, H, n, D]
@@ -189,26 +230,35 @@ def hstu_bounded_paged_attention(
         ln = torch.tensor([n], device=q.device)
         part = _Rows(qp, kp, vp, torch.arange(n, device=q.device, dtype=torch.int32)[None], ln, ln, tq, tk,
                      window=window, block=block, max_seq_len=max_seq_len, alpha=alpha, pos_weights=pos_weights,
-                     time_weights=time_weights if use_time else None, q0=s)(s, e)  # [1, H, e - s, Dv]
+                     time_weights=time_weights if use_time else None, q0=s, sums=kept)(s, e)  # [1, H, e - s, Dv]
         out[rows] = part[0].transpose(0, 1)[idx - s]
     return out / max_seq_len
 
 
 def bounded_history(k_hist: torch.Tensor, v_hist: torch.Tensor, hist_offsets: torch.Tensor,
                     hist_times: torch.Tensor | None, window: int, block: int,
+                    sums: list[BlockSums | None] | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """What candidates at the first position after each history see of it: per user its block
     summaries then its window rows, as a jagged history of "virtual" keys. k_hist, v_hist
     [Th, H, D], hist_offsets [B+1], hist_times [Th] -> (keys [Tv, H, D], values [Tv, H, Dv],
-    offsets [B+1], key positions [Tv], key times [Tv] or None)."""
+    offsets [B+1], key positions [Tv], key times [Tv] or None). ``sums`` [B]: a user's block
+    summaries where known (:class:`BlockSums` of its whole history), else computed here."""
     ks, vs, ps, ts, lens = [], [], [], [], []
     for u in range(hist_offsets.numel() - 1):
         s, e = int(hist_offsets[u]), int(hist_offsets[u + 1])
         n = e - s
-        ns = int(summaries(torch.tensor(n), window, block))
+        ns = max((n - window + 1) // block, 0)  # (summaries() of the position n, as an int)
         w0 = s + ns * block
-        ks += [k_hist[s:w0].unflatten(0, (ns, block)).mean(1), k_hist[w0:e]]
-        vs += [v_hist[s:w0].unflatten(0, (ns, block)).sum(1), v_hist[w0:e]]
+        known = sums[u] if sums is not None else None
+        if known is not None and known.blocks >= ns:
+            ks.append(known.kb[:ns])
+            vs.append(known.vb[:ns])
+        else:
+            ks.append(k_hist[s:w0].unflatten(0, (ns, block)).mean(1))
+            vs.append(v_hist[s:w0].unflatten(0, (ns, block)).sum(1))
+        ks.append(k_hist[w0:e])
+        vs.append(v_hist[w0:e])
         last = torch.arange(ns, device=k_hist.device) * block + block - 1
         ps += [last, torch.arange(ns * block, n, device=k_hist.device)]
         if hist_times is not None:

@@ -107,6 +107,8 @@ class CachedHistory:
     request_times: torch.Tensor  # [B] the time candidates are scored at
     # the same keys / values in the native backend's layout, when encoded there
     native: hstu_native.NativeHistory | None = None
+    # a bounded tower's block summaries, per layer and user, where known (kernels.hstu_bounded)
+    sums: list[list[hstu_bounded.BlockSums | None]] | None = None
 
 
 @dataclass
@@ -138,6 +140,9 @@ class PagedMeta:
     # Then the store returns the layer's whole pool buffers [S, H, D], not per-sequence copies.
     slots: torch.Tensor | None = None
     slot_times: torch.Tensor | None = None
+    # a bounded tower's block summaries per layer and sequence before the call (None where not
+    # kept), replaced by each layer with its summaries after it (kernels.hstu_bounded.block_sums)
+    sums: list[list[hstu_bounded.BlockSums | None]] | None = None
 
 
 # (layer, new keys [Tq, H, Dqk], new values [Tq, H, Dv]) -> that layer's keys and values of
@@ -227,15 +232,15 @@ class HSTULayer(nn.Module):
 
     def forward_cached(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], hist: CachedHistory,
                        owner: torch.Tensor, plan: AttentionPlan | None = None,
-                       dtype: torch.dtype | None = None) -> torch.Tensor:
+                       dtype: torch.dtype | None = None, index: int = 0) -> torch.Tensor:
         """Candidate rows x [C, D] against the cached history of their users -> [C, D]
         (``plan``: shared by the layers of one call, see ``hstu_cached_attention``; ``dtype``:
-        the precision of its GEMMs, None: x's)."""
+        the precision of its GEMMs, None: x's; ``index``: this layer's, for ``hist.sums``)."""
         u, v, q, k = self._split(x)
         if self.cfg.window:  # each user's window rows and block summaries, at their own positions
             kb, vb, offsets, positions, times = hstu_bounded.bounded_history(
                 kv[0], kv[1], hist.offsets, hist.times if self.time_weights is not None else None, self.cfg.window,
-                self.cfg.summary_block)
+                self.cfg.summary_block, hist.sums[index] if hist.sums is not None else None)
             attn = hstu_cached_attention_blocked(
                 q, k, v, kb, vb, offsets, owner, max_seq_len=self.max_seq_len, alpha=self.alpha,
                 pos_weights=self.pos_weights, time_weights=self.time_weights, hist_times=times,
@@ -261,7 +266,7 @@ class HSTULayer(nn.Module):
                 q, keys, values, meta.seq, meta.index, meta.lengths, window=self.cfg.window,
                 block=self.cfg.summary_block, max_seq_len=self.max_seq_len, alpha=self.alpha,
                 pos_weights=self.pos_weights, time_weights=self.time_weights, key_times=meta.key_times,
-                query_times=meta.query_times)
+                query_times=meta.query_times, sums=meta.sums[index] if meta.sums is not None else None)
             return self._gate(x, u, attn)
         if meta.slots is not None:  # the pool read in place through the slot map (Triton on CUDA)
             attn = hstu_paged_attention_pool(
@@ -368,8 +373,8 @@ class HSTUTower(nn.Module):
             raise ValueError(f"unknown tower backend '{backend}'; use one of {', '.join(TOWER_BACKENDS)}")
         plan = AttentionPlan()  # the candidates' grouping and bias codes, built by the first layer
         dtype = torch.bfloat16 if backend == "torch-bf16" else None
-        for layer, kv in zip(self.layers, self.cached_layers(hist)):
-            x = layer.forward_cached(x, kv, hist, owner, plan, dtype)
+        for i, (layer, kv) in enumerate(zip(self.layers, self.cached_layers(hist))):
+            x = layer.forward_cached(x, kv, hist, owner, plan, dtype, i)
         return self.final_norm(x)
 
     forward_cached = extend  # the name the transformer tower shares

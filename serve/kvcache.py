@@ -38,6 +38,8 @@ import numpy as np
 if TYPE_CHECKING:  # (the config is read by processes that have not imported torch yet: serve.worker)
     import torch
 
+    from genrec.kernels.hstu_bounded import BlockSums
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -84,6 +86,8 @@ class Entry:
     # the storage k and v are the first n tokens of ([layers, capacity, width] each), where it
     # has room for more; None: k and v are the whole storage
     room: tuple[torch.Tensor, torch.Tensor] | None = None
+    # a bounded tower's block summaries of these tokens per layer (None: not kept)
+    sums: list[BlockSums | None] | None = None
 
     @property
     def tokens(self) -> int:

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from genrec.embedding.spec import EmbeddingConfig
 from genrec.kernels import hstu_native
+from genrec.kernels.hstu_bounded import BlockSums
 from genrec.models.hstu import CachedHistory, HSTUTower, JaggedMeta, PagedMeta
 from genrec.models.inputs import history_capacity
 from genrec.models.recommender import GenerativeRecommender, HistoryState, ModelConfig, TowerBackend
@@ -172,7 +174,7 @@ class PackedPath:
             if u.user_id and pair is not None:
                 s, e = offsets[i], offsets[i + 1]
                 evicted[i] = cache.put(u.user_id, Entry(items[s:e].copy(), actions[s:e].copy(), tk[s:e].copy(),
-                                                        tq[s:e].copy(), pair[0], pair[1], pair[2] if len(pair) > 2 else None))
+                                                        tq[s:e].copy(), pair.k, pair.v, pair.room, pair.sums))
         self._mark("cache_update", t0)
         return vec, state, prefix, evicted
 
@@ -192,13 +194,14 @@ class PackedPath:
 
     def _encode_warm(self, x: torch.Tensor, keep: np.ndarray, warm: np.ndarray, entries: list[Entry | None],
                      prefix: np.ndarray, lens: np.ndarray, offsets: np.ndarray, tk: np.ndarray, tq: np.ndarray,
-                     ctx: torch.Tensor | None, in_place: bool = False) -> tuple[torch.Tensor, HistoryState, list]:
+                     ctx: torch.Tensor | None, in_place: bool = False,
+                     ) -> tuple[torch.Tensor, HistoryState, list[Kept | None]]:
         """A batch with cached prefixes: the cold users through the encode, the warm ones' new
         tokens through ``tower.extend_paged``; (vectors, one packed state, each user's k / v)."""
         m, b = self.model, lens.size
         cold = np.flatnonzero(prefix == 0)
         owner = np.repeat(np.arange(b), lens)[keep]  # each row of x: its user
-        kv: list = [None] * b
+        kv: list[Kept | None] = [None] * b
         vec = torch.empty(b, m.pos_emb.weight.shape[1])
         if cold.size:
             rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in cold])
@@ -213,11 +216,12 @@ class PackedPath:
         vec[torch.from_numpy(warm)] = vec_w
         for j, pair in zip(warm, kv_w):
             kv[j] = pair
-        return vec, HistoryState(_packed_history(m.tower, kv, offsets, tk, tq, self.backend),
+        every = [p for p in kv if p is not None]  # (each user is cold or warm: none is missing)
+        return vec, HistoryState(_packed_history(m.tower, every, offsets, tk, tq, self.backend),
                                  torch.from_numpy(lens), ctx), kv
 
     def _extend(self, x: torch.Tensor, entries: list[Entry], prefix: np.ndarray, lens: np.ndarray, tk: np.ndarray,
-                tq: np.ndarray, starts: np.ndarray, in_place: bool = False) -> tuple[torch.Tensor, list]:
+                tq: np.ndarray, starts: np.ndarray, in_place: bool = False) -> tuple[torch.Tensor, list[Kept]]:
         """Warm users' new tokens x (rows ``prefix[i]..lens[i]-1`` of each, in order) over their
         cached prefixes: (user vectors [W, D], each user's k / v [layers, n, H D] afterwards,
         and for an entry grown in place its storage). ``in_place`` (one user, its entry taken
@@ -243,7 +247,9 @@ class PackedPath:
         key_times = torch.zeros(w, big, dtype=torch.int64)
         for i, (s, n) in enumerate(zip(starts, lens)):
             key_times[i, :n] = torch.from_numpy(tk[s : s + n])
-        meta = PagedMeta(seq, index, torch.from_numpy(lens), key_times, torch.from_numpy(tq[rows]))
+        sums = ([[e.sums[layer] if e.sums is not None else None for e in entries] for layer in range(c.layers)]
+                if tower.cfg.window else None)  # (a bounded tower's block summaries: updated by each layer)
+        meta = PagedMeta(seq, index, torch.from_numpy(lens), key_times, torch.from_numpy(tq[rows]), sums=sums)
 
         def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             keys = kp[layer, :, :big].view(w, big, c.heads, c.key_dim)
@@ -254,11 +260,13 @@ class PackedPath:
         h = tower.extend_paged(x, meta, store)  # [new rows, D]
         last = torch.from_numpy(np.cumsum(lens - prefix) - 1)
         vec = self.model.head.normalize(h[last].float())
+        user_sums = [[layer[i] for layer in sums] if sums is not None else None for i in range(w)]
         if in_place:
-            return vec, [(kp[:, 0, :big], vp[:, 0, :big], (kp[:, 0], vp[:, 0]))]
+            return vec, [Kept(kp[:, 0, :big], vp[:, 0, :big], (kp[:, 0], vp[:, 0]), user_sums[0])]
         if w == 1:  # [layers, 1, n, .] is one history's layout already
-            return vec, [(kp[:, 0], vp[:, 0])]
-        return vec, [(kp[:, i, :n].contiguous(), vp[:, i, :n].contiguous()) for i, n in enumerate(lens)]
+            return vec, [Kept(kp[:, 0], vp[:, 0], None, user_sums[0])]
+        return vec, [Kept(kp[:, i, :n].contiguous(), vp[:, i, :n].contiguous(), None, user_sums[i])
+                     for i, n in enumerate(lens)]
 
     def score(self, state: HistoryState, users: list[int], candidates: list[np.ndarray]) -> list[np.ndarray]:
         """Task probabilities [c, tasks] of each ``candidates[i]`` (table rows) for batch user
@@ -333,6 +341,14 @@ def micro_batches(counts: np.ndarray, size: int) -> list[list[tuple[int, int, in
     return out
 
 
+class Kept(NamedTuple):
+    """A user's keys and values after a call, [layers, n, H D] each, as the cache keeps them."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    room: tuple[torch.Tensor, torch.Tensor] | None = None  # the storage k and v lie in (grown in place)
+    sums: list[BlockSums | None] | None = None  # a bounded tower's block summaries, per layer
+
 def room(n: int) -> int:
     """Tokens of room an entry of n tokens is given when its storage grows: an eighth (at least
     16), so a history growing by a few events a call is copied once per n / 8 new events."""
@@ -348,7 +364,7 @@ def _grown(e: Entry, prefix: int, capacity: int) -> tuple[torch.Tensor, torch.Te
 
 
 def _split_kv(tower: HSTUTower, hist: CachedHistory, offsets: np.ndarray,
-              wanted: list[bool]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+              wanted: list[bool]) -> list[Kept | None]:
     """Each history's keys / values [layers, n, H D] of an encoded batch (copies: the cache
     must not hold the batch's buffers), None where not ``wanted``."""
     if not any(wanted):
@@ -357,11 +373,11 @@ def _split_kv(tower: HSTUTower, hist: CachedHistory, offsets: np.ndarray,
         k, v = hist.native.k, hist.native.v
     else:
         k, v = (torch.stack([kv[i].flatten(-2) for kv in tower.cached_layers(hist)]) for i in (0, 1))
-    return [(k[:, s:e].clone(), v[:, s:e].clone()) if want else None
+    return [Kept(k[:, s:e].clone(), v[:, s:e].clone()) if want else None
             for s, e, want in zip(offsets[:-1], offsets[1:], wanted)]
 
 
-def _packed_history(tower: HSTUTower, kv: list[tuple[torch.Tensor, torch.Tensor]], offsets: np.ndarray,
+def _packed_history(tower: HSTUTower, kv: list[Kept], offsets: np.ndarray,
                     tk: np.ndarray, tq: np.ndarray, backend: TowerBackend) -> CachedHistory:
     """One packed history of the batch from each user's keys / values [layers, n, H D]: what
     ``encode_history`` gives on ``backend``, for ``tower.extend`` to score candidates against."""
@@ -375,4 +391,7 @@ def _packed_history(tower: HSTUTower, kv: list[tuple[torch.Tensor, torch.Tensor]
         return CachedHistory([], off, times, request, native)
     c, t = tower.kv_dims(), k.shape[1]
     layers = [(k[i].view(t, c.heads, c.key_dim), v[i].view(t, c.heads, c.value_dim)) for i in range(k.shape[0])]
-    return CachedHistory(layers, off, times, request)
+    sums = None
+    if any(p.sums is not None for p in kv):  # (a bounded tower's, where this call updated them)
+        sums = [[p.sums[i] if p.sums is not None else None for p in kv] for i in range(k.shape[0])]
+    return CachedHistory(layers, off, times, request, sums=sums)

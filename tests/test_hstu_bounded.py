@@ -232,3 +232,38 @@ def test_the_engine_serves_a_bounded_model_as_training_ranks(tmp_path, precision
         want = model.rank(collate_users([work.user], model, torch.device("cpu"), [work.candidates]))[:, 0].numpy()
     got = dict(zip(res.item_ids.tolist(), res.tasks["click"].tolist()))
     np.testing.assert_allclose([got[int(c)] for c in cands], want, atol=2e-3 if precision == "fp32" else 1e-2)
+
+
+def test_block_summaries_kept_between_calls_answer_as_a_fresh_engine(tmp_path):
+    """A bounded tower's block summaries live with the cached history (``Entry.sums``): each call
+    recomputes only the blocks its new tokens touch. Grown by a few events, by enough to close
+    blocks, and with an event changed mid-history (the prefix ends inside a block: that block
+    and every later one are recomputed), the answers equal an engine without a cache."""
+    import numpy as np
+
+    from genrec.proto.v1 import recommender_pb2 as pb
+    from genrec.serve.engine import TorchEngine
+    from genrec.serve.requests import Limits, decode
+
+    _, art = bounded_artifact(tmp_path)
+    cached, fresh = TorchEngine(art, kv_cache_mb=8), TorchEngine(art)
+    rng = np.random.default_rng(1)
+    items = rng.integers(1, ITEMS + 1, 400)
+    times = 1_700_000_000 + np.cumsum(rng.integers(0, 900, 400))
+    cands = rng.integers(1, ITEMS + 1, 40)
+
+    def call(engine: TorchEngine, n: int, changed: int | None = None) -> np.ndarray:
+        req = pb.RankRequest()
+        req.user.user_id = "long"
+        for j, (i, t) in enumerate(zip(items[:n], times[:n])):
+            req.user.history.add(item_id=int(i), timestamp=int(t), actions=2 if j == changed else 1)
+        for c in cands:
+            req.candidates.add(item_id=int(c), bid=1.0)
+        (res,) = engine.run([decode("rank", req.SerializeToString(), engine.schema, Limits())])
+        return res.tasks["click"][np.argsort(res.item_ids)]
+
+    call(cached, 200)
+    for n, changed in ((203, None), (240, None), (241, None), (241, 150), (300, 150)):
+        np.testing.assert_allclose(call(cached, n, changed), call(fresh, n, changed), atol=1e-5)
+        entry = cached.cache.entries["long"]
+        assert entry.sums is not None and entry.sums[0].blocks == n // 16
