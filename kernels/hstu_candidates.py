@@ -23,7 +23,9 @@ Cooper Lake and later) or AMX, bf16 GEMMs run about twice the fp32 rate. There t
 is oneDNN's linear with the bias and SiLU in its epilogue (``torch.ops.mkldnn._linear_pointwise``,
 what torch.compile's CPU backend emits; addmm + SiLU where a build lacks it): SiLU then reads
 the fp32 accumulators, and no pass over the [cb, L] scores is left besides the two GEMMs. The
-candidates' own term and the 1 / N scale stay in the inputs' dtype.
+candidates' own term and the 1 / N scale stay in the inputs' dtype. oneDNN builds a kernel per
+GEMM shape, so the bf16 GEMMs see shapes rounded up to a few sizes (:func:`bucket`, zero
+padding), not each call's own history length and candidate count.
 
 Inference only: under autograd the op falls back to the coded backend (its backward).
 """
