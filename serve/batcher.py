@@ -73,55 +73,59 @@ class BatchConfig:
 
 
 class BatchCost:
-    """Engine seconds of a batch of ``b`` calls, ``a + c x b``, by least squares over the last
-    ``window`` batches (the model follows the machine), refitted without the batches that cost
-    more than ``outlier`` times what the fit predicts for them where those are few (at most an
-    eighth of the window). Until the sizes vary (or when the fit makes no sense), the mean
-    batch with no per-call part: small batches cost about the same whatever their size, and
-    charging a lone call's whole cost to every call ahead refused calls at half the capacity (a
-    fresh server, batches of 1-3 calls).
+    """Engine seconds of a batch of ``b`` calls, ``a + c x b``, by least squares over recent
+    batches (exponentially weighted: the model follows the machine). Until the sizes vary (or
+    when the fit makes no sense), the mean batch with no per-call part: small batches cost
+    about the same whatever their size, and charging a lone call's whole cost to every call
+    ahead refused calls at half the capacity (a fresh server, batches of 1-3 calls).
 
-    Why a window and the trim: a user's first call with a long history encodes it whole (an
-    8,000-event history: 0.3-2 s) where its later calls extend a cached one (10-20 ms). An
-    exponential mean carried a burst of such cold batches (a fresh cache) for about a hundred
-    batches after it, predicting waits of hundreds of ms behind every warm call, and refused
-    them. Now the burst is gone from the fit a window later (sooner: once it is an eighth of
-    the window), and a rare cold batch among warm ones does not move it. Calls of different
-    costs mixed (a fifth of them 10x the rest) stay in the fit: only rare extremes leave it.
+    Two guards keep cold batches out of it. A user's first call with a long history encodes it
+    whole (an 8,000-event history: 0.2-2 s) where its later calls extend a cached one (10-20
+    ms): a batch ``outlier`` times above the fit, while such batches are rare (at most an
+    eighth of the last ``window``), is left out; and where the fit is ``outlier`` times off the
+    median batch of the last ``window`` (a burst of cold batches, a fresh cache, then warm
+    ones), it is fitted again from those recent batches near their median. The exponential mean
+    alone carried such a burst for about a hundred batches and refused warm calls meanwhile.
     (Behind a cold batch in flight, admission then predicts less wait than there is: the
     caller's deadline still bounds it, serve.server.)"""
 
-    def __init__(self, window: int = 32, outlier: float = 8.0) -> None:
-        self.obs: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
-        self.outlier, self.rare = outlier, max(window // 8, 1)
-        self.fit: tuple[float, float] | None = None
+    def __init__(self, decay: float = 0.02, window: int = 32, outlier: float = 8.0) -> None:
+        self.decay, self.outlier, self.rare = decay, outlier, max(window // 8, 1)
+        self.recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
+        self.n = self.sb = self.st = self.sbb = self.sbt = 0.0
 
     def observe(self, size: int, seconds: float) -> None:
-        self.obs.append((size, seconds))
-        self.fit = self._fit(list(self.obs))
-        if len(self.obs) > 2:  # the fit again without a few batches far above it (cold ones)
-            a, c = self.fit
-            ratio = sorted(t / max(a + c * b, 1e-9) for b, t in self.obs)[len(self.obs) // 2]
-            kept = [(b, t) for b, t in self.obs if t <= self.outlier * ratio * (a + c * b)]
-            if 0 < len(self.obs) - len(kept) <= self.rare:
-                self.fit = self._fit(kept)
+        self.recent.append((size, seconds))
+        ac = self.coefficients()
+        if ac is not None and len(self.recent) * 2 >= (self.recent.maxlen or 1):
+            ratios = [t / max(ac[0] + ac[1] * b, 1e-9) for b, t in self.recent]
+            mid = sorted(ratios)[len(ratios) // 2]
+            if not 1 / self.outlier <= mid <= self.outlier:  # the fit no longer describes a typical batch
+                self.n = self.sb = self.st = self.sbb = self.sbt = 0.0
+                for (b, t), r in zip(self.recent, ratios):
+                    if mid / self.outlier <= r <= mid * self.outlier:
+                        self._add(b, t)
+                return
+            if ratios[-1] > self.outlier and sum(r > self.outlier for r in ratios) <= self.rare:
+                return  # a rare cold batch: not what the next one will cost
+        self._add(size, seconds)
 
-    @staticmethod
-    def _fit(obs: list[tuple[int, float]]) -> tuple[float, float]:
-        n = len(obs)
-        sb = sum(b for b, _ in obs)
-        st = sum(t for _, t in obs)
-        var = n * sum(b * b for b, _ in obs) - sb * sb
-        if var > 1e-6 * n * sum(b * b for b, _ in obs):
-            c = (n * sum(b * t for b, t in obs) - sb * st) / var
-            a = (st - c * sb) / n
-            if a >= 0 and c >= 0:
-                return a, c
-        return st / n, 0.0  # one size seen (or a fit that makes no sense): per batch
+    def _add(self, size: int, seconds: float) -> None:
+        k = 1.0 - self.decay
+        self.n, self.sb, self.st = k * self.n + 1, k * self.sb + size, k * self.st + seconds
+        self.sbb, self.sbt = k * self.sbb + size * size, k * self.sbt + size * seconds
 
     def coefficients(self) -> tuple[float, float] | None:
         """(a, c), or None before the first batch."""
-        return self.fit
+        if self.n == 0:
+            return None
+        var = self.n * self.sbb - self.sb * self.sb
+        if var > 1e-6 * self.n * self.sbb:
+            c = (self.n * self.sbt - self.sb * self.st) / var
+            a = (self.st - c * self.sb) / self.n
+            if a >= 0 and c >= 0:
+                return a, c
+        return self.st / self.n, 0.0  # one size seen (or a fit that makes no sense): per batch
 
     def wait(self, batches: float, calls: float) -> float:
         ac = self.coefficients()
