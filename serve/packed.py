@@ -349,6 +349,7 @@ class Kept(NamedTuple):
     room: tuple[torch.Tensor, torch.Tensor] | None = None  # the storage k and v lie in (grown in place)
     sums: list[BlockSums | None] | None = None  # a bounded tower's block summaries, per layer
 
+
 def room(n: int) -> int:
     """Tokens of room an entry of n tokens is given when its storage grows: an eighth (at least
     16), so a history growing by a few events a call is copied once per n / 8 new events."""
