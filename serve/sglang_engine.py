@@ -193,9 +193,6 @@ class SGLangEngine(InProcessEngine):
         if not packed_covers(served.model, served.embedding):
             raise ValueError("the SGLang engine serves HSTU models with the summed action encoding; "
                              "serve this model with engine = \"torch\"")
-        if served.model.hstu.window:
-            raise ValueError("the SGLang engine's model attends over SGLang's pool in full; a bounded tower "
-                             "(hstu.window) is served with engine = \"torch\"")
         self.artifact, self.manifest, self.schema, self.version = str(artifact), served.manifest, served.schema, served.version
         self.tower, self.corpus_np = served.model.tower, served.ids
         self.ranking = Ranking(self.schema.tasks)

@@ -187,16 +187,44 @@ def bounded_artifact(tmp_path):  # noqa: ANN001, ANN201
     return model, art
 
 
-def test_the_sglang_engine_refuses_a_bounded_model(tmp_path):
+def test_the_sglang_engine_serves_a_bounded_model_as_the_torch_engine(tmp_path):
+    """A bounded model behind the SGLang engine (its keys / values in SGLang's pool, a grown
+    history prefilled over its cached prefix) answers as the torch engine without a cache."""
     import importlib.util
 
     if importlib.util.find_spec("sglang") is None:  # (not imported here: the engine installs its shims first)
         pytest.skip("SGLang is not installed (bash .ci/setup-sglang)")
+    import numpy as np
+
+    from genrec.proto.v1 import recommender_pb2 as pb
+    from genrec.serve.engine import TorchEngine
+    from genrec.serve.requests import Limits, decode
     from genrec.serve.sglang_engine import SGLangEngine
 
     _, art = bounded_artifact(tmp_path)
-    with pytest.raises(ValueError, match="bounded tower"):
-        SGLangEngine(art)
+    rng = np.random.default_rng(2)
+    items = rng.integers(1, ITEMS + 1, 300)
+    times = 1_700_000_000 + np.cumsum(rng.integers(0, 900, 300))
+    cands = rng.integers(1, ITEMS + 1, 30)
+
+    def rank(schema, n: int):  # noqa: ANN001, ANN202
+        req = pb.RankRequest()
+        req.user.user_id = "long"
+        for i, t in zip(items[:n], times[:n]):
+            req.user.history.add(item_id=int(i), timestamp=int(t), actions=1)
+        for c in cands:
+            req.candidates.add(item_id=int(c), bid=1.0)
+        return decode("rank", req.SerializeToString(), schema, Limits())
+
+    te, se = TorchEngine(art), SGLangEngine(art, pool_tokens=4096, threads=1)
+    try:
+        for n in (200, 203, 260):  # cold, then grown by a few events and past a block
+            (want,), (got,) = te.run([rank(te.schema, n)]), se.run([rank(se.schema, n)])
+            np.testing.assert_array_equal(got.item_ids, want.item_ids)
+            np.testing.assert_allclose(got.tasks["click"], want.tasks["click"], atol=1e-5)
+        assert got.cached_tokens > 200  # (the grown history read its prefix from the pool)
+    finally:
+        se.close()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

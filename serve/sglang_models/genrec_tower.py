@@ -260,6 +260,14 @@ class GenRecHSTU(nn.Module):
         if not any(pre) and self.packed.backend == "native":
             return self._encode_native(x, cols, ext, loc, pool), (slots, pool, lengths)
         tb = m.tower.time_bias
+        if m.tower.cfg.window:  # a bounded tower: each request's keys / values read out of the pool
+            def gathered(layer: int, kk: torch.Tensor, vv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                kb, vb = store(layer, kk, vv)
+                return kb[slots].to(kk.dtype), vb[slots].to(vv.dtype)  # [B, L, H, D]
+
+            meta = PagedMeta(seq.to(dev), pos, lengths.to(dev), self.slot_times[slots] if tb else None,
+                             torch.from_numpy(cols["qtimes"]).to(dev) if tb else None)
+            return m.tower.extend_paged(x, meta, gathered), (slots, pool, lengths)
         meta = PagedMeta(seq.to(dev), pos, lengths.to(dev), None,
                          torch.from_numpy(cols["qtimes"]).to(dev) if tb else None, slots=slots,
                          slot_times=self.slot_times if tb else None)
