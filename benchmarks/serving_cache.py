@@ -9,7 +9,8 @@ cache, ``serve.cache.pool_tokens`` sized the same way); on request (``--engines`
 ``torch-cache-auto``, the cached engine scoring large calls' candidates in bf16
 (``serve.scoring.candidate_precision = "auto"``), and ``torch-cache-bounded``, the same
 serving a model with a bounded reach (``MODELS``: the last 512 events in full, earlier blocks
-of 64 as summaries; its own artifact, built the same way). Each gets the same repeated-user
+of 64 as summaries; its own artifact, built the same way) and ``sglang-bounded``, that artifact
+behind the SGLang engine. Each gets the same repeated-user
 workloads (``genrec.loadtest.workload.RepeatedUsers``: Zipf-popular users, page views of 3-5 calls with
 one history, 1-5 events appended between a user's views, ``User.user_id`` set): the serving
 shape (Recommend: history 200, retrieve 100, rank them, return 10) and Rank of 100-500 given
@@ -90,13 +91,15 @@ SHAPES = (Shape("serving", "Recommend", 200, (25, 50, 100, 200, 300)),
 QUICK = {"serving": (25, 50), "rank-1k": (10,)}  # --quick: these workloads, these steps
 # engine config -> (--engine, the serve.cache key it is sized by; None: the cache off)
 ENGINES = {"torch": ("torch", None), "torch-cache": ("torch", "kv_cache_mb"), "sglang": ("sglang", "pool_tokens"),
-           "torch-cache-auto": ("torch", "kv_cache_mb"), "torch-cache-bounded": ("torch", "kv_cache_mb")}
+           "torch-cache-auto": ("torch", "kv_cache_mb"), "torch-cache-bounded": ("torch", "kv_cache_mb"),
+           "sglang-bounded": ("sglang", "pool_tokens")}
 # engine configs that differ from another by server flags only
 FLAGS = {"torch-cache-auto": ['--serve.scoring.candidate_precision="auto"'],
          "torch-cache-bounded": ['--serve.scoring.candidate_precision="auto"']}
 # engine configs that serve another model: its training flags (the bounded reach of issue 44,
 # kernels.hstu_bounded: the last 512 events in full, blocks of 64 before them as one summary each)
-MODELS = {"torch-cache-bounded": ("bounded", ["--model.hstu.window=512", "--model.hstu.summary_block=64"])}
+MODELS = {name: ("bounded", ["--model.hstu.window=512", "--model.hstu.summary_block=64"])
+          for name in ("torch-cache-bounded", "sglang-bounded")}
 
 
 # ----- the artifact ------------------------------------------------------------------------------
