@@ -228,9 +228,13 @@ def hstu_bounded_paged_attention(
             tq = tk.new_zeros(1, e - s)
             tq[0, idx - s] = query_times[rows] - base
         ln = torch.tensor([n], device=q.device)
-        part = _Rows(qp, kp, vp, torch.arange(n, device=q.device, dtype=torch.int32)[None], ln, ln, tq, tk,
-                     window=window, block=block, max_seq_len=max_seq_len, alpha=alpha, pos_weights=pos_weights,
-                     time_weights=time_weights if use_time else None, q0=s, sums=kept)(s, e)  # [1, H, e - s, Dv]
+        rows_of = _Rows(qp, kp, vp, torch.arange(n, device=q.device, dtype=torch.int32)[None], ln, ln, tq, tk,
+                        window=window, block=block, max_seq_len=max_seq_len, alpha=alpha, pos_weights=pos_weights,
+                        time_weights=time_weights if use_time else None, q0=s, sums=kept)
+        # in blocks of ROWS rows, as the training pass: a block's keys are its rows' windows, not
+        # the window of the block's first row through its last (a chunk of thousands of new rows)
+        blocks = [rows_of(r, min(r + ROWS, e)) for r in range(s, e, ROWS)]
+        part = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)  # [1, H, e - s, Dv]
         out[rows] = part[0].transpose(0, 1)[idx - s]
     return out / max_seq_len
 

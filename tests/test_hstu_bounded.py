@@ -134,13 +134,16 @@ def test_bounded_config_is_checked_and_refuses_incremental_extend():
                                                     hist_lengths=torch.ones(1, dtype=torch.int64)), None)
 
 
-@pytest.mark.parametrize("window,block", [(5, 3), (9, 2), (4, 16)])
-def test_a_grown_history_extends_its_cached_keys_as_the_whole_pass_encodes_it(window, block):
+@pytest.mark.parametrize("window,block,lengths,new", [
+    (5, 3, [23, 11, 30, 2], [3, 1, 12, 2]), (9, 2, [23, 11, 30, 2], [3, 1, 12, 2]),
+    (4, 16, [23, 11, 30, 2], [3, 1, 12, 2]),
+    (40, 8, [600, 11], [530, 1]),  # new rows over several row blocks (a chunk of a cold prefill)
+])
+def test_a_grown_history_extends_its_cached_keys_as_the_whole_pass_encodes_it(window, block, lengths, new):
     """The new events of grown histories against their cached keys / values
     (``hstu_bounded_paged_attention``) == the whole sequences' bounded pass at those rows."""
     from genrec.kernels.hstu_bounded import hstu_bounded_paged_attention
 
-    lengths, new = [23, 11, 30, 2], [3, 1, 12, 2]
     q, k, v, lens, kw = case(lengths, [0] * len(lengths), seed=2)
     kw.pop("num_targets")
     offsets = lengths_to_offsets(lens)
