@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 FLAGS = ("-O2", "-std=c++17", "-pthread")
@@ -56,3 +57,13 @@ def build_program(source: Path, library: str = "grpc++", hint: str = "on Debian:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return out
+
+
+def unavailable(binary: Callable[[], object]) -> str | None:
+    """None where ``binary()`` (a program's build, cached) succeeds, else why not: what a caller
+    that can fall back (or a test that skips) needs instead of the error."""
+    try:
+        binary()
+    except NativeBuildError as e:
+        return str(e)
+    return None

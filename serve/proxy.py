@@ -33,7 +33,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from genrec.native_build import NativeBuildError, build_program
+from genrec.native_build import NativeBuildError, build_program, unavailable
 
 SOURCE = Path(__file__).parent / "cpp" / "front.cc"
 
@@ -62,21 +62,21 @@ class FrontPlan:
 
 
 @functools.cache
+def _built() -> Path:
+    return build_program(SOURCE)
+
+
 def binary() -> Path:
     """The built front end (built now if this source, compiler and library have none yet)."""
     try:
-        return build_program(SOURCE)
+        return _built()
     except NativeBuildError as e:
         raise FrontError(f"serve.connections.front_end = 'native': {e}") from None
 
 
 def available() -> str | None:
     """None where the front end builds, else why not."""
-    try:
-        binary()
-    except FrontError as e:
-        return str(e)
-    return None
+    return unavailable(_built)
 
 
 class NativeFront:

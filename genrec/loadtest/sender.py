@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 
-from genrec.native_build import NativeBuildError, build_program
+from genrec.native_build import build_program, unavailable
 
 SOURCE = Path(__file__).parent / "cpp" / "sender.cc"
 RECORD = struct.Struct("<dddiI")  # scheduled s, latency s, lateness s, status code, reply length
@@ -40,11 +40,7 @@ def binary() -> Path:
 
 def available() -> str | None:
     """None where the native sender builds, else why not."""
-    try:
-        binary()
-    except NativeBuildError as e:
-        return str(e)
-    return None
+    return unavailable(binary)
 
 
 def choose(requested: str) -> tuple[str, str | None]:
