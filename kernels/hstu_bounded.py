@@ -252,7 +252,7 @@ def bounded_history(k_hist: torch.Tensor, v_hist: torch.Tensor, hist_offsets: to
     for u in range(hist_offsets.numel() - 1):
         s, e = int(hist_offsets[u]), int(hist_offsets[u + 1])
         n = e - s
-        ns = max((n - window + 1) // block, 0)  # (summaries() of the position n, as an int)
+        ns = int(summaries(torch.tensor(n), window, block))
         w0 = s + ns * block
         known = sums[u] if sums is not None else None
         if known is not None and known.blocks >= ns:

@@ -186,7 +186,7 @@ def hstu_cached_attention_blocked(
             kh, vh, bh = kg[s : s + n, hd], vg[s : s + n, hd], bias[s : s + n]  # [n, D], [n, Dv], [n]: views
             if pad:  # keys to a bucket's length: zero keys, values and bias, so SiLU(0) * 0 adds nothing
                 kh, vh, bh = (_zero_padded(t, bucket(n)) for t in (kh, vh, bh))
-            elif fused:
+            if fused:
                 kh = kh.contiguous()
             for b0 in range(c0, c1, rows):
                 b1 = min(b0 + rows, c1)

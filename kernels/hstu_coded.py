@@ -75,8 +75,7 @@ def bias_entries(pos_weights: torch.Tensor | None, time_weights: torch.Tensor | 
         out += pos_weights.to(dtype).index_select(0, torch.div(flat, nb, rounding_mode="floor"))
     if time_weights is not None:
         out += time_weights.to(dtype).index_select(0, flat % nb)
-    out = out.view(code.shape)
-    return out.masked_fill_(masked, torch.finfo(dtype).min / 2) if bool(masked.any()) else out
+    return out.view(code.shape).masked_fill_(masked, torch.finfo(dtype).min / 2)
 
 
 def bias_codes(lengths: torch.Tensor, max_len: int, max_seq_len: int, num_buckets: int,
