@@ -20,10 +20,11 @@ history), and each candidate's own key (the pair (c, c)) is added in one pointwi
 reference to float rounding); ``torch.bfloat16`` casts Q, K, V and the bias row once per call
 and accumulates in fp32 inside the GEMM (oneDNN): on a CPU with AVX512-BF16 (AMD Zen 4, Intel
 Cooper Lake and later) or AMX, bf16 GEMMs run about twice the fp32 rate. There the first GEMM
-is oneDNN's linear with the bias and SiLU in its epilogue (``torch.ops.mkldnn._linear_pointwise``,
-what torch.compile's CPU backend emits; addmm + SiLU where a build lacks it): SiLU then reads
-the fp32 accumulators, and no pass over the [cb, L] scores is left besides the two GEMMs. The
-candidates' own term and the 1 / N scale stay in the inputs' dtype. oneDNN builds a kernel per
+is oneDNN's linear with the bias (``torch.ops.mkldnn._linear_pointwise``, what torch.compile's
+CPU backend emits; addmm where a build lacks it), and SiLU runs over its bf16 scores, still in
+the core's L2, in our own pass (``kernels.bf16_ops``: good to bf16's rounding, at about half the cost of
+oneDNN's SiLU epilogue, which is exact to float and the fallback where the pass is not
+vectorised for the CPU). The candidates' own term and the 1 / N scale stay in the inputs' dtype. oneDNN builds a kernel per
 GEMM shape, so the bf16 GEMMs see shapes rounded up to a few sizes (:func:`bucket`, zero
 padding), not each call's own history length and candidate count.
 
@@ -37,12 +38,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from genrec.kernels import bf16_ops
 from genrec.kernels.hstu_coded import AttentionPlan, bias_entries, hstu_cached_attention_coded
 from genrec.kernels.hstu_reference import records_grad, time_bucket
 
-# oneDNN's linear + pointwise op (what torch.compile's CPU backend fuses into); None where absent
-_linear_pointwise = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None) if (
-    torch.backends.mkldnn.is_available()) else None
+_linear_pointwise = bf16_ops.linear_pointwise  # oneDNN's linear + pointwise op; None where absent
 
 # entries of one candidates x keys score block: 2 MiB in bf16, the size of a Zen 4 core's L2 (measured:
 # blocks of 128-512 candidates over 4,096 keys beat one [C, L] block by ~10%, fp32 and bf16)
@@ -191,7 +191,9 @@ def hstu_cached_attention_blocked(
             for b0 in range(c0, c1, rows):
                 b1 = min(b0 + rows, c1)
                 qb = _zero_padded(qg[b0:b1, hd], bucket(b1 - b0)) if pad else qg[b0:b1, hd]
-                if fused:  # SiLU(q k^T + bias) in the GEMM's epilogue, on its fp32 accumulators
+                if fused and bf16_ops.fast_silu():  # q k^T + bias, then SiLU over the bf16 block
+                    attn = bf16_ops.silu_(_linear_pointwise(qb.contiguous(), kh, bh, "none", [], ""))
+                elif fused:  # SiLU(q k^T + bias) in the GEMM's epilogue, on its fp32 accumulators
                     attn = _linear_pointwise(qb.contiguous(), kh, bh, "swish", [], "")
                 else:
                     attn = F.silu(torch.addmm(bh[None], qb, kh.T, alpha=alpha), inplace=True)

@@ -1,0 +1,65 @@
+"""bf16 inference ops for scoring many candidates on CPU: a linear layer and SiLU.
+
+What the candidates' bf16 path (``candidate_precision = "bf16"``) runs besides its attention
+GEMMs (``kernels.hstu_candidates``): the tower's linear layers and the ranking head's MLP, in
+bf16 with fp32 accumulation inside the GEMM (oneDNN), and SiLU over their bf16 outputs in our
+own pass (``kernels/cpu/bf16_ops.cpp``: good to bf16's rounding, about half the cost of
+oneDNN's SiLU epilogue and a quarter of PyTorch's fp32 SiLU over the same values). Where the
+pass is not built vectorised for this CPU (no AVX512-BF16, no compiler, ``GENREC_NATIVE=0``),
+PyTorch's SiLU runs instead, with the same results to bf16 rounding.
+
+Inference only: nothing here records a gradient.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from genrec.kernels import native
+
+# oneDNN's linear + pointwise op (what torch.compile's CPU backend fuses into); None where absent
+linear_pointwise = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None) if (
+    torch.backends.mkldnn.is_available()) else None
+
+
+@functools.cache
+def _silu_pass() -> ctypes._CFuncPtr | None:
+    """``genrec_silu_bf16(n, x)``: SiLU over n bf16 values in place, where the pass builds
+    vectorised (AVX512-BF16); None elsewhere."""
+    lib = native.library("bf16_ops")
+    if lib is None or not lib.genrec_bf16_vectorised():
+        return None
+    f = lib.genrec_silu_bf16
+    f.argtypes, f.restype = [ctypes.c_int64, ctypes.c_void_p], ctypes.c_int
+    return f
+
+
+def fast_silu() -> bool:
+    """Whether :func:`silu_` runs the native pass on this CPU."""
+    return _silu_pass() is not None
+
+
+def silu_(x: torch.Tensor) -> torch.Tensor:
+    """SiLU of ``x`` in place: the native pass for a contiguous bf16 CPU tensor where it is
+    built, else PyTorch's."""
+    f = _silu_pass()
+    if f is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or not x.is_contiguous():
+        return F.silu(x, inplace=True)
+    f(x.numel(), x.data_ptr())
+    return x
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool = False) -> torch.Tensor:
+    """x [N, K] @ weight [M, K]^T + bias [M] -> [N, M] in bf16 (x and the weights cast), then
+    SiLU where ``silu``."""
+    xb, wb = x.to(torch.bfloat16).contiguous(), weight.to(torch.bfloat16)
+    bb = bias.to(torch.bfloat16) if bias is not None else None
+    if linear_pointwise is not None and x.device.type == "cpu":
+        y = linear_pointwise(xb, wb, bb, "none", [], "")
+    else:
+        y = F.linear(xb, wb, bb)
+    return silu_(y) if silu else y
