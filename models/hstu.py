@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from genrec.kernels import hstu_bounded, hstu_native
+from genrec.kernels import bf16_ops, hstu_bounded, hstu_native
 from genrec.kernels.hstu_attention import (
     AttentionPlan,
     bias_table,
@@ -173,15 +173,26 @@ class HSTULayer(nn.Module):
             if p is not None:
                 nn.init.normal_(p, std=0.02)
 
-    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [..., D] -> u [..., H * Dv] (the gate) and v, q, k per head: [..., H, D]."""
+    def _split(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+        """x [..., D] -> u [..., H * Dv] (the gate) and v, q, k per head: [..., H, D], in x's
+        dtype; ``dtype`` bf16: the linear layer and SiLU run in it (inference, ``kernels.bf16_ops``)."""
         c, h = self.cfg, self.cfg.num_heads
-        uvqk = F.silu(self.uvqk(self.norm(x)))
+        if dtype == torch.bfloat16:
+            y = self.norm(x)
+            uvqk = bf16_ops.linear(y.flatten(0, -2), self.uvqk.weight, self.uvqk.bias, silu=True)
+            uvqk = uvqk.to(x.dtype).unflatten(0, y.shape[:-1])
+        else:
+            uvqk = F.silu(self.uvqk(self.norm(x)))
         u, v, q, k = torch.split(uvqk, [h * c.v_dim, h * c.v_dim, h * c.qk_dim, h * c.qk_dim], dim=-1)
         return u, v.unflatten(-1, (h, c.v_dim)), q.unflatten(-1, (h, c.qk_dim)), k.unflatten(-1, (h, c.qk_dim))
 
-    def _gate(self, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Residual + U-gated output; ``attn`` [..., H, Dv]."""
+    def _gate(self, x: torch.Tensor, u: torch.Tensor, attn: torch.Tensor,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Residual + U-gated output; ``attn`` [..., H, Dv]; ``dtype``: as in :meth:`_split`."""
+        if dtype == torch.bfloat16:
+            g = u * self.out_norm(attn.flatten(-2))
+            y = bf16_ops.linear(g.flatten(0, -2), self.out.weight, self.out.bias).unflatten(0, g.shape[:-1])
+            return x + y
         return x + self.out(self.dropout(u * self.out_norm(attn.flatten(-2))))
 
     def forward(self, x: torch.Tensor, meta: JaggedMeta, cache: list | None = None) -> torch.Tensor:
@@ -236,7 +247,7 @@ class HSTULayer(nn.Module):
         """Candidate rows x [C, D] against the cached history of their users -> [C, D]
         (``plan``: shared by the layers of one call, see ``hstu_cached_attention``; ``dtype``:
         the precision of its GEMMs, None: x's; ``index``: this layer's, for ``hist.sums``)."""
-        u, v, q, k = self._split(x)
+        u, v, q, k = self._split(x, dtype)
         if self.cfg.window:  # each user's window rows and block summaries, at their own positions
             kb, vb, offsets, positions, times = hstu_bounded.bounded_history(
                 kv[0], kv[1], hist.offsets, hist.times if self.time_weights is not None else None, self.cfg.window,
@@ -246,12 +257,12 @@ class HSTULayer(nn.Module):
                 pos_weights=self.pos_weights, time_weights=self.time_weights, hist_times=times,
                 request_times=hist.request_times, plan=plan, dtype=dtype, key_positions=positions,
                 query_positions=hist.offsets[1:] - hist.offsets[:-1])
-            return self._gate(x, u, attn)
+            return self._gate(x, u, attn, dtype)
         attn = hstu_cached_attention(
             q, k, v, kv[0], kv[1], hist.offsets, owner, max_seq_len=self.max_seq_len, alpha=self.alpha, pos_weights=self.pos_weights,
             time_weights=self.time_weights, hist_times=hist.times, request_times=hist.request_times,
             backend="blocked" if dtype is not None else self._backend(), plan=plan, dtype=dtype)
-        return self._gate(x, u, attn)
+        return self._gate(x, u, attn, dtype)
 
     def forward_paged(self, x: torch.Tensor, meta: PagedMeta, store: KVStore, index: int) -> torch.Tensor:
         """New rows x [Tq, D] against their sequences' cached keys / values -> [Tq, D]; this

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from genrec.kernels import bf16_ops
 from genrec.models.calibration import Calibrator
 from genrec.models.dropout import Dropout
 
@@ -83,12 +84,21 @@ class RankingHead(nn.Module):
         self.calibrator = Calibrator(len(cfg.tasks))
         self.weights = torch.tensor([t.weight for t in cfg.tasks])
 
-    def forward(self, h: torch.Tensor, items: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, items: torch.Tensor, context: torch.Tensor | None = None,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``dtype`` bf16 (inference): the MLP's GEMMs and SiLUs in bf16 (``kernels.bf16_ops``),
+        logits in h's dtype."""
         items = items.to(h.dtype)  # embedding rows are fp32; the tower may run in bf16
         parts = [h, items, h * items]
         if context is not None:
             parts.append(context.to(h.dtype))
-        return self.mlp(torch.cat(parts, dim=-1))
+        x = torch.cat(parts, dim=-1)
+        if dtype != torch.bfloat16:
+            return self.mlp(x)
+        layers = [m for m in self.mlp if isinstance(m, nn.Linear)]  # (dropout: identity in inference)
+        for i, m in enumerate(layers):
+            x = bf16_ops.linear(x, m.weight, m.bias, silu=i < len(layers) - 1)
+        return x.to(h.dtype)
 
     def probabilities(self, logits: torch.Tensor, calibrated: bool = True) -> torch.Tensor:
         """Task probabilities [C, tasks] (fp32) of logits [C, tasks]: the sigmoid, then

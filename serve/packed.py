@@ -308,9 +308,12 @@ class PackedPath:
             rows, x = m.summed_tokens(c, torch.zeros_like(c) if self.has_action else None, torch.from_numpy(positions))
         t0 = self._mark("candidate_lookup", t0)
         pairs = int(counts @ state.lengths.numpy()[users]) if self.score_from else 0
-        h = m.extend(state, x, owner_t, self.score_backend if pairs >= self.score_from else self.backend)
+        backend = self.score_backend if pairs >= self.score_from else self.backend
+        h = m.extend(state, x, owner_t, backend)
         t0 = self._mark("candidate_tower", t0)
-        if k is not None and k.mlp is not None:  # the context's share of the first layer once per user
+        if backend == "torch-bf16":  # the head's GEMMs in bf16 too
+            logits = ranking(h, rows, state.context[owner_t] if state.context is not None else None, torch.bfloat16)
+        elif k is not None and k.mlp is not None:  # the context's share of the first layer once per user
             cand_offsets = np.concatenate([[0], np.cumsum(counts)])
             logits = k.rank(h, rows, state.context, cand_offsets, users)
         else:

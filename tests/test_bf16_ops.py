@@ -1,0 +1,111 @@
+"""bf16 inference ops (``kernels.bf16_ops``): the native SiLU pass against PyTorch's over every
+bf16 value, the bf16 linear, and the paths that use them (the candidates' attention blocks, the
+tower's linear layers, the ranking head) against fp32."""
+
+import ctypes
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from genrec.kernels import bf16_ops, native
+from genrec.kernels import hstu_candidates as hc
+from genrec.models.ranking import RankingConfig, RankingHead, TaskConfig
+
+
+def _pass() -> ctypes._CFuncPtr:
+    lib = native.library("bf16_ops")
+    if lib is None:
+        pytest.skip("no C++ compiler here (kernels.native)")
+    f = lib.genrec_silu_bf16
+    f.argtypes, f.restype = [ctypes.c_int64, ctypes.c_void_p], ctypes.c_int
+    return f
+
+
+def every_bf16() -> torch.Tensor:
+    """Every finite bf16 value, both signs, zeros and subnormals included."""
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    return x[torch.isfinite(x)].clone()
+
+
+def test_the_native_silu_is_within_a_bf16_ulp_of_pytorch_on_every_value():
+    """Either build (16 lanes or one): each output within one bf16 ulp of fp32 SiLU rounded to
+    bf16, 99% of them equal; an output PyTorch gives as a bf16 subnormal (|y| < 1.2e-38) may
+    come out as zero (the hardware's conversion flushes them). Lengths that leave tails after
+    the 64- and 16-value steps, in place."""
+    f = _pass()
+    x = every_bf16()
+    want = F.silu(x.float()).bfloat16().float()
+    got = x.clone()
+    assert f(got.numel(), got.data_ptr()) == 0
+    got = got.float()
+    normal = want.abs() >= 1.2e-38
+    ulp = want.abs() * 2**-7
+    assert ((got - want).abs() <= ulp)[normal].all()
+    assert (got[~normal].abs() <= 1.2e-38).all()
+    assert (got == want).float().mean() > 0.99
+    for n in (1, 15, 17, 63, 65, 130):
+        y = x[1000 : 1000 + n].clone()
+        tail = x[1000 + n : 1000 + n + 8].clone()
+        f(n, y.data_ptr())
+        assert torch.equal(y, F.silu(x[1000 : 1000 + n].float()).bfloat16()) or (
+            (y.float() - F.silu(x[1000 : 1000 + n].float())).abs().max() < 0.01)
+        assert torch.equal(x[1000 + n : 1000 + n + 8], tail)  # nothing written past n
+
+
+def test_silu_falls_back_to_pytorch_off_its_layout():
+    """fp32, non-contiguous or where the pass is not built: PyTorch's SiLU, in place."""
+    x = torch.randn(8, 6)
+    want = F.silu(x)
+    assert torch.equal(bf16_ops.silu_(x), want)
+    y = torch.randn(6, 8).bfloat16().T
+    want = F.silu(y.float()).bfloat16()
+    torch.testing.assert_close(bf16_ops.silu_(y).float(), want.float(), atol=0.02, rtol=0.01)
+
+
+def test_linear_in_bf16_is_fp32s_to_its_rounding():
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(300, 64, generator=g), torch.randn(96, 64, generator=g) * 0.1, torch.randn(96, generator=g)
+    for silu in (False, True):
+        got = bf16_ops.linear(x, w, b, silu=silu)
+        want = F.linear(x, w, b)
+        want = F.silu(want) if silu else want
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.02)
+
+
+def test_the_candidates_blocks_take_the_native_silu_where_it_is_built(monkeypatch):
+    """bf16 candidates on a CPU where the pass is vectorised: every score block goes through it
+    (not oneDNN's SiLU epilogue), with the answers of fp32 to bf16's rounding."""
+    if hc._linear_pointwise is None or not bf16_ops.fast_silu():
+        pytest.skip("the native bf16 pass is not vectorised for this CPU, or no oneDNN linear")
+    seen = []
+    orig = bf16_ops.silu_
+    monkeypatch.setattr(bf16_ops, "silu_", lambda t: (seen.append(tuple(t.shape)), orig(t))[1])
+    g = torch.Generator().manual_seed(1)
+    n, c = 700, 300
+    kh, vh = torch.randn(n, 1, 16, generator=g), torch.randn(n, 1, 8, generator=g)
+    q, k, v = (torch.randn(c, 1, d, generator=g) for d in (16, 16, 8))
+    kw = dict(max_seq_len=1000, alpha=0.25, pos_weights=torch.randn(1000, generator=g) * 0.1)
+    offsets, owner = torch.tensor([0, n]), torch.zeros(c, dtype=torch.long)
+    with torch.inference_mode():
+        got = hc.hstu_cached_attention_blocked(q, k, v, kh, vh, offsets, owner, dtype=torch.bfloat16, **kw)
+        want = hc.hstu_cached_attention_blocked(q, k, v, kh, vh, offsets, owner, **kw)
+    assert seen and all(s[1] == hc.bucket(n) for s in seen)
+    torch.testing.assert_close(got, want, atol=2e-2 * float(want.abs().max()), rtol=0)
+
+
+def test_the_ranking_head_in_bf16_is_fp32s_to_its_rounding():
+    """``RankingHead(dtype=bf16)``: the MLP's GEMMs and SiLUs in bf16 (what a bf16 call scores
+    with), logits within bf16's rounding of fp32's and far closer than another head's."""
+    torch.manual_seed(0)
+    cfg = RankingConfig(tasks=(TaskConfig("click", ("click",)), TaskConfig("buy", ("buy",))), hidden=(64, 32))
+    head, other = RankingHead(cfg, 16, 8).eval(), RankingHead(cfg, 16, 8).eval()
+    h, items, ctx = torch.randn(500, 16), torch.randn(500, 16), torch.randn(500, 8)
+    with torch.inference_mode():
+        want = head(h, items, ctx)
+        got = head(h, items, ctx, torch.bfloat16)
+        far = other(h, items, ctx)
+    assert got.dtype == torch.float32
+    err = (got - want).abs().max()
+    assert err < 0.02 * float(want.abs().max()) and err < 0.1 * float((far - want).abs().max())
