@@ -144,7 +144,7 @@ def relative_times(times: np.ndarray, base: int) -> np.ndarray:
 class NativeHistory:
     """Encoded histories in the kernel's layout: what :func:`score` reads."""
 
-    k: torch.Tensor  # [layers, Th, H * Dqk] every history row's keys
+    k: torch.Tensor  # [layers, Th, H * Dqk] every history row's keys (made contiguous for the kernel by score)
     v: torch.Tensor  # [layers, Th, H * Dv]
     offsets: np.ndarray  # [B + 1] int64
     tq: np.ndarray  # [Th] int64 query times from a base (a history's last: its request time)
@@ -155,7 +155,10 @@ class NativeHistory:
 def history(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, times: torch.Tensor | None,
             request_times: torch.Tensor | None) -> NativeHistory:
     """A :class:`NativeHistory` of keys / values [layers, Th, H D] that the PyTorch layers
-    encoded (``times`` [Th], ``request_times`` [B]; None: no time bias)."""
+    encoded (``times`` [Th], ``request_times`` [B]; None: no time bias). Views of k and v are
+    kept as they are (an entry grown in place lies in storage with room after each layer):
+    :func:`score` copies them into the kernel's layout only if it runs, while a call that scores
+    through PyTorch reads the views."""
     offsets = np.ascontiguousarray(offsets.numpy(), dtype=np.int64)
     th = k.shape[1]
     tq = np.zeros(th, np.int64)
@@ -164,7 +167,7 @@ def history(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, times: torc
         base = int(times.numpy().min()) if th else 0
         tk = relative_times(times.numpy(), base)
         tq[offsets[1:] - 1] = relative_times(request_times.numpy(), base)
-    return NativeHistory(k.float().contiguous(), v.float().contiguous(), offsets, tq, tk)
+    return NativeHistory(k.float(), v.float(), offsets, tq, tk)
 
 
 def _scratch(x: torch.Tensor) -> torch.Tensor:
@@ -201,6 +204,8 @@ def score(tower: NativeTower, x: torch.Tensor, hist: NativeHistory, owner: torch
     """Candidates through the tower against encoded histories: x [C, D] candidate inputs of
     users ``owner`` [C] (runs of one user are scored together) -> [C, D] after the final norm."""
     x = _scratch(x)
+    if not (hist.k.is_contiguous() and hist.v.is_contiguous()):  # (once per history: kept)
+        hist.k, hist.v = hist.k.contiguous(), hist.v.contiguous()
     own = owner.numpy()
     cand_offsets = np.zeros(0, np.int64)
     if own.size:  # runs of one user's candidates: [0, run starts..., C]

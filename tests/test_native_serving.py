@@ -180,3 +180,30 @@ def test_served_tables_gathered_natively_equal_the_pytorch_lookups(scheme):
         native.rows["item"].gather(np.array([3, 4, 5]), torch.empty(2, 16))
     with pytest.raises(ValueError, match="holds every row"):
         native.pooled["region"].gather(np.array([1, 2]), torch.empty(2, 8), dst=np.array([0, 2]))
+
+
+def test_a_history_in_storage_with_room_is_scored_without_a_copy_until_the_kernel_needs_one():
+    """An entry grown in place lies in storage with room after each layer's rows: the native
+    history keeps views of it (a PyTorch scorer reads them as they are), and the native scorer
+    copies them into its layout once, with the same scores as a contiguous history."""
+    import dataclasses
+
+    from genrec.kernels import hstu_native
+
+    m = model()
+    rng = np.random.default_rng(0)
+    us = [UserInput(items=rng.integers(1, 60, n), times=T0 + np.arange(n) * 60, actions=rng.integers(0, 8, n),
+                    has_time=True, request_time=T0 + n * 60) for n in (9, 14)]
+    _, state = PackedPath(m, "native").encode(us)
+    dense = state.history.native
+    layers, t, w = dense.k.shape
+    room_k, room_v = torch.zeros(layers, t + 5, w), torch.zeros(layers, t + 5, w)
+    room_k[:, :t], room_v[:, :t] = dense.k, dense.v
+    kept = hstu_native.history(room_k[:, :t], room_v[:, :t], torch.from_numpy(dense.offsets), None, None)
+    assert kept.k.data_ptr() == room_k.data_ptr() and not kept.k.is_contiguous()  # views, no copy
+    strided = dataclasses.replace(dense, k=room_k[:, :t], v=room_v[:, :t])
+    x, owner = torch.randn(7, 16), torch.tensor([0, 0, 0, 1, 1, 1, 1])
+    tower = m.tower.native_weights()
+    want = hstu_native.score(tower, x, dense, owner)
+    assert torch.equal(hstu_native.score(tower, x, strided, owner), want)
+    assert strided.k.is_contiguous() and strided.v.is_contiguous()  # copied once, kept for the next micro-batch
