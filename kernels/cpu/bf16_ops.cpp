@@ -15,7 +15,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 #define GENREC_BF16_VEC 1
 #endif
@@ -52,12 +52,11 @@ inline float silu_scalar(float x) {
 #if GENREC_BF16_VEC
 inline __m512 silu16(__m512 x) {
   __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(-kLog2e));
-  __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_sub_ps(t, n);
+  __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // t - floor(t), one op
   __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(kC3), f, _mm512_set1_ps(kC2));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kC1));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kC0));
-  __m512 e = _mm512_scalef_ps(p, n);  // p * 2^n: +inf past float range, and rcp14(inf) = 0
+  __m512 e = _mm512_scalef_ps(p, t);  // p * 2^floor(t): +inf past float range, and rcp14(inf) = 0
   return _mm512_mul_ps(x, _mm512_rcp14_ps(_mm512_add_ps(e, _mm512_set1_ps(1.f))));
 }
 
