@@ -40,6 +40,7 @@ def library() -> ctypes.CDLL | None:
         common = [_I, _P, _I, _I, _I, _I, _I, _I, _F, _P]
         lib.genrec_hstu_encode.argtypes = [*common, _I, _P, _P, _P, _P, _P, _P, _P]
         lib.genrec_hstu_score.argtypes = [*common, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P]
+        lib.genrec_hstu_extend.argtypes = [*common, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P]
         lib.genrec_rank_mlp.argtypes = [_I, _I, _P, _P, _I, _P, _P, _P, _I, _I, _P, _P, _P]
         lib.genrec_gather_rows.argtypes = [_P, _L, _L, _I, _I, _P, _P, _L, _F, _I, _P, _L]
         table = [_P, _L, _L, _I]
@@ -48,6 +49,7 @@ def library() -> ctypes.CDLL | None:
         lib.genrec_final_norm.argtypes = [_I, _I, _P, _P, _P, _I]
         lib.genrec_retrieve.argtypes = [_I, _I, _P, _I, _I, _P, _F, _P, _P, _P, _I, _P, _P]
         lib.genrec_hstu_encode.restype = lib.genrec_hstu_score.restype = lib.genrec_rank_mlp.restype = _I
+        lib.genrec_hstu_extend.restype = _I
         lib.genrec_gather_rows.restype = lib.genrec_tokens.restype = lib.genrec_pooled.restype = _I
         lib.genrec_final_norm.restype = lib.genrec_retrieve.restype = _I
         lib._genrec_typed = True
@@ -168,6 +170,38 @@ def history(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, times: torc
         tk = relative_times(times.numpy(), base)
         tq[offsets[1:] - 1] = relative_times(request_times.numpy(), base)
     return NativeHistory(k.float(), v.float(), offsets, tq, tk)
+
+
+def extend(tower: NativeTower, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: np.ndarray,
+           lengths: np.ndarray, key_times: np.ndarray | None, query_times: np.ndarray | None) -> torch.Tensor:
+    """W cached histories grown by their new rows: x [Tn, D] the new rows' token inputs, packed
+    by history in order; history w has ``prefix[w]`` cached rows of ``lengths[w]``; its keys
+    and values are ``k`` [layers, W, cap, H Dqk] / ``v`` [layers, W, cap, H Dv] (fp32,
+    contiguous): rows 0..prefix-1 read, the new rows' written after them. ``key_times`` [W,
+    cap] every row's event time, ``query_times`` [Tn] the new rows' (None: no time bias) ->
+    each history's last row after the tower and its final norm [W, D], as :func:`encode` gives
+    for the whole history. Every history has at least one new row."""
+    x = _scratch(x)
+    prefix = np.ascontiguousarray(prefix, dtype=np.int64)
+    lengths = np.ascontiguousarray(lengths, dtype=np.int64)
+    w, cap = lengths.size, k.shape[2]
+    qoff = np.zeros(w + 1, np.int64)
+    np.cumsum(lengths - prefix, out=qoff[1:])
+    if key_times is None or query_times is None:
+        tk, tq = np.zeros((w, cap), np.int64), np.zeros(x.shape[0], np.int64)
+    else:
+        base = min(int(key_times[i, : lengths[i]].min()) for i in range(w))
+        tk = relative_times(np.ascontiguousarray(key_times, dtype=np.int64), base)
+        tq = relative_times(np.array(query_times, dtype=np.int64), base)
+    if not (k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == torch.float32
+            and tk.shape == (w, cap) and tq.size == x.shape[0]):
+        raise ValueError("extend: k / v must be contiguous fp32 [layers, W, cap, width], key_times [W, cap]")
+    out = torch.empty(w, tower.dims[0])
+    rc = tower.lib.genrec_hstu_extend(*tower.head(), w, ptr(prefix), ptr(lengths), ptr(qoff), ptr(tq), ptr(tk), cap,
+                                      ptr(x), ptr(k), ptr(v), ptr(out))
+    if rc != 0:
+        raise ValueError("extend: every history needs a new row, and at most cap rows")
+    return tower.final_norm(out)
 
 
 def _scratch(x: torch.Tensor) -> torch.Tensor:

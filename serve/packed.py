@@ -241,9 +241,32 @@ class PackedPath:
                 kp[:, i, :p], vp[:, i, :p] = e.k[:, :p], e.v[:, :p]
                 if n < big:  # padding the op reads (masked, so it must be finite)
                     kp[:, i, n:], vp[:, i, n:] = 0, 0
+        rows = np.concatenate([np.arange(s + p, s + n) for s, p, n in zip(starts, prefix, lens)])
+        sums = None
+        if self.backend == "native" and not tower.cfg.window:  # the C++ kernel, in the storage as it lies
+            key_times = np.zeros((w, kp.shape[2]), np.int64)
+            for i, (s, n) in enumerate(zip(starts, lens)):
+                key_times[i, :n] = tk[s : s + n]
+            vec = self.model.head.normalize(tower.extend_native(x, kp, vp, prefix, lens, key_times, tq[rows]).float())
+        else:
+            vec, sums = self._extend_paged(x, kp, vp, entries, prefix, lens, tk, tq, starts, rows, big)
+        user_sums = [[layer[i] for layer in sums] if sums is not None else None for i in range(w)]
+        if in_place:
+            return vec, [Kept(kp[:, 0, :big], vp[:, 0, :big], (kp[:, 0], vp[:, 0]), user_sums[0])]
+        if w == 1:  # [layers, 1, n, .] is one history's layout already
+            return vec, [Kept(kp[:, 0], vp[:, 0], None, user_sums[0])]
+        return vec, [Kept(kp[:, i, :n].contiguous(), vp[:, i, :n].contiguous(), None, user_sums[i])
+                     for i, n in enumerate(lens)]
+
+    def _extend_paged(self, x: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, entries: list[Entry],
+                      prefix: np.ndarray, lens: np.ndarray, tk: np.ndarray, tq: np.ndarray, starts: np.ndarray,
+                      rows: np.ndarray, big: int) -> tuple[torch.Tensor, list | None]:
+        """:meth:`_extend`'s new tokens through ``tower.extend_paged`` (PyTorch ops): (user
+        vectors [W, D], a bounded tower's block summaries per layer and user, else None)."""
+        tower, w = self.model.tower, lens.size
+        c = tower.kv_dims()
         seq = torch.from_numpy(np.repeat(np.arange(w), lens - prefix))
         index = torch.from_numpy(np.concatenate([np.arange(p, n) for p, n in zip(prefix, lens)]))
-        rows = np.concatenate([np.arange(s + p, s + n) for s, p, n in zip(starts, prefix, lens)])
         key_times = torch.zeros(w, big, dtype=torch.int64)
         for i, (s, n) in enumerate(zip(starts, lens)):
             key_times[i, :n] = torch.from_numpy(tk[s : s + n])
@@ -259,14 +282,7 @@ class PackedPath:
 
         h = tower.extend_paged(x, meta, store)  # [new rows, D]
         last = torch.from_numpy(np.cumsum(lens - prefix) - 1)
-        vec = self.model.head.normalize(h[last].float())
-        user_sums = [[layer[i] for layer in sums] if sums is not None else None for i in range(w)]
-        if in_place:
-            return vec, [Kept(kp[:, 0, :big], vp[:, 0, :big], (kp[:, 0], vp[:, 0]), user_sums[0])]
-        if w == 1:  # [layers, 1, n, .] is one history's layout already
-            return vec, [Kept(kp[:, 0], vp[:, 0], None, user_sums[0])]
-        return vec, [Kept(kp[:, i, :n].contiguous(), vp[:, i, :n].contiguous(), None, user_sums[i])
-                     for i, n in enumerate(lens)]
+        return self.model.head.normalize(h[last].float()), sums
 
     def score(self, state: HistoryState, users: list[int], candidates: list[np.ndarray]) -> list[np.ndarray]:
         """Task probabilities [c, tasks] of each ``candidates[i]`` (table rows) for batch user

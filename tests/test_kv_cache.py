@@ -125,12 +125,13 @@ def run_both(ref: TorchEngine, cached: TorchEngine, users: list[UserInput]) -> l
 
 
 class TowerCount:
-    """Counts the tokens the model pushes through the tower (full encodes and extend_paged)."""
+    """Counts the tokens the model pushes through the tower (full encodes, and extends:
+    extend_paged, or extend_native on the native backend)."""
 
     def __init__(self, engine: TorchEngine) -> None:
         self.encoded = self.extended = 0
         m = engine.model
-        enc, ext = m.encode_history_tokens, m.tower.extend_paged
+        enc, ext, ext_native = m.encode_history_tokens, m.tower.extend_paged, m.tower.extend_native
 
         def encode(x, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
             self.encoded += x.shape[0]
@@ -140,7 +141,11 @@ class TowerCount:
             self.extended += x.shape[0]
             return ext(x, *a, **kw)
 
-        m.encode_history_tokens, m.tower.extend_paged = encode, extend
+        def extend_native(x, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+            self.extended += x.shape[0]
+            return ext_native(x, *a, **kw)
+
+        m.encode_history_tokens, m.tower.extend_paged, m.tower.extend_native = encode, extend, extend_native
 
     def take(self) -> tuple[int, int]:
         out = (self.encoded, self.extended)

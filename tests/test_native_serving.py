@@ -207,3 +207,51 @@ def test_a_history_in_storage_with_room_is_scored_without_a_copy_until_the_kerne
     want = hstu_native.score(tower, x, dense, owner)
     assert torch.equal(hstu_native.score(tower, x, strided, owner), want)
     assert strided.k.is_contiguous() and strided.v.is_contiguous()  # copied once, kept for the next micro-batch
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+@pytest.mark.parametrize("time_bias", [True, False])
+def test_native_extend_equals_encoding_the_whole_histories(ordered, time_bias):
+    """``tower.extend_native``: cached rows' keys / values in storage with room, new rows (one,
+    a few, more than a query block of 64, a whole history) through the C++ kernel -> each
+    history's last row and the new rows' keys / values as the PyTorch encode of every whole
+    history gives them; event times in order (the walk over the thresholds) and not."""
+    from genrec.models.hstu import HSTUTower, JaggedMeta
+
+    torch.manual_seed(2)
+    cfg = HSTUConfig(num_layers=2, num_heads=2, qk_dim=12, v_dim=8, dropout=0.0, num_time_buckets=64,
+                     time_bias=time_bias)
+    tower = HSTUTower(cfg, 24, 300).eval()
+    with torch.no_grad():
+        for layer in tower.layers:
+            for p in (layer.pos_weights, layer.time_weights):
+                if p is not None:
+                    p.normal_(0, 0.5)
+    rng = np.random.default_rng(4)
+    lens, prefix = np.array([70, 200, 9, 140]), np.array([69, 120, 0, 5])
+    offsets = np.concatenate([[0], np.cumsum(lens)])
+    t = int(lens.sum())
+    x = torch.randn(t, 24)
+    times = np.concatenate([T0 + np.cumsum(rng.choice([0, 5, 3_600, 10**6], n)) for n in lens])
+    if not ordered:
+        times[offsets[1] : offsets[2]] = rng.permutation(times[offsets[1] : offsets[2]])
+    qtimes = times + 60
+    meta = JaggedMeta(torch.from_numpy(offsets), int(lens.max()), torch.from_numpy(times), torch.from_numpy(qtimes),
+                      None)
+    with torch.inference_mode():
+        want, hist = tower.encode_history(x, meta)
+        c, cap, w = tower.kv_dims(), 256, lens.size
+        kp, vp = torch.zeros(c.layers, w, cap, c.key_width), torch.zeros(c.layers, w, cap, c.value_width)
+        for i, (s, p) in enumerate(zip(offsets[:-1], prefix)):
+            for layer, (k, v) in enumerate(hist.layers):
+                kp[layer, i, :p], vp[layer, i, :p] = k[s : s + p].flatten(1), v[s : s + p].flatten(1)
+        new = np.concatenate([np.arange(s + p, s + n) for s, p, n in zip(offsets[:-1], prefix, lens)])
+        key_times = np.zeros((w, cap), np.int64)
+        for i, (s, n) in enumerate(zip(offsets[:-1], lens)):
+            key_times[i, :n] = times[s : s + n]
+        got = tower.extend_native(x[torch.from_numpy(new)], kp, vp, prefix, lens, key_times, qtimes[new])
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    for i, (s, n) in enumerate(zip(offsets[:-1], lens)):
+        for layer, (k, v) in enumerate(hist.layers):
+            torch.testing.assert_close(kp[layer, i, :n], k[s : s + n].flatten(1), atol=2e-5, rtol=2e-5)
+            torch.testing.assert_close(vp[layer, i, :n], v[s : s + n].flatten(1), atol=2e-5, rtol=2e-5)

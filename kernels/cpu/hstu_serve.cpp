@@ -334,6 +334,123 @@ int genrec_hstu_encode(int L, const float* const* params, int D, int H, int dqk,
   return 0;
 }
 
+// Extend W cached histories by their new rows (an engine cache's warm call): x [Tn, D] the new
+// rows' inputs (modified), packed by history in order, qoff [W + 1] their offsets; history w
+// has prefix[w] cached rows and lens[w] rows in all (so lens[w] - prefix[w] new ones). Keys and
+// values live in kc [L, W, cap, H Dqk] / vc [L, W, cap, H Dv]: rows 0..prefix-1 are read, the new
+// rows' are written after them, layer by layer, before they are attended to. tq [Tn]: the new
+// rows' query times, tk [W, cap]: every row's event time (ignored when nb == 1). Each history's
+// last row after the last layer goes to out [W, D] (before the final norm): what encode gives
+// for the whole history, its cached rows' keys and values reused.
+int genrec_hstu_extend(int L, const float* const* params, int D, int H, int dqk, int dv, int n, int nb, float alpha,
+                       const int64_t* thr, int W, const int64_t* prefix, const int64_t* lens, const int64_t* qoff,
+                       const int64_t* tq, const int64_t* tk, int cap, float* x, float* kc, float* vc, float* out) {
+  Dims d{D, H, dqk, dv, n, nb, alpha};
+  const int Tn = (int)qoff[W], G = d.G(), U = d.U(), KW = H * dqk;
+  const int BLOCK = 64;
+  for (int w = 0; w < W; ++w)
+    if (lens[w] > cap || prefix[w] < 0 || lens[w] - prefix[w] != qoff[w + 1] - qoff[w] || qoff[w + 1] == qoff[w])
+      return -1;
+  std::vector<float> y((size_t)Tn * D), z((size_t)Tn * G), attn((size_t)Tn * U);
+  int hmax = 0;
+  for (int w = 0; w < W; ++w) hmax = std::max(hmax, (int)lens[w]);
+  const int hp_max = pad8(hmax);
+  std::vector<float> kT((size_t)dqk * hp_max), S((size_t)BLOCK * hp_max), ST((size_t)8 * hp_max);
+  if (dqk > 256) return -1;
+  // bias codes of each new row against the keys it sees (its history's rows up to itself),
+  // shared by the layers: [r, h] per history, row i's keys 0..prefix+i
+  std::vector<size_t> code_at(W + 1, 0);
+  for (int w = 0; w < W; ++w) code_at[w + 1] = code_at[w] + (size_t)(qoff[w + 1] - qoff[w]) * lens[w];
+  std::vector<int32_t> codes(code_at[W]);
+  for (int w = 0; w < W; ++w) {
+    const int h = (int)lens[w], p0 = (int)prefix[w], r = h - p0;
+    const int64_t* tkw = tk + (size_t)w * cap;
+    bool ordered = nb > 1;
+    for (int j = 1; j < h && ordered; ++j) ordered = tkw[j] >= tkw[j - 1];
+    for (int i = 0; i < r; ++i) {
+      const int pos = p0 + i;
+      const int64_t q = tq[qoff[w] + i];
+      int32_t* row = codes.data() + code_at[w] + (size_t)i * h;
+      if (ordered) {  // gaps grow as j falls: one walk up the thresholds (as encode)
+        int bk = 0;
+        for (int j = pos; j >= 0; --j) {
+          const int64_t dt = q - tkw[j];
+          while (dt > 0 && bk + 1 < nb && thr[bk + 1] <= dt) ++bk;
+          row[j] = std::min(pos - j, n - 1) * nb + bk;
+        }
+      } else {
+        for (int j = 0; j <= pos; ++j)
+          row[j] = std::min(pos - j, n - 1) * nb + (nb > 1 ? bucket(q - tkw[j], thr, nb) : 0);
+      }
+    }
+  }
+  std::vector<float> xl((size_t)W * D), zl((size_t)W * G), al((size_t)W * U);
+  for (int l = 0; l < L; ++l) {
+    const float* const* p = params + (size_t)l * P_COUNT;
+    const float* table = p[TABLE];
+    const bool last = l == L - 1;
+    uvqk(d, p, Tn, x, D, y.data(), z.data());
+    for (int w = 0; w < W; ++w) {
+      float* kw = kc + ((size_t)l * W + w) * cap * KW;
+      float* vw = vc + ((size_t)l * W + w) * cap * U;
+      const int p0 = (int)prefix[w], h = (int)lens[w];
+      const int64_t q0 = qoff[w];
+      for (int t = p0; t < h; ++t) {  // the new rows' keys and values, after the cached ones
+        const float* zr = z.data() + (size_t)(q0 + t - p0) * G;
+        std::memcpy(vw + (size_t)t * U, zr + U, sizeof(float) * U);
+        std::memcpy(kw + (size_t)t * KW, zr + 2 * U + KW, sizeof(float) * KW);
+      }
+      const int r = h - p0, hp = pad8(h);
+      const int32_t* cw = codes.data() + code_at[w];
+      const float* zw = z.data() + (size_t)q0 * G;
+      for (int hd = 0; hd < H; ++hd) {
+        const int qcol = 2 * U + hd * dqk;
+        const int s0 = last ? r - 1 : 0;  // the last layer: only the history's last row is read
+        // few query rows (a warm call's usual few new events, the last layer's one): their scores
+        // as K q^T straight from the stored keys' rows ([keys, 8], then turned); more: against
+        // the keys transposed once (as encode), which costs a pass over every key column
+        const bool few = r - s0 <= 8;
+        if (!few) transpose_keys(h, hp, dqk, kw + hd * dqk, KW, kT.data());
+        for (int s = s0; s < r; s += BLOCK) {
+          const int e = std::min(s + BLOCK, r), rr = e - s, keys = p0 + e, kp = pad8(keys);
+          if (few) {
+            float qT[8 * 64 * 4] = {0};  // [dqk, 8], the rows' queries as columns (dqk <= 256)
+            for (int i = 0; i < rr; ++i)
+              for (int t = 0; t < dqk; ++t) qT[t * 8 + i] = zw[(size_t)(s + i) * G + qcol + t];
+            gemm(keys, 8, dqk, kw + hd * dqk, KW, qT, 8, ST.data(), 8, false);
+            for (int i = 0; i < rr; ++i)
+              for (int j = 0; j < keys; ++j) S[(size_t)i * hp + j] = ST[(size_t)j * 8 + i];
+          } else {
+            gemm(rr, kp, dqk, zw + (size_t)s * G + qcol, G, kT.data(), hp, S.data(), hp, false);
+          }
+          for (int i = 0; i < rr; ++i) {
+            float* si = S.data() + (size_t)i * hp;
+            const int32_t* ci = cw + (size_t)(s + i) * h;
+            const int nk = p0 + s + i + 1;  // keys 0..its own position
+            for (int j = 0; j < nk; ++j) si[j] = alpha * si[j] + table[ci[j]];
+            silu_inplace(si, nk);
+            for (int j = nk; j < kp; ++j) si[j] = 0.f;
+          }
+          float* dst = last ? al.data() + (size_t)w * U + hd * dv : attn.data() + (size_t)(q0 + s) * U + hd * dv;
+          gemm(rr, dv, keys, S.data(), hp, vw + hd * dv, U, dst, U, false);
+        }
+      }
+    }
+    if (!last) {
+      gate(d, p, Tn, attn.data(), z.data(), x, D);
+    } else {
+      for (int w = 0; w < W; ++w) {
+        const int64_t row = qoff[w + 1] - 1;
+        std::memcpy(xl.data() + (size_t)w * D, x + (size_t)row * D, sizeof(float) * D);
+        std::memcpy(zl.data() + (size_t)w * G, z.data() + (size_t)row * G, sizeof(float) * G);
+      }
+      gate(d, p, W, al.data(), zl.data(), xl.data(), D);
+      std::memcpy(out, xl.data(), sizeof(float) * W * D);
+    }
+  }
+  return 0;
+}
+
 // Score candidates against encoded histories: x [N, D] candidate inputs (modified: the tower's
 // output before its final norm), grouped by user: cand_offsets [U + 1], user [U] (the batch
 // history each group reads). A candidate sits at position h (its history's length) at the
