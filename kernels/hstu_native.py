@@ -40,7 +40,7 @@ def library() -> ctypes.CDLL | None:
         common = [_I, _P, _I, _I, _I, _I, _I, _I, _F, _P]
         lib.genrec_hstu_encode.argtypes = [*common, _I, _P, _P, _P, _P, _P, _P, _P]
         lib.genrec_hstu_score.argtypes = [*common, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P]
-        lib.genrec_hstu_extend.argtypes = [*common, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P]
+        lib.genrec_hstu_extend.argtypes = [*common, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P]
         lib.genrec_rank_mlp.argtypes = [_I, _I, _P, _P, _I, _P, _P, _P, _I, _I, _P, _P, _P]
         lib.genrec_gather_rows.argtypes = [_P, _L, _L, _I, _I, _P, _P, _L, _F, _I, _P, _L]
         table = [_P, _L, _L, _I]
@@ -172,33 +172,44 @@ def history(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, times: torc
     return NativeHistory(k.float(), v.float(), offsets, tq, tk)
 
 
-def extend(tower: NativeTower, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: np.ndarray,
-           lengths: np.ndarray, key_times: np.ndarray | None, query_times: np.ndarray | None) -> torch.Tensor:
+def extend(tower: NativeTower, x: torch.Tensor, k: torch.Tensor | list[torch.Tensor],
+           v: torch.Tensor | list[torch.Tensor], prefix: np.ndarray, lengths: np.ndarray,
+           key_times: np.ndarray | None, query_times: np.ndarray | None,
+           slots: np.ndarray | None = None) -> torch.Tensor:
     """W cached histories grown by their new rows: x [Tn, D] the new rows' token inputs, packed
-    by history in order; history w has ``prefix[w]`` cached rows of ``lengths[w]``; its keys
-    and values are ``k`` [layers, W, cap, H Dqk] / ``v`` [layers, W, cap, H Dv] (fp32,
-    contiguous): rows 0..prefix-1 read, the new rows' written after them. ``key_times`` [W,
-    cap] every row's event time, ``query_times`` [Tn] the new rows' (None: no time bias) ->
-    each history's last row after the tower and its final norm [W, D], as :func:`encode` gives
-    for the whole history. Every history has at least one new row."""
+    by history in order; history w has ``prefix[w]`` cached rows of ``lengths[w]`` (at least
+    one new). Its keys / values: ``k`` [layers, W, cap, H Dqk], ``v`` [layers, W, cap, H Dv]
+    (an engine cache's storage, row t of history w at [:, w, t]); or, with ``slots`` [W, L]
+    (an SGLang pool's slot map), per-layer lists of pool rows ``k[l]`` [S, H Dqk], ``v[l]``
+    [S, H Dv], row t of history w at row ``slots[w, t]``, read in place. Rows 0..prefix-1 are
+    read, the new rows' written. fp32, contiguous. ``key_times`` [W, cap or L] every row's event
+    time, ``query_times`` [Tn] the new rows' (None: no time bias) -> each history's last row
+    after the tower and its final norm [W, D], as :func:`encode` gives for the whole history."""
     x = _scratch(x)
     prefix = np.ascontiguousarray(prefix, dtype=np.int64)
     lengths = np.ascontiguousarray(lengths, dtype=np.int64)
-    w, cap = lengths.size, k.shape[2]
+    if slots is None:
+        assert isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+        ks, vs, ld = [k[i] for i in range(k.shape[0])], [v[i] for i in range(v.shape[0])], k.shape[2]
+    else:
+        slots = np.ascontiguousarray(slots, dtype=np.int64)
+        ks, vs, ld = list(k), list(v), slots.shape[1]
+    w = lengths.size
     qoff = np.zeros(w + 1, np.int64)
     np.cumsum(lengths - prefix, out=qoff[1:])
     if key_times is None or query_times is None:
-        tk, tq = np.zeros((w, cap), np.int64), np.zeros(x.shape[0], np.int64)
+        tk, tq = np.zeros((w, ld), np.int64), np.zeros(x.shape[0], np.int64)
     else:
         base = min(int(key_times[i, : lengths[i]].min()) for i in range(w))
         tk = relative_times(np.ascontiguousarray(key_times, dtype=np.int64), base)
         tq = relative_times(np.array(query_times, dtype=np.int64), base)
-    if not (k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == torch.float32
-            and tk.shape == (w, cap) and tq.size == x.shape[0]):
-        raise ValueError("extend: k / v must be contiguous fp32 [layers, W, cap, width], key_times [W, cap]")
+    if not (all(t.is_contiguous() and t.dtype == torch.float32 for t in ks + vs) and len(ks) == len(vs)
+            == tower.num_layers and tk.shape == (w, ld) and tq.size == x.shape[0]):
+        raise ValueError("extend: fp32 contiguous keys / values for every layer, key_times [W, cap or L]")
+    kp, vp = (_P * len(ks))(*[t.data_ptr() for t in ks]), (_P * len(vs))(*[t.data_ptr() for t in vs])
     out = torch.empty(w, tower.dims[0])
-    rc = tower.lib.genrec_hstu_extend(*tower.head(), w, ptr(prefix), ptr(lengths), ptr(qoff), ptr(tq), ptr(tk), cap,
-                                      ptr(x), ptr(k), ptr(v), ptr(out))
+    rc = tower.lib.genrec_hstu_extend(*tower.head(), w, ptr(prefix), ptr(lengths), ptr(qoff), ptr(tq), ptr(tk), ld,
+                                      ptr(slots) if slots is not None else None, ptr(x), kp, vp, ptr(out))
     if rc != 0:
         raise ValueError("extend: every history needs a new row, and at most cap rows")
     return tower.final_norm(out)

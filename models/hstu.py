@@ -400,19 +400,21 @@ class HSTUTower(nn.Module):
             x = layer.forward_paged(x, meta, store, i)
         return self.final_norm(x)
 
-    def extend_native(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: np.ndarray,
-                      lengths: np.ndarray, key_times: np.ndarray | None, query_times: np.ndarray | None,
-                      ) -> torch.Tensor:
+    def extend_native(self, x: torch.Tensor, k: torch.Tensor | list[torch.Tensor], v: torch.Tensor | list[torch.Tensor],
+                      prefix: np.ndarray, lengths: np.ndarray, key_times: np.ndarray | None,
+                      query_times: np.ndarray | None, slots: np.ndarray | None = None) -> torch.Tensor:
         """:meth:`extend_paged` on the C++ kernel, read at each sequence's last row: new tokens
         x [Tq, D] of W sequences (``prefix[w]`` cached of ``lengths[w]``, every one with a new
-        token) whose keys / values ``k`` [layers, W, cap, H Dqk], ``v`` [layers, W, cap, H Dv]
-        hold the cached rows; the new rows' are written after them -> [W, D] after the final
-        norm. ``key_times`` [W, cap], ``query_times`` [Tq] (ignored without a time bias)."""
+        token) whose keys / values hold the cached rows, the new rows' written after them:
+        ``k`` [layers, W, cap, H Dqk], ``v`` [layers, W, cap, H Dv] (an engine cache's storage),
+        or with ``slots`` [W, L] per-layer pool rows read in place (``hstu_native.extend``) ->
+        [W, D] after the final norm. ``key_times`` [W, cap or L], ``query_times`` [Tq] (ignored
+        without a time bias)."""
         if self.cfg.window:
             raise ValueError("extend_native: a bounded tower (hstu.window) extends through extend_paged")
         timed = self.time_bias
         out = hstu_native.extend(self.native_weights(), x, k, v, prefix, lengths, key_times if timed else None,
-                                 query_times if timed else None)
+                                 query_times if timed else None, slots)
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def cached_layers(self, hist: CachedHistory) -> list[tuple[torch.Tensor, torch.Tensor]]:

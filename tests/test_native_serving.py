@@ -211,9 +211,11 @@ def test_a_history_in_storage_with_room_is_scored_without_a_copy_until_the_kerne
 
 @pytest.mark.parametrize("ordered", [True, False])
 @pytest.mark.parametrize("time_bias", [True, False])
-def test_native_extend_equals_encoding_the_whole_histories(ordered, time_bias):
-    """``tower.extend_native``: cached rows' keys / values in storage with room, new rows (one,
-    a few, more than a query block of 64, a whole history) through the C++ kernel -> each
+@pytest.mark.parametrize("paged", [False, True])
+def test_native_extend_equals_encoding_the_whole_histories(ordered, time_bias, paged):
+    """``tower.extend_native``: cached rows' keys / values in storage with room (an engine
+    cache's) or scattered over a pool's rows through a slot map (SGLang's), new rows (one, a
+    few, more than a query block of 64, a whole history) through the C++ kernel -> each
     history's last row and the new rows' keys / values as the PyTorch encode of every whole
     history gives them; event times in order (the walk over the thresholds) and not."""
     from genrec.models.hstu import HSTUTower, JaggedMeta
@@ -249,7 +251,16 @@ def test_native_extend_equals_encoding_the_whole_histories(ordered, time_bias):
         key_times = np.zeros((w, cap), np.int64)
         for i, (s, n) in enumerate(zip(offsets[:-1], lens)):
             key_times[i, :n] = times[s : s + n]
-        got = tower.extend_native(x[torch.from_numpy(new)], kp, vp, prefix, lens, key_times, qtimes[new])
+        if paged:  # the same rows at shuffled slots of a pool of per-layer buffers
+            slots = rng.permutation(w * cap).reshape(w, cap).astype(np.int64)
+            pk, pv = torch.zeros(c.layers, w * cap, c.key_width), torch.zeros(c.layers, w * cap, c.value_width)
+            pk[:, torch.from_numpy(slots.ravel())] = kp.flatten(1, 2)
+            pv[:, torch.from_numpy(slots.ravel())] = vp.flatten(1, 2)
+            got = tower.extend_native(x[torch.from_numpy(new)], list(pk), list(pv), prefix, lens, key_times,
+                                      qtimes[new], slots)
+            kp[:], vp[:] = pk[:, torch.from_numpy(slots.ravel())].view_as(kp), pv[:, torch.from_numpy(slots.ravel())].view_as(vp)
+        else:
+            got = tower.extend_native(x[torch.from_numpy(new)], kp, vp, prefix, lens, key_times, qtimes[new])
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     for i, (s, n) in enumerate(zip(offsets[:-1], lens)):
         for layer, (k, v) in enumerate(hist.layers):

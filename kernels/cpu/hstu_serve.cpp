@@ -336,15 +336,19 @@ int genrec_hstu_encode(int L, const float* const* params, int D, int H, int dqk,
 
 // Extend W cached histories by their new rows (an engine cache's warm call): x [Tn, D] the new
 // rows' inputs (modified), packed by history in order, qoff [W + 1] their offsets; history w
-// has prefix[w] cached rows and lens[w] rows in all (so lens[w] - prefix[w] new ones). Keys and
-// values live in kc [L, W, cap, H Dqk] / vc [L, W, cap, H Dv]: rows 0..prefix-1 are read, the new
-// rows' are written after them, layer by layer, before they are attended to. tq [Tn]: the new
-// rows' query times, tk [W, cap]: every row's event time (ignored when nb == 1). Each history's
-// last row after the last layer goes to out [W, D] (before the final norm): what encode gives
-// for the whole history, its cached rows' keys and values reused.
+// has prefix[w] cached rows and lens[w] rows in all (so lens[w] - prefix[w] new ones). Layer l's
+// keys and values are rows of kl[l] [., H Dqk] / vl[l] [., H Dv]: row t of history w is row
+// slots[w ld + t] (an SGLang pool's slot map), or w ld + t where slots is null (an engine
+// cache's storage, ld its capacity). Rows 0..prefix-1 are read, the new rows' are written,
+// layer by layer, before they are attended to. tq [Tn]: the new rows' query times, tk [W, ld]:
+// every row's event time (ignored when nb == 1). Each history's last row after the last layer
+// goes to out [W, D] (before the final norm): what encode gives for the whole history, its
+// cached rows' keys and values reused.
 int genrec_hstu_extend(int L, const float* const* params, int D, int H, int dqk, int dv, int n, int nb, float alpha,
                        const int64_t* thr, int W, const int64_t* prefix, const int64_t* lens, const int64_t* qoff,
-                       const int64_t* tq, const int64_t* tk, int cap, float* x, float* kc, float* vc, float* out) {
+                       const int64_t* tq, const int64_t* tk, int ld, const int64_t* slots, float* x,
+                       float* const* kl, float* const* vl, float* out) {
+  const int cap = ld;
   Dims d{D, H, dqk, dv, n, nb, alpha};
   const int Tn = (int)qoff[W], G = d.G(), U = d.U(), KW = H * dqk;
   const int BLOCK = 64;
@@ -356,6 +360,7 @@ int genrec_hstu_extend(int L, const float* const* params, int D, int H, int dqk,
   for (int w = 0; w < W; ++w) hmax = std::max(hmax, (int)lens[w]);
   const int hp_max = pad8(hmax);
   std::vector<float> kT((size_t)dqk * hp_max), S((size_t)BLOCK * hp_max), ST((size_t)8 * hp_max);
+  std::vector<float> kg(slots ? (size_t)hp_max * H * dqk : 0), vg(slots ? (size_t)hp_max * d.U() : 0);
   if (dqk > 256) return -1;
   // bias codes of each new row against the keys it sees (its history's rows up to itself),
   // shared by the layers: [r, h] per history, row i's keys 0..prefix+i
@@ -391,14 +396,24 @@ int genrec_hstu_extend(int L, const float* const* params, int D, int H, int dqk,
     const bool last = l == L - 1;
     uvqk(d, p, Tn, x, D, y.data(), z.data());
     for (int w = 0; w < W; ++w) {
-      float* kw = kc + ((size_t)l * W + w) * cap * KW;
-      float* vw = vc + ((size_t)l * W + w) * cap * U;
       const int p0 = (int)prefix[w], h = (int)lens[w];
       const int64_t q0 = qoff[w];
+      const int64_t* sw = slots ? slots + (size_t)w * ld : nullptr;
       for (int t = p0; t < h; ++t) {  // the new rows' keys and values, after the cached ones
         const float* zr = z.data() + (size_t)(q0 + t - p0) * G;
-        std::memcpy(vw + (size_t)t * U, zr + U, sizeof(float) * U);
-        std::memcpy(kw + (size_t)t * KW, zr + 2 * U + KW, sizeof(float) * KW);
+        const int64_t row = sw ? sw[t] : (int64_t)w * ld + t;
+        std::memcpy(vl[l] + row * U, zr + U, sizeof(float) * U);
+        std::memcpy(kl[l] + row * KW, zr + 2 * U + KW, sizeof(float) * KW);
+      }
+      const float* kw = kl[l] + (size_t)w * ld * KW;  // the history's rows, in order
+      const float* vw = vl[l] + (size_t)w * ld * U;
+      if (sw) {  // rows scattered over a pool: gathered in order (reads in place, one pass)
+        for (int t = 0; t < h; ++t) {
+          std::memcpy(kg.data() + (size_t)t * KW, kl[l] + sw[t] * KW, sizeof(float) * KW);
+          std::memcpy(vg.data() + (size_t)t * U, vl[l] + sw[t] * U, sizeof(float) * U);
+        }
+        kw = kg.data();
+        vw = vg.data();
       }
       const int r = h - p0, hp = pad8(h);
       const int32_t* cw = codes.data() + code_at[w];

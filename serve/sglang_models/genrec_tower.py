@@ -260,6 +260,9 @@ class GenRecHSTU(nn.Module):
         if not any(pre) and self.packed.backend == "native":
             return self._encode_native(x, cols, ext, loc, pool), (slots, pool, lengths)
         tb = m.tower.time_bias
+        if self.packed.backend == "native" and not m.tower.cfg.window and dev.type == "cpu" and (
+                pool.get_key_buffer(0).dtype == torch.float32):
+            return self._extend_native(x, cols, pre, ext, slots, lengths, pool), (slots, pool, lengths)
         if m.tower.cfg.window:  # a bounded tower: each request's keys / values read out of the pool
             def gathered(layer: int, kk: torch.Tensor, vv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 kb, vb = store(layer, kk, vv)
@@ -272,6 +275,24 @@ class GenRecHSTU(nn.Module):
                          torch.from_numpy(cols["qtimes"]).to(dev) if tb else None, slots=slots,
                          slot_times=self.slot_times if tb else None)
         return m.tower.extend_paged(x, meta, store), (slots, pool, lengths)
+
+    def _extend_native(self, x: torch.Tensor, cols: dict, pre: list[int], ext: list[int], slots: torch.Tensor,  # noqa: ANN001
+                       lengths: torch.Tensor, pool) -> torch.Tensor:
+        """Requests with cached prefixes (returning users) on CPU: the tower's C++ extend over
+        the pool in place (``tower.extend_native`` with the slot map: each layer's new keys /
+        values written at the requests' slots, the cached ones read where they lie, as the torch
+        engine's cache extends). Returns outputs [T, D] of which only each request's last row is
+        set (the only one read)."""
+        m, c = self.model, self.model.tower.kv_dims()
+        ks = [pool.get_key_buffer(i).view(-1, c.key_width) for i in range(c.layers)]
+        vs = [pool.get_value_buffer(i).view(-1, c.value_width) for i in range(c.layers)]
+        st = self.slot_times  # (set by _extend before it calls this)
+        key_times = st[slots].numpy() if m.tower.time_bias and st is not None else None
+        last = m.tower.extend_native(x, ks, vs, np.asarray(pre, np.int64), lengths.numpy(), key_times,
+                                     cols["qtimes"] if key_times is not None else None, slots.numpy())
+        h = x.new_zeros(x.shape[0], last.shape[1])
+        h[torch.from_numpy(np.cumsum(ext) - 1)] = last.to(h.dtype)
+        return h
 
     def _encode_native(self, x: torch.Tensor, cols: dict, ext: list[int], loc: torch.Tensor, pool) -> torch.Tensor:  # noqa: ANN001
         """A batch of requests none of which has a cached prefix (new users, first chunks):
