@@ -39,7 +39,7 @@ def library() -> ctypes.CDLL | None:
     if lib is not None and not hasattr(lib, "_genrec_typed"):
         common = [_I, _P, _I, _I, _I, _I, _I, _I, _F, _P]
         lib.genrec_hstu_encode.argtypes = [*common, _I, _P, _P, _P, _P, _P, _P, _P]
-        lib.genrec_hstu_score.argtypes = [*common, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P]
+        lib.genrec_hstu_score.argtypes = [*common, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P]
         lib.genrec_hstu_extend.argtypes = [*common, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P]
         lib.genrec_rank_mlp.argtypes = [_I, _I, _P, _P, _I, _P, _P, _P, _I, _I, _P, _P, _P]
         lib.genrec_gather_rows.argtypes = [_P, _L, _L, _I, _I, _P, _P, _L, _F, _I, _P, _L]
@@ -144,32 +144,56 @@ def relative_times(times: np.ndarray, base: int) -> np.ndarray:
 
 @dataclass
 class NativeHistory:
-    """Encoded histories in the kernel's layout: what :func:`score` reads."""
+    """Encoded histories as the kernel reads them: what :func:`score` takes.
 
-    k: torch.Tensor  # [layers, Th, H * Dqk] every history row's keys (made contiguous for the kernel by score)
-    v: torch.Tensor  # [layers, Th, H * Dv]
+    ``k`` / ``v``: per layer, rows of H * Dqk / H * Dv floats (a [layers, Th, width] tensor, or
+    a list of per-layer [rows, width] buffers); packed history row r (``offsets``' numbering)
+    is row ``rows[r]`` of them, or row r where ``rows`` is None. Read where they lie: an entry
+    grown in place (its layers ``capacity`` rows apart), an SGLang pool through its slot map."""
+
+    k: torch.Tensor | list[torch.Tensor]
+    v: torch.Tensor | list[torch.Tensor]
     offsets: np.ndarray  # [B + 1] int64
     tq: np.ndarray  # [Th] int64 query times from a base (a history's last: its request time)
     tk: np.ndarray  # [Th] int64 event times from the same base
     tower: NativeTower | None = None  # the weights that encoded it (candidates are scored with them)
+    rows: np.ndarray | None = None  # [Th] int64 row of each packed history row in k / v; None: the same
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's keys [Th, H Dqk] and values [Th, H Dv] in packed order (gathered where
+        ``rows`` places them: a copy; else views)."""
+        k, v = self.k[i], self.v[i]
+        if self.rows is None:
+            t = int(self.offsets[-1])
+            return k[:t], v[:t]
+        r = torch.from_numpy(self.rows)
+        return k.index_select(0, r), v.index_select(0, r)
 
 
-def history(k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, times: torch.Tensor | None,
-            request_times: torch.Tensor | None) -> NativeHistory:
-    """A :class:`NativeHistory` of keys / values [layers, Th, H D] that the PyTorch layers
-    encoded (``times`` [Th], ``request_times`` [B]; None: no time bias). Views of k and v are
-    kept as they are (an entry grown in place lies in storage with room after each layer):
-    :func:`score` copies them into the kernel's layout only if it runs, while a call that scores
-    through PyTorch reads the views."""
+def history(k: torch.Tensor | list[torch.Tensor], v: torch.Tensor | list[torch.Tensor], offsets: torch.Tensor,
+            times: torch.Tensor | None, request_times: torch.Tensor | None,
+            rows: np.ndarray | None = None) -> NativeHistory:
+    """A :class:`NativeHistory` of keys / values that the PyTorch layers encoded: [layers, Th,
+    H D] (``rows`` None), or per-layer row buffers with ``rows`` [Th] placing each packed row
+    (an SGLang pool and its slot map); ``times`` [Th], ``request_times`` [B] (None: no time
+    bias). Kept as they are (views; fp32 for the kernel): :func:`score` reads them in place."""
     offsets = np.ascontiguousarray(offsets.numpy(), dtype=np.int64)
-    th = k.shape[1]
+    th = int(offsets[-1])
     tq = np.zeros(th, np.int64)
     tk = tq
     if times is not None and request_times is not None:
         base = int(times.numpy().min()) if th else 0
         tk = relative_times(times.numpy(), base)
         tq[offsets[1:] - 1] = relative_times(request_times.numpy(), base)
-    return NativeHistory(k.float(), v.float(), offsets, tq, tk)
+    ks = k.float() if isinstance(k, torch.Tensor) else [t.float() for t in k]
+    vs = v.float() if isinstance(v, torch.Tensor) else [t.float() for t in v]
+    return NativeHistory(ks, vs, offsets, tq, tk, rows=None if rows is None else np.ascontiguousarray(rows, np.int64))
+
+
+def _rows_of(t: torch.Tensor) -> torch.Tensor:
+    """t [rows, width] with rows ``width`` floats apart, as the kernel reads a layer (a copy
+    only where t is laid out otherwise)."""
+    return t if t.dim() == 2 and t.stride(1) == 1 and t.stride(0) == t.shape[1] else t.contiguous()
 
 
 def extend(tower: NativeTower, x: torch.Tensor, k: torch.Tensor | list[torch.Tensor],
@@ -249,8 +273,10 @@ def score(tower: NativeTower, x: torch.Tensor, hist: NativeHistory, owner: torch
     """Candidates through the tower against encoded histories: x [C, D] candidate inputs of
     users ``owner`` [C] (runs of one user are scored together) -> [C, D] after the final norm."""
     x = _scratch(x)
-    if not (hist.k.is_contiguous() and hist.v.is_contiguous()):  # (once per history: kept)
-        hist.k, hist.v = hist.k.contiguous(), hist.v.contiguous()
+    layers = tower.num_layers
+    ks = [_rows_of(hist.k[i]) for i in range(layers)]
+    vs = [_rows_of(hist.v[i]) for i in range(layers)]
+    kl, vl = (_P * layers)(*[t.data_ptr() for t in ks]), (_P * layers)(*[t.data_ptr() for t in vs])
     own = owner.numpy()
     cand_offsets = np.zeros(0, np.int64)
     if own.size:  # runs of one user's candidates: [0, run starts..., C]
@@ -258,6 +284,7 @@ def score(tower: NativeTower, x: torch.Tensor, hist: NativeHistory, owner: torch
         cand_offsets = np.empty(change.size + 2, np.int64)
         cand_offsets[0], cand_offsets[1:-1], cand_offsets[-1] = 0, change, own.size
     users = np.ascontiguousarray(own[cand_offsets[:-1]], dtype=np.int64)
-    tower.lib.genrec_hstu_score(*tower.head(), ptr(hist.offsets), ptr(hist.tq), ptr(hist.tk), ptr(hist.k),
-                                ptr(hist.v), hist.k.shape[1], users.size, ptr(cand_offsets), ptr(users), ptr(x))
+    rows = ptr(hist.rows) if hist.rows is not None else None
+    tower.lib.genrec_hstu_score(*tower.head(), ptr(hist.offsets), ptr(hist.tq), ptr(hist.tk), kl, vl, rows,
+                                users.size, ptr(cand_offsets), ptr(users), ptr(x))
     return tower.final_norm(x)

@@ -418,13 +418,16 @@ class HSTUTower(nn.Module):
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def cached_layers(self, hist: CachedHistory) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (k [Th, H, Dqk], v [Th, H, Dv]) of ``hist``, views of its native layout
-        when the native backend encoded it."""
+        """Per layer (k [Th, H, Dqk], v [Th, H, Dv]) of ``hist``: views of its native layout
+        when the native backend encoded it (gathered where a slot map places its rows)."""
         if hist.layers or hist.native is None:
             return hist.layers
-        c, k, v = self.kv_dims(), hist.native.k, hist.native.v
-        t = k.shape[1]
-        return [(k[i].view(t, c.heads, c.key_dim), v[i].view(t, c.heads, c.value_dim)) for i in range(k.shape[0])]
+        c, native = self.kv_dims(), hist.native
+        out = []
+        for i in range(c.layers):
+            k, v = native.layer(i)
+            out.append((k.view(-1, c.heads, c.key_dim), v.view(-1, c.heads, c.value_dim)))
+        return out
 
     # ---- the native backend: this tower's weights for the kernel -----------------------------
     def native_supported(self) -> bool:

@@ -389,8 +389,10 @@ def _split_kv(tower: HSTUTower, hist: CachedHistory, offsets: np.ndarray,
     must not hold the batch's buffers), None where not ``wanted``."""
     if not any(wanted):
         return [None] * len(wanted)
-    if hist.native is not None:
-        k, v = hist.native.k, hist.native.v
+    native = hist.native
+    if native is not None and isinstance(native.k, torch.Tensor) and isinstance(native.v, torch.Tensor) and (
+            native.rows is None):  # (an encode's: [layers, Th, width])
+        k, v = native.k, native.v
     else:
         k, v = (torch.stack([kv[i].flatten(-2) for kv in tower.cached_layers(hist)]) for i in (0, 1))
     return [Kept(k[:, s:e].clone(), v[:, s:e].clone()) if want else None

@@ -182,10 +182,11 @@ def test_served_tables_gathered_natively_equal_the_pytorch_lookups(scheme):
         native.pooled["region"].gather(np.array([1, 2]), torch.empty(2, 8), dst=np.array([0, 2]))
 
 
-def test_a_history_in_storage_with_room_is_scored_without_a_copy_until_the_kernel_needs_one():
-    """An entry grown in place lies in storage with room after each layer's rows: the native
-    history keeps views of it (a PyTorch scorer reads them as they are), and the native scorer
-    copies them into its layout once, with the same scores as a contiguous history."""
+def test_a_history_in_storage_with_room_or_scattered_over_a_pool_is_scored_where_it_lies():
+    """An entry grown in place lies in storage with room after each layer's rows; an SGLang
+    pool scatters a history's rows over its slots: the native history keeps views of them
+    (no copy, for the kernel or a PyTorch scorer) and the native scorer reads them where they
+    lie, with the same scores as a packed history."""
     import dataclasses
 
     from genrec.kernels import hstu_native
@@ -202,11 +203,18 @@ def test_a_history_in_storage_with_room_is_scored_without_a_copy_until_the_kerne
     kept = hstu_native.history(room_k[:, :t], room_v[:, :t], torch.from_numpy(dense.offsets), None, None)
     assert kept.k.data_ptr() == room_k.data_ptr() and not kept.k.is_contiguous()  # views, no copy
     strided = dataclasses.replace(dense, k=room_k[:, :t], v=room_v[:, :t])
+    slots = rng.permutation(3 * t)[:t]
+    pool_k, pool_v = torch.zeros(layers, 3 * t, w), torch.zeros(layers, 3 * t, w)
+    pool_k[:, torch.from_numpy(slots)], pool_v[:, torch.from_numpy(slots)] = dense.k, dense.v
+    pooled = dataclasses.replace(dense, k=list(pool_k), v=list(pool_v), rows=slots.astype(np.int64))
     x, owner = torch.randn(7, 16), torch.tensor([0, 0, 0, 1, 1, 1, 1])
     tower = m.tower.native_weights()
     want = hstu_native.score(tower, x, dense, owner)
     assert torch.equal(hstu_native.score(tower, x, strided, owner), want)
-    assert strided.k.is_contiguous() and strided.v.is_contiguous()  # copied once, kept for the next micro-batch
+    assert torch.equal(hstu_native.score(tower, x, pooled, owner), want)
+    assert strided.k.data_ptr() == room_k.data_ptr()  # still the storage itself: nothing was copied
+    for i in range(layers):  # the PyTorch scorer's view of the pooled history: the packed rows
+        assert torch.equal(pooled.layer(i)[0], dense.k[i]) and torch.equal(pooled.layer(i)[1], dense.v[i])
 
 
 @pytest.mark.parametrize("ordered", [True, False])

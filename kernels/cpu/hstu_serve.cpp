@@ -470,10 +470,12 @@ int genrec_hstu_extend(int L, const float* const* params, int D, int H, int dqk,
 // output before its final norm), grouped by user: cand_offsets [U + 1], user [U] (the batch
 // history each group reads). A candidate sits at position h (its history's length) at the
 // request time (the query time of the history's last row), sees every history row and itself.
+// Layer l's history keys / values are rows of kl[l] [., H Dqk] / vl[l] [., H Dv]: packed row r
+// (offsets' numbering) at row slots[r], or r where slots is null; read where they lie.
 int genrec_hstu_score(int L, const float* const* params, int D, int H, int dqk, int dv, int n, int nb, float alpha,
                       const int64_t* thr, const int64_t* offsets, const int64_t* tq, const int64_t* tk,
-                      const float* kc, const float* vc, int T, int Uc, const int64_t* cand_offsets, const int64_t* user,
-                      float* x) {
+                      const float* const* kl, const float* const* vl, const int64_t* slots, int Uc,
+                      const int64_t* cand_offsets, const int64_t* user, float* x) {
   Dims d{D, H, dqk, dv, n, nb, alpha};
   const int N = (int)cand_offsets[Uc], G = d.G(), U = d.U();
   std::vector<float> y((size_t)N * D), z((size_t)N * G), attn((size_t)N * U);
@@ -487,7 +489,7 @@ int genrec_hstu_score(int L, const float* const* params, int D, int H, int dqk, 
     code_at[g + 1] = code_at[g] + h;
   }
   const int hp_max = pad8(hmax);
-  std::vector<float> kT((size_t)dqk * hp_max), S((size_t)cmax * hp_max);
+  std::vector<float> kT((size_t)dqk * hp_max), S((size_t)cmax * hp_max), vg(slots ? (size_t)hp_max * dv : 0);
   std::vector<int32_t> codes(code_at[Uc]);  // a candidate's code against each history row
   for (int g = 0; g < Uc; ++g) {
     int b = (int)user[g];
@@ -500,8 +502,8 @@ int genrec_hstu_score(int L, const float* const* params, int D, int H, int dqk, 
   for (int l = 0; l < L; ++l) {
     const float* const* p = params + (size_t)l * P_COUNT;
     const float* table = p[TABLE];
-    const float* kcl = kc + (size_t)l * T * H * dqk;
-    const float* vcl = vc + (size_t)l * T * U;
+    const float* kcl = kl[l];
+    const float* vcl = vl[l];
     uvqk(d, p, N, x, D, y.data(), z.data());
     for (int g = 0; g < Uc; ++g) {
       const int b = (int)user[g];
@@ -513,7 +515,18 @@ int genrec_hstu_score(int L, const float* const* params, int D, int H, int dqk, 
       const float* zg = z.data() + (size_t)c0 * G;
       for (int hd = 0; hd < H; ++hd) {
         const int vcol = U + hd * dv, qcol = 2 * U + hd * dqk, kcol = 2 * U + H * dqk + hd * dqk;
-        transpose_keys(h, hp, dqk, kcl + (size_t)o * H * dqk + hd * dqk, H * dqk, kT.data());
+        if (slots) {  // rows scattered over a pool: keys transposed and values gathered from their slots
+          const int64_t* so = slots + o;
+          for (int j = 0; j < h; ++j) {
+            const float* kr = kcl + so[j] * H * dqk + hd * dqk;
+            for (int t = 0; t < dqk; ++t) kT[(size_t)t * hp + j] = kr[t];
+            std::memcpy(vg.data() + (size_t)j * dv, vcl + so[j] * U + hd * dv, sizeof(float) * dv);
+          }
+          for (int t = 0; t < dqk; ++t)
+            for (int j = h; j < hp; ++j) kT[(size_t)t * hp + j] = 0.f;
+        } else {
+          transpose_keys(h, hp, dqk, kcl + (size_t)o * H * dqk + hd * dqk, H * dqk, kT.data());
+        }
         gemm(c, hp, dqk, zg + qcol, G, kT.data(), hp, S.data(), hp, false);
         for (int i = 0; i < c; ++i) {
           float* si = S.data() + (size_t)i * hp;
@@ -522,7 +535,10 @@ int genrec_hstu_score(int L, const float* const* params, int D, int H, int dqk, 
           for (int j = h; j < hp; ++j) si[j] = 0.f;
         }
         float* dst = attn.data() + (size_t)c0 * U + hd * dv;
-        gemm(c, dv, h, S.data(), hp, vcl + (size_t)o * U + hd * dv, U, dst, U, false);
+        if (slots)
+          gemm(c, dv, h, S.data(), hp, vg.data(), dv, dst, U, false);
+        else
+          gemm(c, dv, h, S.data(), hp, vcl + (size_t)o * U + hd * dv, U, dst, U, false);
         for (int i = 0; i < c; ++i) {  // ... and itself: distance 0 at the request time (table[0])
           const float* zi = zg + (size_t)i * G;
           float s = 0.f;

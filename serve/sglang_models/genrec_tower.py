@@ -362,22 +362,15 @@ class GenRecHSTU(nn.Module):
     def _history(self, pool, flat: torch.Tensor, offsets: torch.Tensor, times: torch.Tensor | None,  # noqa: ANN001
                  request: torch.Tensor | None, dtype: torch.dtype) -> CachedHistory:
         """The histories at pool slots ``flat`` [Th] (``offsets`` [d+1]) for the candidates' scoring.
-        On CPU one ``index_select`` per layer into the C++ kernel's layout [layers, Th, H D] (the
-        engine's native and PyTorch scoring both read it); elsewhere per-layer [Th, H, D] tensors."""
+        On CPU with an fp32 pool, the pool's buffers themselves and the slot map: the C++ scorer
+        reads the rows where they lie (a PyTorch scorer gathers them, ``NativeHistory.layer``);
+        elsewhere per-layer [Th, H, D] tensors."""
         c = self.model.tower.kv_dims()
         kb0 = pool.get_key_buffer(0)
-        if kb0.device.type == "cpu" and self.packed.backend == "native":
-            th = flat.numel()
-            k = torch.empty(c.layers, th, c.key_width, dtype=torch.float32)
-            v = torch.empty(c.layers, th, c.value_width, dtype=torch.float32)
-            for i in range(c.layers):
-                kb, vb = pool.get_key_buffer(i), pool.get_value_buffer(i)
-                if kb.dtype == torch.float32:
-                    torch.index_select(kb.view(kb.shape[0], -1), 0, flat, out=k[i])
-                    torch.index_select(vb.view(vb.shape[0], -1), 0, flat, out=v[i])
-                else:
-                    k[i], v[i] = kb.view(kb.shape[0], -1)[flat], vb.view(vb.shape[0], -1)[flat]
-            native = hstu_native.history(k, v, offsets, times, request)
+        if kb0.device.type == "cpu" and self.packed.backend == "native" and kb0.dtype == torch.float32:
+            ks = [pool.get_key_buffer(i).view(-1, c.key_width) for i in range(c.layers)]
+            vs = [pool.get_value_buffer(i).view(-1, c.value_width) for i in range(c.layers)]
+            native = hstu_native.history(ks, vs, offsets, times, request, rows=flat.numpy())
             return CachedHistory([], offsets, times, request, native)
         layers = [(pool.get_key_buffer(i)[flat].to(dtype).view(-1, c.heads, c.key_dim),
                    pool.get_value_buffer(i)[flat].to(dtype).view(-1, c.heads, c.value_dim))
