@@ -61,7 +61,7 @@ class TorchEngine(InProcessEngine):
     def __init__(self, artifact: str | Path, device: str = "cpu", micro_batch: int = 4096,
                  objective_tasks: tuple[str, ...] | None = None, packed: bool | None = None,
                  native: bool | None = None, kv_cache_mb: float = 0.0, window_block: int = 1,
-                 cache_reuse: str = "auto", padded: bool | None = None, candidate_precision: str = "fp32",
+                 padded: bool | None = None, candidate_precision: str = "fp32",
                  retrieval: RetrievalConfig | None = None) -> None:
         """``packed``: run an HSTU model on the packed path (see the module docstring; default:
         on CPU, when the model is one it covers); False keeps the batch path (``padded``: its
@@ -71,8 +71,7 @@ class TorchEngine(InProcessEngine):
         with a ``user_id`` in a per-user K/V cache of this many MiB (serve.kvcache; the packed
         path only; 0: off). ``window_block``: the window over long histories moves in steps of
         this many events (``serve.requests.history_window``; a block larger than the model's
-        window is the window). ``cache_reuse``: which cached prefixes are worth reusing
-        (``PackedPath.min_prefix``: "auto", or "always"). ``candidate_precision``: "bf16" scores
+        window is the window). ``candidate_precision``: "bf16" scores
         candidates with their attention GEMMs in bf16 (the packed path; ``kernels.hstu_candidates``:
         about twice the fp32 rate on CPUs with AVX512-BF16 or AMX), "fp32" in the model's dtype,
         "auto" bf16 where the CPU has either (:func:`bf16_gemm_fast`) and, beside the native
@@ -101,7 +100,7 @@ class TorchEngine(InProcessEngine):
         self.stages: dict[str, float] = {}  # seconds spent per stage, summed over batches
         # the tower's backend on the packed path (the model's methods either way)
         self.packed = (PackedPath(self.model, "native" if native else "torch", micro_batch, self.stages,
-                                  self.window_block, cache_reuse, score, score_from) if packed else None)
+                                  self.window_block, score, score_from) if packed else None)
         self.path = ("native" if native else "packed") if packed else "jagged"
         self.catalogue = Catalogue(self.model, self.packed.kernels if self.packed is not None else None,
                                    artifact, self.manifest, retrieval)

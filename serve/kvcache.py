@@ -140,11 +140,9 @@ class KVCache:
     def enabled(self) -> bool:
         return self.capacity_tokens > 0
 
-    def lookup(self, user_id: str, events: tuple[np.ndarray, ...], min_prefix: int = 1,
-               take: bool = False) -> tuple[Entry | None, int]:
+    def lookup(self, user_id: str, events: tuple[np.ndarray, ...], take: bool = False) -> tuple[Entry | None, int]:
         """(the user's entry, how many leading tokens of the window ``events`` it has encoded:
-        :func:`common_prefix`); (None, 0) for a user not cached, or a prefix shorter than
-        ``min_prefix`` (not worth reusing). Counts a hit or a miss and makes the user the most
+        :func:`common_prefix`); (None, 0) for a user not cached or no token in common. Counts a hit or a miss and makes the user the most
         recently used. ``take``: a hit's entry leaves the cache (its caller may write its
         storage, and puts the user's new entry back)."""
         with self.lock:
@@ -153,7 +151,6 @@ class KVCache:
             if entry is not None:
                 self.entries.move_to_end(user_id)
                 prefix = common_prefix(entry, events)
-                prefix = prefix if prefix >= max(min_prefix, 1) else 0
                 if prefix and take:
                     del self.entries[user_id]
                     self.used_tokens -= entry.held

@@ -42,11 +42,6 @@ def packed_supports(model: GenerativeRecommender) -> bool:
     return packed_covers(model.cfg, model.embedding_cfg)
 
 
-# cache_reuse="auto" on the native backend (PackedPath.min_prefix): below this window the
-# extend's fixed cost of PyTorch ops exceeds the native encode of the whole window, and past
-# this share of new tokens their per-token cost does (both on CPU, measured when chosen)
-NATIVE_REUSE_TOKENS = 512
-NATIVE_NEW_SHARE = 1 / 8
 # candidate_precision "auto" (serve.scoring) scores a micro-batch in bf16 from this many candidate
 # x history-event pairs: below it the fp32 native kernel is faster than bf16's PyTorch GEMMs and
 # their conversions (the crossover measured on an AVX512-BF16 CPU: benchmarks/notes/2026-12-05-bf16-crossover.md)
@@ -61,14 +56,14 @@ class PackedPath:
     ``encode_history_tokens`` / ``extend`` on ``backend`` ("torch" or "native").
     ``window_block``: the window over long histories moves in steps of this many events
     (:func:`history_window`). :meth:`encode_cached` encodes with a per-user K/V cache, reusing
-    the prefixes :meth:`min_prefix` allows (``cache_reuse``). ``score_backend``: the tower's
+    each cached prefix (its new tokens through the tower's extend). ``score_backend``: the tower's
     backend for the candidates (default ``backend``; "torch-bf16": their attention GEMMs in
     bf16 against the keys / values either backend encoded, ``kernels.hstu_candidates``), for
     micro-batches of at least ``score_from`` candidate x history-event pairs; smaller ones take
     ``backend`` (where bf16's conversions cost more than its GEMMs save: :data:`BF16_FROM_PAIRS`)."""
 
     def __init__(self, model: GenerativeRecommender, backend: TowerBackend = "torch", micro_batch: int = 4096,
-                 stages: dict[str, float] | None = None, window_block: int = 1, cache_reuse: str = "auto",
+                 stages: dict[str, float] | None = None, window_block: int = 1,
                  score_backend: TowerBackend | None = None, score_from: int = 0) -> None:
         if not packed_supports(model):
             raise ValueError("the packed path needs an HSTU tower with summed action encoding and no other "
@@ -85,9 +80,6 @@ class PackedPath:
         self.cap = history_capacity(model.cfg.max_seq_len, 2 if model.interleaved else 1, bool(model.cfg.ranking.tasks))
         history_window(self.cap, self.cap, window_block)  # (a block outside 1..cap: the error names it)
         self.block = window_block
-        if cache_reuse not in ("auto", "always"):
-            raise ValueError(f"cache_reuse: '{cache_reuse}'; use 'auto' or 'always'")
-        self.cache_reuse = cache_reuse
         self.has_action = "action" in model.sparse.sequence_features
         self.stages = stages if stages is not None else {}  # seconds per stage, summed over calls
 
@@ -154,7 +146,7 @@ class PackedPath:
             if u.user_id:
                 s, e = offsets[i], offsets[i + 1]
                 entries[i], prefix[i] = cache.lookup(u.user_id, (items[s:e], actions[s:e], tk[s:e], tq[s:e]),
-                                                     self.min_prefix(int(e - s)), take=take)
+                                                     take=take)
         in_place = take and alone is not None and alone()  # (asked after the take: see the docstring)
         cache.count_history(int(lens.sum()))
         keep = positions >= np.repeat(prefix, lens)  # the rows to encode: all but the reused prefixes
@@ -177,20 +169,6 @@ class PackedPath:
                                                         tq[s:e].copy(), pair.k, pair.v, pair.room, pair.sums))
         self._mark("cache_update", t0)
         return vec, state, prefix, evicted
-
-    def min_prefix(self, n: int) -> int:
-        """The shortest cached prefix of a window of n tokens worth reusing. The new tokens go
-        through ``tower.extend_paged``, PyTorch ops: on the "torch" backend that is the encode's
-        own attention over fewer queries, so any prefix pays. The "native" backend's encode is
-        the C++ kernel, several times cheaper per token and without the ops' fixed dispatch cost:
-        ``cache_reuse="auto"`` reuses a prefix only on windows of at least ``NATIVE_REUSE_TOKENS``
-        with at most ``NATIVE_NEW_SHARE`` of them new (a changed action early in a history
-        re-encodes it natively); "always": any prefix (the parity tests)."""
-        if self.backend != "native" or self.cache_reuse == "always":
-            return 1
-        if n < NATIVE_REUSE_TOKENS:
-            return n  # (more than a prefix can be: none reused)
-        return n - int(n * NATIVE_NEW_SHARE)
 
     def _encode_warm(self, x: torch.Tensor, keep: np.ndarray, warm: np.ndarray, entries: list[Entry | None],
                      prefix: np.ndarray, lens: np.ndarray, offsets: np.ndarray, tk: np.ndarray, tq: np.ndarray,

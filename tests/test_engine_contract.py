@@ -44,7 +44,7 @@ def _torch(kind: str, artifact):  # noqa: ANN001, ANN202 - one of the in-process
         pytest.skip("no C++ compiler: the native kernels did not build")
     return {"native": lambda: TorchEngine(artifact, native=True),
             "packed": lambda: TorchEngine(artifact, native=False),
-            "cached": lambda: TorchEngine(artifact, kv_cache_mb=4, cache_reuse="always"),
+            "cached": lambda: TorchEngine(artifact, kv_cache_mb=4),
             "jagged": lambda: TorchEngine(artifact, packed=False),
             "naive": lambda: NaiveTorchEngine(artifact)}[kind]()
 

@@ -63,8 +63,7 @@ def _engines(artifact: Path, backend: str, mb: float = 64.0, block: int = 1) -> 
         pytest.skip("no C++ compiler: the native kernels did not build")
     native = backend == "native"
     ref = TorchEngine(artifact, native=native, window_block=block)
-    # (on the native backend, "auto" reuses no prefix of windows this short: test_reuse_policy)
-    cached = TorchEngine(artifact, native=native, kv_cache_mb=mb, window_block=block, cache_reuse="always")
+    cached = TorchEngine(artifact, native=native, kv_cache_mb=mb, window_block=block)
     assert cached.path == ref.path == ("native" if native else "packed")
     return ref, cached
 
@@ -244,21 +243,30 @@ def test_eviction_under_a_tiny_budget_keeps_results_equal_and_memory_bounded(art
     assert big.cache_stats()["users"] == 0 and got[1].cached_tokens == 0
 
 
-def test_reuse_policy_native_encodes_short_windows_and_mostly_new_ones_whole(artifact):
-    """On the native backend, "auto" reuses prefixes only where extending them is the cheaper
-    path: long windows, few new tokens; the torch backend reuses any."""
+def test_the_native_backend_reuses_short_windows_and_mostly_new_ones(artifact):
+    """On the native backend a cached prefix is reused whatever the window's length and however
+    many tokens are new: its extend is the C++ kernel (before, PyTorch ops whose fixed cost made
+    the encode of a short window cheaper, so such windows were encoded whole)."""
     if native_library() is None:
         pytest.skip("no C++ compiler: the native kernels did not build")
-    ref, auto = TorchEngine(artifact), TorchEngine(artifact, kv_cache_mb=1)
-    assert auto.path == "native" and auto.packed.min_prefix(4000) == 3500 and auto.packed.min_prefix(511) == 511
-    assert TorchEngine(artifact, native=False).packed.min_prefix(8) == 1
+    ref, cached = TorchEngine(artifact), TorchEngine(artifact, kv_cache_mb=1)
+    assert cached.path == "native"
     u = named(history(30, 1), "short")
-    for _ in range(2):  # (the second call: a full cached prefix, not worth it here)
-        got = auto.run(works([u])[:1])
+    for want in (0, 29):  # the second call: all but the last event from the cache
+        got = cached.run(works([u])[:1])
         assert_same(got, ref.run(works([u])[:1]))
-        assert (got[0].cached_tokens, got[0].cache_lookup) == (0, True)
-    s = auto.cache_stats()
-    assert (s["hits"], s["misses"], s["users"]) == (0, 2, 1)
+        assert (got[0].cached_tokens, got[0].cache_lookup) == (want, True)
+    more = history(30, 2)  # as many events again, after the first 30: half of the window new
+    grown = named(UserInput(items=np.concatenate([u.items, more.items]),
+                            times=np.concatenate([u.times, more.times - more.times[0] + u.times[-1] + 60]),
+                            actions=np.concatenate([u.actions, more.actions]), has_time=True,
+                            request_time=int(more.times[-1] - more.times[0] + u.times[-1] + 90), context=u.context),
+                  "short")
+    got = cached.run(works([grown])[:1])
+    assert_same(got, ref.run(works([grown])[:1]))
+    assert got[0].cached_tokens == 29
+    s = cached.cache_stats()
+    assert (s["hits"], s["misses"], s["users"]) == (2, 1, 1)
 
 
 def test_lru_evicts_the_least_recently_used_user():
@@ -313,7 +321,7 @@ def test_no_cache_and_calls_without_user_id_are_todays_engine(artifact):
 
 
 def test_the_metrics_count_the_results_and_show_the_gauges(artifact):
-    engine = TorchEngine(artifact, kv_cache_mb=1, cache_reuse="always")
+    engine = TorchEngine(artifact, kv_cache_mb=1)
     u = named(history(10, 1), "m")
     metrics = ServerMetrics()
     for _ in range(3):
