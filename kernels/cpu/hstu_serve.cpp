@@ -200,6 +200,20 @@ void gate(const Dims& d, const float* const* p, int rows, float* attn, const flo
   gemm(rows, d.D, U, attn, U, p[OUT_WT], d.D, x, ldx, true);
 }
 
+// The last layer, read at each of B sequences' last rows only (row ends[b] - 1 of x [., D] and
+// z [., G]; al [B, U]: their attention): out [B, D] = those rows of x after the gate.
+void gate_last(const Dims& d, const float* const* p, int B, const int64_t* ends, const float* x, const float* z,
+               float* al, float* out) {
+  const int D = d.D, G = d.G();
+  std::vector<float> zl((size_t)B * G);
+  for (int b = 0; b < B; ++b) {
+    const int64_t row = ends[b] - 1;
+    std::memcpy(out + (size_t)b * D, x + (size_t)row * D, sizeof(float) * D);
+    std::memcpy(zl.data() + (size_t)b * G, z + (size_t)row * G, sizeof(float) * G);
+  }
+  gate(d, p, B, al, zl.data(), out, D);
+}
+
 // kT [dqk, hp] (zero past h) <- the k columns of head `hd` of rows k[h, ldk].
 void transpose_keys(int h, int hp, int dqk, const float* k, int ldk, float* kT) {
   for (int c = 0; c < dqk; ++c) {
@@ -210,6 +224,30 @@ void transpose_keys(int h, int hp, int dqk, const float* k, int ldk, float* kT) 
 }
 
 inline int pad8(int x) { return (x + 7) & ~7; }
+
+// Whether event times tk[0..h-1] never decrease (then a row's time buckets can be walked).
+inline bool in_order(const int64_t* tk, int h, int nb) {
+  bool ordered = nb > 1;
+  for (int j = 1; j < h && ordered; ++j) ordered = tk[j] >= tk[j - 1];
+  return ordered;
+}
+
+// Bias codes of a query at position pos and time q against keys 0..pos (event times tk):
+// row[j] = distance * nb + time bucket. With times in order the gaps grow as j falls, so one
+// walk up the thresholds replaces a binary search per pair.
+inline void query_codes(int pos, int64_t q, const int64_t* tk, bool ordered, const int64_t* thr, int n, int nb,
+                        int32_t* row) {
+  if (ordered) {
+    int bk = 0;
+    for (int j = pos; j >= 0; --j) {
+      const int64_t dt = q - tk[j];
+      while (dt > 0 && bk + 1 < nb && thr[bk + 1] <= dt) ++bk;
+      row[j] = std::min(pos - j, n - 1) * nb + bk;
+    }
+  } else {
+    for (int j = 0; j <= pos; ++j) row[j] = std::min(pos - j, n - 1) * nb + (nb > 1 ? bucket(q - tk[j], thr, nb) : 0);
+  }
+}
 
 
 // IEEE half -> float (the fp16 scale and bias of fbgemm's row-wise quantized rows, fp16 tables).
@@ -261,26 +299,10 @@ int genrec_hstu_encode(int L, const float* const* params, int D, int H, int dqk,
     const int h = (int)(offsets[b + 1] - offsets[b]);
     const int64_t o = offsets[b];
     int32_t* cb = codes.data() + code_at[b];
-    // event times in order (the usual case): a row's gaps grow as j falls, and so do their
-    // buckets, so one walk up the thresholds per row replaces a binary search per pair
-    bool ordered = nb > 1;
-    for (int j = 1; j < h && ordered; ++j) ordered = tk[o + j] >= tk[o + j - 1];
-    for (int i = 0; i < h; ++i) {
-      int32_t* row = cb + (size_t)i * h;
-      if (ordered) {
-        int bk = 0;
-        for (int j = i; j >= 0; --j) {
-          const int64_t dt = tq[o + i] - tk[o + j];
-          while (dt > 0 && bk + 1 < nb && thr[bk + 1] <= dt) ++bk;
-          row[j] = std::min(i - j, n - 1) * nb + bk;
-        }
-      } else {
-        for (int j = 0; j <= i; ++j)
-          row[j] = std::min(i - j, n - 1) * nb + (nb > 1 ? bucket(tq[o + i] - tk[o + j], thr, nb) : 0);
-      }
-    }
+    const bool ordered = in_order(tk + o, h, nb);  // (the usual case: query_codes walks the buckets)
+    for (int i = 0; i < h; ++i) query_codes(i, tq[o + i], tk + o, ordered, thr, n, nb, cb + (size_t)i * h);
   }
-  std::vector<float> xl((size_t)B * D), zl((size_t)B * G), al((size_t)B * U);
+  std::vector<float> al((size_t)B * U);
   for (int l = 0; l < L; ++l) {
     const float* const* p = params + (size_t)l * P_COUNT;
     const float* table = p[TABLE];
@@ -319,17 +341,10 @@ int genrec_hstu_encode(int L, const float* const* params, int D, int H, int dqk,
         }
       }
     }
-    if (!last) {
+    if (!last)
       gate(d, p, T, attn.data(), z.data(), x, D);
-    } else {
-      for (int b = 0; b < B; ++b) {
-        const int64_t row = offsets[b + 1] - 1;
-        std::memcpy(xl.data() + (size_t)b * D, x + (size_t)row * D, sizeof(float) * D);
-        std::memcpy(zl.data() + (size_t)b * G, z.data() + (size_t)row * G, sizeof(float) * G);
-      }
-      gate(d, p, B, al.data(), zl.data(), xl.data(), D);
-      std::memcpy(out, xl.data(), sizeof(float) * B * D);
-    }
+    else
+      gate_last(d, p, B, offsets + 1, x, z.data(), al.data(), out);
   }
   return 0;
 }
@@ -370,26 +385,11 @@ int genrec_hstu_extend(int L, const float* const* params, int D, int H, int dqk,
   for (int w = 0; w < W; ++w) {
     const int h = (int)lens[w], p0 = (int)prefix[w], r = h - p0;
     const int64_t* tkw = tk + (size_t)w * cap;
-    bool ordered = nb > 1;
-    for (int j = 1; j < h && ordered; ++j) ordered = tkw[j] >= tkw[j - 1];
-    for (int i = 0; i < r; ++i) {
-      const int pos = p0 + i;
-      const int64_t q = tq[qoff[w] + i];
-      int32_t* row = codes.data() + code_at[w] + (size_t)i * h;
-      if (ordered) {  // gaps grow as j falls: one walk up the thresholds (as encode)
-        int bk = 0;
-        for (int j = pos; j >= 0; --j) {
-          const int64_t dt = q - tkw[j];
-          while (dt > 0 && bk + 1 < nb && thr[bk + 1] <= dt) ++bk;
-          row[j] = std::min(pos - j, n - 1) * nb + bk;
-        }
-      } else {
-        for (int j = 0; j <= pos; ++j)
-          row[j] = std::min(pos - j, n - 1) * nb + (nb > 1 ? bucket(q - tkw[j], thr, nb) : 0);
-      }
-    }
+    const bool ordered = in_order(tkw, h, nb);
+    for (int i = 0; i < r; ++i)
+      query_codes(p0 + i, tq[qoff[w] + i], tkw, ordered, thr, n, nb, codes.data() + code_at[w] + (size_t)i * h);
   }
-  std::vector<float> xl((size_t)W * D), zl((size_t)W * G), al((size_t)W * U);
+  std::vector<float> al((size_t)W * U);
   for (int l = 0; l < L; ++l) {
     const float* const* p = params + (size_t)l * P_COUNT;
     const float* table = p[TABLE];
@@ -451,17 +451,10 @@ int genrec_hstu_extend(int L, const float* const* params, int D, int H, int dqk,
         }
       }
     }
-    if (!last) {
+    if (!last)
       gate(d, p, Tn, attn.data(), z.data(), x, D);
-    } else {
-      for (int w = 0; w < W; ++w) {
-        const int64_t row = qoff[w + 1] - 1;
-        std::memcpy(xl.data() + (size_t)w * D, x + (size_t)row * D, sizeof(float) * D);
-        std::memcpy(zl.data() + (size_t)w * G, z.data() + (size_t)row * G, sizeof(float) * G);
-      }
-      gate(d, p, W, al.data(), zl.data(), xl.data(), D);
-      std::memcpy(out, xl.data(), sizeof(float) * W * D);
-    }
+    else
+      gate_last(d, p, W, qoff + 1, x, z.data(), al.data(), out);
   }
   return 0;
 }
