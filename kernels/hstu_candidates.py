@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from genrec.kernels import bf16_ops
+from genrec.kernels.bf16_ops import bucket
 from genrec.kernels.hstu_coded import AttentionPlan, bias_entries, hstu_cached_attention_coded
 from genrec.kernels.hstu_reference import records_grad, time_bucket
 
@@ -100,13 +101,6 @@ def _padded(gemm: torch.dtype, q: torch.Tensor) -> bool:
     call's first layer paid 1.5 ms more than its second when candidates and history lengths
     changed from call to call, as they do in serving); fp32 GEMMs (MKL) have no such cost."""
     return gemm != torch.float32 and q.device.type == "cpu"
-
-
-def bucket(n: int) -> int:
-    """n rounded up to one of few sizes: a multiple of 16 up to 128, then of an eighth to a
-    sixteenth of n's power of two (at most 1/8 more work): 636 -> 640, 8,000 -> 8,192."""
-    step = 16 if n <= 128 else 1 << (n.bit_length() - 4)
-    return -(-n // step) * step
 
 
 def _zero_padded(t: torch.Tensor, n: int) -> torch.Tensor:

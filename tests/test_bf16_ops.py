@@ -109,3 +109,27 @@ def test_the_ranking_head_in_bf16_is_fp32s_to_its_rounding():
     assert got.dtype == torch.float32
     err = (got - want).abs().max()
     assert err < 0.02 * float(want.abs().max()) and err < 0.1 * float((far - want).abs().max())
+
+
+def test_linear_reaches_onednn_in_few_row_counts_with_the_same_answers(monkeypatch):
+    """oneDNN builds a kernel per new bf16 GEMM shape (~1 ms; its cache holds 1,024): the
+    candidates' linear layers and head see each call's own candidate count, so their rows are
+    padded to a few sizes, and the padding changes nothing."""
+    if bf16_ops.linear_pointwise is None:
+        pytest.skip("this torch has no oneDNN linear_pointwise")
+    shapes = set()
+    orig = bf16_ops.linear_pointwise
+
+    def spy(x, *a):  # noqa: ANN001, ANN002, ANN202
+        shapes.add(tuple(x.shape))
+        return orig(x, *a)
+
+    monkeypatch.setattr(bf16_ops, "linear_pointwise", spy)
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(32, 16, generator=g), torch.randn(32, generator=g)
+    for n in range(200, 260, 3):
+        x = torch.randn(n, 16, generator=g)
+        got = bf16_ops.linear(x, w, b, silu=True)
+        assert got.shape == (n, 32)
+        torch.testing.assert_close(got.float(), F.silu(F.linear(x, w, b)), atol=0.05, rtol=0.02)
+    assert len(shapes) <= 5, sorted(shapes)  # (20 row counts)
