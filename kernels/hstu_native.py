@@ -190,6 +190,13 @@ def history(k: torch.Tensor | list[torch.Tensor], v: torch.Tensor | list[torch.T
     return NativeHistory(ks, vs, offsets, tq, tk, rows=None if rows is None else np.ascontiguousarray(rows, np.int64))
 
 
+def _check_rows(rows: np.ndarray, buffers: list[torch.Tensor]) -> None:
+    """Refuses row indices outside any buffer (the kernels read and write them unchecked)."""
+    if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= min(b.shape[0] for b in buffers)):
+        raise ValueError(f"row indices {int(rows.min())}..{int(rows.max())} outside the buffers' "
+                         f"{min(b.shape[0] for b in buffers)} rows")
+
+
 def _rows_of(t: torch.Tensor) -> torch.Tensor:
     """t [rows, width] with rows ``width`` floats apart, as the kernel reads a layer (a copy
     only where t is laid out otherwise)."""
@@ -213,11 +220,13 @@ def extend(tower: NativeTower, x: torch.Tensor, k: torch.Tensor | list[torch.Ten
     prefix = np.ascontiguousarray(prefix, dtype=np.int64)
     lengths = np.ascontiguousarray(lengths, dtype=np.int64)
     if slots is None:
-        assert isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dim() == v.dim() == 4):
+            raise ValueError("extend: without slots, k / v are storage tensors [layers, W, cap, width]")
         ks, vs, ld = [k[i] for i in range(k.shape[0])], [v[i] for i in range(v.shape[0])], k.shape[2]
     else:
         slots = np.ascontiguousarray(slots, dtype=np.int64)
         ks, vs, ld = list(k), list(v), slots.shape[1]
+        _check_rows(np.concatenate([slots[i, :n] for i, n in enumerate(lengths)]), ks + vs)
     w = lengths.size
     qoff = np.zeros(w + 1, np.int64)
     np.cumsum(lengths - prefix, out=qoff[1:])
@@ -276,6 +285,9 @@ def score(tower: NativeTower, x: torch.Tensor, hist: NativeHistory, owner: torch
     layers = tower.num_layers
     ks = [_rows_of(hist.k[i]) for i in range(layers)]
     vs = [_rows_of(hist.v[i]) for i in range(layers)]
+    th = int(hist.offsets[-1])
+    last = np.array([th - 1] if th else [], np.int64)  # (packed rows 0..th-1: the last must exist)
+    _check_rows(hist.rows if hist.rows is not None else last, ks + vs)
     kl, vl = (_P * layers)(*[t.data_ptr() for t in ks]), (_P * layers)(*[t.data_ptr() for t in vs])
     own = owner.numpy()
     cand_offsets = np.zeros(0, np.int64)

@@ -274,3 +274,26 @@ def test_native_extend_equals_encoding_the_whole_histories(ordered, time_bias, p
         for layer, (k, v) in enumerate(hist.layers):
             torch.testing.assert_close(kp[layer, i, :n], k[s : s + n].flatten(1), atol=2e-5, rtol=2e-5)
             torch.testing.assert_close(vp[layer, i, :n], v[s : s + n].flatten(1), atol=2e-5, rtol=2e-5)
+
+
+def test_rows_outside_the_buffers_are_refused_before_the_kernel_reads_them():
+    """The C++ extend and scorer read and write rows unchecked: a slot map or packed history
+    that points past the buffers is refused in Python, naming the rows."""
+    from genrec.kernels import hstu_native
+
+    m = model()
+    rng = np.random.default_rng(1)
+    us = [UserInput(items=rng.integers(1, 60, 9), times=T0 + np.arange(9) * 60, actions=rng.integers(0, 8, 9),
+                    has_time=True, request_time=T0 + 600)]
+    _, state = PackedPath(m, "native").encode(us)
+    dense, tower = state.history.native, m.tower.native_weights()
+    import dataclasses
+
+    bad = dataclasses.replace(dense, k=list(dense.k), v=list(dense.v), rows=np.arange(9, dtype=np.int64) + 5)
+    with pytest.raises(ValueError, match="outside"):
+        hstu_native.score(tower, torch.randn(2, 16), bad, torch.tensor([0, 0]))
+    c = m.tower.kv_dims()
+    pool_k, pool_v = [torch.zeros(20, c.key_width)] * c.layers, [torch.zeros(20, c.value_width)] * c.layers
+    slots = np.array([[0, 1, 2, 30]], np.int64)  # the new row's slot past the pool
+    with pytest.raises(ValueError, match="outside"):
+        m.tower.extend_native(torch.randn(1, 16), pool_k, pool_v, np.array([3]), np.array([4]), None, None, slots)
