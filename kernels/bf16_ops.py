@@ -62,14 +62,23 @@ def bucket(n: int) -> int:
     return -(-n // step) * step
 
 
+def zero_padded(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t`` [m, ...] with zero rows after it to n rows (``t`` itself where m = n)."""
+    if t.shape[0] == n:
+        return t
+    out = t.new_zeros(n, *t.shape[1:])
+    out[: t.shape[0]] = t
+    return out
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool = False) -> torch.Tensor:
     """x [N, K] @ weight [M, K]^T + bias [M] -> [N, M] in bf16 (x and the weights cast), then
     SiLU where ``silu``. On CPU the rows are zero-padded to a :func:`bucket` size for the GEMM."""
     n = x.shape[0]
     cpu = x.device.type == "cpu"
     xb = x.to(torch.bfloat16)
-    if cpu and bucket(n) != n:
-        xb = torch.cat([xb, xb.new_zeros(bucket(n) - n, *xb.shape[1:])])
+    if cpu:
+        xb = zero_padded(xb, bucket(n))
     xb, wb = xb.contiguous(), weight.to(torch.bfloat16)
     bb = bias.to(torch.bfloat16) if bias is not None else None
     if linear_pointwise is not None and cpu:

@@ -21,11 +21,11 @@ reference to float rounding); ``torch.bfloat16`` casts Q, K, V and the bias row 
 and accumulates in fp32 inside the GEMM (oneDNN): on a CPU with AVX512-BF16 (AMD Zen 4, Intel
 Cooper Lake and later) or AMX, bf16 GEMMs run about twice the fp32 rate. There the first GEMM
 is oneDNN's linear with the bias (``torch.ops.mkldnn._linear_pointwise``, what torch.compile's
-CPU backend emits; addmm where a build lacks it), and SiLU runs over its bf16 scores, still in
-the core's L2, in our own pass (``kernels.bf16_ops``: good to bf16's rounding, at about half the cost of
-oneDNN's SiLU epilogue, which is exact to float and the fallback where the pass is not
-vectorised for the CPU). The candidates' own term and the 1 / N scale stay in the inputs' dtype. oneDNN builds a kernel per
-GEMM shape, so the bf16 GEMMs see shapes rounded up to a few sizes (:func:`bucket`, zero
+CPU backend emits; addmm where a build lacks it), and SiLU runs over its bf16 scores, still
+in the core's L2, in our own pass (``kernels.bf16_ops``: good to bf16's rounding, at about
+half the cost of oneDNN's SiLU epilogue, which is exact to float and the fallback where the
+pass is not vectorised for the CPU). The candidates' own term and the 1 / N scale stay in the
+inputs' dtype. oneDNN builds a kernel per GEMM shape, so the bf16 GEMMs see shapes rounded up to a few sizes (:func:`bucket`, zero
 padding), not each call's own history length and candidate count.
 
 Inference only: under autograd the op falls back to the coded backend (its backward).
@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from genrec.kernels import bf16_ops
 from genrec.kernels.bf16_ops import bucket
+from genrec.kernels.bf16_ops import zero_padded as _zero_padded
 from genrec.kernels.hstu_coded import AttentionPlan, bias_entries, hstu_cached_attention_coded
 from genrec.kernels.hstu_reference import records_grad, time_bucket
 
@@ -103,15 +104,6 @@ def _padded(gemm: torch.dtype, q: torch.Tensor) -> bool:
     return gemm != torch.float32 and q.device.type == "cpu"
 
 
-def _zero_padded(t: torch.Tensor, n: int) -> torch.Tensor:
-    """``t`` [m, ...] with zero rows after it to n rows (``t`` itself where m = n)."""
-    if t.shape[0] == n:
-        return t
-    out = t.new_zeros(n, *t.shape[1:])
-    out[: t.shape[0]] = t
-    return out
-
-
 def block_rows(hist_len: int, block_elems: int = BLOCK_ELEMS) -> int:
     """Candidates per GEMM block over a history of ``hist_len`` keys (a multiple of 16)."""
     return max(MIN_BLOCK, (block_elems // max(hist_len, 1)) // MIN_BLOCK * MIN_BLOCK)
@@ -166,6 +158,7 @@ def hstu_cached_attention_blocked(
     tw = time_weights if use_time else None
     gemm = dtype or q.dtype
     fused = _fused_silu(gemm, q)
+    fast = fused and bf16_ops.fast_silu()  # (our SiLU pass after the GEMM, else oneDNN's epilogue)
     qs = q if layout.order is None else q[layout.order]
     qg = (qs * alpha).to(gemm) if fused else qs.to(gemm)  # (no copy where the dtype is already)
     kg, vg = k_hist.to(gemm), v_hist.to(gemm)
@@ -185,7 +178,7 @@ def hstu_cached_attention_blocked(
             for b0 in range(c0, c1, rows):
                 b1 = min(b0 + rows, c1)
                 qb = _zero_padded(qg[b0:b1, hd], bucket(b1 - b0)) if pad else qg[b0:b1, hd]
-                if fused and bf16_ops.fast_silu():  # q k^T + bias, then SiLU over the bf16 block
+                if fused and fast:  # q k^T + bias, then SiLU over the bf16 block
                     attn = bf16_ops.silu_(_linear_pointwise(qb.contiguous(), kh, bh, "none", [], ""))
                 elif fused:  # SiLU(q k^T + bias) in the GEMM's epilogue, on its fp32 accumulators
                     attn = _linear_pointwise(qb.contiguous(), kh, bh, "swish", [], "")

@@ -142,8 +142,8 @@ class KVCache:
 
     def lookup(self, user_id: str, events: tuple[np.ndarray, ...], take: bool = False) -> tuple[Entry | None, int]:
         """(the user's entry, how many leading tokens of the window ``events`` it has encoded:
-        :func:`common_prefix`); (None, 0) for a user not cached or no token in common. Counts a hit or a miss and makes the user the most
-        recently used. ``take``: a hit's entry leaves the cache (its caller may write its
+        :func:`common_prefix`); (None, 0) for a user not cached or no token in common. Counts a
+        hit or a miss and makes the user the most recently used. ``take``: a hit's entry leaves the cache (its caller may write its
         storage, and puts the user's new entry back)."""
         with self.lock:
             entry = self.entries.get(user_id)

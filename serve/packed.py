@@ -220,14 +220,14 @@ class PackedPath:
                 if n < big:  # padding the op reads (masked, so it must be finite)
                     kp[:, i, n:], vp[:, i, n:] = 0, 0
         rows = np.concatenate([np.arange(s + p, s + n) for s, p, n in zip(starts, prefix, lens)])
+        key_times = np.zeros((w, kp.shape[2]), np.int64)  # every row's event time, per history
+        for i, (s, n) in enumerate(zip(starts, lens)):
+            key_times[i, :n] = tk[s : s + n]
         sums = None
         if self.backend == "native" and not tower.cfg.window:  # the C++ kernel, in the storage as it lies
-            key_times = np.zeros((w, kp.shape[2]), np.int64)
-            for i, (s, n) in enumerate(zip(starts, lens)):
-                key_times[i, :n] = tk[s : s + n]
             vec = self.model.head.normalize(tower.extend_native(x, kp, vp, prefix, lens, key_times, tq[rows]).float())
         else:
-            vec, sums = self._extend_paged(x, kp, vp, entries, prefix, lens, tk, tq, starts, rows, big)
+            vec, sums = self._extend_paged(x, kp, vp, entries, prefix, lens, key_times[:, :big], tq[rows], big)
         user_sums = [[layer[i] for layer in sums] if sums is not None else None for i in range(w)]
         if in_place:
             return vec, [Kept(kp[:, 0, :big], vp[:, 0, :big], (kp[:, 0], vp[:, 0]), user_sums[0])]
@@ -237,20 +237,19 @@ class PackedPath:
                      for i, n in enumerate(lens)]
 
     def _extend_paged(self, x: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, entries: list[Entry],
-                      prefix: np.ndarray, lens: np.ndarray, tk: np.ndarray, tq: np.ndarray, starts: np.ndarray,
-                      rows: np.ndarray, big: int) -> tuple[torch.Tensor, list | None]:
-        """:meth:`_extend`'s new tokens through ``tower.extend_paged`` (PyTorch ops): (user
-        vectors [W, D], a bounded tower's block summaries per layer and user, else None)."""
+                      prefix: np.ndarray, lens: np.ndarray, key_times: np.ndarray, query_times: np.ndarray,
+                      big: int) -> tuple[torch.Tensor, list | None]:
+        """:meth:`_extend`'s new tokens through ``tower.extend_paged`` (PyTorch ops; ``key_times``
+        [W, big], ``query_times`` [new rows]): (user vectors [W, D], a bounded tower's block
+        summaries per layer and user, else None)."""
         tower, w = self.model.tower, lens.size
         c = tower.kv_dims()
         seq = torch.from_numpy(np.repeat(np.arange(w), lens - prefix))
         index = torch.from_numpy(np.concatenate([np.arange(p, n) for p, n in zip(prefix, lens)]))
-        key_times = torch.zeros(w, big, dtype=torch.int64)
-        for i, (s, n) in enumerate(zip(starts, lens)):
-            key_times[i, :n] = torch.from_numpy(tk[s : s + n])
         sums = ([[e.sums[layer] if e.sums is not None else None for e in entries] for layer in range(c.layers)]
                 if tower.cfg.window else None)  # (a bounded tower's block summaries: updated by each layer)
-        meta = PagedMeta(seq, index, torch.from_numpy(lens), key_times, torch.from_numpy(tq[rows]), sums=sums)
+        meta = PagedMeta(seq, index, torch.from_numpy(lens), torch.from_numpy(np.ascontiguousarray(key_times)),
+                         torch.from_numpy(query_times), sums=sums)
 
         def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             keys = kp[layer, :, :big].view(w, big, c.heads, c.key_dim)

@@ -19,14 +19,14 @@ class ScoringConfig:
     call's candidates (the packed path): their attention against the user's cached keys and
     values (``kernels.hstu_candidates``), the tower's linear layers and the ranking head's MLP
     (``kernels.bf16_ops``): "fp32" (the model's own), "bf16" (inputs rounded to bf16, fp32
-    accumulation, SiLU good to bf16's rounding: about twice fp32's rate on CPUs with AVX512-BF16 or AMX, which is what
-    ranking thousands of candidates against 10^3-10^4 cached events is bound by), or "auto"
+    accumulation, SiLU good to bf16's rounding: about twice fp32's rate on CPUs with
+    AVX512-BF16 or AMX, which is what ranking thousands of candidates against 10^3-10^4 cached events is bound by), or "auto"
     (bf16 where the CPU has either, for the calls large enough to gain: candidates x history
     events past ``serve.packed.BF16_FROM_PAIRS``; smaller calls run faster on the fp32 native
     kernel). The default is fp32: bf16 moves probabilities by about 1e-3 at most (the ranking
     benchmark's model: ``bf16_vs_fp32`` in benchmarks/results/ranking_serving.json), which an
-    ads pipeline that prices on the probability should choose knowingly. The SGLang engine scores in the model's
-    precision and refuses any other."""
+    ads pipeline that prices on the probability should choose knowingly. The SGLang engine
+    scores in the model's precision and refuses any other."""
 
     candidate_precision: Precision = "fp32"
 

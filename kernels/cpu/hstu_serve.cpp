@@ -363,20 +363,19 @@ int genrec_hstu_extend(int L, const float* const* params, int D, int H, int dqk,
                        const int64_t* thr, int W, const int64_t* prefix, const int64_t* lens, const int64_t* qoff,
                        const int64_t* tq, const int64_t* tk, int ld, const int64_t* slots, float* x,
                        float* const* kl, float* const* vl, float* out) {
-  const int cap = ld;
   Dims d{D, H, dqk, dv, n, nb, alpha};
   const int Tn = (int)qoff[W], G = d.G(), U = d.U(), KW = H * dqk;
   const int BLOCK = 64;
+  if (dqk > 256) return -1;  // (the few-rows path keeps [dqk, 8] queries on the stack)
   for (int w = 0; w < W; ++w)
-    if (lens[w] > cap || prefix[w] < 0 || lens[w] - prefix[w] != qoff[w + 1] - qoff[w] || qoff[w + 1] == qoff[w])
+    if (lens[w] > ld || prefix[w] < 0 || lens[w] - prefix[w] != qoff[w + 1] - qoff[w] || qoff[w + 1] == qoff[w])
       return -1;
   std::vector<float> y((size_t)Tn * D), z((size_t)Tn * G), attn((size_t)Tn * U);
   int hmax = 0;
   for (int w = 0; w < W; ++w) hmax = std::max(hmax, (int)lens[w]);
   const int hp_max = pad8(hmax);
   std::vector<float> kT((size_t)dqk * hp_max), S((size_t)BLOCK * hp_max), ST((size_t)8 * hp_max);
-  std::vector<float> kg(slots ? (size_t)hp_max * H * dqk : 0), vg(slots ? (size_t)hp_max * d.U() : 0);
-  if (dqk > 256) return -1;
+  std::vector<float> kg(slots ? (size_t)hp_max * KW : 0), vg(slots ? (size_t)hp_max * U : 0);
   // bias codes of each new row against the keys it sees (its history's rows up to itself),
   // shared by the layers: [r, h] per history, row i's keys 0..prefix+i
   std::vector<size_t> code_at(W + 1, 0);
@@ -384,7 +383,7 @@ int genrec_hstu_extend(int L, const float* const* params, int D, int H, int dqk,
   std::vector<int32_t> codes(code_at[W]);
   for (int w = 0; w < W; ++w) {
     const int h = (int)lens[w], p0 = (int)prefix[w], r = h - p0;
-    const int64_t* tkw = tk + (size_t)w * cap;
+    const int64_t* tkw = tk + (size_t)w * ld;
     const bool ordered = in_order(tkw, h, nb);
     for (int i = 0; i < r; ++i)
       query_codes(p0 + i, tq[qoff[w] + i], tkw, ordered, thr, n, nb, codes.data() + code_at[w] + (size_t)i * h);
@@ -429,7 +428,7 @@ int genrec_hstu_extend(int L, const float* const* params, int D, int H, int dqk,
         for (int s = s0; s < r; s += BLOCK) {
           const int e = std::min(s + BLOCK, r), rr = e - s, keys = p0 + e, kp = pad8(keys);
           if (few) {
-            float qT[8 * 64 * 4] = {0};  // [dqk, 8], the rows' queries as columns (dqk <= 256)
+            float qT[256 * 8] = {0};  // [dqk, 8], the rows' queries as columns (dqk <= 256)
             for (int i = 0; i < rr; ++i)
               for (int t = 0; t < dqk; ++t) qT[t * 8 + i] = zw[(size_t)(s + i) * G + qcol + t];
             gemm(keys, 8, dqk, kw + hd * dqk, KW, qT, 8, ST.data(), 8, false);

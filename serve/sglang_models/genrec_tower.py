@@ -283,9 +283,8 @@ class GenRecHSTU(nn.Module):
         values written at the requests' slots, the cached ones read where they lie, as the torch
         engine's cache extends). Returns outputs [T, D] of which only each request's last row is
         set (the only one read)."""
-        m, c = self.model, self.model.tower.kv_dims()
-        ks = [pool.get_key_buffer(i).view(-1, c.key_width) for i in range(c.layers)]
-        vs = [pool.get_value_buffer(i).view(-1, c.value_width) for i in range(c.layers)]
+        m = self.model
+        ks, vs = self._pool_rows(pool)
         st = self.slot_times  # (set by _extend before it calls this)
         key_times = st[slots].numpy() if m.tower.time_bias and st is not None else None
         last = m.tower.extend_native(x, ks, vs, np.asarray(pre, np.int64), lengths.numpy(), key_times,
@@ -293,6 +292,13 @@ class GenRecHSTU(nn.Module):
         h = x.new_zeros(x.shape[0], last.shape[1])
         h[torch.from_numpy(np.cumsum(ext) - 1)] = last.to(h.dtype)
         return h
+
+    def _pool_rows(self, pool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # noqa: ANN001
+        """The pool's per-layer key and value buffers as rows of H * D values (views, for the
+        C++ kernels' slot maps)."""
+        c = self.model.tower.kv_dims()
+        return ([pool.get_key_buffer(i).view(-1, c.key_width) for i in range(c.layers)],
+                [pool.get_value_buffer(i).view(-1, c.value_width) for i in range(c.layers)])
 
     def _encode_native(self, x: torch.Tensor, cols: dict, ext: list[int], loc: torch.Tensor, pool) -> torch.Tensor:  # noqa: ANN001
         """A batch of requests none of which has a cached prefix (new users, first chunks):
@@ -368,8 +374,7 @@ class GenRecHSTU(nn.Module):
         c = self.model.tower.kv_dims()
         kb0 = pool.get_key_buffer(0)
         if kb0.device.type == "cpu" and self.packed.backend == "native" and kb0.dtype == torch.float32:
-            ks = [pool.get_key_buffer(i).view(-1, c.key_width) for i in range(c.layers)]
-            vs = [pool.get_value_buffer(i).view(-1, c.value_width) for i in range(c.layers)]
+            ks, vs = self._pool_rows(pool)
             native = hstu_native.history(ks, vs, offsets, times, request, rows=flat.numpy())
             return CachedHistory([], offsets, times, request, native)
         layers = [(pool.get_key_buffer(i)[flat].to(dtype).view(-1, c.heads, c.key_dim),
