@@ -10,8 +10,9 @@ hash with the same seed over the gradient, so no mask is kept between the passes
 
 Each element is kept with probability ``1 - round(p 2^32) / 2^32`` and scaled by
 ``1 / (1 - p)``: the distribution of ``nn.Dropout`` (to 2^-32 in p), a different random stream.
-Where the pass is not built (no compiler, ``GENREC_NATIVE=0``), for tensors it does not take
-(not fp32, not on CPU, not contiguous) or in place, :func:`dropout` draws
+fp32 and bf16 (what autocast hands the HSTU layers' dropout). Where the pass is not built (no
+compiler, ``GENREC_NATIVE=0``), for tensors it does not take (another dtype, not on CPU, not
+contiguous) or in place, :func:`dropout` draws
 ``rand_like(x) >= p`` with PyTorch instead (the same distribution).
 """
 
@@ -26,25 +27,29 @@ from genrec.kernels import native
 
 
 @functools.cache
-def _pass() -> ctypes._CFuncPtr | None:
-    """``genrec_dropout_f32(n, x, y, seed, threshold, scale)``, or None where not built."""
+def _passes() -> dict[torch.dtype, ctypes._CFuncPtr] | None:
+    """``genrec_dropout_<dtype>(n, x, y, seed, threshold, scale)`` by dtype, or None where not built."""
     lib = native.library("dropout")
     if lib is None:
         return None
-    f = lib.genrec_dropout_f32
-    f.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float]
-    f.restype = ctypes.c_int
-    return f
+    out = {}
+    for dtype, name in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+        f = getattr(lib, f"genrec_dropout_{name}")
+        f.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_float]
+        f.restype = ctypes.c_int
+        out[dtype] = f
+    return out
 
 
 def native_supported(x: torch.Tensor) -> bool:
-    """Whether :func:`dropout` runs the native pass for ``x``."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous() and _pass() is not None
+    """Whether :func:`dropout` runs the native pass for ``x``: a contiguous fp32 or bf16 CPU tensor."""
+    passes = _passes()
+    return passes is not None and x.dtype in passes and x.device.type == "cpu" and x.is_contiguous()
 
 
 def _apply(x: torch.Tensor, seed: int, threshold: int, scale: float) -> torch.Tensor:
     y = torch.empty_like(x)
-    _pass()(x.numel(), x.data_ptr(), y.data_ptr(), seed, threshold, scale)
+    _passes()[x.dtype](x.numel(), x.data_ptr(), y.data_ptr(), seed, threshold, scale)
     return y
 
 

@@ -12,19 +12,21 @@ from genrec.models.dropout import Dropout
 
 @pytest.fixture
 def built() -> None:
-    if D._pass() is None:
+    if D._passes() is None:
         if native.enabled():
             pytest.fail("kernels/cpu/dropout.cpp did not build (a C++ compiler is part of the set-up)")
         pytest.skip("native kernels off (GENREC_NATIVE=0)")
 
 
-def test_the_training_step_draws_its_masks_natively_not_value_by_value(built, monkeypatch):
-    # PyTorch's generator drew every mask value (rand_like); the native pass draws one seed a call
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_training_step_draws_its_masks_natively_not_value_by_value(built, monkeypatch, dtype):
+    # PyTorch's generator drew every mask value (rand_like); the native pass draws one seed a call.
+    # bf16: what the HSTU layers' gate hands its dropout under autocast
     def refuse(*a, **k):
         raise AssertionError("a mask drawn with torch.rand_like")
 
     monkeypatch.setattr(torch, "rand_like", refuse)
-    x = torch.randn(300, 64, requires_grad=True)
+    x = torch.randn(300, 64, dtype=dtype).requires_grad_()
     y = Dropout(0.2).train()(x)
     y.sum().backward()
     assert (y == 0).any() and (x.grad == 0).any()
@@ -48,16 +50,18 @@ def test_each_element_is_kept_with_one_minus_p_independently_of_its_neighbours(b
     assert (lane - (1 - p)).abs().max().item() < 5 * (p * (1 - p) / rounds.shape[0]) ** 0.5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 1001])
-def test_the_backward_pass_redraws_the_forward_mask_and_a_seed_repeats_it(built, n):
-    x = torch.randn(n, requires_grad=True)
+def test_the_backward_pass_redraws_the_forward_mask_and_a_seed_repeats_it(built, n, dtype):
+    x = torch.randn(n, dtype=dtype).requires_grad_()
     torch.manual_seed(7)
     y = D.dropout(x, 0.3)
-    g = torch.randn(n)
+    g = torch.randn(n, dtype=dtype)
     y.backward(g)
     kept = y != 0
-    torch.testing.assert_close(y[kept], x[kept] / 0.7)
-    torch.testing.assert_close(x.grad, torch.where(kept, g / 0.7, torch.zeros(())))
+    assert D.native_supported(x)
+    torch.testing.assert_close(y[kept], (x[kept].float() / 0.7).to(dtype))  # bf16: rounded once, as PyTorch's
+    torch.testing.assert_close(x.grad, torch.where(kept, (g.float() / 0.7).to(dtype), torch.zeros((), dtype=dtype)))
     torch.manual_seed(7)
     assert torch.equal(D.dropout(x, 0.3), y)  # the same seed: the same mask (a resumed run)
     assert not torch.equal(D.dropout(x, 0.3) != 0, kept) or n < 8  # the next call: another mask
@@ -65,7 +69,7 @@ def test_the_backward_pass_redraws_the_forward_mask_and_a_seed_repeats_it(built,
 
 def test_tensors_the_pass_does_not_take_fall_back_to_pytorch():
     torch.manual_seed(0)
-    for x in (torch.randn(64, 32).t(), torch.randn(500, dtype=torch.float64), torch.randn(500).bfloat16()):
+    for x in (torch.randn(64, 32).t(), torch.randn(500, dtype=torch.float64), torch.randn(500).half()):
         assert not D.native_supported(x)
         y = D.dropout(x, 0.25)
         kept = y != 0
