@@ -3,15 +3,16 @@
 =========================  ==========================================  ==========================
 op                         what it computes                            backends
 =========================  ==========================================  ==========================
-:func:`hstu_attention`     every row of a jagged batch (training,      reference, coded, triton
-                           the full pass)
+:func:`hstu_attention`     every row of a jagged batch (training,      reference, coded, triton,
+                           the full pass)                              native
 :func:`hstu_last_row_attention`  each sequence's last row only          reference, coded
                            (the last layer when only it is read)
 :func:`hstu_cached_attention`    candidates against cached history      reference, coded,
                            keys / values (M-FALCON-style serving)      blocked
 =========================  ==========================================  ==========================
 
-``auto`` picks Triton on CUDA where its head-dim constraints hold, else the coded backend;
+``auto`` picks Triton on CUDA where its head-dim constraints hold, the native kernel on CPU
+where it builds and takes the shapes (``hstu_train.supported``), else the coded backend;
 for the cached op, the blocked GEMMs of ``hstu_candidates`` where no gradient is recorded.
 Semantics (the mask, the relative biases, the 1 / N scale) are the reference's
 (``kernels.hstu_reference``); every backend is checked against it in
@@ -20,7 +21,8 @@ behind the tower's methods, not these ops (it fuses the layers' GEMMs too).
 
 Modules: ``hstu_reference`` (pure PyTorch, the ground truth), ``hstu_coded`` (bias codes
 shared by the layers through an :class:`AttentionPlan`, a hand-written backward),
-``triton_hstu`` (fused Triton kernels), ``hstu_native`` (C++ on CPU, serving),
+``triton_hstu`` (fused Triton kernels), ``hstu_train`` (C++ on CPU, forward and backward),
+``hstu_native`` (C++ on CPU, serving),
 ``hstu_candidates`` (candidates x cached keys as GEMM blocks, fp32 or bf16).
 """
 
@@ -30,6 +32,7 @@ from typing import Literal
 
 import torch
 
+from genrec.kernels import hstu_train
 from genrec.kernels.hstu_candidates import hstu_cached_attention_blocked
 from genrec.kernels.hstu_coded import (  # noqa: F401 - the public names of the HSTU kernels
     AttentionPlan,
@@ -42,6 +45,7 @@ from genrec.kernels.hstu_coded import (  # noqa: F401 - the public names of the 
 )
 from genrec.kernels.hstu_reference import (  # noqa: F401
     attention_mask,
+    batch_lengths,
     hstu_attention_reference,
     hstu_cached_attention_reference,
     hstu_last_row_attention_reference,
@@ -56,13 +60,14 @@ from genrec.kernels.hstu_reference import (  # noqa: F401
 Backend = Literal["auto", "reference", "coded", "triton", "blocked"]
 # every op's backends besides "auto": the parity test runs each against the op's reference
 OP_BACKENDS: dict[str, tuple[str, ...]] = {
-    "hstu_attention": ("reference", "coded", "triton"),
+    "hstu_attention": ("reference", "coded", "triton", "native"),
     "hstu_last_row_attention": ("reference", "coded"),
     "hstu_cached_attention": ("reference", "coded", "blocked"),
 }
 
-# a compiled tower calls the coded backend eagerly: a graph break per layer
+# a compiled tower calls the coded and native backends eagerly: a graph break per layer
 _coded_eager = torch.compiler.disable(hstu_attention_coded)
+_native_eager = torch.compiler.disable(hstu_train.hstu_attention_native)
 
 
 def _check(backend: str, op: str) -> None:
@@ -109,6 +114,8 @@ def hstu_attention(
         return triton_hstu_attention(q, k, v, offsets, **kw)
     if backend == "reference":
         return hstu_attention_reference(q, k, v, offsets, **kw)
+    if backend == "native" or (backend == "auto" and hstu_train.supported(q, k, v, batch_lengths(offsets, max_len)[1])):
+        return _native_eager(q, k, v, offsets, plan=plan, **kw)
     return _coded_eager(q, k, v, offsets, plan=plan, **kw)
 
 

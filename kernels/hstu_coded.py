@@ -46,6 +46,7 @@ class AttentionPlan:
     coded: CodedBlocks | None = None
     groups: GroupLayout | None = None
     blocked: Any = None  # hstu_candidates.CandidateLayout (that module imports this one)
+    native: Any = None  # (key, [B, L, L] codes): kernels.hstu_train's (that module imports this one)
 
 
 def bias_table(pos_weights: torch.Tensor | None, time_weights: torch.Tensor | None, max_seq_len: int,

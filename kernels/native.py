@@ -24,6 +24,9 @@ from pathlib import Path
 log = logging.getLogger("genrec.kernels")
 SOURCES = Path(__file__).parent / "cpu"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+# per library: the training attention splits its users between OpenMP threads, which (built
+# against libgomp, as PyTorch's CPU wheels are) are PyTorch's own pool, not a second one
+EXTRA_FLAGS: dict[str, tuple[str, ...]] = {"hstu_train": ("-fopenmp",)}
 
 
 def enabled() -> bool:
@@ -64,18 +67,19 @@ def _build(name: str) -> ctypes.CDLL | None:
         log.warning("no C++ compiler found: native kernels off, the PyTorch path serves")
         return None
     src = SOURCES / f"{name}.cpp"
+    flags = (*FLAGS, *EXTRA_FLAGS.get(name, ()))
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    key = hashlib.sha256("\0".join([src.read_text(), " ".join(FLAGS), version, _cpu_id()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([src.read_text(), " ".join(flags), version, _cpu_id()]).encode()).hexdigest()[:16]
     out = _cache_dir() / f"{name}-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)  # built aside, renamed in: atomic
         os.close(fd)
         try:
-            res = subprocess.run([cxx, *FLAGS, "-o", tmp, str(src)], capture_output=True, text=True, timeout=300)
+            res = subprocess.run([cxx, *flags, "-o", tmp, str(src)], capture_output=True, text=True, timeout=300)
             if res.returncode != 0:
                 log.warning("building %s failed, the PyTorch path serves:\n%s", src.name, res.stderr[-2000:])
                 return None

@@ -1,0 +1,425 @@
+// HSTU attention for training on CPU: forward and backward over a jagged batch, one user's
+// rows at a time, everything of one (user, head) in cache (kernels/hstu_train.py calls it).
+//
+//   S = alpha q k^T + table[code]     over the pairs the mask allows (code != masked)
+//   out = SiLU(S) v / N
+//
+// Why a kernel of its own: PyTorch's coded path runs the same math as batched GEMMs over
+// [B, rows, keys] blocks padded to the batch's longest user, with a pass over memory for each
+// of the gather, the bias add, SiLU, its gradient and the table's scatter; at HSTU's shapes
+// (a few hundred rows a user, 64-wide heads) those passes and the small GEMMs' overheads cost
+// more than the arithmetic. Here each user's q, k, v are read once into fp32 scratch, its
+// scores exist only as a [rows, keys] tile of the causal triangle, and the pointwise work runs
+// on the tile while it is in cache. The forward keeps S (fp32) for the backward pass.
+//
+// Layout: q, k, v, out, dq, dk, dv are rows of the jagged batch [T, H, D] (row strides given,
+// heads contiguous), fp32 or bf16 (dtype 0 / 1; converted to fp32 on load, fp32 arithmetic,
+// rounded to nearest even on store). codes [B, L, L] int32 (kernels.hstu_coded.bias_codes over
+// all rows): user b's pair (i, j) at codes[b][i][j]. Every allowed pair has j <= i, so query
+// tile [s, e) needs keys [0, e) only. GCC/Clang vector extensions (16 floats; AVX-512 where
+// -march=native has it, two halves elsewhere). Users are split between the caller's OpenMP
+// threads by their n^2 (built with -fopenmp: PyTorch's own pool, kernels/native.py).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+
+inline v16 ld16(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
+inline void st16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+// exp(x), lane-wise, to about a float ulp: 2^(x log2 e) as 2^n (exponent bits) times 2^f from its
+// degree-6 Taylor polynomial, |f| <= 1/2; arguments clamped to [-126, 127] powers of two (so
+// exp of a masked pair's huge negative score is a finite 2^-126 and its SiLU a finite ~ -1,
+// zeroed by its mask).
+inline v16 vexp(v16 x) {
+  v16 t = x * 1.4426950408889634f;
+  t = t < -126.f ? v16{} - 126.f : t;
+  t = t > 127.f ? v16{} + 127.f : t;
+  const v16 n = (t + 12582912.f) - 12582912.f;  // round to nearest (|t| < 2^22)
+  const v16 f = (t - n) * 0.6931471805599453f;
+  v16 p = 1.f / 720.f + f * 0.f;
+  p = p * f + 1.f / 120.f;
+  p = p * f + 1.f / 24.f;
+  p = p * f + 1.f / 6.f;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+inline v16 vsigmoid(v16 x) { return 1.f / (1.f + vexp(-x)); }
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even; NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+// rows x width values at src (row stride ld elements, dtype 0 fp32 / 1 bf16) -> dst [rows, width] fp32
+void load_rows(const void* src, int dtype, int64_t ld, int rows, int width, float* dst) {
+  for (int r = 0; r < rows; ++r) {
+    if (dtype == 0) {
+      std::memcpy(dst + int64_t(r) * width, static_cast<const float*>(src) + r * ld, sizeof(float) * width);
+    } else {
+      const uint16_t* s = static_cast<const uint16_t*>(src) + r * ld;
+      for (int c = 0; c < width; ++c) dst[int64_t(r) * width + c] = bf16_to_float(s[c]);
+    }
+  }
+}
+
+// src [rows, width] fp32 * scale -> rows of dst (row stride ld, dtype as above)
+void store_rows(const float* src, int rows, int width, float scale, void* dst, int dtype, int64_t ld) {
+  for (int r = 0; r < rows; ++r) {
+    const float* s = src + int64_t(r) * width;
+    if (dtype == 0) {
+      float* d = static_cast<float*>(dst) + r * ld;
+      for (int c = 0; c < width; ++c) d[c] = s[c] * scale;
+    } else {
+      uint16_t* d = static_cast<uint16_t*>(dst) + r * ld;
+      for (int c = 0; c < width; ++c) d[c] = float_to_bf16(s[c] * scale);
+    }
+  }
+}
+
+// C[MR, 16 NV] = A[MR, K] B[K, 16 NV], the accumulators in registers.
+template <int MR, int NV>
+inline void tile(int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc) {
+  v16 acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c] = v16{};
+  for (int k = 0; k < K; ++k) {
+    v16 b[NV];
+    for (int c = 0; c < NV; ++c) b[c] = ld16(B + int64_t(k) * ldb + 16 * c);
+    for (int r = 0; r < MR; ++r) {
+      const float a = A[int64_t(r) * lda + k];
+      for (int c = 0; c < NV; ++c) acc[r][c] += a * b[c];
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NV; ++c) st16(C + int64_t(r) * ldc + 16 * c, acc[r][c]);
+}
+
+template <int NV>
+inline void rows_tile(int mr, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc) {
+  switch (mr) {
+    case 4: tile<4, NV>(K, A, lda, B, ldb, C, ldc); break;
+    case 3: tile<3, NV>(K, A, lda, B, ldb, C, ldc); break;
+    case 2: tile<2, NV>(K, A, lda, B, ldb, C, ldc); break;
+    default: tile<1, NV>(K, A, lda, B, ldb, C, ldc); break;
+  }
+}
+
+// C[M, N] = A[M, K] B[K, N], row-major, N a multiple of 16.
+void gemm(int M, int N, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc) {
+  for (int i = 0; i < M; i += 4) {
+    const int mr = M - i < 4 ? M - i : 4;
+    const float* a = A + int64_t(i) * lda;
+    float* c = C + int64_t(i) * ldc;
+    int j = 0;
+    for (; j + 64 <= N; j += 64) rows_tile<4>(mr, K, a, lda, B + j, ldb, c + j, ldc);
+    switch ((N - j) / 16) {
+      case 3: rows_tile<3>(mr, K, a, lda, B + j, ldb, c + j, ldc); break;
+      case 2: rows_tile<2>(mr, K, a, lda, B + j, ldb, c + j, ldc); break;
+      case 1: rows_tile<1>(mr, K, a, lda, B + j, ldb, c + j, ldc); break;
+      default: break;
+    }
+  }
+}
+
+inline int pad16(int x) { return (x + 15) & ~15; }
+constexpr int kTile = 32;  // query rows a tile
+
+struct Dims {
+  int H, dqk, dv, L, dtype;
+  int64_t ldq, ldk, ldv, ldo;  // row strides of q, k, v and of out / dout (elements)
+  const int32_t* codes;
+  const float* table;
+  int32_t masked;
+  float alpha, inv_n;
+  int eb() const { return dtype == 0 ? 4 : 2; }
+  int width() const { return dqk > dv ? dqk : dv; }
+};
+
+// One thread's scratch, sized for the batch's longest user (L rows, np = pad16(L)): a user's
+// rows in fp32 (keys and values with zero rows up to pad16(n)), its [n, np] P and dS, their
+// transpose, a tile of scores and one row's pointwise inputs.
+struct Scratch {
+  std::vector<float> q, k, v, kt, vt, s, p, ds, t, g, r, x, m;
+  explicit Scratch(const Dims& d) {
+    const size_t np = size_t(pad16(d.L)), w = size_t(d.width());
+    q.resize(np * d.dqk);
+    k.resize(np * d.dqk);
+    v.resize(np * d.dv);
+    kt.resize(np * d.dqk);
+    vt.resize(np * d.dv);
+    p.resize(np * np);
+    ds.resize(np * np);
+    t.resize(np * np);
+    s.resize(kTile * np);
+    g.resize(np * d.dv);
+    r.resize(np * w);
+    x.resize(np);
+    m.resize(np);
+  }
+};
+
+// user b's pair codes, row i (L entries)
+inline const int32_t* code_row(const Dims& d, int b, int i) { return d.codes + (int64_t(b) * d.L + i) * d.L; }
+
+// One query row's scores before SiLU over keys 0..k-1 (k = row + 1): x = alpha s + table[code]
+// and m = 1, or m = 0 where masked; zeros from k to `end` (the tile's padded width).
+inline void row_scores(const Dims& d, const int32_t* cr, int k, int end, const float* sr, float* x, float* m) {
+  for (int j = 0; j < k; ++j) {
+    const int32_t c = cr[j];
+    x[j] = d.alpha * sr[j] + d.table[c];
+    m[j] = c == d.masked ? 0.f : 1.f;
+  }
+  for (int j = k; j < end; ++j) x[j] = m[j] = 0.f;
+}
+
+// q, k, v rows of one (user, head) into w.q, w.k, w.v; zero rows n..np-1 of k and v.
+void load_head(const Dims& d, int64_t o, int h, int n, int np, const void* q, const void* k, const void* v,
+               Scratch& w) {
+  const int eb = d.eb();
+  auto at = [&](const void* base, int64_t ld, int off) { return static_cast<const char*>(base) + (o * ld + off) * eb; };
+  load_rows(at(q, d.ldq, h * d.dqk), d.dtype, d.ldq, n, d.dqk, w.q.data());
+  load_rows(at(k, d.ldk, h * d.dqk), d.dtype, d.ldk, n, d.dqk, w.k.data());
+  load_rows(at(v, d.ldv, h * d.dv), d.dtype, d.ldv, n, d.dv, w.v.data());
+  std::fill(w.k.begin() + int64_t(n) * d.dqk, w.k.begin() + int64_t(np) * d.dqk, 0.f);
+  std::fill(w.v.begin() + int64_t(n) * d.dv, w.v.begin() + int64_t(np) * d.dv, 0.f);
+}
+
+// dst [cols, np] <- src [n, cols]^T, columns n..np-1 zero
+void transpose_padded(int n, int np, int cols, const float* src, float* dst) {
+  for (int c = 0; c < cols; ++c) {
+    float* row = dst + int64_t(c) * np;
+    for (int r = 0; r < n; ++r) row[r] = src[int64_t(r) * cols + c];
+    for (int r = n; r < np; ++r) row[r] = 0.f;
+  }
+}
+
+// t [n, np] <- the lower triangle of a [n, np] matrix a transposed, as the key-side GEMMs read
+// it: row j holds a[i][j] for i >= j, and 0 for the i in j's tile before j.
+void transpose_lower(int n, int np, const float* a, float* t) {
+  for (int j = 0; j < n; ++j) {
+    float* row = t + int64_t(j) * np;
+    for (int i = j / kTile * kTile; i < j; ++i) row[i] = 0.f;
+    for (int i = j; i < n; ++i) row[i] = a[int64_t(i) * np + j];
+  }
+}
+
+// (user b, head h) forward: rows o..o+n-1; keeps S (pre-activation, [n, n]) in save.
+void forward_one(const Dims& d, int b, int h, int64_t o, int n, const void* q, const void* k, const void* v,
+                 void* out, float* save, Scratch& w) {
+  const int np = pad16(n);
+  load_head(d, o, h, n, np, q, k, v, w);
+  transpose_padded(n, np, d.dqk, w.k.data(), w.kt.data());
+  for (int s = 0; s < n; s += kTile) {
+    const int e = s + kTile < n ? s + kTile : n, cols = pad16(e), rows = e - s;
+    gemm(rows, cols, d.dqk, w.q.data() + int64_t(s) * d.dqk, d.dqk, w.kt.data(), np, w.s.data(), np);
+    for (int i = s; i < e; ++i) {  // P = SiLU(S) m over the tile's width, m = 0 where masked; S kept
+      const float* sr = w.s.data() + int64_t(i - s) * np;
+      float* pr = w.p.data() + int64_t(i) * np;
+      row_scores(d, code_row(d, b, i), i + 1, cols, sr, w.x.data(), w.m.data());
+      std::memcpy(save + int64_t(i) * n, w.x.data(), sizeof(float) * (i + 1));
+      for (int j = 0; j < cols; j += 16) {
+        const v16 x = ld16(w.x.data() + j);
+        st16(pr + j, x * vsigmoid(x) * ld16(w.m.data() + j));
+      }
+    }
+    // out rows s..e-1 = P[s:e, 0:cols] v[0:cols]: P is 0 past each row's diagonal
+    gemm(rows, d.dv, cols, w.p.data() + int64_t(s) * np, np, w.v.data(), d.dv, w.r.data(), d.dv);
+    store_rows(w.r.data(), rows, d.dv, d.inv_n, static_cast<char*>(out) + ((o + s) * d.ldo + h * d.dv) * d.eb(),
+               d.dtype, d.ldo);
+  }
+}
+
+// (user b, head h) backward from dout's rows: dq, dk, dv rows written (each head's own
+// columns, contiguous [T, H, D] outputs), the table's gradient added to dtable.
+void backward_one(const Dims& d, int b, int h, int64_t o, int n, const void* q, const void* k, const void* v,
+                  const void* dout, const float* save, void* dq, void* dk, void* dv, float* dtable, Scratch& w) {
+  const int np = pad16(n), eb = d.eb();
+  auto out_at = [&](void* base, int dim) { return static_cast<char*>(base) + (o * d.H * dim + int64_t(h) * dim) * eb; };
+  load_head(d, o, h, n, np, q, k, v, w);
+  load_rows(static_cast<const char*>(dout) + (o * d.ldo + h * d.dv) * eb, d.dtype, d.ldo, n, d.dv, w.g.data());
+  for (int64_t i = 0; i < int64_t(n) * d.dv; ++i) w.g[i] *= d.inv_n;  // d out / N
+  transpose_padded(n, np, d.dv, w.v.data(), w.vt.data());
+  for (int s = 0; s < n; s += kTile) {
+    const int e = s + kTile < n ? s + kTile : n, cols = pad16(e), rows = e - s;
+    gemm(rows, cols, d.dv, w.g.data() + int64_t(s) * d.dv, d.dv, w.vt.data(), np, w.s.data(), np);  // dP
+    for (int i = s; i < e; ++i) {  // dS = dP SiLU'(S) m and P again, over the tile's width
+      const float* dpr = w.s.data() + int64_t(i - s) * np;
+      float* pr = w.p.data() + int64_t(i) * np;
+      float* dsr = w.ds.data() + int64_t(i) * np;
+      const int32_t* cr = code_row(d, b, i);
+      std::memcpy(w.x.data(), save + int64_t(i) * n, sizeof(float) * (i + 1));
+      for (int j = 0; j <= i; ++j) w.m[j] = cr[j] == d.masked ? 0.f : 1.f;
+      for (int j = i + 1; j < cols; ++j) w.x[j] = w.m[j] = 0.f;
+      for (int j = 0; j < cols; j += 16) {
+        const v16 x = ld16(w.x.data() + j), m = ld16(w.m.data() + j), sg = vsigmoid(x);
+        st16(pr + j, x * sg * m);
+        st16(dsr + j, ld16(dpr + j) * sg * (1.f + x * (1.f - sg)) * m);  // SiLU'(x) = sg (1 + x (1 - sg))
+      }
+      for (int j = 0; j <= i; ++j) {  // the table's gradient; masked pairs add 0 to the masked slot
+        dtable[cr[j]] += dsr[j];
+        dsr[j] *= d.alpha;
+      }
+      for (int j = i + 1; j < cols; ++j) dsr[j] = 0.f;
+    }
+    // dq rows s..e-1 = dS[s:e, 0:cols] k[0:cols]
+    gemm(rows, d.dqk, cols, w.ds.data() + int64_t(s) * np, np, w.k.data(), d.dqk, w.r.data() + int64_t(s) * d.dqk,
+         d.dqk);
+  }
+  store_rows(w.r.data(), n, d.dqk, 1.f, out_at(dq, d.dqk), d.dtype, int64_t(d.H) * d.dqk);
+  // dv = P^T (dout / N), dk = dS^T q: key rows j take query rows i >= j (from j's tile on)
+  transpose_lower(n, np, w.p.data(), w.t.data());
+  for (int s = 0; s < n; s += kTile) {
+    const int e = s + kTile < n ? s + kTile : n;
+    gemm(e - s, d.dv, n - s, w.t.data() + int64_t(s) * np + s, np, w.g.data() + int64_t(s) * d.dv, d.dv,
+         w.r.data() + int64_t(s) * d.dv, d.dv);
+  }
+  store_rows(w.r.data(), n, d.dv, 1.f, out_at(dv, d.dv), d.dtype, int64_t(d.H) * d.dv);
+  transpose_lower(n, np, w.ds.data(), w.t.data());
+  for (int s = 0; s < n; s += kTile) {
+    const int e = s + kTile < n ? s + kTile : n;
+    gemm(e - s, d.dqk, n - s, w.t.data() + int64_t(s) * np + s, np, w.q.data() + int64_t(s) * d.dqk, d.dqk,
+         w.r.data() + int64_t(s) * d.dqk, d.dqk);
+  }
+  store_rows(w.r.data(), n, d.dqk, 1.f, out_at(dk, d.dqk), d.dtype, int64_t(d.H) * d.dqk);
+}
+
+// This thread's users: B users split into `parts` ranges of about equal work (n^2 each).
+void my_users(const int64_t* offsets, int B, int part, int parts, int* b0, int* b1) {
+  double total = 0;
+  for (int b = 0; b < B; ++b) total += double(offsets[b + 1] - offsets[b]) * double(offsets[b + 1] - offsets[b]);
+  double acc = 0;
+  int cut = 0;
+  *b0 = part == 0 ? 0 : -1;
+  *b1 = B;
+  for (int b = 0; b < B && cut < parts - 1; ++b) {
+    const double n = double(offsets[b + 1] - offsets[b]);
+    acc += n * n;
+    while (cut < parts - 1 && acc >= total * (cut + 1) / parts) {
+      ++cut;
+      if (cut == part) *b0 = b + 1;
+      if (cut == part + 1) *b1 = b + 1;
+    }
+  }
+  if (*b0 < 0) *b0 = B;
+}
+
+// Denormal floats flushed to zero (FTZ, DAZ) while a thread runs the kernel, its own setting
+// restored after: a strongly negative score's sigmoid and the gradients through it fall below
+// float's normal range, and each operation on a denormal costs ~100 cycles on x86.
+struct FlushDenormals {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned saved = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(saved | 0x8040u); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+#endif
+};
+
+inline int thread_id() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+inline int thread_count() {
+#ifdef _OPENMP
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
+
+}  // namespace
+
+extern "C" {
+
+// Forward of a jagged batch of B users (offsets [B + 1]; see the layout above): out [T, H, dv]
+// (row stride ldo); save: each user's S, H n^2 floats from save_off[b] (n = its rows). Users
+// are split between the OpenMP threads of the caller (PyTorch's pool, where built with it).
+int genrec_hstu_train_forward(int B, const int64_t* offsets, int H, int dqk, int dv, int L, int dtype,
+                              const void* q, int64_t ldq, const void* k, int64_t ldk, const void* v, int64_t ldv,
+                              const int32_t* codes, const float* table, int32_t masked, float alpha, float inv_n,
+                              void* out, int64_t ldo, float* save, const int64_t* save_off) {
+  if ((dqk % 16) || (dv % 16) || dtype < 0 || dtype > 1) return 1;
+  for (int b = 0; b < B; ++b)
+    if (offsets[b + 1] - offsets[b] > L) return 2;
+  const Dims d{H, dqk, dv, L, dtype, ldq, ldk, ldv, ldo, codes, table, masked, alpha, inv_n};
+#pragma omp parallel
+  {
+    FlushDenormals ftz;
+    Scratch w(d);
+    int b0, b1;
+    my_users(offsets, B, thread_id(), thread_count(), &b0, &b1);
+    for (int b = b0; b < b1; ++b) {
+      const int64_t o = offsets[b];
+      const int n = int(offsets[b + 1] - o);
+      for (int h = 0; h < H && n; ++h)
+        forward_one(d, b, h, o, n, q, k, v, out, save + save_off[b] + int64_t(h) * n * n, w);
+    }
+  }
+  return 0;
+}
+
+// Backward: dout [T, H, dv] (row stride ldo); dq [T, H, dqk], dk [T, H, dqk], dv [T, H, dv]
+// (contiguous) written; the table's gradient (ntable entries) added to dtable.
+int genrec_hstu_train_backward(int B, const int64_t* offsets, int H, int dqk, int dv, int L, int dtype,
+                               const void* q, int64_t ldq, const void* k, int64_t ldk, const void* v, int64_t ldv,
+                               const int32_t* codes, const float* table, int32_t masked, float alpha, float inv_n,
+                               const void* dout, int64_t ldo, const float* save, const int64_t* save_off, void* dq,
+                               void* dk, void* dvo, float* dtable, int ntable) {
+  if ((dqk % 16) || (dv % 16) || dtype < 0 || dtype > 1) return 1;
+  for (int b = 0; b < B; ++b)
+    if (offsets[b + 1] - offsets[b] > L) return 2;
+  const Dims d{H, dqk, dv, L, dtype, ldq, ldk, ldv, ldo, codes, table, masked, alpha, inv_n};
+#pragma omp parallel
+  {
+    FlushDenormals ftz;
+    Scratch w(d);
+    std::vector<float> mine(ntable, 0.f);  // this thread's table gradient, added at the end
+    int b0, b1;
+    my_users(offsets, B, thread_id(), thread_count(), &b0, &b1);
+    for (int b = b0; b < b1; ++b) {
+      const int64_t o = offsets[b];
+      const int n = int(offsets[b + 1] - o);
+      for (int h = 0; h < H && n; ++h)
+        backward_one(d, b, h, o, n, q, k, v, dout, save + save_off[b] + int64_t(h) * n * n, dq, dk, dvo,
+                     mine.data(), w);
+    }
+#pragma omp critical
+    for (int i = 0; i < ntable; ++i) dtable[i] += mine[i];
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,105 @@
+"""kernels.hstu_train: the native training attention beyond the parity test's cases (which
+run it against the reference in fp32, tests/test_hstu_parity.py): the layer's own inputs
+(bf16 column slices of one projection), threads, and where "auto" runs it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from genrec.kernels import hstu_attention as ha
+from genrec.kernels import hstu_train, native
+from genrec.kernels.jagged import lengths_to_offsets
+
+N = 128
+
+
+@pytest.fixture
+def built() -> None:
+    if hstu_train._library() is None:
+        if native.enabled():
+            pytest.fail("kernels/cpu/hstu_train.cpp did not build (a C++ compiler is part of the set-up)")
+        pytest.skip("native kernels off (GENREC_NATIVE=0)")
+
+
+def case(lengths: list[int], dtype: torch.dtype, seed: int = 0, targets: bool = False):
+    """q, k, v as the HSTU layer hands them: column slices [T, 1, 32] of one [T, 128]
+    projection (u | v | q | k), in ``dtype``; the bias weights and times."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.tensor(lengths)
+    t = int(lens.sum())
+    uvqk = (torch.randn(t, 128, generator=g) * 2).to(dtype).requires_grad_()
+    _, v, q, k = (x.unflatten(-1, (1, 32)) for x in uvqk.split(32, -1))
+    ts = torch.cumsum(torch.randint(0, 5000, (t,), generator=g), 0)
+    kw = dict(max_seq_len=N, alpha=32**-0.5, pos_weights=torch.randn(N, generator=g).requires_grad_(),
+              time_weights=torch.randn(16, generator=g).requires_grad_(), timestamps=ts, query_times=ts + 7)
+    if targets:
+        kw["num_targets"] = torch.minimum(lens, torch.full_like(lens, 3))
+    return uvqk, q, k, v, lengths_to_offsets(lens), kw
+
+
+def grads(out: torch.Tensor, leaves: list[torch.Tensor], seed: int = 1) -> list[torch.Tensor]:
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
+    return list(torch.autograd.grad(out, leaves, g))
+
+
+@pytest.mark.parametrize("targets", [False, True])
+def test_bf16_column_slices_match_the_reference_in_fp32(built, targets):
+    # what autocast hands the kernel in training: bf16 views into the layer's projection
+    uvqk, q, k, v, offsets, kw = case([0, 37, 100, 5, 128], torch.bfloat16, targets=targets)
+    assert hstu_train.supported(q, k, v, 128) and q.stride(0) == 128
+    out = ha.hstu_attention(q, k, v, offsets, backend="native", **kw)
+    assert out.dtype == torch.bfloat16
+    leaves = [uvqk, kw["pos_weights"], kw["time_weights"]]
+    got = grads(out, leaves)
+    ref = ha.hstu_attention_reference(q.float(), k.float(), v.float(), offsets, **kw)
+    want = grads(ref, leaves)
+    # the kernel computes in fp32 from the bf16 inputs: off by bf16's rounding of its outputs
+    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=1e-2)
+    for a, b in zip(got, want):
+        scale = float(b.abs().max())
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-2 * scale, rtol=2e-2)
+
+
+def test_one_thread_and_two_give_the_same_result(built):
+    uvqk, q, k, v, offsets, kw = case([90, 3, 128, 60, 0, 77, 128], torch.float32, seed=3)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = ha.hstu_attention(q, k, v, offsets, backend="native", **kw)
+            results.append([out, *grads(out, [uvqk, kw["pos_weights"], kw["time_weights"]])])
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-5 * float(b.abs().max()), rtol=1e-5)
+
+
+def test_auto_runs_the_native_kernel_on_cpu_and_the_coded_path_past_its_length(built, monkeypatch):
+    calls = []
+    real = hstu_train._NativeAttention.apply
+    monkeypatch.setattr(hstu_train._NativeAttention, "apply", lambda *a: calls.append(1) or real(*a))
+    _, q, k, v, offsets, kw = case([20, 40], torch.float32)
+    out = ha.hstu_attention(q, k, v, offsets, **kw)
+    assert calls == [1]
+    torch.testing.assert_close(out, ha.hstu_attention(q, k, v, offsets, backend="coded", **kw), atol=1e-6, rtol=1e-5)
+    # past MAX_LEN the [B, L, L] codes would not fit: the coded backend's query blocks serve
+    monkeypatch.setattr(hstu_train, "MAX_LEN", 30)
+    ha.hstu_attention(q, k, v, offsets, **kw)
+    assert calls == [1]
+
+
+def test_a_strongly_negative_score_leaves_finite_gradients(built):
+    # scores far below zero: SiLU's sigmoid underflows (the kernel flushes denormals); the
+    # gradients stay finite and match the reference's
+    uvqk, q, k, v, offsets, kw = case([64, 128], torch.float32, seed=5)
+    kw["pos_weights"] = (torch.randn(N) * 40 - 120).requires_grad_()
+    out = ha.hstu_attention(q, k, v, offsets, backend="native", **kw)
+    got = grads(out, [uvqk, kw["pos_weights"]])
+    ref = ha.hstu_attention_reference(q, k, v, offsets, **kw)
+    want = grads(ref, [uvqk, kw["pos_weights"]])
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-4)
+    for a, b in zip(got, want):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, atol=1e-5 * float(b.abs().max()) + 1e-30, rtol=1e-4)
