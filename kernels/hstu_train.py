@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+
 import torch
 
 from genrec.kernels import native
