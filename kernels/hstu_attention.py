@@ -57,7 +57,7 @@ from genrec.kernels.hstu_reference import (  # noqa: F401
     token_positions,
 )
 
-Backend = Literal["auto", "reference", "coded", "triton", "blocked"]
+Backend = Literal["auto", "reference", "coded", "triton", "blocked", "native"]
 # every op's backends besides "auto": the parity test runs each against the op's reference
 OP_BACKENDS: dict[str, tuple[str, ...]] = {
     "hstu_attention": ("reference", "coded", "triton", "native"),

@@ -36,6 +36,9 @@ class CodedBlocks:
     key: tuple[int, int, int, bool]  # (max_len, max_seq_len, num_buckets, time bias) it was built for
     index: tuple[torch.Tensor, torch.Tensor]  # (sequence, position) of every jagged row [T]
     blocks: list[tuple[tuple[int, int], torch.Tensor]] = field(default_factory=list)  # ((s, e), codes [B, e-s, e])
+    # the blocks' codes end to end, and per block (s, e, offset into them) [blocks, 3] int64:
+    # kernels.hstu_train's view of the same codes, built by its first layer
+    flat: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -46,7 +49,26 @@ class AttentionPlan:
     coded: CodedBlocks | None = None
     groups: GroupLayout | None = None
     blocked: Any = None  # hstu_candidates.CandidateLayout (that module imports this one)
-    native: Any = None  # (key, [B, L, L] codes): kernels.hstu_train's (that module imports this one)
+
+
+def coded_blocks(offsets: torch.Tensor, rows: int, lengths: torch.Tensor, max_len: int, max_seq_len: int,
+                 time_weights: torch.Tensor | None, timestamps: torch.Tensor | None,
+                 query_times: torch.Tensor | None, num_targets: torch.Tensor | None,
+                 plan: AttentionPlan | None) -> CodedBlocks:
+    """The batch's bias codes by query block (:func:`bias_codes`), from ``plan`` when its first
+    layer built them already (``rows``: the batch's jagged rows)."""
+    use_time = time_weights is not None and timestamps is not None and query_times is not None
+    nb = time_weights.numel() if use_time else 1
+    key = (max_len, max_seq_len, nb, use_time)
+    coded = plan.coded if plan is not None else None
+    if coded is None or coded.key != key:
+        index = jagged_index(offsets, rows)
+        times = padded_relative_times(query_times, timestamps, offsets, max_len, index) if use_time else None
+        coded = CodedBlocks(key, index, [(r, bias_codes(lengths, max_len, max_seq_len, nb, times, num_targets, r))
+                                         for r in query_blocks(max_len)])
+        if plan is not None:
+            plan.coded = coded
+    return coded
 
 
 def bias_table(pos_weights: torch.Tensor | None, time_weights: torch.Tensor | None, max_seq_len: int,
@@ -180,16 +202,8 @@ def hstu_attention_coded(
     if q.shape[0] == 0 or max_len == 0:
         return v.new_zeros(v.shape)
     use_time = time_weights is not None and timestamps is not None and query_times is not None
-    nb = time_weights.numel() if use_time else 1
-    key = (max_len, max_seq_len, nb, use_time)
-    coded = plan.coded if plan is not None else None
-    if coded is None or coded.key != key:
-        index = jagged_index(offsets, q.shape[0])
-        times = padded_relative_times(query_times, timestamps, offsets, max_len, index) if use_time else None
-        coded = CodedBlocks(key, index, [(r, bias_codes(lengths, max_len, max_seq_len, nb, times, num_targets, r))
-                                         for r in query_blocks(max_len)])
-        if plan is not None:
-            plan.coded = coded
+    coded = coded_blocks(offsets, q.shape[0], lengths, max_len, max_seq_len, time_weights, timestamps, query_times,
+                         num_targets, plan)
     index, blocks = coded.index, coded.blocks
     table = bias_table(pos_weights, time_weights if use_time else None, max_seq_len, q.dtype)
     qkv = jagged_to_padded(torch.cat([q, k, v], dim=-1), offsets, max_len, index=index)  # [B, L, H, 2Dqk + Dv]

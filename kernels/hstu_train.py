@@ -6,8 +6,8 @@ GEMMs over query blocks padded to the batch's longest sequence, with a pass over
 each of its pointwise steps; ``kernels/cpu/hstu_train.cpp`` takes the jagged rows as they lie
 (q, k and v may be column slices of one projection: no concatenation, no padding), works on
 one user's causal triangle at a time in cache, and keeps the pre-activation scores for its
-backward pass. The mask and both relative biases are the coded backend's bias codes (one
-[B, L, L] int32 table a batch, shared by the layers through the :class:`AttentionPlan`) into an
+backward pass. The mask and both relative biases are the coded backend's bias codes (by query
+block, built once a batch and shared by the layers through the :class:`AttentionPlan`) into an
 fp32 :func:`bias_table`. fp32 arithmetic whatever the inputs' dtype (fp32 or bf16, e.g. under
 autocast: the outputs and gradients come back in it). The kernel splits the users between
 PyTorch's own OpenMP threads (``kernels.native.EXTRA_FLAGS``).
@@ -21,12 +21,11 @@ import functools
 import torch
 
 from genrec.kernels import native
-from genrec.kernels.hstu_coded import AttentionPlan, bias_codes, bias_table
-from genrec.kernels.hstu_reference import batch_lengths, padded_relative_times
-from genrec.kernels.jagged import jagged_index
+from genrec.kernels.hstu_coded import AttentionPlan, bias_table, coded_blocks
+from genrec.kernels.hstu_reference import batch_lengths
 
-# the longest sequence the kernel takes: its bias codes are [B, L, L] int32 (L = 1,024: 4 MB a
-# sequence); past it the coded backend's query blocks serve
+# the longest sequence the kernel takes (its scratch holds a user's [L, L] scores three times:
+# 12 MB a thread at 1,024); past it the coded backend serves
 MAX_LEN = 1024
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P = ctypes.c_void_p
@@ -39,7 +38,7 @@ def _library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     head = [ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-            _P, _I64, _P, _I64, _P, _I64, _P, _P, ctypes.c_int32, ctypes.c_float, ctypes.c_float]
+            _P, _I64, _P, _I64, _P, _I64, _P, _P, ctypes.c_int, _P, ctypes.c_int32, ctypes.c_float, ctypes.c_float]
     lib.genrec_hstu_train_forward.argtypes = [*head, _P, _I64, _P, _P]
     lib.genrec_hstu_train_backward.argtypes = [*head, _P, _I64, _P, _P, _P, _P, _P, _P, ctypes.c_int]
     lib.genrec_hstu_train_forward.restype = lib.genrec_hstu_train_backward.restype = ctypes.c_int
@@ -64,42 +63,45 @@ def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def _check(rc: int) -> None:
     if rc:
-        raise RuntimeError(f"kernels/cpu/hstu_train.cpp refused the call (code {rc}: 1 head sizes, 2 a sequence past L)")
+        raise RuntimeError(f"kernels/cpu/hstu_train.cpp refused the call (code {rc}: 1 head sizes, 2 a sequence past L, 3 the code blocks)")
 
 
 class _NativeAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,  # noqa: ANN001
-                offsets: torch.Tensor, codes: torch.Tensor, masked: int, alpha: float, inv_n: float) -> torch.Tensor:
+                offsets: torch.Tensor, codes: torch.Tensor, blocks: torch.Tensor, max_len: int, masked: int,
+                alpha: float, inv_n: float) -> torch.Tensor:
         lib = _library()
         (qr, ldq), (kr, ldk), (vr, ldv) = _rows(q), _rows(k), _rows(v)
         t, h, dqk, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[2]
         out = torch.empty(t, h, dv, dtype=q.dtype)
         save_off = torch.cat([offsets.new_zeros(1), offsets.diff().square_().mul_(h).cumsum_(0)])
         save = torch.empty(int(save_off[-1]), dtype=torch.float32)  # each user's scores before SiLU
-        head = (offsets.numel() - 1, offsets.data_ptr(), h, dqk, dv, codes.shape[-1], _DTYPES[q.dtype], qr.data_ptr(),
-                ldq, kr.data_ptr(), ldk, vr.data_ptr(), ldv, codes.data_ptr(), table.data_ptr(), masked, alpha, inv_n)
+        head = (offsets.numel() - 1, offsets.data_ptr(), h, dqk, dv, max_len, _DTYPES[q.dtype], qr.data_ptr(),
+                ldq, kr.data_ptr(), ldk, vr.data_ptr(), ldv, codes.data_ptr(), blocks.data_ptr(), blocks.shape[0],
+                table.data_ptr(), masked, alpha, inv_n)
         _check(lib.genrec_hstu_train_forward(*head, out.data_ptr(), h * dv, save.data_ptr(), save_off.data_ptr()))
-        ctx.save_for_backward(qr, kr, vr, table, offsets, codes, save, save_off)
-        ctx.args = (masked, alpha, inv_n, ldq, ldk, ldv)
+        ctx.save_for_backward(qr, kr, vr, table, offsets, codes, blocks, save, save_off)
+        ctx.args = (max_len, masked, alpha, inv_n, ldq, ldk, ldv)
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):  # noqa: ANN001, ANN205
-        qr, kr, vr, table, offsets, codes, save, save_off = ctx.saved_tensors
-        masked, alpha, inv_n, ldq, ldk, ldv = ctx.args
+        qr, kr, vr, table, offsets, codes, blocks, save, save_off = ctx.saved_tensors
+        max_len, masked, alpha, inv_n, ldq, ldk, ldv = ctx.args
         lib = _library()
         dout = dout.to(qr.dtype).contiguous()
         t, h, dqk, dv = qr.shape[0], qr.shape[1], qr.shape[2], vr.shape[2]
         dq, dk = torch.empty(t, h, dqk, dtype=qr.dtype), torch.empty(t, h, dqk, dtype=qr.dtype)
         dvv = torch.empty(t, h, dv, dtype=qr.dtype)
         dtable = torch.zeros(table.numel(), dtype=torch.float32)
-        head = (offsets.numel() - 1, offsets.data_ptr(), h, dqk, dv, codes.shape[-1], _DTYPES[qr.dtype], qr.data_ptr(),
-                ldq, kr.data_ptr(), ldk, vr.data_ptr(), ldv, codes.data_ptr(), table.data_ptr(), masked, alpha, inv_n)
+        head = (offsets.numel() - 1, offsets.data_ptr(), h, dqk, dv, max_len, _DTYPES[qr.dtype], qr.data_ptr(),
+                ldq, kr.data_ptr(), ldk, vr.data_ptr(), ldv, codes.data_ptr(), blocks.data_ptr(), blocks.shape[0],
+                table.data_ptr(), masked, alpha, inv_n)
         _check(lib.genrec_hstu_train_backward(*head, dout.data_ptr(), h * dv, save.data_ptr(), save_off.data_ptr(),
                                               dq.data_ptr(), dk.data_ptr(), dvv.data_ptr(), dtable.data_ptr(),
                                               table.numel()))
-        return dq, dk, dvv, dtable if ctx.needs_input_grad[3] else None, None, None, None, None, None
+        return dq, dk, dvv, dtable if ctx.needs_input_grad[3] else None, None, None, None, None, None, None, None
 
 def hstu_attention_native(
     q: torch.Tensor,
@@ -124,18 +126,16 @@ def hstu_attention_native(
     if q.shape[0] == 0 or max_len == 0:
         return v.new_zeros(v.shape)
     use_time = time_weights is not None and timestamps is not None and query_times is not None
+    coded = coded_blocks(offsets, q.shape[0], lengths, max_len, max_seq_len, time_weights, timestamps, query_times,
+                         num_targets, plan)
+    if coded.flat is None:  # the blocks end to end, once a batch (the layers share them)
+        meta, at = [], 0
+        for (s, e), c in coded.blocks:
+            meta.append((s, e, at))
+            at += c.numel()
+        coded.flat = (torch.cat([c.reshape(-1) for _, c in coded.blocks]), torch.tensor(meta, dtype=torch.int64))
     nb = time_weights.numel() if use_time else 1
-    key = (max_len, max_seq_len, nb, use_time)
-    kept = plan.native if plan is not None else None
-    if kept is None or kept[0] != key:  # one [B, L, L] block of codes, shared by the layers
-        times = None
-        if use_time:
-            times = padded_relative_times(query_times, timestamps, offsets, max_len,
-                                          jagged_index(offsets, q.shape[0]))
-        kept = (key, bias_codes(lengths, max_len, max_seq_len, nb, times, num_targets, (0, max_len)).contiguous())
-        if plan is not None:
-            plan.native = kept
-    codes = kept[1]
     table = bias_table(pos_weights, time_weights if use_time else None, max_seq_len, torch.float32)
     offs = offsets.to(torch.int64).contiguous()
-    return _NativeAttention.apply(q, k, v, table, offs, codes, max_seq_len * nb, alpha, 1.0 / max_seq_len)
+    return _NativeAttention.apply(q, k, v, table, offs, *coded.flat, max_len, max_seq_len * nb, alpha,
+                                  1.0 / max_seq_len)

@@ -63,7 +63,7 @@ class HSTUConfig:
     position_bias: bool = True
     time_bias: bool = True
     num_time_buckets: int = 64
-    attention_backend: Literal["auto", "reference", "coded", "triton"] = "auto"
+    attention_backend: Literal["auto", "reference", "coded", "triton", "native"] = "auto"
     # > 0: a bounded reach into long histories (kernels.hstu_bounded, training and serving
     # alike): the last `window` events in full, earlier ones as summaries of `summary_block`
     window: int = 0
@@ -293,9 +293,9 @@ class HSTULayer(nn.Module):
         return self._gate(x, u, attn)
 
     def _backend(self, override: str | None = None) -> str:
-        """The attention backend for the ops without a Triton kernel (last row, cached)."""
+        """The attention backend for the ops without a Triton or native kernel (last row, cached)."""
         b = override or self.cfg.attention_backend
-        return "auto" if b == "triton" else b
+        return "auto" if b in ("triton", "native") else b
 
     def weights(self) -> hstu_native.LayerWeights:
         """This layer's weights for a kernel that runs whole layers."""

@@ -84,7 +84,7 @@ def test_auto_runs_the_native_kernel_on_cpu_and_the_coded_path_past_its_length(b
     out = ha.hstu_attention(q, k, v, offsets, **kw)
     assert calls == [1]
     torch.testing.assert_close(out, ha.hstu_attention(q, k, v, offsets, backend="coded", **kw), atol=1e-6, rtol=1e-5)
-    # past MAX_LEN the [B, L, L] codes would not fit: the coded backend's query blocks serve
+    # past MAX_LEN (a user's [L, L] scratch per thread) the coded backend serves
     monkeypatch.setattr(hstu_train, "MAX_LEN", 30)
     ha.hstu_attention(q, k, v, offsets, **kw)
     assert calls == [1]

@@ -14,9 +14,10 @@
 //
 // Layout: q, k, v, out, dq, dk, dv are rows of the jagged batch [T, H, D] (row strides given,
 // heads contiguous), fp32 or bf16 (dtype 0 / 1; converted to fp32 on load, fp32 arithmetic,
-// rounded to nearest even on store). codes [B, L, L] int32 (kernels.hstu_coded.bias_codes over
-// all rows): user b's pair (i, j) at codes[b][i][j]. Every allowed pair has j <= i, so query
-// tile [s, e) needs keys [0, e) only. GCC/Clang vector extensions (16 floats; AVX-512 where
+// rounded to nearest even on store). codes: kernels.hstu_coded's int32 bias codes by query
+// block, end to end (block (s, e): [B, e - s, e], user b's pair (i, j) at [b][i - s][j]; every
+// block but the last rows_per_block rows). Every allowed pair has j <= i, so query tile [s, e)
+// needs keys [0, e) only. GCC/Clang vector extensions (16 floats; AVX-512 where
 // -march=native has it, two halves elsewhere). Users are split between the caller's OpenMP
 // threads by their n^2 (built with -fopenmp: PyTorch's own pool, kernels/native.py).
 
@@ -157,7 +158,9 @@ constexpr int kTile = 32;  // query rows a tile
 struct Dims {
   int H, dqk, dv, L, dtype;
   int64_t ldq, ldk, ldv, ldo;  // row strides of q, k, v and of out / dout (elements)
-  const int32_t* codes;
+  const int32_t* codes;  // by query block: block k holds rows s..e-1 of every user, [B, e - s, e]
+  const int64_t* blocks;  // per block (s, e, offset into codes)
+  int rows_per_block;
   const float* table;
   int32_t masked;
   float alpha, inv_n;
@@ -188,8 +191,12 @@ struct Scratch {
   }
 };
 
-// user b's pair codes, row i (L entries)
-inline const int32_t* code_row(const Dims& d, int b, int i) { return d.codes + (int64_t(b) * d.L + i) * d.L; }
+// user b's pair codes, row i (keys 0..i at least)
+inline const int32_t* code_row(const Dims& d, int b, int i) {
+  const int64_t* blk = d.blocks + 3 * (i / d.rows_per_block);
+  const int64_t s = blk[0], e = blk[1];
+  return d.codes + blk[2] + (int64_t(b) * (e - s) + (i - s)) * e;
+}
 
 // One query row's scores before SiLU over keys 0..k-1 (k = row + 1): x = alpha s + table[code]
 // and m = 1, or m = 0 where masked; zeros from k to `end` (the tile's padded width).
@@ -369,12 +376,15 @@ extern "C" {
 // are split between the OpenMP threads of the caller (PyTorch's pool, where built with it).
 int genrec_hstu_train_forward(int B, const int64_t* offsets, int H, int dqk, int dv, int L, int dtype,
                               const void* q, int64_t ldq, const void* k, int64_t ldk, const void* v, int64_t ldv,
-                              const int32_t* codes, const float* table, int32_t masked, float alpha, float inv_n,
-                              void* out, int64_t ldo, float* save, const int64_t* save_off) {
+                              const int32_t* codes, const int64_t* blocks, int nblocks, const float* table,
+                              int32_t masked, float alpha, float inv_n, void* out, int64_t ldo, float* save,
+                              const int64_t* save_off) {
   if ((dqk % 16) || (dv % 16) || dtype < 0 || dtype > 1) return 1;
   for (int b = 0; b < B; ++b)
     if (offsets[b + 1] - offsets[b] > L) return 2;
-  const Dims d{H, dqk, dv, L, dtype, ldq, ldk, ldv, ldo, codes, table, masked, alpha, inv_n};
+  if (nblocks < 1 || blocks[1] - blocks[0] < 1 || blocks[3 * (nblocks - 1) + 1] < L) return 3;
+  const Dims d{H, dqk, dv, L, dtype, ldq, ldk, ldv, ldo, codes, blocks, int(blocks[1] - blocks[0]), table, masked, alpha,
+               inv_n};
 #pragma omp parallel
   {
     FlushDenormals ftz;
@@ -395,13 +405,16 @@ int genrec_hstu_train_forward(int B, const int64_t* offsets, int H, int dqk, int
 // (contiguous) written; the table's gradient (ntable entries) added to dtable.
 int genrec_hstu_train_backward(int B, const int64_t* offsets, int H, int dqk, int dv, int L, int dtype,
                                const void* q, int64_t ldq, const void* k, int64_t ldk, const void* v, int64_t ldv,
-                               const int32_t* codes, const float* table, int32_t masked, float alpha, float inv_n,
-                               const void* dout, int64_t ldo, const float* save, const int64_t* save_off, void* dq,
-                               void* dk, void* dvo, float* dtable, int ntable) {
+                               const int32_t* codes, const int64_t* blocks, int nblocks, const float* table,
+                               int32_t masked, float alpha, float inv_n, const void* dout, int64_t ldo,
+                               const float* save, const int64_t* save_off, void* dq, void* dk, void* dvo,
+                               float* dtable, int ntable) {
   if ((dqk % 16) || (dv % 16) || dtype < 0 || dtype > 1) return 1;
   for (int b = 0; b < B; ++b)
     if (offsets[b + 1] - offsets[b] > L) return 2;
-  const Dims d{H, dqk, dv, L, dtype, ldq, ldk, ldv, ldo, codes, table, masked, alpha, inv_n};
+  if (nblocks < 1 || blocks[1] - blocks[0] < 1 || blocks[3 * (nblocks - 1) + 1] < L) return 3;
+  const Dims d{H, dqk, dv, L, dtype, ldq, ldk, ldv, ldo, codes, blocks, int(blocks[1] - blocks[0]), table, masked, alpha,
+               inv_n};
 #pragma omp parallel
   {
     FlushDenormals ftz;
