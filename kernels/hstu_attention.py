@@ -114,8 +114,13 @@ def hstu_attention(
         return triton_hstu_attention(q, k, v, offsets, **kw)
     if backend == "reference":
         return hstu_attention_reference(q, k, v, offsets, **kw)
-    if backend == "native" or (backend == "auto" and hstu_train.supported(q, k, v, batch_lengths(offsets, max_len)[1])):
-        return _native_eager(q, k, v, offsets, plan=plan, **kw)
+    if backend == "native" or (backend == "auto" and not q.is_cuda):
+        if hstu_train.supported(q, k, v, batch_lengths(offsets, max_len)[1]):
+            return _native_eager(q, k, v, offsets, plan=plan, **kw)
+        if backend == "native":
+            raise ValueError("attention backend 'native' takes CPU tensors of one dtype (fp32 or bf16), head sizes "
+                             f"that are multiples of 16 and sequences up to {hstu_train.MAX_LEN}, where its library "
+                             "builds (kernels.hstu_train.supported); use 'auto' to fall back to the coded backend")
     return _coded_eager(q, k, v, offsets, plan=plan, **kw)
 
 

@@ -103,3 +103,9 @@ def test_a_strongly_negative_score_leaves_finite_gradients(built):
     for a, b in zip(got, want):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, atol=1e-5 * float(b.abs().max()) + 1e-30, rtol=1e-4)
+
+
+def test_asking_for_the_native_backend_where_it_cannot_run_says_why(built):
+    _, q, k, v, offsets, kw = case([20, 40], torch.float32)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        ha.hstu_attention(q[..., :24], k[..., :24], v, offsets, backend="native", **kw)
