@@ -72,7 +72,9 @@ def _build(name: str) -> ctypes.CDLL | None:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    key = hashlib.sha256("\0".join([src.read_text(), " ".join(flags), version, _cpu_id()]).encode()).hexdigest()[:16]
+    headers = [h.read_text() for h in sorted(SOURCES.glob("*.h"))]  # what a source may #include
+    key = hashlib.sha256("\0".join([src.read_text(), *headers, " ".join(flags), version, _cpu_id()]).encode()
+                         ).hexdigest()[:16]
     out = _cache_dir() / f"{name}-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)

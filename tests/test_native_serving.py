@@ -297,3 +297,25 @@ def test_rows_outside_the_buffers_are_refused_before_the_kernel_reads_them():
     slots = np.array([[0, 1, 2, 30]], np.int64)  # the new row's slot past the pool
     with pytest.raises(ValueError, match="outside"):
         m.tower.extend_native(torch.randn(1, 16), pool_k, pool_v, np.array([3]), np.array([4]), None, None, slots)
+
+
+def test_a_changed_header_builds_its_includers_again(tmp_path, monkeypatch):
+    # a library's cache key read only its own source: a change in an included header (bf16.h)
+    # would have loaded the stale build
+    from genrec.kernels import native
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "one.h").write_text("inline int one() { return 1; }\n")
+    (src / "probe.cpp").write_text('#include "one.h"\nextern "C" int probe() { return one(); }\n')
+    monkeypatch.setattr(native, "SOURCES", src)
+    monkeypatch.setenv("GENREC_NATIVE_CACHE", str(tmp_path / "cache"))
+    native._build.cache_clear()
+    try:
+        assert native.library("probe").probe() == 1
+        (src / "one.h").write_text("inline int one() { return 2; }\n")
+        native._build.cache_clear()
+        assert native.library("probe").probe() == 2
+        assert len(list((tmp_path / "cache").glob("probe-*.so"))) == 2
+    finally:
+        native._build.cache_clear()

@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 #define GENREC_BF16_VEC 1
@@ -26,20 +28,8 @@ constexpr float kC0 = 0.9999278266445146f, kC1 = 0.6957770964274215f, kC2 = 0.22
                 kC3 = 0.07790716377386592f;
 constexpr float kLog2e = 1.4426950408889634f;
 
-inline float bf16_to_float(uint16_t h) {
-  uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even; NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
+using genrec_bf16::from_float;
+using genrec_bf16::to_float;
 
 inline float silu_scalar(float x) {
   float t = -x * kLog2e;
@@ -97,7 +87,7 @@ int genrec_silu_bf16(int64_t n, uint16_t* x) {
     i = n;
   }
 #endif
-  for (; i < n; ++i) x[i] = float_to_bf16(silu_scalar(bf16_to_float(x[i])));
+  for (; i < n; ++i) x[i] = from_float(silu_scalar(to_float(x[i])));
   return 0;
 }
 

@@ -24,6 +24,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+
+#include "bf16.h"
 #include <vector>
 #ifdef _OPENMP
 #include <omp.h>
@@ -66,20 +68,8 @@ inline v16 vexp(v16 x) {
 
 inline v16 vsigmoid(v16 x) { return 1.f / (1.f + vexp(-x)); }
 
-inline float bf16_to_float(uint16_t h) {
-  uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even; NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
+using genrec_bf16::from_float;
+using genrec_bf16::to_float;
 
 // rows x width values at src (row stride ld elements, dtype 0 fp32 / 1 bf16) -> dst [rows, width] fp32
 void load_rows(const void* src, int dtype, int64_t ld, int rows, int width, float* dst) {
@@ -88,7 +78,7 @@ void load_rows(const void* src, int dtype, int64_t ld, int rows, int width, floa
       std::memcpy(dst + int64_t(r) * width, static_cast<const float*>(src) + r * ld, sizeof(float) * width);
     } else {
       const uint16_t* s = static_cast<const uint16_t*>(src) + r * ld;
-      for (int c = 0; c < width; ++c) dst[int64_t(r) * width + c] = bf16_to_float(s[c]);
+      for (int c = 0; c < width; ++c) dst[int64_t(r) * width + c] = to_float(s[c]);
     }
   }
 }
@@ -102,7 +92,7 @@ void store_rows(const float* src, int rows, int width, float scale, void* dst, i
       for (int c = 0; c < width; ++c) d[c] = s[c] * scale;
     } else {
       uint16_t* d = static_cast<uint16_t*>(dst) + r * ld;
-      for (int c = 0; c < width; ++c) d[c] = float_to_bf16(s[c] * scale);
+      for (int c = 0; c < width; ++c) d[c] = from_float(s[c] * scale);
     }
   }
 }
@@ -172,7 +162,7 @@ struct Dims {
 // rows in fp32 (keys and values with zero rows up to pad16(n)), its [n, np] P and dS, their
 // transpose, a tile of scores and one row's pointwise inputs.
 struct Scratch {
-  std::vector<float> q, k, v, kt, vt, s, p, ds, t, g, r, x, m;
+  std::vector<float> q, k, v, kt, vt, s, p, ds, t, g, r, x, m, table_grad;
   explicit Scratch(const Dims& d) {
     const size_t np = size_t(pad16(d.L)), w = size_t(d.width());
     q.resize(np * d.dqk);
@@ -367,6 +357,34 @@ inline int thread_count() {
 #endif
 }
 
+// 0 where the arguments fit the kernel, else the code the entry points return.
+int check(const Dims& d, int B, const int64_t* offsets, int nblocks) {
+  if ((d.dqk % 16) || (d.dv % 16) || d.dtype < 0 || d.dtype > 1) return 1;
+  for (int b = 0; b < B; ++b)
+    if (offsets[b + 1] - offsets[b] > d.L) return 2;
+  if (nblocks < 1 || d.rows_per_block < 1 || d.blocks[3 * (nblocks - 1) + 1] < d.L) return 3;
+  return 0;
+}
+
+// each(w, b, h, o, n) for every (user, head) of the batch, the users split between the OpenMP
+// threads (denormals flushed, a scratch each); then done(w) once in every thread.
+template <typename Each, typename Done>
+void each_head(const Dims& d, int B, const int64_t* offsets, Each each, Done done) {
+#pragma omp parallel
+  {
+    FlushDenormals ftz;
+    Scratch w(d);
+    int b0, b1;
+    my_users(offsets, B, thread_id(), thread_count(), &b0, &b1);
+    for (int b = b0; b < b1; ++b) {
+      const int64_t o = offsets[b];
+      const int n = int(offsets[b + 1] - o);
+      for (int h = 0; h < d.H && n; ++h) each(w, b, h, o, n);
+    }
+    done(w);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -379,25 +397,15 @@ int genrec_hstu_train_forward(int B, const int64_t* offsets, int H, int dqk, int
                               const int32_t* codes, const int64_t* blocks, int nblocks, const float* table,
                               int32_t masked, float alpha, float inv_n, void* out, int64_t ldo, float* save,
                               const int64_t* save_off) {
-  if ((dqk % 16) || (dv % 16) || dtype < 0 || dtype > 1) return 1;
-  for (int b = 0; b < B; ++b)
-    if (offsets[b + 1] - offsets[b] > L) return 2;
-  if (nblocks < 1 || blocks[1] - blocks[0] < 1 || blocks[3 * (nblocks - 1) + 1] < L) return 3;
   const Dims d{H, dqk, dv, L, dtype, ldq, ldk, ldv, ldo, codes, blocks, int(blocks[1] - blocks[0]), table, masked, alpha,
                inv_n};
-#pragma omp parallel
-  {
-    FlushDenormals ftz;
-    Scratch w(d);
-    int b0, b1;
-    my_users(offsets, B, thread_id(), thread_count(), &b0, &b1);
-    for (int b = b0; b < b1; ++b) {
-      const int64_t o = offsets[b];
-      const int n = int(offsets[b + 1] - o);
-      for (int h = 0; h < H && n; ++h)
+  if (int rc = check(d, B, offsets, nblocks)) return rc;
+  each_head(
+      d, B, offsets,
+      [&](Scratch& w, int b, int h, int64_t o, int n) {
         forward_one(d, b, h, o, n, q, k, v, out, save + save_off[b] + int64_t(h) * n * n, w);
-    }
-  }
+      },
+      [](Scratch&) {});
   return 0;
 }
 
@@ -409,29 +417,21 @@ int genrec_hstu_train_backward(int B, const int64_t* offsets, int H, int dqk, in
                                int32_t masked, float alpha, float inv_n, const void* dout, int64_t ldo,
                                const float* save, const int64_t* save_off, void* dq, void* dk, void* dvo,
                                float* dtable, int ntable) {
-  if ((dqk % 16) || (dv % 16) || dtype < 0 || dtype > 1) return 1;
-  for (int b = 0; b < B; ++b)
-    if (offsets[b + 1] - offsets[b] > L) return 2;
-  if (nblocks < 1 || blocks[1] - blocks[0] < 1 || blocks[3 * (nblocks - 1) + 1] < L) return 3;
   const Dims d{H, dqk, dv, L, dtype, ldq, ldk, ldv, ldo, codes, blocks, int(blocks[1] - blocks[0]), table, masked, alpha,
                inv_n};
-#pragma omp parallel
-  {
-    FlushDenormals ftz;
-    Scratch w(d);
-    std::vector<float> mine(ntable, 0.f);  // this thread's table gradient, added at the end
-    int b0, b1;
-    my_users(offsets, B, thread_id(), thread_count(), &b0, &b1);
-    for (int b = b0; b < b1; ++b) {
-      const int64_t o = offsets[b];
-      const int n = int(offsets[b + 1] - o);
-      for (int h = 0; h < H && n; ++h)
+  if (int rc = check(d, B, offsets, nblocks)) return rc;
+  each_head(
+      d, B, offsets,
+      [&](Scratch& w, int b, int h, int64_t o, int n) {
+        if (w.table_grad.empty()) w.table_grad.assign(ntable, 0.f);  // this thread's, added at the end
         backward_one(d, b, h, o, n, q, k, v, dout, save + save_off[b] + int64_t(h) * n * n, dq, dk, dvo,
-                     mine.data(), w);
-    }
+                     w.table_grad.data(), w);
+      },
+      [&](Scratch& w) {
+        if (w.table_grad.empty()) return;
 #pragma omp critical
-    for (int i = 0; i < ntable; ++i) dtable[i] += mine[i];
-  }
+        for (int i = 0; i < ntable; ++i) dtable[i] += w.table_grad[i];
+      });
   return 0;
 }
 
