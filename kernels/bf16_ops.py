@@ -8,7 +8,8 @@ oneDNN's SiLU epilogue and a quarter of PyTorch's fp32 SiLU over the same values
 pass is not built vectorised for this CPU (no AVX512-BF16, no compiler, ``GENREC_NATIVE=0``),
 PyTorch's SiLU runs instead, with the same results to bf16 rounding.
 
-Inference only: nothing here records a gradient.
+:func:`silu` is the same pass with a backward (``genrec_silu_backward_bf16``, the same
+approximation), for training under bf16 autocast; the rest is inference only.
 """
 
 from __future__ import annotations
@@ -36,6 +37,41 @@ def _silu_pass() -> ctypes._CFuncPtr | None:
     f = lib.genrec_silu_bf16
     f.argtypes, f.restype = [ctypes.c_int64, ctypes.c_void_p], ctypes.c_int
     return f
+
+
+@functools.cache
+def _silu_grad_pass() -> ctypes._CFuncPtr | None:
+    """``genrec_silu_backward_bf16(n, x, g, out)`` where the SiLU pass is vectorised; else None."""
+    if _silu_pass() is None:
+        return None
+    f = native.library("bf16_ops").genrec_silu_backward_bf16
+    f.argtypes, f.restype = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
+    return f
+
+
+class _Silu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(x)
+        return silu_(x.clone())
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # noqa: ANN001, ANN205
+        (x,) = ctx.saved_tensors
+        g = g.to(torch.bfloat16).contiguous()
+        out = torch.empty_like(x)
+        _silu_grad_pass()(x.numel(), x.data_ptr(), g.data_ptr(), out.data_ptr())
+        return out
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU of ``x``, differentiable: for a contiguous bf16 CPU tensor (the HSTU layers'
+    projection under bf16 autocast) the native passes forward and backward where they are
+    built (good to bf16's rounding), else PyTorch's."""
+    if (_silu_grad_pass() is None or x.dtype != torch.bfloat16 or x.device.type != "cpu"
+            or not x.is_contiguous()):
+        return F.silu(x)
+    return _Silu.apply(x)
 
 
 def fast_silu() -> bool:

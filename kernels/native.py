@@ -24,9 +24,10 @@ from pathlib import Path
 log = logging.getLogger("genrec.kernels")
 SOURCES = Path(__file__).parent / "cpu"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
-# per library: the training attention splits its users between OpenMP threads, which (built
-# against libgomp, as PyTorch's CPU wheels are) are PyTorch's own pool, not a second one
-EXTRA_FLAGS: dict[str, tuple[str, ...]] = {"hstu_train": ("-fopenmp",)}
+# per library: the training attention and the bf16 SiLU passes split their work between OpenMP
+# threads, which (built against libgomp, as PyTorch's CPU wheels are) are PyTorch's own pool,
+# not a second one
+EXTRA_FLAGS: dict[str, tuple[str, ...]] = {"hstu_train": ("-fopenmp",), "bf16_ops": ("-fopenmp",)}
 
 
 def enabled() -> bool:

@@ -27,7 +27,6 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from genrec.kernels import bf16_ops, hstu_bounded, hstu_native
@@ -182,8 +181,8 @@ class HSTULayer(nn.Module):
             y = self.norm(x)
             uvqk = bf16_ops.linear(y.flatten(0, -2), self.uvqk.weight, self.uvqk.bias, silu=True)
             uvqk = uvqk.to(x.dtype).unflatten(0, y.shape[:-1])
-        else:
-            uvqk = F.silu(self.uvqk(self.norm(x)))
+        else:  # (bf16 under autocast: SiLU's native passes, kernels.bf16_ops)
+            uvqk = bf16_ops.silu(self.uvqk(self.norm(x)))
         u, v, q, k = torch.split(uvqk, [h * c.v_dim, h * c.v_dim, h * c.qk_dim, h * c.qk_dim], dim=-1)
         return u, v.unflatten(-1, (h, c.v_dim)), q.unflatten(-1, (h, c.qk_dim)), k.unflatten(-1, (h, c.qk_dim))
 

@@ -69,14 +69,28 @@ inline void silu64(uint16_t* p) {
   _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(a1, a0));
   _mm512_storeu_si512(p + 32, (__m512i)_mm512_cvtne2ps_pbh(b1, b0));
 }
+
+// g SiLU'(x) = g sg (1 + x (1 - sg)), sg = sigmoid(x) from the same 2^x as silu16
+inline __m512 silu_grad16(__m512 x, __m512 g) {
+  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(-kLog2e));
+  __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(kC3), f, _mm512_set1_ps(kC2));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kC1));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kC0));
+  __m512 sg = _mm512_rcp14_ps(_mm512_add_ps(_mm512_scalef_ps(p, t), _mm512_set1_ps(1.f)));
+  __m512 one = _mm512_set1_ps(1.f);
+  __m512 d = _mm512_mul_ps(sg, _mm512_fmadd_ps(x, _mm512_sub_ps(one, sg), one));
+  return _mm512_mul_ps(g, d);
+}
 #endif
 
-}  // namespace
-
-extern "C" {
+inline float silu_grad_scalar(float x, float g) {
+  const float sg = x == 0.f ? 0.5f : silu_scalar(x) / x;
+  return g * sg * (1.f + x * (1.f - sg));
+}
 
 // x[i] = SiLU(x[i]) for i < n, x bf16 (raw 16-bit words), in place.
-int genrec_silu_bf16(int64_t n, uint16_t* x) {
+void silu_range(int64_t n, uint16_t* x) {
   int64_t i = 0;
 #if GENREC_BF16_VEC
   for (; i + 64 <= n; i += 64) silu64(x + i);
@@ -88,8 +102,44 @@ int genrec_silu_bf16(int64_t n, uint16_t* x) {
   }
 #endif
   for (; i < n; ++i) x[i] = from_float(silu_scalar(to_float(x[i])));
+}
+
+// out[i] = g[i] SiLU'(x[i]) for i < n, all bf16 (raw 16-bit words): SiLU's backward pass.
+void silu_grad_range(int64_t n, const uint16_t* x, const uint16_t* g, uint16_t* out) {
+  int64_t i = 0;
+#if GENREC_BF16_VEC
+  for (; i + 16 <= n; i += 16) store16(out + i, silu_grad16(load16(x + i, 0xffff), load16(g + i, 0xffff)), 0xffff);
+  if (i < n) {
+    __mmask16 m = __mmask16((1u << (n - i)) - 1);
+    store16(out + i, silu_grad16(load16(x + i, m), load16(g + i, m)), m);
+    i = n;
+  }
+#endif
+  for (; i < n; ++i) out[i] = from_float(silu_grad_scalar(to_float(x[i]), to_float(g[i])));
+}
+
+// Large passes split between the caller's OpenMP threads (PyTorch's pool, kernels/native.py) in
+// blocks of kBlock values (a multiple of 64: the same values whatever the split).
+constexpr int64_t kBlock = 1 << 16;
+
+}  // namespace
+
+extern "C" {
+
+// x[i] = SiLU(x[i]) for i < n, x bf16 (raw 16-bit words), in place.
+int genrec_silu_bf16(int64_t n, uint16_t* x) {
+#pragma omp parallel for schedule(static) if (n > 4 * kBlock)
+  for (int64_t s = 0; s < n; s += kBlock) silu_range(n - s < kBlock ? n - s : kBlock, x + s);
   return 0;
 }
+
+// out[i] = g[i] SiLU'(x[i]) for i < n, all bf16 (raw 16-bit words): SiLU's backward pass.
+int genrec_silu_backward_bf16(int64_t n, const uint16_t* x, const uint16_t* g, uint16_t* out) {
+#pragma omp parallel for schedule(static) if (n > 4 * kBlock)
+  for (int64_t s = 0; s < n; s += kBlock) silu_grad_range(n - s < kBlock ? n - s : kBlock, x + s, g + s, out + s);
+  return 0;
+}
+
 
 // 1 where this build's pass is the 16-lane AVX512-BF16 one, 0 where it is lane by lane.
 int genrec_bf16_vectorised() {
