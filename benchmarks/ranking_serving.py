@@ -478,7 +478,7 @@ def ranking_serving_summary(d: dict) -> tuple[str, str]:
     best = min(rows, key=lambda r: r.get("p50_ms", math.inf), default={})
     head = (f"{c:,} cand. x {h:,} cached events: p50 {num(best.get('p50_ms'), '.1f')} ms, "
             f"{num(best.get('x_best_floor'), '.2f')}x the floor ({best.get('variant')})")
-    return head, f"issue 44: <= 80 ms, <= 1.5x floor; uncached p50 {num(uncached.get('p50_ms'), '.0f')} ms"
+    return head, f"<= 80 ms, <= 1.5x floor; uncached p50 {num(uncached.get('p50_ms'), '.0f')} ms"
 
 
 if __name__ == "__main__":

@@ -615,7 +615,7 @@ def serving_cache_summary(d: dict) -> tuple[str, str]:
     return (f"SGLang warm Rank at 4k events {num(get(t, 'warm_rank_4k.sglang.vs_torch'), '.2f', 'x')} torch's p50; "
             f"serving shape {num(get(t, 'serving_shape.sglang.max_qps_within_slo'), 'g')} QPS; hit rate at 4k "
             f"{num(get(t, 'hit_rate.sglang.rank-4k'), '.2f')}",
-            f"issue 32: <= 0.35x torch without cache; >= 100 QPS within p99 {num(d.get('slo_p99_ms'), 'g')} ms; "
+            f"<= 0.35x torch without cache; >= 100 QPS within p99 {num(d.get('slo_p99_ms'), 'g')} ms; "
             "hit rate >= 0.95")
 
 

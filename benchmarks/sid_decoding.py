@@ -234,7 +234,7 @@ def sid_decoding_summary(d: dict) -> tuple[str, str]:
     b = d.get("beams", {})
     beam = "50" if "50" in b else (sorted(b, key=int)[-1] if b else "50")
     tiny = " (tiny model)" if get(d, "artifact.tiny") else ""
-    return (f"beam {beam}: SGLang decode p50 {num(get(b, f'{beam}.sglang.decode.p50_ms'), '.1f')} ms against torch "
+    return (f"beam {beam}: SGLang decode p50 {num(get(b, f'{beam}.sglang.decode.p50_ms'), '.1f')} ms, torch "
             f"{num(get(b, f'{beam}.torch.decode.p50_ms'), '.1f')} ms; same items "
             f"{num(get(b, f'{beam}.same_items'), 'd')}/{num(get(b, f'{beam}.requests'), 'd')}{tiny}",
             "the PyTorch reference beam: equal items and log-probabilities, 100% valid items")
