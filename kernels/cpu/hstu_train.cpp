@@ -256,6 +256,19 @@ void forward_one(const Dims& d, int b, int h, int64_t o, int n, const void* q, c
   }
 }
 
+// Rows j of a [n, np] lower triangle's transpose times src [n, width] -> dst's rows (row stride
+// H width): sum over i >= j of a[i][j] src[i], the backward's key side. Key tile [s, e) takes
+// query rows from s on (a[i][j] is 0 for i < j).
+void key_side(const Dims& d, int n, int np, const float* a, const float* src, int width, void* dst, Scratch& w) {
+  transpose_lower(n, np, a, w.t.data());
+  for (int s = 0; s < n; s += kTile) {
+    const int e = s + kTile < n ? s + kTile : n;
+    gemm(e - s, width, n - s, w.t.data() + int64_t(s) * np + s, np, src + int64_t(s) * width, width,
+         w.r.data() + int64_t(s) * width, width);
+  }
+  store_rows(w.r.data(), n, width, 1.f, dst, d.dtype, int64_t(d.H) * width);
+}
+
 // (user b, head h) backward from dout's rows: dq, dk, dv rows written (each head's own
 // columns, contiguous [T, H, D] outputs), the table's gradient added to dtable.
 void backward_one(const Dims& d, int b, int h, int64_t o, int n, const void* q, const void* k, const void* v,
@@ -293,21 +306,9 @@ void backward_one(const Dims& d, int b, int h, int64_t o, int n, const void* q, 
          d.dqk);
   }
   store_rows(w.r.data(), n, d.dqk, 1.f, out_at(dq, d.dqk), d.dtype, int64_t(d.H) * d.dqk);
-  // dv = P^T (dout / N), dk = dS^T q: key rows j take query rows i >= j (from j's tile on)
-  transpose_lower(n, np, w.p.data(), w.t.data());
-  for (int s = 0; s < n; s += kTile) {
-    const int e = s + kTile < n ? s + kTile : n;
-    gemm(e - s, d.dv, n - s, w.t.data() + int64_t(s) * np + s, np, w.g.data() + int64_t(s) * d.dv, d.dv,
-         w.r.data() + int64_t(s) * d.dv, d.dv);
-  }
-  store_rows(w.r.data(), n, d.dv, 1.f, out_at(dv, d.dv), d.dtype, int64_t(d.H) * d.dv);
-  transpose_lower(n, np, w.ds.data(), w.t.data());
-  for (int s = 0; s < n; s += kTile) {
-    const int e = s + kTile < n ? s + kTile : n;
-    gemm(e - s, d.dqk, n - s, w.t.data() + int64_t(s) * np + s, np, w.q.data() + int64_t(s) * d.dqk, d.dqk,
-         w.r.data() + int64_t(s) * d.dqk, d.dqk);
-  }
-  store_rows(w.r.data(), n, d.dqk, 1.f, out_at(dk, d.dqk), d.dtype, int64_t(d.H) * d.dqk);
+  // dv = P^T (dout / N), dk = dS^T q
+  key_side(d, n, np, w.p.data(), w.g.data(), d.dv, out_at(dv, d.dv), w);
+  key_side(d, n, np, w.ds.data(), w.q.data(), d.dqk, out_at(dk, d.dqk), w);
 }
 
 // This thread's users: B users split into `parts` ranges of about equal work (n^2 each).
