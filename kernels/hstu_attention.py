@@ -115,7 +115,8 @@ def hstu_attention(
     if backend == "reference":
         return hstu_attention_reference(q, k, v, offsets, **kw)
     if backend == "native" or (backend == "auto" and not q.is_cuda):
-        if hstu_train.supported(q, k, v, batch_lengths(offsets, max_len)[1]):
+        kw["max_len"] = batch_lengths(offsets, max_len)[1]  # (found once, for either backend)
+        if hstu_train.supported(q, k, v, kw["max_len"]):
             return _native_eager(q, k, v, offsets, plan=plan, **kw)
         if backend == "native":
             raise ValueError("attention backend 'native' takes CPU tensors of one dtype (fp32 or bf16), head sizes "

@@ -36,9 +36,18 @@ class CodedBlocks:
     key: tuple[int, int, int, bool]  # (max_len, max_seq_len, num_buckets, time bias) it was built for
     index: tuple[torch.Tensor, torch.Tensor]  # (sequence, position) of every jagged row [T]
     blocks: list[tuple[tuple[int, int], torch.Tensor]] = field(default_factory=list)  # ((s, e), codes [B, e-s, e])
-    # the blocks' codes end to end, and per block (s, e, offset into them) [blocks, 3] int64:
-    # kernels.hstu_train's view of the same codes, built by its first layer
-    flat: tuple[torch.Tensor, torch.Tensor] | None = None
+    flat: tuple[torch.Tensor, torch.Tensor] | None = None  # end_to_end(), once built
+
+    def end_to_end(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks' codes end to end, and per block (s, e, offset into them) [blocks, 3]
+        int64: kernels.hstu_train's view of the same codes, built once (the layers share it)."""
+        if self.flat is None:
+            meta, at = [], 0
+            for (s, e), c in self.blocks:
+                meta.append((s, e, at))
+                at += c.numel()
+            self.flat = (torch.cat([c.reshape(-1) for _, c in self.blocks]), torch.tensor(meta, dtype=torch.int64))
+        return self.flat
 
 
 @dataclass
@@ -201,9 +210,9 @@ def hstu_attention_coded(
     lengths, max_len = batch_lengths(offsets, max_len)
     if q.shape[0] == 0 or max_len == 0:
         return v.new_zeros(v.shape)
-    use_time = time_weights is not None and timestamps is not None and query_times is not None
     coded = coded_blocks(offsets, q.shape[0], lengths, max_len, max_seq_len, time_weights, timestamps, query_times,
                          num_targets, plan)
+    use_time = coded.key[3]
     index, blocks = coded.index, coded.blocks
     table = bias_table(pos_weights, time_weights if use_time else None, max_seq_len, q.dtype)
     qkv = jagged_to_padded(torch.cat([q, k, v], dim=-1), offsets, max_len, index=index)  # [B, L, H, 2Dqk + Dv]

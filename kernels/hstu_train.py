@@ -63,7 +63,8 @@ def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def _check(rc: int) -> None:
     if rc:
-        raise RuntimeError(f"kernels/cpu/hstu_train.cpp refused the call (code {rc}: 1 head sizes, 2 a sequence past L, 3 the code blocks)")
+        raise RuntimeError(f"kernels/cpu/hstu_train.cpp refused the call (code {rc}: 1 head sizes, "
+                           "2 a sequence past L, 3 the code blocks)")
 
 
 class _NativeAttention(torch.autograd.Function):
@@ -77,31 +78,26 @@ class _NativeAttention(torch.autograd.Function):
         out = torch.empty(t, h, dv, dtype=q.dtype)
         save_off = torch.cat([offsets.new_zeros(1), offsets.diff().square_().mul_(h).cumsum_(0)])
         save = torch.empty(int(save_off[-1]), dtype=torch.float32)  # each user's scores before SiLU
+        # the arguments both passes start with: pointers into tensors kept for backward below
         head = (offsets.numel() - 1, offsets.data_ptr(), h, dqk, dv, max_len, _DTYPES[q.dtype], qr.data_ptr(),
                 ldq, kr.data_ptr(), ldk, vr.data_ptr(), ldv, codes.data_ptr(), blocks.data_ptr(), blocks.shape[0],
                 table.data_ptr(), masked, alpha, inv_n)
         _check(lib.genrec_hstu_train_forward(*head, out.data_ptr(), h * dv, save.data_ptr(), save_off.data_ptr()))
         ctx.save_for_backward(qr, kr, vr, table, offsets, codes, blocks, save, save_off)
-        ctx.args = (max_len, masked, alpha, inv_n, ldq, ldk, ldv)
+        ctx.head = head
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):  # noqa: ANN001, ANN205
-        qr, kr, vr, table, offsets, codes, blocks, save, save_off = ctx.saved_tensors
-        max_len, masked, alpha, inv_n, ldq, ldk, ldv = ctx.args
-        lib = _library()
+        qr, kr, vr, table, _, _, _, save, save_off = ctx.saved_tensors  # (all kept alive for ctx.head)
         dout = dout.to(qr.dtype).contiguous()
-        t, h, dqk, dv = qr.shape[0], qr.shape[1], qr.shape[2], vr.shape[2]
-        dq, dk = torch.empty(t, h, dqk, dtype=qr.dtype), torch.empty(t, h, dqk, dtype=qr.dtype)
-        dvv = torch.empty(t, h, dv, dtype=qr.dtype)
+        dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype) for x in (qr, kr, vr))  # contiguous [T, H, D]
         dtable = torch.zeros(table.numel(), dtype=torch.float32)
-        head = (offsets.numel() - 1, offsets.data_ptr(), h, dqk, dv, max_len, _DTYPES[qr.dtype], qr.data_ptr(),
-                ldq, kr.data_ptr(), ldk, vr.data_ptr(), ldv, codes.data_ptr(), blocks.data_ptr(), blocks.shape[0],
-                table.data_ptr(), masked, alpha, inv_n)
-        _check(lib.genrec_hstu_train_backward(*head, dout.data_ptr(), h * dv, save.data_ptr(), save_off.data_ptr(),
-                                              dq.data_ptr(), dk.data_ptr(), dvv.data_ptr(), dtable.data_ptr(),
-                                              table.numel()))
-        return dq, dk, dvv, dtable if ctx.needs_input_grad[3] else None, None, None, None, None, None, None, None
+        _check(_library().genrec_hstu_train_backward(
+            *ctx.head, dout.data_ptr(), dout.shape[1] * dout.shape[2], save.data_ptr(), save_off.data_ptr(),
+            dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), dtable.data_ptr(), table.numel()))
+        return dq, dk, dv, dtable if ctx.needs_input_grad[3] else None, None, None, None, None, None, None, None
+
 
 def hstu_attention_native(
     q: torch.Tensor,
@@ -125,17 +121,10 @@ def hstu_attention_native(
     lengths, max_len = batch_lengths(offsets, max_len)
     if q.shape[0] == 0 or max_len == 0:
         return v.new_zeros(v.shape)
-    use_time = time_weights is not None and timestamps is not None and query_times is not None
     coded = coded_blocks(offsets, q.shape[0], lengths, max_len, max_seq_len, time_weights, timestamps, query_times,
                          num_targets, plan)
-    if coded.flat is None:  # the blocks end to end, once a batch (the layers share them)
-        meta, at = [], 0
-        for (s, e), c in coded.blocks:
-            meta.append((s, e, at))
-            at += c.numel()
-        coded.flat = (torch.cat([c.reshape(-1) for _, c in coded.blocks]), torch.tensor(meta, dtype=torch.int64))
-    nb = time_weights.numel() if use_time else 1
+    _, _, nb, use_time = coded.key
     table = bias_table(pos_weights, time_weights if use_time else None, max_seq_len, torch.float32)
     offs = offsets.to(torch.int64).contiguous()
-    return _NativeAttention.apply(q, k, v, table, offs, *coded.flat, max_len, max_seq_len * nb, alpha,
+    return _NativeAttention.apply(q, k, v, table, offs, *coded.end_to_end(), max_len, max_seq_len * nb, alpha,
                                   1.0 / max_seq_len)
