@@ -89,6 +89,17 @@ def native_or_skip(why: str | None) -> None:
         pytest.skip(why)
 
 
+def kernel_or_skip(library: object, source: str) -> None:
+    """For a test of a native kernel (kernels.native): fail where ``source`` did not build
+    (a C++ compiler is part of the set-up), skip where native kernels are off (GENREC_NATIVE=0)."""
+    if library is None:
+        from genrec.kernels import native
+
+        if native.enabled():
+            pytest.fail(f"kernels/cpu/{source} did not build (a C++ compiler is part of the set-up)")
+        pytest.skip("native kernels off (GENREC_NATIVE=0)")
+
+
 def tier_of(item: pytest.Item) -> str:
     file = item.path.name
     if file in FILE_TIERS:

@@ -6,16 +6,13 @@ import pytest
 import torch
 
 from genrec.kernels import dropout as D
-from genrec.kernels import native
 from genrec.models.dropout import Dropout
+from tests.conftest import kernel_or_skip
 
 
 @pytest.fixture
 def built() -> None:
-    if D._passes() is None:
-        if native.enabled():
-            pytest.fail("kernels/cpu/dropout.cpp did not build (a C++ compiler is part of the set-up)")
-        pytest.skip("native kernels off (GENREC_NATIVE=0)")
+    kernel_or_skip(D._passes(), "dropout.cpp")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

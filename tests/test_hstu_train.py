@@ -8,18 +8,16 @@ import pytest
 import torch
 
 from genrec.kernels import hstu_attention as ha
-from genrec.kernels import hstu_train, native
+from genrec.kernels import hstu_train
 from genrec.kernels.jagged import lengths_to_offsets
+from tests.conftest import kernel_or_skip
 
 N = 128
 
 
 @pytest.fixture
 def built() -> None:
-    if hstu_train._library() is None:
-        if native.enabled():
-            pytest.fail("kernels/cpu/hstu_train.cpp did not build (a C++ compiler is part of the set-up)")
-        pytest.skip("native kernels off (GENREC_NATIVE=0)")
+    kernel_or_skip(hstu_train._library(), "hstu_train.cpp")
 
 
 def case(lengths: list[int], dtype: torch.dtype, seed: int = 0, targets: bool = False):
