@@ -40,15 +40,18 @@ inline float silu_scalar(float x) {
 }
 
 #if GENREC_BF16_VEC
-inline __m512 silu16(__m512 x) {
+// sigmoid(x) = 1 / (1 + 2^(-x log2 e)), 2^t from the cubic on t's fraction
+inline __m512 sigmoid16(__m512 x) {
   __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(-kLog2e));
   __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // t - floor(t), one op
   __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(kC3), f, _mm512_set1_ps(kC2));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kC1));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kC0));
   __m512 e = _mm512_scalef_ps(p, t);  // p * 2^floor(t): +inf past float range, and rcp14(inf) = 0
-  return _mm512_mul_ps(x, _mm512_rcp14_ps(_mm512_add_ps(e, _mm512_set1_ps(1.f))));
+  return _mm512_rcp14_ps(_mm512_add_ps(e, _mm512_set1_ps(1.f)));
 }
+
+inline __m512 silu16(__m512 x) { return _mm512_mul_ps(x, sigmoid16(x)); }
 
 inline __m512 load16(const uint16_t* p, __mmask16 m) {
   __m256i h = _mm256_maskz_loadu_epi16(m, p);
@@ -70,15 +73,9 @@ inline void silu64(uint16_t* p) {
   _mm512_storeu_si512(p + 32, (__m512i)_mm512_cvtne2ps_pbh(b1, b0));
 }
 
-// g SiLU'(x) = g sg (1 + x (1 - sg)), sg = sigmoid(x) from the same 2^x as silu16
+// g SiLU'(x) = g sg (1 + x (1 - sg)), sg = sigmoid16(x): the forward pass's approximation
 inline __m512 silu_grad16(__m512 x, __m512 g) {
-  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(-kLog2e));
-  __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(kC3), f, _mm512_set1_ps(kC2));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kC1));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kC0));
-  __m512 sg = _mm512_rcp14_ps(_mm512_add_ps(_mm512_scalef_ps(p, t), _mm512_set1_ps(1.f)));
-  __m512 one = _mm512_set1_ps(1.f);
+  __m512 sg = sigmoid16(x), one = _mm512_set1_ps(1.f);
   __m512 d = _mm512_mul_ps(sg, _mm512_fmadd_ps(x, _mm512_sub_ps(one, sg), one));
   return _mm512_mul_ps(g, d);
 }
