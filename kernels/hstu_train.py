@@ -67,34 +67,43 @@ def _check(rc: int) -> None:
                            "2 a sequence past L, 3 the code blocks)")
 
 
+def _head(qr: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, table: torch.Tensor, offsets: torch.Tensor,
+          codes: torch.Tensor, blocks: torch.Tensor, scalars: tuple) -> tuple:
+    """The arguments both kernel entry points start with. Built from the tensors at hand in
+    each pass: under activation checkpointing the tensors backward unpacks are recomputed ones,
+    at other addresses than the forward's."""
+    max_len, masked, alpha, inv_n = scalars
+    return (offsets.numel() - 1, offsets.data_ptr(), qr.shape[1], qr.shape[2], vr.shape[2], max_len,
+            _DTYPES[qr.dtype], qr.data_ptr(), _rows(qr)[1], kr.data_ptr(), _rows(kr)[1], vr.data_ptr(), _rows(vr)[1],
+            codes.data_ptr(), blocks.data_ptr(), blocks.shape[0], table.data_ptr(), masked, alpha, inv_n)
+
+
 class _NativeAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,  # noqa: ANN001
                 offsets: torch.Tensor, codes: torch.Tensor, blocks: torch.Tensor, max_len: int, masked: int,
                 alpha: float, inv_n: float) -> torch.Tensor:
-        lib = _library()
-        (qr, ldq), (kr, ldk), (vr, ldv) = _rows(q), _rows(k), _rows(v)
-        t, h, dqk, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[2]
+        (qr, _), (kr, _), (vr, _) = _rows(q), _rows(k), _rows(v)
+        t, h, dv = q.shape[0], q.shape[1], v.shape[2]
         out = torch.empty(t, h, dv, dtype=q.dtype)
         save_off = torch.cat([offsets.new_zeros(1), offsets.diff().square_().mul_(h).cumsum_(0)])
         save = torch.empty(int(save_off[-1]), dtype=torch.float32)  # each user's scores before SiLU
-        # the arguments both passes start with: pointers into tensors kept for backward below
-        head = (offsets.numel() - 1, offsets.data_ptr(), h, dqk, dv, max_len, _DTYPES[q.dtype], qr.data_ptr(),
-                ldq, kr.data_ptr(), ldk, vr.data_ptr(), ldv, codes.data_ptr(), blocks.data_ptr(), blocks.shape[0],
-                table.data_ptr(), masked, alpha, inv_n)
-        _check(lib.genrec_hstu_train_forward(*head, out.data_ptr(), h * dv, save.data_ptr(), save_off.data_ptr()))
+        ctx.scalars = (max_len, masked, alpha, inv_n)
+        head = _head(qr, kr, vr, table, offsets, codes, blocks, ctx.scalars)
+        _check(_library().genrec_hstu_train_forward(*head, out.data_ptr(), h * dv, save.data_ptr(),
+                                                    save_off.data_ptr()))
         ctx.save_for_backward(qr, kr, vr, table, offsets, codes, blocks, save, save_off)
-        ctx.head = head
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):  # noqa: ANN001, ANN205
-        qr, kr, vr, table, _, _, _, save, save_off = ctx.saved_tensors  # (all kept alive for ctx.head)
+        qr, kr, vr, table, offsets, codes, blocks, save, save_off = ctx.saved_tensors
         dout = dout.to(qr.dtype).contiguous()
         dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype) for x in (qr, kr, vr))  # contiguous [T, H, D]
         dtable = torch.zeros(table.numel(), dtype=torch.float32)
+        head = _head(qr, kr, vr, table, offsets, codes, blocks, ctx.scalars)
         _check(_library().genrec_hstu_train_backward(
-            *ctx.head, dout.data_ptr(), dout.shape[1] * dout.shape[2], save.data_ptr(), save_off.data_ptr(),
+            *head, dout.data_ptr(), dout.shape[1] * dout.shape[2], save.data_ptr(), save_off.data_ptr(),
             dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), dtable.data_ptr(), table.numel()))
         return dq, dk, dv, dtable if ctx.needs_input_grad[3] else None, None, None, None, None, None, None, None
 

@@ -107,3 +107,21 @@ def test_asking_for_the_native_backend_where_it_cannot_run_says_why(built):
     _, q, k, v, offsets, kw = case([20, 40], torch.float32)
     with pytest.raises(ValueError, match="multiples of 16"):
         ha.hstu_attention(q[..., :24], k[..., :24], v, offsets, backend="native", **kw)
+
+
+def test_activation_checkpointing_gives_the_same_gradients(built):
+    # under non-reentrant checkpointing the tensors backward unpacks are recomputed ones: the
+    # kernel's arguments must come from them, not from pointers kept by the forward
+    from torch.utils.checkpoint import checkpoint
+
+    uvqk, q, k, v, offsets, kw = case([30, 0, 77, 128], torch.bfloat16, seed=2)
+    leaves = [uvqk, kw["pos_weights"], kw["time_weights"]]
+
+    def attend(x: torch.Tensor) -> torch.Tensor:
+        _, vv, qq, kk = (c.unflatten(-1, (1, 32)) for c in x.split(32, -1))
+        return ha.hstu_attention(qq, kk, vv, offsets, backend="native", **kw) * 1.0
+
+    want = grads(attend(uvqk), leaves)
+    got = grads(checkpoint(attend, uvqk, use_reentrant=False), leaves)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
