@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from genrec.benchmarks.common import (
@@ -85,14 +86,52 @@ def run_model(name: str, data: Path, model: str, budget: float | None, out_dir: 
         res = json.loads((run_dir / "results.json").read_text())
     else:
         run_dir, res = run_training(job)
-    test = res["test"]
+    return record(name, model, run_dir, res, res["test"], job, threads or (1 if nproc > 1 else None), nproc)
+
+
+def record(name: str, model: str, run_dir: Path, res: dict, test: dict, job, threads: int | None,  # noqa: ANN001
+           nproc: int) -> dict:
     return {"dataset": name, "model": model, **{k: test[k] for k in KEYS}, "test_last": test_last(run_dir),
             "epochs": res["epochs"],
             "best_epoch": res["best_epoch"], "train_seconds": res["train_seconds"], "stopped": res["stopped"],
-            "config": CONFIGS[model], "run_dir": repo_path(run_dir), "threads": threads or (1 if nproc > 1 else None), "processes": nproc,
+            "config": CONFIGS[model], "run_dir": repo_path(run_dir), "threads": threads, "processes": nproc,
             "budget_min": job.train.time_budget_min, "valid_users": job.data.valid_users,
             "select_window": job.train.select_window, "select_within_se": job.train.select_within_se,
             "valid_peak": res.get("valid_peak")}
+
+
+# what may differ between a finished run and the shipped config it is recorded for
+RUN_ONLY = ("data.path", "run", "eval.test", "train.threads", "train.time_budget_min")
+
+
+def record_run(name: str, data: Path, model: str, run_dir: Path) -> dict:
+    """The record of a run already trained with the shipped config and ``--eval.test=false``
+    (the run that chose the recipe on validation): its chosen checkpoint reads the test split
+    now, once. Refused when the run's config differs from the shipped one beyond ``RUN_ONLY``."""
+    from genrec.train.cli import evaluate_run
+
+    run_dir = Path(run_dir)
+    job = load_job(run_dir / "config.toml")
+    if Path(job.data.path).resolve() != Path(data).resolve():
+        raise SystemExit(f"{run_dir}: trained on {job.data.path}, not {data}")
+    ran = asdict(job)  # a run writes its tables sized from the data: compare the shipped config so sized
+    shipped_job = load_job(CONFIGS[model], [f'--data.path="{data}"'])
+    shipped = asdict(replace(shipped_job, embedding=resolve_embedding(shipped_job.embedding, read_info(data))))
+    for field in RUN_ONLY:
+        *parents, leaf = field.split(".")
+        for d in (ran, shipped):
+            for p in parents:
+                d = d[p]
+            d.pop(leaf, None)
+    if ran != shipped:
+        differ = sorted(k for k in shipped if ran.get(k) != shipped[k])
+        raise SystemExit(f"{run_dir}: trained with a config other than {CONFIGS[model]} ({', '.join(differ)} differ)")
+    res = json.loads((run_dir / "results.json").read_text())
+    if "test" in res:
+        raise SystemExit(f"{run_dir}: this run already read the test split (results.json): record it as trained")
+    test, _ = evaluate_run(run_dir, None, "test")
+    env = json.loads((run_dir / "env.json").read_text())
+    return record(name, model, run_dir, res, test, job, env["threads"], env["world_size"])
 
 
 def repo_path(path: Path) -> str:
@@ -134,13 +173,20 @@ def main() -> None:
                          "unless --threads)")
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--out-dir", default="runs/benchmarks")
+    ap.add_argument("--run", type=Path, default=None,
+                    help="record this finished run (trained with the shipped config and --eval.test=false) instead "
+                         "of training: its chosen checkpoint reads the test split once; one dataset and model")
     args = ap.parse_args()
+    if args.run is not None and ("," in args.datasets or "," in args.models):
+        ap.error("--run records one run: name its --datasets and --models")
     path = RESULTS / "quality.json"
     for name in args.datasets.split(","):
         data = dataset(name)
         new = [] if args.no_baselines else run_baselines(name, data)
         for model in args.models.split(","):
-            if model:
+            if model and args.run is not None:
+                new.append(record_run(name, data, model, args.run))
+            elif model:
                 new.append(run_model(name, data, model, args.budget_min, args.out_dir, args.threads, args.nproc))
         # re-read: other quality runs (one per core) may have written since this one started
         records = json.loads(path.read_text())["records"] if path.exists() else []

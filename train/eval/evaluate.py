@@ -34,6 +34,9 @@ class EvalConfig:
     ndcg_ks: tuple[int, ...] = (10, 50, 200)
     exclude_history: bool = True
     item_chunk: int = 65536  # corpus rows embedded per call
+    # read the test split when training ends; false for runs that choose a recipe on validation
+    # (`genrec eval --run DIR --split test` reads it later, once, for the run chosen)
+    test: bool = True
 
 
 class RankingMetrics:

@@ -109,6 +109,8 @@ def _train(job: JobConfig, run_dir: Path | None, ctx: DistContext, state: dict[s
     retrieval = job.model.arch == "generative"
     splits = ["train"] + ((["valid"] if job.data.valid_users > 0 else []) + ["test"] if retrieval else [])
     splits += ["rank_valid", "rank_test"] if tasks and job.data.ranking.enabled else []
+    if not job.eval.test:
+        splits = [s for s in splits if s not in ("test", "rank_test")]
     per_rank = replace(job.data, batch_size=max(1, job.data.batch_size // ctx.world_size))
     readers = {s: make_reader(per_rank, s, emb, msl, seed=job.train.seed, rank=ctx.rank, world_size=ctx.world_size,
                               tasks=tasks, tokens_per_event=tokens_per_event(job)) for s in splits}
