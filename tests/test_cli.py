@@ -202,6 +202,12 @@ def test_demo_output_holds_no_library_warning(tmp_path, tiny_config):
     assert "UserWarning: torch.distributed is disabled" in (run / "train.log").read_text()
 
 
+def test_demo_refuses_a_run_that_reads_no_test(capfd, tmp_path, tiny_config):
+    code, _, err = cli(capfd, "demo", "--data", tmp_path / "none", "--config", tiny_config, "--eval.test=false")
+    assert code == 2 and "eval.test" in err
+    assert not (tmp_path / "none").exists()
+
+
 def test_partitioned_data_trains_and_evaluates(capfd, tmp_path, tiny_config):
     """``genrec data synth --partition date --files 2`` writes a folder of date partitions that
     inspect, verify, train and the baselines read, with the counts of the one-file dataset."""

@@ -200,6 +200,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_demo(args: argparse.Namespace, overrides: list[str]) -> int:
     """Synthetic data (if missing) -> train configs/demo.toml -> baselines -> one table, and the
     model's paired difference from the transition baseline over the same test users."""
+    from genrec.config import ConfigError
     from genrec.train.data.reader import make_reader
     from genrec.train.data.synthetic import SyntheticConfig, generate
     from genrec.train.eval.baselines import Baseline
@@ -216,12 +217,14 @@ def cmd_demo(args: argparse.Namespace, overrides: list[str]) -> int:
     from genrec.train.observe.logs import progress, run_log
 
     data = Path(args.data)
+    job = load_job(args.config, [f'--data.path="{data}"', *overrides])
+    if not job.eval.test:
+        raise ConfigError("genrec demo reports the test split: eval.test = false has no place here")
     if not (data / "dataset.json").exists():
         print(f"generating synthetic ads-like logs in {data} ...")
         generate(SyntheticConfig(), data)
     else:
         _note_other_generator(data, SyntheticConfig())
-    job = load_job(args.config, [f'--data.path="{data}"', *overrides])
     run_dir, results = run_training(job)
     name = f"{job.model.tower} (test)"
     emb_cfg = resolve_embedding(job.embedding, read_info(data))
