@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 from genrec.benchmarks.common import (
@@ -101,30 +101,27 @@ def record(name: str, model: str, run_dir: Path, res: dict, test: dict, job, thr
 
 
 # what may differ between a finished run and the shipped config it is recorded for
-RUN_ONLY = ("data.path", "run", "eval.test", "train.threads", "train.time_budget_min")
+RUN_ONLY = ("data.path", "run.", "eval.test", "train.threads", "train.time_budget_min")
 
 
 def record_run(name: str, data: Path, model: str, run_dir: Path) -> dict:
     """The record of a run already trained with the shipped config and ``--eval.test=false``
     (the run that chose the recipe on validation): its chosen checkpoint reads the test split
     now, once. Refused when the run's config differs from the shipped one beyond ``RUN_ONLY``."""
+    from genrec.config import to_dict
     from genrec.train.cli import evaluate_run
+    from genrec.train.runs.browse import flat_keys
 
     run_dir = Path(run_dir)
     job = load_job(run_dir / "config.toml")
     if Path(job.data.path).resolve() != Path(data).resolve():
         raise SystemExit(f"{run_dir}: trained on {job.data.path}, not {data}")
-    ran = asdict(job)  # a run writes its tables sized from the data: compare the shipped config so sized
-    shipped_job = load_job(CONFIGS[model], [f'--data.path="{data}"'])
-    shipped = asdict(replace(shipped_job, embedding=resolve_embedding(shipped_job.embedding, read_info(data))))
-    for field in RUN_ONLY:
-        *parents, leaf = field.split(".")
-        for d in (ran, shipped):
-            for p in parents:
-                d = d[p]
-            d.pop(leaf, None)
-    if ran != shipped:
-        differ = sorted(k for k in shipped if ran.get(k) != shipped[k])
+    shipped = load_job(CONFIGS[model], [f'--data.path="{data}"'])
+    # a run writes its tables sized from the data: compare the shipped config so sized
+    shipped = replace(shipped, embedding=resolve_embedding(shipped.embedding, read_info(data)))
+    ran, want = flat_keys(to_dict(job)), flat_keys(to_dict(shipped))
+    differ = sorted(k for k in set(ran) | set(want) if not k.startswith(RUN_ONLY) and ran.get(k) != want.get(k))
+    if differ:
         raise SystemExit(f"{run_dir}: trained with a config other than {CONFIGS[model]} ({', '.join(differ)} differ)")
     res = json.loads((run_dir / "results.json").read_text())
     if "test" in res:

@@ -58,7 +58,7 @@ def test_a_run_without_test_reads_no_test_split_and_is_recorded_once(tmp_path, t
 
 def test_a_run_of_another_config_is_not_recorded_for_the_shipped_one(tmp_path, tiny_synth, shipped):
     run_dir, _ = train(shipped, tiny_synth, tmp_path / "runs", "--model.hstu.dropout=0.3")
-    with pytest.raises(SystemExit, match="model differ"):
+    with pytest.raises(SystemExit, match="model.hstu.dropout differ"):
         quality.record_run("tiny", tiny_synth, "hstu", run_dir)
     run_dir, _ = train(shipped, tiny_synth, tmp_path / "runs2", "--eval.test=true")
     with pytest.raises(SystemExit, match="already read the test split"):

@@ -118,15 +118,16 @@ def show(run: Path) -> str:
     return "\n".join(out)
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flat_keys(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A config as {dotted key: value}; the entries of an array of tables as ``name[i].key``."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):
-            out.update(_flat(v, key + "."))
+            out.update(flat_keys(v, key + "."))
         elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):  # [[embedding.tables]]
             for i, x in enumerate(v):
-                out.update(_flat(x, f"{key}[{i}]."))
+                out.update(flat_keys(x, f"{key}[{i}]."))
         else:
             out[key] = v
     return out
@@ -136,7 +137,7 @@ def compare(runs: list[Path], out: Path | None = None) -> str:
     """``genrec runs compare``: the config keys whose values differ, a metric table (the best
     validation value of each run's early-stop metric and its test metrics), and, with ``out``
     and matplotlib, each run's validation curve of that metric overlaid in one PNG."""
-    configs = [_flat(tomllib.loads((r / "config.toml").read_text())) for r in runs]
+    configs = [flat_keys(tomllib.loads((r / "config.toml").read_text())) for r in runs]
     names = [str(r) for r in runs]
     keys = sorted(set().union(*configs))
     differ = [k for k in keys if len({json.dumps(c.get(k), sort_keys=True) for c in configs}) > 1]
