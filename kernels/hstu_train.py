@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from genrec.kernels import native
+from genrec.kernels import flops, native
 from genrec.kernels.hstu_coded import AttentionPlan, bias_table, coded_blocks
 from genrec.kernels.hstu_reference import batch_lengths
 
@@ -92,6 +92,8 @@ class _NativeAttention(torch.autograd.Function):
         head = _head(qr, kr, vr, table, offsets, codes, blocks, ctx.scalars)
         _check(_library().genrec_hstu_train_forward(*head, out.data_ptr(), h * dv, save.data_ptr(),
                                                     save_off.data_ptr()))
+        if flops.counting():
+            flops.add(flops.causal_attention_flops(offsets, h, q.shape[2], dv))
         ctx.save_for_backward(qr, kr, vr, table, offsets, codes, blocks, save, save_off)
         return out
 
@@ -105,6 +107,8 @@ class _NativeAttention(torch.autograd.Function):
         _check(_library().genrec_hstu_train_backward(
             *head, dout.data_ptr(), dout.shape[1] * dout.shape[2], save.data_ptr(), save_off.data_ptr(),
             dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), dtable.data_ptr(), table.numel()))
+        if flops.counting():
+            flops.add(flops.causal_attention_flops(offsets, qr.shape[1], qr.shape[2], vr.shape[2], backward=True))
         return dq, dk, dv, dtable if ctx.needs_input_grad[3] else None, None, None, None, None, None, None, None
 
 

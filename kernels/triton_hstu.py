@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from genrec.kernels import flops
+
 
 @triton.jit
 def _bias_and_mask(s, offs_m, offs_n, n, hist, qt, TS, PosW, TimeW, seq_start, max_seq_len, num_buckets,
@@ -257,6 +259,8 @@ class HSTUAttentionFunction(torch.autograd.Function):
                             H=h, DQ=dq_dim, DV=dv_dim, BLOCK_M=bm, BLOCK_N=bn, **flags)
         else:
             out.zero_()
+        if flops.counting():
+            flops.add(flops.causal_attention_flops(offsets, h, dq_dim, dv_dim))
         ctx.save_for_backward(q, k, v, offsets, *args[1:])
         ctx.cfg = (alpha, max_seq_len, max_len, nb, bm, bn, flags, strides)
         return out
@@ -281,6 +285,8 @@ class HSTUAttentionFunction(torch.autograd.Function):
             grid = (triton.cdiv(max(max_len, 1), bm), b * h)
             _hstu_bwd_dq[grid](q, k, v, dout, dq, *common, *strides, alpha, 1.0 / max_seq_len, max_seq_len, nb,
                                **consts)
+        if flops.counting():
+            flops.add(flops.causal_attention_flops(offsets, h, dq_dim, dv_dim, backward=True))
         return (dq, dk, dv, None, None, None,
                 dpos.to(pos_w.dtype) if flags["HAS_POS"] else None,
                 dtime.to(time_w.dtype) if flags["HAS_TIME"] else None,

@@ -125,3 +125,20 @@ def test_activation_checkpointing_gives_the_same_gradients(built):
     got = grads(checkpoint(attend, uvqk, use_reentrant=False), leaves)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+def test_the_flop_count_sees_the_native_attention(built):
+    # FlopCounterMode sees no aten op inside the native call: the step's MFU counted its
+    # attention as zero until the kernel reported its work (kernels.flops)
+    from genrec.train.observe.stepstats import FlopCount
+
+    lengths = [0, 37, 100, 5, 128]
+    uvqk, q, k, v, offsets, kw = case(lengths, torch.float32)
+    pairs = sum(n * (n + 1) // 2 for n in lengths)
+    count = FlopCount()
+    out = ha.hstu_attention(q, k, v, offsets, backend="native", **kw)
+    forward = count.finish()
+    assert forward == pairs * 2 * (32 + 32)  # scores and P v over the causal triangle
+    count = FlopCount()
+    grads(out, [uvqk])
+    assert count.finish() == 2 * forward

@@ -70,6 +70,21 @@ def test_fast_paths_match_reference_forward_and_backward(lengths, heads, dqk, dv
                                    rtol=rtol * 4, msg=lambda m, n=name: f"grad {n}: {m}")
 
 
+def test_the_flop_count_sees_the_triton_attention():
+    # a Triton launch dispatches no aten op: the kernel reports its causal-triangle work itself
+    from genrec.train.observe.stepstats import FlopCount
+
+    lengths = [5, 0, 37, 16, 1]
+    q, k, v, offsets, kw = case(lengths, 2, 16, 32, torch.float32, False, True, seed=0)
+    count = FlopCount()
+    out = hstu_attention(q, k, v, offsets, backend="triton", **kw)
+    forward = count.finish()
+    assert forward == sum(n * (n + 1) // 2 for n in lengths) * 2 * 2 * (16 + 32)
+    count = FlopCount()
+    out.sum().backward()
+    assert count.finish() == 2 * forward
+
+
 def test_auto_backend_on_cpu_matches_the_reference_and_refuses_bad_head_dims():
     q, k, v, offsets, kw = case([3, 4], 1, 8, 8, torch.float32, False, True, 0)
     out = hstu_attention(q, k, v, offsets, backend="auto", **kw)

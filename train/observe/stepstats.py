@@ -31,8 +31,9 @@ backward: it says how long the reduction took, not how much of the backward it c
 (``train.loop.parallel`` installs both timers).
 
 Model FLOPs are counted once, on the first batch of a process (``FlopCounterMode`` over a
-forward and backward of its own, ``count_model_flops``; the optimizer's are left out, as MFU
-conventionally does), and the
+forward and backward of its own, ``count_model_flops``, plus the causal-triangle GEMM work the
+native and Triton attention kernels report through ``kernels.flops``, which the counter cannot
+see; the optimizer's are left out, as MFU conventionally does), and the
 achieved rate is reported against the machine's measured matmul peak in the dtype the model
 computes in (``matmul_peak``, measured once and cached per machine). Batches are jagged, so
 the count is that of the first batch: an estimate within the spread of the batches' sizes.
@@ -149,17 +150,23 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, cache: Path | None = N
 class FlopCount:
     """Counts the FLOPs of the aten ops run from its creation to ``finish()`` (matmuls,
     attention, convolutions: what torch's FlopCounterMode knows; elementwise ops count zero,
-    as MFU does)."""
+    as MFU does), plus what the native and Triton attention kernels report (``kernels.flops``:
+    the counter cannot see them)."""
 
     def __init__(self) -> None:
         from torch.utils.flop_counter import FlopCounterMode
 
+        from genrec.kernels import flops
+
+        self.kernels = flops.counter()
+        self.kernel_flops = self.kernels.__enter__()
         self.counter = FlopCounterMode(display=False)
         self.counter.__enter__()
 
     def finish(self) -> int:
         self.counter.__exit__(None, None, None)
-        return int(self.counter.get_total_flops())
+        self.kernels.__exit__(None, None, None)
+        return int(self.counter.get_total_flops()) + self.kernel_flops[0]
 
 
 def count_model_flops(model: torch.nn.Module, batch: Any, autocast: Callable[[], Any]) -> tuple[int, str]:
