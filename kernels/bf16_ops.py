@@ -40,6 +40,17 @@ def _silu_pass() -> ctypes._CFuncPtr | None:
 
 
 @functools.cache
+def _silu_out_pass() -> ctypes._CFuncPtr | None:
+    """``genrec_silu_bf16_out(n, x, y)``: y = SiLU(x) over n bf16 values, where the SiLU pass is
+    vectorised; else None."""
+    if _silu_pass() is None:
+        return None
+    f = native.library("bf16_ops").genrec_silu_bf16_out
+    f.argtypes, f.restype = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
+    return f
+
+
+@functools.cache
 def _silu_grad_pass() -> ctypes._CFuncPtr | None:
     """``genrec_silu_backward_bf16(n, x, g, out)`` where the SiLU pass is vectorised; else None."""
     if _silu_pass() is None:
@@ -53,7 +64,9 @@ class _Silu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
         ctx.save_for_backward(x)
-        return silu_(x.clone())
+        y = torch.empty_like(x)
+        _silu_out_pass()(x.numel(), x.data_ptr(), y.data_ptr())
+        return y
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # noqa: ANN001, ANN205

@@ -64,13 +64,14 @@ inline void store16(uint16_t* p, __m512 v, __mmask16 m) {
 
 inline __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
-// 64 values: four independent chains for the core to overlap, two conversions back to bf16
-inline void silu64(uint16_t* p) {
-  __m512i a = _mm512_loadu_si512(p), b = _mm512_loadu_si512(p + 32);
+// 64 values from src to dst (the same or apart): four independent chains for the core to
+// overlap, two conversions back to bf16
+inline void silu64(const uint16_t* src, uint16_t* dst) {
+  __m512i a = _mm512_loadu_si512(src), b = _mm512_loadu_si512(src + 32);
   __m512 a0 = silu16(widen(_mm512_castsi512_si256(a))), a1 = silu16(widen(_mm512_extracti64x4_epi64(a, 1)));
   __m512 b0 = silu16(widen(_mm512_castsi512_si256(b))), b1 = silu16(widen(_mm512_extracti64x4_epi64(b, 1)));
-  _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(a1, a0));
-  _mm512_storeu_si512(p + 32, (__m512i)_mm512_cvtne2ps_pbh(b1, b0));
+  _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(a1, a0));
+  _mm512_storeu_si512(dst + 32, (__m512i)_mm512_cvtne2ps_pbh(b1, b0));
 }
 
 // g SiLU'(x) = g sg (1 + x (1 - sg)), sg = sigmoid16(x): the forward pass's approximation
@@ -86,19 +87,19 @@ inline float silu_grad_scalar(float x, float g) {
   return g * sg * (1.f + x * (1.f - sg));
 }
 
-// x[i] = SiLU(x[i]) for i < n, x bf16 (raw 16-bit words), in place.
-void silu_range(int64_t n, uint16_t* x) {
+// y[i] = SiLU(x[i]) for i < n, bf16 (raw 16-bit words); y may be x (in place).
+void silu_range(int64_t n, const uint16_t* x, uint16_t* y) {
   int64_t i = 0;
 #if GENREC_BF16_VEC
-  for (; i + 64 <= n; i += 64) silu64(x + i);
-  for (; i + 16 <= n; i += 16) store16(x + i, silu16(load16(x + i, 0xffff)), 0xffff);
+  for (; i + 64 <= n; i += 64) silu64(x + i, y + i);
+  for (; i + 16 <= n; i += 16) store16(y + i, silu16(load16(x + i, 0xffff)), 0xffff);
   if (i < n) {
     __mmask16 m = __mmask16((1u << (n - i)) - 1);
-    store16(x + i, silu16(load16(x + i, m)), m);
+    store16(y + i, silu16(load16(x + i, m)), m);
     i = n;
   }
 #endif
-  for (; i < n; ++i) x[i] = from_float(silu_scalar(to_float(x[i])));
+  for (; i < n; ++i) y[i] = from_float(silu_scalar(to_float(x[i])));
 }
 
 // out[i] = g[i] SiLU'(x[i]) for i < n, all bf16 (raw 16-bit words): SiLU's backward pass.
@@ -126,7 +127,15 @@ extern "C" {
 // x[i] = SiLU(x[i]) for i < n, x bf16 (raw 16-bit words), in place.
 int genrec_silu_bf16(int64_t n, uint16_t* x) {
 #pragma omp parallel for schedule(static) if (n > 4 * kBlock)
-  for (int64_t s = 0; s < n; s += kBlock) silu_range(n - s < kBlock ? n - s : kBlock, x + s);
+  for (int64_t s = 0; s < n; s += kBlock) silu_range(n - s < kBlock ? n - s : kBlock, x + s, x + s);
+  return 0;
+}
+
+// y[i] = SiLU(x[i]) for i < n, bf16 (raw 16-bit words): one read and one write where a copy
+// followed by the in-place pass costs two of each (training keeps x for the backward).
+int genrec_silu_bf16_out(int64_t n, const uint16_t* x, uint16_t* y) {
+#pragma omp parallel for schedule(static) if (n > 4 * kBlock)
+  for (int64_t s = 0; s < n; s += kBlock) silu_range(n - s < kBlock ? n - s : kBlock, x + s, y + s);
   return 0;
 }
 
