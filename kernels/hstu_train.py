@@ -8,8 +8,11 @@ each of its pointwise steps; ``kernels/cpu/hstu_train.cpp`` takes the jagged row
 one user's causal triangle at a time in cache, and keeps the pre-activation scores for its
 backward pass. The mask and both relative biases are the coded backend's bias codes (by query
 block, built once a batch and shared by the layers through the :class:`AttentionPlan`) into an
-fp32 :func:`bias_table`. fp32 arithmetic whatever the inputs' dtype (fp32 or bf16, e.g. under
-autocast: the outputs and gradients come back in it). The kernel splits the users between
+fp32 :func:`bias_table`. fp32 inputs: fp32 arithmetic. bf16 inputs (under autocast; the outputs
+and gradients come back in bf16): on a CPU with AVX512-BF16 the GEMMs take them as bf16 dot
+products with fp32 sums, P and dS rounded to bf16 for the GEMMs that read them (as PyTorch's
+bf16 attention rounds them), the pointwise work, the saved scores and the bias table's gradient
+in fp32; elsewhere they are widened to fp32. The kernel splits the users between
 PyTorch's own OpenMP threads (``kernels.native.EXTRA_FLAGS``).
 """
 
@@ -42,7 +45,14 @@ def _library() -> ctypes.CDLL | None:
     lib.genrec_hstu_train_forward.argtypes = [*head, _P, _I64, _P, _P]
     lib.genrec_hstu_train_backward.argtypes = [*head, _P, _I64, _P, _P, _P, _P, _P, _P, ctypes.c_int]
     lib.genrec_hstu_train_forward.restype = lib.genrec_hstu_train_backward.restype = ctypes.c_int
+    lib.genrec_hstu_train_bf16_gemms.restype = ctypes.c_int
     return lib
+
+
+def bf16_gemms() -> bool:
+    """Whether bf16 inputs run the kernel's bf16 GEMMs here (built with AVX512-BF16)."""
+    lib = _library()
+    return bool(lib is not None and lib.genrec_hstu_train_bf16_gemms())
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_len: int) -> bool:

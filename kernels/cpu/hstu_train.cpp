@@ -13,7 +13,8 @@
 // on the tile while it is in cache. The forward keeps S (fp32) for the backward pass.
 //
 // Layout: q, k, v, out, dq, dk, dv are rows of the jagged batch [T, H, D] (row strides given,
-// heads contiguous), fp32 or bf16 (dtype 0 / 1; converted to fp32 on load, fp32 arithmetic,
+// heads contiguous), fp32 or bf16 (dtype 0 / 1; fp32: fp32 arithmetic; bf16: the GEMMs in bf16
+// where the CPU has AVX512-BF16, see forward_one_bf, else converted to fp32 on load; results
 // rounded to nearest even on store). codes: kernels.hstu_coded's int32 bias codes by query
 // block, end to end (block (s, e): [B, e - s, e], user b's pair (i, j) at [b][i - s][j]; every
 // block but the last rows_per_block rows). Every allowed pair has j <= i, so query tile [s, e)
@@ -32,6 +33,9 @@
 #endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define GENREC_DPBF16 1
 #endif
 
 namespace {
@@ -92,7 +96,13 @@ void store_rows(const float* src, int rows, int width, float scale, void* dst, i
       for (int c = 0; c < width; ++c) d[c] = s[c] * scale;
     } else {
       uint16_t* d = static_cast<uint16_t*>(dst) + r * ld;
-      for (int c = 0; c < width; ++c) d[c] = from_float(s[c] * scale);
+      int c = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      for (; c + 16 <= width; c += 16)  // the same rounding (to nearest even)
+        _mm256_storeu_si256((__m256i*)(d + c),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + c), _mm512_set1_ps(scale))));
+#endif
+      for (; c < width; ++c) d[c] = from_float(s[c] * scale);
     }
   }
 }
@@ -156,15 +166,54 @@ struct Dims {
   float alpha, inv_n;
   int eb() const { return dtype == 0 ? 4 : 2; }
   int width() const { return dqk > dv ? dqk : dv; }
+  // bf16 inputs on a CPU with bf16 dot products: the GEMMs in bf16 (forward_one_bf, backward_one_bf)
+  bool bf() const {
+#if GENREC_DPBF16
+    return dtype == 1;
+#else
+    return false;
+#endif
+  }
+};
+
+// One thread's bf16 operands (the bf16 path only), sized for the batch's longest user: pairs of
+// columns (k, v) and of rows (k, v, q, dout), P and dS [np, np] in bf16, a lower triangle's
+// transpose.
+struct ScratchBf {
+  std::vector<uint32_t> kc, vc, kr, vr, qr, gr;
+  std::vector<uint16_t> p, ds, t;
+  explicit ScratchBf(const Dims& d) {
+    if (!d.bf()) return;
+    const size_t np = size_t(pad16(d.L));
+    kc.resize(np * d.dqk / 2);
+    vc.resize(np * d.dv / 2);
+    kr.resize(np / 2 * d.dqk);
+    vr.resize(np / 2 * d.dv);
+    qr.resize(np / 2 * d.dqk);
+    gr.resize(np / 2 * d.dv);
+    p.resize(np * np);
+    ds.resize(np * np);
+    t.resize(np * np);
+  }
 };
 
 // One thread's scratch, sized for the batch's longest user (L rows, np = pad16(L)): a user's
 // rows in fp32 (keys and values with zero rows up to pad16(n)), its [n, np] P and dS, their
 // transpose, a tile of scores and one row's pointwise inputs.
+// The bf16 path keeps its operands in `bf` instead, and a tile's dS in `ds`.
 struct Scratch {
   std::vector<float> q, k, v, kt, vt, s, p, ds, t, g, r, x, m, table_grad;
-  explicit Scratch(const Dims& d) {
+  ScratchBf bf;
+  explicit Scratch(const Dims& d) : bf(d) {
     const size_t np = size_t(pad16(d.L)), w = size_t(d.width());
+    s.resize(kTile * np);
+    r.resize(np * w);
+    x.resize(np);
+    m.resize(np);
+    if (d.bf()) {
+      ds.resize(kTile * np);
+      return;
+    }
     q.resize(np * d.dqk);
     k.resize(np * d.dqk);
     v.resize(np * d.dv);
@@ -173,11 +222,7 @@ struct Scratch {
     p.resize(np * np);
     ds.resize(np * np);
     t.resize(np * np);
-    s.resize(kTile * np);
     g.resize(np * d.dv);
-    r.resize(np * w);
-    x.resize(np);
-    m.resize(np);
   }
 };
 
@@ -191,6 +236,20 @@ inline const int32_t* code_row(const Dims& d, int b, int i) {
 // One query row's scores before SiLU over keys 0..k-1 (k = row + 1): x = alpha s + table[code]
 // and m = 1, or m = 0 where masked; zeros from k to `end` (the tile's padded width).
 inline void row_scores(const Dims& d, const int32_t* cr, int k, int end, const float* sr, float* x, float* m) {
+#if defined(__AVX512F__)
+  if (end % 16 == 0) {  // 16 keys at a time, the table read by a gather
+    const __m512 alpha = _mm512_set1_ps(d.alpha), one = _mm512_set1_ps(1.f);
+    const __m512i masked = _mm512_set1_epi32(d.masked);
+    for (int j = 0; j < end; j += 16) {
+      const __mmask16 in = k - j >= 16 ? __mmask16(0xffff) : k - j > 0 ? __mmask16((1u << (k - j)) - 1) : 0;
+      const __m512i c = _mm512_maskz_loadu_epi32(in, cr + j);
+      const __m512 t = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), in, c, d.table, 4);
+      _mm512_storeu_ps(x + j, _mm512_maskz_fmadd_ps(in, alpha, _mm512_loadu_ps(sr + j), t));
+      _mm512_storeu_ps(m + j, _mm512_maskz_mov_ps(_mm512_mask_cmpneq_epi32_mask(in, c, masked), one));
+    }
+    return;
+  }
+#endif
   for (int j = 0; j < k; ++j) {
     const int32_t c = cr[j];
     x[j] = d.alpha * sr[j] + d.table[c];
@@ -311,6 +370,218 @@ void backward_one(const Dims& d, int b, int h, int64_t o, int n, const void* q, 
   key_side(d, n, np, w.ds.data(), w.q.data(), d.dqk, out_at(dk, d.dqk), w);
 }
 
+#if GENREC_DPBF16
+// ----- bf16 inputs: the GEMMs as bf16 dot products (AVX512-BF16), fp32 accumulators -----------
+//
+// Under bf16 autocast q, k, v and dout arrive in bf16. The fp32 path above widens them and runs
+// its GEMMs in fp32; here the GEMMs take them as they are, two bf16 values a 32-bit lane
+// (VDPBF16PS: a0 b0 + a1 b1 added to an fp32 accumulator), at twice the fp32 FMA rate. P and dS
+// (computed in fp32 by the same pointwise passes) are rounded to bf16 for the GEMMs that read
+// them, as a bf16 attention in PyTorch or FlashAttention rounds them; the saved S, the table's
+// gradient and every accumulator stay fp32.
+//
+// Layouts, all of 32-bit pairs: an A operand is rows of pairs along the reduced dimension (a bf16
+// row as it lies); a B operand [K/2][N] holds in lane j of pair-row p the two values of column j
+// at reduced indices 2p and 2p + 1: `pairs_of_columns` (B = X^T: columns of X^T are rows of X,
+// their pairs lie together) or `pairs_of_rows` (B = X: rows 2p and 2p + 1 interleaved).
+
+inline uint32_t ld32(const uint16_t* p) { uint32_t u; std::memcpy(&u, p, sizeof u); return u; }
+
+// C[MR, 16 NV] = A[MR, K2 pairs] B[K2, 16 NV], the accumulators in registers.
+template <int MR, int NV>
+inline void tile_bf(int K2, const uint16_t* A, int64_t lda, const uint32_t* B, int64_t ldb, float* C, int ldc) {
+  __m512 acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int p = 0; p < K2; ++p) {
+    __m512bh b[NV];
+    for (int c = 0; c < NV; ++c) b[c] = (__m512bh)_mm512_loadu_si512(B + int64_t(p) * ldb + 16 * c);
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(int(ld32(A + int64_t(r) * lda + 2 * p)));
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, b[c]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(C + int64_t(r) * ldc + 16 * c, acc[r][c]);
+}
+
+template <int NV>
+inline void rows_tile_bf(int mr, int K2, const uint16_t* A, int64_t lda, const uint32_t* B, int64_t ldb, float* C,
+                         int ldc) {
+  switch (mr) {
+    case 4: tile_bf<4, NV>(K2, A, lda, B, ldb, C, ldc); break;
+    case 3: tile_bf<3, NV>(K2, A, lda, B, ldb, C, ldc); break;
+    case 2: tile_bf<2, NV>(K2, A, lda, B, ldb, C, ldc); break;
+    default: tile_bf<1, NV>(K2, A, lda, B, ldb, C, ldc); break;
+  }
+}
+
+// C[M, N] = A[M, 2 K2] B, A bf16 rows (stride lda elements, even), B [K2, N] pairs, N a
+// multiple of 16.
+void gemm_bf(int M, int N, int K2, const uint16_t* A, int64_t lda, const uint32_t* B, int64_t ldb, float* C, int ldc) {
+  for (int i = 0; i < M; i += 4) {
+    const int mr = M - i < 4 ? M - i : 4;
+    const uint16_t* a = A + int64_t(i) * lda;
+    float* c = C + int64_t(i) * ldc;
+    int j = 0;
+    for (; j + 64 <= N; j += 64) rows_tile_bf<4>(mr, K2, a, lda, B + j, ldb, c + j, ldc);
+    switch ((N - j) / 16) {
+      case 3: rows_tile_bf<3>(mr, K2, a, lda, B + j, ldb, c + j, ldc); break;
+      case 2: rows_tile_bf<2>(mr, K2, a, lda, B + j, ldb, c + j, ldc); break;
+      case 1: rows_tile_bf<1>(mr, K2, a, lda, B + j, ldb, c + j, ldc); break;
+      default: break;
+    }
+  }
+}
+
+// dst [width / 2][np] <- pairs of columns of src rows 0..n-1 (stride ld elements): dst[p][j] holds
+// src[j][2p], src[j][2p + 1]; lanes j >= n zero. The B operand of X^T for X = src. Sixteen rows
+// at a time, one gather a pair-column (a column-by-column copy wrote each 4 bytes to another line).
+void pairs_of_columns(const uint16_t* src, int64_t ld, int n, int np, int width, uint32_t* dst) {
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(int(ld)));
+  for (int j = 0; j < np; j += 16) {
+    const __mmask16 in = n - j >= 16 ? __mmask16(0xffff) : n - j > 0 ? __mmask16((1u << (n - j)) - 1) : 0;
+    const uint16_t* base = src + int64_t(j < n ? j : 0) * ld;
+    for (int p = 0; p < width / 2; ++p)
+      _mm512_storeu_si512(dst + int64_t(p) * np + j,
+                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), in, rows, base + 2 * p, 2));
+  }
+}
+
+// word indices of two 32-word vectors x, y (y's from 32): x0 y0 x1 y1 ... x15 y15, and from x16
+const __m512i kInterleaveLo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                               6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+const __m512i kInterleaveHi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23,
+                                               54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+
+// dst [np / 2][width] <- src rows 0..n-1 (stride ld elements) two by two: dst[p][c] holds
+// src[2p][c] (low half) and src[2p + 1][c]; rows n..np-1 read as zero. The B operand of X = src.
+void pairs_of_rows(const uint16_t* src, int64_t ld, int n, int np, int width, uint32_t* dst) {
+  for (int p = 0; p < np / 2; ++p) {
+    const int r0 = 2 * p, r1 = 2 * p + 1;
+    uint32_t* out = dst + int64_t(p) * width;
+    const uint16_t* a = r0 < n ? src + int64_t(r0) * ld : nullptr;
+    const uint16_t* b = r1 < n ? src + int64_t(r1) * ld : nullptr;
+    if (a && b) {
+      int c = 0;
+      for (; c + 32 <= width; c += 32) {  // 32 columns of the two rows, interleaved
+        const __m512i x = _mm512_loadu_si512(a + c), y = _mm512_loadu_si512(b + c);
+        _mm512_storeu_si512(out + c, _mm512_permutex2var_epi16(x, kInterleaveLo, y));
+        _mm512_storeu_si512(out + c + 16, _mm512_permutex2var_epi16(x, kInterleaveHi, y));
+      }
+      for (; c < width; ++c) out[c] = uint32_t(a[c]) | uint32_t(b[c]) << 16;
+    } else {
+      for (int c = 0; c < width; ++c) out[c] = (a ? uint32_t(a[c]) : 0u) | (b ? uint32_t(b[c]) << 16 : 0u);
+    }
+  }
+}
+
+// 16 fp32 lanes -> 16 bf16 at dst (round to nearest even)
+inline void st_bf16(uint16_t* dst, v16 x) {
+  __m512 f;
+  std::memcpy(&f, &x, sizeof f);
+  _mm256_storeu_si256((__m256i*)dst, (__m256i)_mm512_cvtneps_pbh(f));
+}
+
+// t [n, np] (bf16) <- the lower triangle of a [n, np] bf16 matrix transposed (see transpose_lower),
+// and each row's entries from n up to the next even column zero (the pair the GEMM reads last).
+void transpose_lower_bf(int n, int np, const uint16_t* a, uint16_t* t) {
+  for (int j = 0; j < n; ++j) {
+    uint16_t* row = t + int64_t(j) * np;
+    for (int i = j / kTile * kTile; i < j; ++i) row[i] = 0;
+    for (int i = j; i < n; ++i) row[i] = a[int64_t(i) * np + j];
+    if (n & 1) row[n] = 0;
+  }
+}
+
+// (user b, head h) forward from bf16 rows; as forward_one.
+void forward_one_bf(const Dims& d, int b, int h, int64_t o, int n, const void* q, const void* k, const void* v,
+                    void* out, float* save, Scratch& w) {
+  ScratchBf& x = w.bf;
+  const int np = pad16(n);
+  const uint16_t* qs = static_cast<const uint16_t*>(q) + o * d.ldq + h * d.dqk;
+  pairs_of_columns(static_cast<const uint16_t*>(k) + o * d.ldk + h * d.dqk, d.ldk, n, np, d.dqk, x.kc.data());
+  pairs_of_rows(static_cast<const uint16_t*>(v) + o * d.ldv + h * d.dv, d.ldv, n, np, d.dv, x.vr.data());
+  uint16_t* pt = x.p.data();  // this tile's P rows, [kTile, np]
+  for (int s = 0; s < n; s += kTile) {
+    const int e = s + kTile < n ? s + kTile : n, cols = pad16(e), rows = e - s;
+    gemm_bf(rows, cols, d.dqk / 2, qs + int64_t(s) * d.ldq, d.ldq, x.kc.data(), np, w.s.data(), np);
+    for (int i = s; i < e; ++i) {  // P = SiLU(S) m over the tile's width, m = 0 where masked; S kept
+      const float* sr = w.s.data() + int64_t(i - s) * np;
+      uint16_t* pr = pt + int64_t(i - s) * np;
+      row_scores(d, code_row(d, b, i), i + 1, cols, sr, w.x.data(), w.m.data());
+      std::memcpy(save + int64_t(i) * n, w.x.data(), sizeof(float) * (i + 1));
+      for (int j = 0; j < cols; j += 16) {
+        const v16 xv = ld16(w.x.data() + j);
+        st_bf16(pr + j, xv * vsigmoid(xv) * ld16(w.m.data() + j));
+      }
+    }
+    gemm_bf(rows, d.dv, cols / 2, pt, np, x.vr.data(), d.dv, w.r.data(), d.dv);
+    store_rows(w.r.data(), rows, d.dv, d.inv_n, static_cast<char*>(out) + ((o + s) * d.ldo + h * d.dv) * 2, 1,
+               d.ldo);
+  }
+}
+
+// The key side from bf16 (see key_side): a's lower triangle transposed times src's row pairs.
+void key_side_bf(const Dims& d, int n, int np, const uint16_t* a, const uint32_t* src_pairs, int width, float scale,
+                 void* dst, Scratch& w) {
+  ScratchBf& x = w.bf;
+  transpose_lower_bf(n, np, a, x.t.data());
+  for (int s = 0; s < n; s += kTile) {
+    const int e = s + kTile < n ? s + kTile : n;
+    gemm_bf(e - s, width, (n - s + 1) / 2, x.t.data() + int64_t(s) * np + s, np, src_pairs + int64_t(s / 2) * width,
+            width, w.r.data() + int64_t(s) * width, width);
+  }
+  store_rows(w.r.data(), n, width, scale, dst, 1, int64_t(d.H) * width);
+}
+
+// (user b, head h) backward from bf16 rows; as backward_one.
+void backward_one_bf(const Dims& d, int b, int h, int64_t o, int n, const void* q, const void* k, const void* v,
+                     const void* dout, const float* save, void* dq, void* dk, void* dv, float* dtable, Scratch& w) {
+  ScratchBf& x = w.bf;
+  const int np = pad16(n);
+  auto out_at = [&](void* base, int dim) { return static_cast<char*>(base) + (o * d.H * dim + int64_t(h) * dim) * 2; };
+  const uint16_t* gs = static_cast<const uint16_t*>(dout) + o * d.ldo + h * d.dv;
+  pairs_of_columns(static_cast<const uint16_t*>(v) + o * d.ldv + h * d.dv, d.ldv, n, np, d.dv, x.vc.data());
+  pairs_of_rows(static_cast<const uint16_t*>(k) + o * d.ldk + h * d.dqk, d.ldk, n, np, d.dqk, x.kr.data());
+  pairs_of_rows(static_cast<const uint16_t*>(q) + o * d.ldq + h * d.dqk, d.ldq, n, np, d.dqk, x.qr.data());
+  pairs_of_rows(gs, d.ldo, n, np, d.dv, x.gr.data());
+  for (int s = 0; s < n; s += kTile) {
+    const int e = s + kTile < n ? s + kTile : n, cols = pad16(e), rows = e - s;
+    gemm_bf(rows, cols, d.dv / 2, gs + int64_t(s) * d.ldo, d.ldo, x.vc.data(), np, w.s.data(), np);  // dP N
+    for (int i = s; i < e; ++i) {  // dS = dP SiLU'(S) m and P again, over the tile's width
+      const float* dpr = w.s.data() + int64_t(i - s) * np;
+      uint16_t* pr = x.p.data() + int64_t(i) * np;
+      float* dsr = w.ds.data() + int64_t(i - s) * np;
+      const int32_t* cr = code_row(d, b, i);
+      const __m512i masked = _mm512_set1_epi32(d.masked);
+      for (int j = 0; j < cols; j += 16) {  // x and m over keys 0..i, zero past them
+        const __mmask16 in = i + 1 - j >= 16 ? __mmask16(0xffff) : i + 1 - j > 0 ? __mmask16((1u << (i + 1 - j)) - 1) : 0;
+        _mm512_storeu_ps(w.x.data() + j, _mm512_maskz_loadu_ps(in, save + int64_t(i) * n + j));
+        const __mmask16 keep = _mm512_mask_cmpneq_epi32_mask(in, _mm512_maskz_loadu_epi32(in, cr + j), masked);
+        _mm512_storeu_ps(w.m.data() + j, _mm512_maskz_mov_ps(keep, _mm512_set1_ps(1.f)));
+      }
+      for (int j = 0; j < cols; j += 16) {
+        const v16 xv = ld16(w.x.data() + j), m = ld16(w.m.data() + j), sg = vsigmoid(xv);
+        st_bf16(pr + j, xv * sg * m);
+        st16(dsr + j, ld16(dpr + j) * d.inv_n * sg * (1.f + xv * (1.f - sg)) * m);
+      }
+      for (int j = 0; j <= i; ++j) dtable[cr[j]] += dsr[j];  // masked pairs add 0 to the masked slot
+      uint16_t* dsb = x.ds.data() + int64_t(i) * np;
+      for (int j = 0; j < cols; j += 16) st_bf16(dsb + j, ld16(dsr + j) * d.alpha);  // 0 past the diagonal
+    }
+    // dq rows s..e-1 = dS[s:e, 0:cols] k[0:cols]
+    gemm_bf(rows, d.dqk, cols / 2, x.ds.data() + int64_t(s) * np, np, x.kr.data(), d.dqk,
+            w.r.data() + int64_t(s) * d.dqk, d.dqk);
+  }
+  store_rows(w.r.data(), n, d.dqk, 1.f, out_at(dq, d.dqk), 1, int64_t(d.H) * d.dqk);
+  // dv = P^T (dout / N), dk = dS^T q
+  key_side_bf(d, n, np, x.p.data(), x.gr.data(), d.dv, d.inv_n, out_at(dv, d.dv), w);
+  key_side_bf(d, n, np, x.ds.data(), x.qr.data(), d.dqk, 1.f, out_at(dk, d.dqk), w);
+}
+#endif
+
 // This thread's users: B users split into `parts` ranges of about equal work (n^2 each).
 void my_users(const int64_t* offsets, int B, int part, int parts, int* b0, int* b1) {
   double total = 0;
@@ -404,7 +675,11 @@ int genrec_hstu_train_forward(int B, const int64_t* offsets, int H, int dqk, int
   each_head(
       d, B, offsets,
       [&](Scratch& w, int b, int h, int64_t o, int n) {
-        forward_one(d, b, h, o, n, q, k, v, out, save + save_off[b] + int64_t(h) * n * n, w);
+        float* sv = save + save_off[b] + int64_t(h) * n * n;
+#if GENREC_DPBF16
+        if (d.bf()) return forward_one_bf(d, b, h, o, n, q, k, v, out, sv, w);
+#endif
+        forward_one(d, b, h, o, n, q, k, v, out, sv, w);
       },
       [](Scratch&) {});
   return 0;
@@ -425,8 +700,11 @@ int genrec_hstu_train_backward(int B, const int64_t* offsets, int H, int dqk, in
       d, B, offsets,
       [&](Scratch& w, int b, int h, int64_t o, int n) {
         if (w.table_grad.empty()) w.table_grad.assign(ntable, 0.f);  // this thread's, added at the end
-        backward_one(d, b, h, o, n, q, k, v, dout, save + save_off[b] + int64_t(h) * n * n, dq, dk, dvo,
-                     w.table_grad.data(), w);
+        const float* sv = save + save_off[b] + int64_t(h) * n * n;
+#if GENREC_DPBF16
+        if (d.bf()) return backward_one_bf(d, b, h, o, n, q, k, v, dout, sv, dq, dk, dvo, w.table_grad.data(), w);
+#endif
+        backward_one(d, b, h, o, n, q, k, v, dout, sv, dq, dk, dvo, w.table_grad.data(), w);
       },
       [&](Scratch& w) {
         if (w.table_grad.empty()) return;
@@ -434,6 +712,15 @@ int genrec_hstu_train_backward(int B, const int64_t* offsets, int H, int dqk, in
         for (int i = 0; i < ntable; ++i) dtable[i] += w.table_grad[i];
       });
   return 0;
+}
+
+// 1 where bf16 inputs run the bf16 GEMMs (built with AVX512-BF16), 0 where they are widened to fp32.
+int genrec_hstu_train_bf16_gemms() {
+#if GENREC_DPBF16
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 }  // extern "C"
