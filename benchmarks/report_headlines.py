@@ -58,7 +58,7 @@ HEADLINES: dict[str, Headline] = {
     "ranking_curve": Headline(0, ("data", "click AUC: model / ceiling / oracle",
                                   "conversion AUC: model / ceiling / oracle")),
     "train_ops": Headline(0, keep=_is("figure", "accounting cost (A/B, interleaved rounds)",
-                                      "parts against the step time", "achieved / peak", "MFU")),
+                                      "loop's achieved / peak", "loop's MFU (its intervals)")),
     "data_reader": Headline(0, ("layout", "reader", "samples/s", "x the step's need", "rows decoded a sample")),
     "gate": Headline(0, ("run", "train_step_ms", "gate")),
     "resilience": Headline(0, keep=lambda r: "(4x)" in r.get("offered QPS", ""), caption="At 4x capacity:"),

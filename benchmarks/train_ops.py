@@ -25,8 +25,10 @@ One process runs the training loop of ``genrec train --config configs/hstu.toml`
   tower, bf16 loss GEMMs), trainers built from the same seed (same initial weights), run on
   the same batches in alternating rounds, each with its own RNG stream; seconds a step (wall
   and process CPU time, the latter less moved by other work on a shared machine), each arm's
-  speed-up over the first (median over rounds), MFU of each against the measured peak of its
-  precision (bf16 also against fp32's), the loss of the fp32 and bf16 arms at every step (the
+  speed-up over the first (median over rounds), MFU of each against the matmul peak of its
+  precision measured in the same round (bf16 also against fp32's; the median over rounds of
+  each round's ratio, since the machine's speed moves 2-3x between rounds; also against one
+  peak measured after the rounds, as earlier records did), the loss of the fp32 and bf16 arms at every step (the
   same masks up to bf16 rounding: the trajectory within ``--loss-tol``), and each arm's peak
   RSS measured in a process of its own (one process holds every arm here).
 
@@ -191,7 +193,7 @@ def compare_precisions(config: str, run_dir: Path, threads: int, rounds: int, st
                        loss_tol: float) -> dict[str, Any]:
     """The fp32 and bf16 steps side by side (see the module docstring): ``rounds`` rounds of
     ``steps`` batches, each round's batches run by both arms, the order alternating."""
-    from genrec.train.observe.stepstats import count_model_flops, matmul_peak
+    from genrec.train.observe.stepstats import count_model_flops, matmul_peak, measure_matmul_tflops
 
     trainers = {}
     for arm, over in PRECISION_ARMS.items():  # the same seed: the same initial weights and batches
@@ -216,14 +218,23 @@ def compare_precisions(config: str, run_dir: Path, threads: int, rounds: int, st
 
     for arm in trainers:  # warm-up (allocator, oneDNN primitives), the same two batches; not timed
         run(arm, batches[:2])
+    dev = torch.device("cpu")
+    dtypes = {a: torch.bfloat16 if a == "bf16" else torch.float32 for a in trainers}
+    # each round's own matmul peaks: this machine moves 2-3x between rounds, so a step is compared
+    # with the peak measured under the same load, beside it
+    round_peaks: dict[torch.dtype, list[float]] = {dt: [] for dt in set(dtypes.values())}
     for r in range(rounds):
         chunk = batches[2 + r * steps: 2 + (r + 1) * steps]
         for arm in (list(trainers) if r % 2 == 0 else list(trainers)[::-1]):
             w, c = run(arm, chunk)
             wall[arm].append(w)
             cpu[arm].append(c)
+        for dt, got in round_peaks.items():
+            got.append(measure_matmul_tflops(dev, dt, seconds=0.15))
         print(f"precision round {r}: " + ", ".join(f"{a} {wall[a][-1] * 1e3:.0f} ms ({cpu[a][-1] * 1e3:.0f} ms cpu)"
-                                                  for a in trainers), flush=True)
+                                                  for a in trainers)
+              + "; peaks " + ", ".join(f"{str(dt).removeprefix('torch.')} {v[-1] * 1e3:.0f}" for dt, v in round_peaks.items())
+              + " GFLOP/s", flush=True)
     # FLOPs of each timed batch (the same model FLOPs in both arms), counted on a model of its own
     # state: the fp32 arm's, its gradients dropped afterwards
     counter, _ = build_trainer(config, run_dir / "count", threads, ('--train.precision="fp32"', "--train.step_stats=false"))
@@ -232,15 +243,21 @@ def compare_precisions(config: str, run_dir: Path, threads: int, rounds: int, st
         flops.append(count_model_flops(counter.model, b, contextlib.nullcontext)[0])
         counter.optimizer.zero_grad(set_to_none=True)
     per_round = [sum(flops[r * steps:(r + 1) * steps]) / steps for r in range(rounds)]
-    dev = torch.device("cpu")
-    dtypes = {a: torch.bfloat16 if a == "bf16" else torch.float32 for a in trainers}
     peaks = {a: matmul_peak(dev, dtypes[a], run_dir) for a in trainers}
+    fp32 = round_peaks[torch.float32]
     arms: dict[str, Any] = {}
     for a in trainers:
-        achieved = statistics.median(f / w for f, w in zip(per_round, wall[a], strict=True)) / 1e12
+        rates = [f / w / 1e12 for f, w in zip(per_round, wall[a], strict=True)]
+        own = round_peaks[dtypes[a]]
+        achieved = statistics.median(rates)
         arms[a] = {"s_per_step": wall[a], "cpu_s_per_step": cpu[a], "median_s": statistics.median(wall[a]),
-                   "tflops_median": achieved, "peak": peaks[a], "mfu": achieved / peaks[a]["tflops"],
-                   "mfu_vs_fp32_peak": achieved / peaks[BASE_ARM]["tflops"], "loss": losses[a]}
+                   "tflops_median": achieved, "peak": peaks[a], "round_peaks_tflops": own,
+                   # MFU: the median over rounds of each round's rate against that round's peak
+                   "mfu": statistics.median(x / p for x, p in zip(rates, own, strict=True)),
+                   "mfu_vs_fp32_peak": statistics.median(x / p for x, p in zip(rates, fp32, strict=True)),
+                   "mfu_rounds": [x / p for x, p in zip(rates, own, strict=True)],
+                   # against one peak measured after the rounds (the method of earlier records)
+                   "mfu_single_peak": achieved / peaks[a]["tflops"], "loss": losses[a]}
     gaps = [abs(x - y) for x, y in zip(losses["fp32"], losses["bf16"], strict=True)]
 
     def ratios(times: dict[str, list[float]], arm: str) -> list[float]:
@@ -351,9 +368,9 @@ def train_ops(d: dict) -> list[str]:
         ["parts against the step time", f"largest gap {bk['max_parts_gap']:.1e} (relative)"],
         ["step split (ms)", ", ".join(f"{k} {v:.1f}" for k, v in parts.items())],
         ["model FLOPs per step", f"{fl['flops_per_step'] / 1e9:.1f} GFLOP ({fl['counted']})"],
-        ["achieved / peak", f"{d['tflops_median'] * 1e3:.0f} / {fl['peak_tflops'] * 1e3:.0f} GFLOP/s "
+        ["loop's achieved / peak", f"{d['tflops_median'] * 1e3:.0f} / {fl['peak_tflops'] * 1e3:.0f} GFLOP/s "
                             f"({fl['peak']['dtype']}, matmul precision {fl['peak']['matmul_precision']})"],
-        ["MFU", f"{d['mfu_median']:.1%}"],
+        ["loop's MFU (its intervals)", f"{d['mfu_median']:.1%}"],
         ["peak memory (RSS)", f"{num(d['peak_mem_mb'], '.0f')} MB"],
     ]) + [""]
     out += precision_section(d.get("precision"))
@@ -378,7 +395,9 @@ def precision_section(p: dict | None) -> list[str]:
     rows = []
     for name, a in arms.items():
         rows.append([name, f"{a['median_s'] * 1e3:.0f}", f"{a['tflops_median'] * 1e3:.0f}",
-                     f"{a['mfu']:.1%} of {a['peak']['dtype']} {a['peak']['tflops'] * 1e3:.0f}",
+                     f"{a['mfu']:.1%} of {a['peak']['dtype']} "
+                     + (f"{min(a['round_peaks_tflops']) * 1e3:.0f}-{max(a['round_peaks_tflops']) * 1e3:.0f} (by round)"
+                        if "round_peaks_tflops" in a else f"{a['peak']['tflops'] * 1e3:.0f}"),
                      f"{a['mfu_vs_fp32_peak']:.1%}", f"{a.get('peak_rss_mb', float('nan')):.0f}",
                      f"{a['loss'][0]:.4f} -> {a['loss'][-1]:.4f}"])
     out += table(["arm", "ms/step (median)", "GFLOP/s", "MFU (own peak)", "MFU (fp32 peak)", "peak RSS MB",

@@ -104,6 +104,32 @@ def _device_name(device: torch.device) -> str:
     return cpu_identity()[0] or "cpu"
 
 
+def gemm_size(device: torch.device) -> int:
+    """The side of the square GEMM the peak is measured on."""
+    return 8192 if device.type == "cuda" else 1024
+
+
+def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, min_runs: int = 3, seconds: float = 0.5) -> float:
+    """The best TFLOP/s of :func:`gemm_size`'s square GEMM in ``dtype`` over at least
+    ``min_runs`` runs and about ``seconds`` (at most 50 runs), measured now (no cache)."""
+    n = gemm_size(device)
+    # a generator of its own: the training's RNG stream must not move (resumed runs compare equal)
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.rand(n, n, generator=gen, device=device).to(dtype)
+    b = torch.rand(n, n, generator=gen, device=device).to(dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    best, spent, runs = float("inf"), 0.0, 0
+    (a @ b).sum().item()  # warm-up: kernel choice, page faults
+    while runs < min_runs or (spent < seconds and runs < 50):
+        sync()
+        t = time.perf_counter()
+        a @ b
+        sync()
+        dt = time.perf_counter() - t
+        best, spent, runs = min(best, dt), spent + dt, runs + 1
+    return 2 * n**3 / best / 1e12
+
+
 def matmul_peak(device: torch.device, dtype: torch.dtype, cache: Path | None = None) -> dict[str, Any]:
     """The best achieved TFLOP/s of a square GEMM in ``dtype`` on ``device`` with this
     process's threads and fp32 matmul precision: what MFU divides by. Measured once (about a
@@ -120,24 +146,10 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, cache: Path | None = N
         known = {}
     if key in known:
         return known[key]
-    n = 8192 if device.type == "cuda" else 1024
-    # a generator of its own: the training's RNG stream must not move (resumed runs compare equal)
-    gen = torch.Generator(device=device).manual_seed(0)
-    a = torch.rand(n, n, generator=gen, device=device).to(dtype)
-    b = torch.rand(n, n, generator=gen, device=device).to(dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    best, spent, runs = float("inf"), 0.0, 0
-    (a @ b).sum().item()  # warm-up: kernel choice, page faults
-    while runs < 3 or (spent < 0.5 and runs < 50):
-        sync()
-        t = time.perf_counter()
-        a @ b
-        sync()
-        dt = time.perf_counter() - t
-        best, spent, runs = min(best, dt), spent + dt, runs + 1
-    rec = {"tflops": 2 * n**3 / best / 1e12, "gemm": f"{n}x{n}x{n}", "dtype": str(dtype).removeprefix("torch."),
-           "matmul_precision": torch.get_float32_matmul_precision(), "threads": torch.get_num_threads(),
-           "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    n = gemm_size(device)
+    rec = {"tflops": measure_matmul_tflops(device, dtype), "gemm": f"{n}x{n}x{n}",
+           "dtype": str(dtype).removeprefix("torch."), "matmul_precision": torch.get_float32_matmul_precision(),
+           "threads": torch.get_num_threads(), "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
     known[key] = rec
     with contextlib.suppress(OSError):  # a read-only home only loses the cache
         path.parent.mkdir(parents=True, exist_ok=True)
