@@ -125,31 +125,50 @@ inline void tile(int K, const float* A, int lda, const float* B, int ldb, float*
     for (int c = 0; c < NV; ++c) st16(C + int64_t(r) * ldc + 16 * c, acc[r][c]);
 }
 
-template <int NV>
-inline void rows_tile(int mr, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc) {
+// The fp32 tile as a kind the GEMM driver below takes: A fp32 rows, B fp32 rows, K values.
+struct FmaTile {
+  using TA = float;
+  using TB = float;
+  template <int MR, int NV>
+  static void run(int K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int ldc) {
+    tile<MR, NV>(K, A, int(lda), B, int(ldb), C, ldc);
+  }
+};
+
+// C[M, N] = A B, row-major, N a multiple of 16, in tiles of 4 rows x 64 columns (the edges in
+// smaller ones) of the kind T: FmaTile (A [M, K], B [K, N], fp32) or BfTile (K pairs of bf16).
+template <typename T, int NV>
+inline void rows_tile(int mr, int K, const typename T::TA* A, int64_t lda, const typename T::TB* B, int64_t ldb,
+                      float* C, int ldc) {
   switch (mr) {
-    case 4: tile<4, NV>(K, A, lda, B, ldb, C, ldc); break;
-    case 3: tile<3, NV>(K, A, lda, B, ldb, C, ldc); break;
-    case 2: tile<2, NV>(K, A, lda, B, ldb, C, ldc); break;
-    default: tile<1, NV>(K, A, lda, B, ldb, C, ldc); break;
+    case 4: T::template run<4, NV>(K, A, lda, B, ldb, C, ldc); break;
+    case 3: T::template run<3, NV>(K, A, lda, B, ldb, C, ldc); break;
+    case 2: T::template run<2, NV>(K, A, lda, B, ldb, C, ldc); break;
+    default: T::template run<1, NV>(K, A, lda, B, ldb, C, ldc); break;
   }
 }
 
-// C[M, N] = A[M, K] B[K, N], row-major, N a multiple of 16.
-void gemm(int M, int N, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc) {
+template <typename T>
+void gemm_tiles(int M, int N, int K, const typename T::TA* A, int64_t lda, const typename T::TB* B, int64_t ldb,
+                float* C, int ldc) {
   for (int i = 0; i < M; i += 4) {
     const int mr = M - i < 4 ? M - i : 4;
-    const float* a = A + int64_t(i) * lda;
+    const typename T::TA* a = A + int64_t(i) * lda;
     float* c = C + int64_t(i) * ldc;
     int j = 0;
-    for (; j + 64 <= N; j += 64) rows_tile<4>(mr, K, a, lda, B + j, ldb, c + j, ldc);
+    for (; j + 64 <= N; j += 64) rows_tile<T, 4>(mr, K, a, lda, B + j, ldb, c + j, ldc);
     switch ((N - j) / 16) {
-      case 3: rows_tile<3>(mr, K, a, lda, B + j, ldb, c + j, ldc); break;
-      case 2: rows_tile<2>(mr, K, a, lda, B + j, ldb, c + j, ldc); break;
-      case 1: rows_tile<1>(mr, K, a, lda, B + j, ldb, c + j, ldc); break;
+      case 3: rows_tile<T, 3>(mr, K, a, lda, B + j, ldb, c + j, ldc); break;
+      case 2: rows_tile<T, 2>(mr, K, a, lda, B + j, ldb, c + j, ldc); break;
+      case 1: rows_tile<T, 1>(mr, K, a, lda, B + j, ldb, c + j, ldc); break;
       default: break;
     }
   }
+}
+
+// C[M, N] = A[M, K] B[K, N], fp32, row-major, N a multiple of 16.
+void gemm(int M, int N, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc) {
+  gemm_tiles<FmaTile>(M, N, K, A, lda, B, ldb, C, ldc);
 }
 
 inline int pad16(int x) { return (x + 15) & ~15; }
@@ -405,33 +424,19 @@ inline void tile_bf(int K2, const uint16_t* A, int64_t lda, const uint32_t* B, i
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(C + int64_t(r) * ldc + 16 * c, acc[r][c]);
 }
 
-template <int NV>
-inline void rows_tile_bf(int mr, int K2, const uint16_t* A, int64_t lda, const uint32_t* B, int64_t ldb, float* C,
-                         int ldc) {
-  switch (mr) {
-    case 4: tile_bf<4, NV>(K2, A, lda, B, ldb, C, ldc); break;
-    case 3: tile_bf<3, NV>(K2, A, lda, B, ldb, C, ldc); break;
-    case 2: tile_bf<2, NV>(K2, A, lda, B, ldb, C, ldc); break;
-    default: tile_bf<1, NV>(K2, A, lda, B, ldb, C, ldc); break;
+struct BfTile {
+  using TA = uint16_t;
+  using TB = uint32_t;
+  template <int MR, int NV>
+  static void run(int K2, const uint16_t* A, int64_t lda, const uint32_t* B, int64_t ldb, float* C, int ldc) {
+    tile_bf<MR, NV>(K2, A, lda, B, ldb, C, ldc);
   }
-}
+};
 
 // C[M, N] = A[M, 2 K2] B, A bf16 rows (stride lda elements, even), B [K2, N] pairs, N a
 // multiple of 16.
 void gemm_bf(int M, int N, int K2, const uint16_t* A, int64_t lda, const uint32_t* B, int64_t ldb, float* C, int ldc) {
-  for (int i = 0; i < M; i += 4) {
-    const int mr = M - i < 4 ? M - i : 4;
-    const uint16_t* a = A + int64_t(i) * lda;
-    float* c = C + int64_t(i) * ldc;
-    int j = 0;
-    for (; j + 64 <= N; j += 64) rows_tile_bf<4>(mr, K2, a, lda, B + j, ldb, c + j, ldc);
-    switch ((N - j) / 16) {
-      case 3: rows_tile_bf<3>(mr, K2, a, lda, B + j, ldb, c + j, ldc); break;
-      case 2: rows_tile_bf<2>(mr, K2, a, lda, B + j, ldb, c + j, ldc); break;
-      case 1: rows_tile_bf<1>(mr, K2, a, lda, B + j, ldb, c + j, ldc); break;
-      default: break;
-    }
-  }
+  gemm_tiles<BfTile>(M, N, K2, A, lda, B, ldb, C, ldc);
 }
 
 // dst [width / 2][np] <- pairs of columns of src rows 0..n-1 (stride ld elements): dst[p][j] holds
