@@ -28,9 +28,9 @@ One process runs the training loop of ``genrec train --config configs/hstu.toml`
   speed-up over the first (median over rounds), MFU of each against the matmul peak of its
   precision measured in the same round (bf16 also against fp32's; the median over rounds of
   each round's ratio, since the machine's speed moves 2-3x between rounds; also against one
-  peak measured after the rounds, as earlier records did), the loss of the fp32 and bf16 arms at every step (the
-  same masks up to bf16 rounding: the trajectory within ``--loss-tol``), and each arm's peak
-  RSS measured in a process of its own (one process holds every arm here).
+  peak measured after the rounds, as earlier records did), the loss of the fp32 and bf16 arms
+  at every step (the same masks up to bf16 rounding: the trajectory within ``--loss-tol``),
+  and each arm's peak RSS measured in a process of its own (one process holds every arm here).
 
     python -m genrec.benchmarks.train_ops [--steps 40] [--rounds 6] [--ab-steps 16] [--profile-steps 8]
         [--precision-rounds 8] [--precision-steps 3]
