@@ -47,14 +47,9 @@ def recipe_check(job: Any, recipe: Any) -> dict[str, Any]:
     """Whether ``job`` is an ML-1M HSTU at the recipe's model (``configs/hstu.toml``): the
     fields that differ, by dotted name, so the JSON says what was evaluated."""
     from genrec.config import to_dict
+    from genrec.train.runs.browse import flat_keys
 
-    def flat(d: dict, prefix: str = "") -> dict[str, Any]:
-        out = {}
-        for k, v in d.items():
-            out |= flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
-        return out
-
-    have, want = flat(to_dict(job)), flat(to_dict(recipe))
+    have, want = flat_keys(to_dict(job)), flat_keys(to_dict(recipe))
     skip = ("run.", "data.path", "embedding.tables", "train.progress", "train.threads", "train.evaluate",
             "train.checkpoint_every_steps", "train.keep_checkpoints", "train.log_every_steps")
     diff = {k: {"run": have.get(k), "recipe": want.get(k)} for k in sorted(set(have) | set(want))

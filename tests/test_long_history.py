@@ -186,3 +186,15 @@ def test_the_config_cuts_the_readers_validation_and_test_windows(tiny_synth):
             assert n == seen - history_window(seen, 16, 8) and today[u] == (min(seen, 16), seen)
     with pytest.raises(ValueError, match="data.eval_window_block"):
         make_reader(replace(DataConfig(path=str(tiny_synth)), eval_window_block=17), "valid", emb, 16)
+
+
+def test_the_recipe_check_names_the_model_fields_a_run_changed():
+    from genrec.benchmarks.long_history import recipe_check
+    from genrec.train.job import load_job
+
+    recipe = load_job("configs/hstu.toml", ['--data.path="data/ml1m"'])
+    other = recipe.model.hstu.dropout + 0.25
+    run = load_job("configs/hstu.toml", ['--data.path="data/ml1m"', f"--model.hstu.dropout={other}", "--run.name=x"])
+    assert recipe_check(recipe, recipe) == {"ml1m_hstu_recipe_model": True, "differences": {}}
+    assert recipe_check(run, recipe) == {"ml1m_hstu_recipe_model": False, "differences": {
+        "model.hstu.dropout": {"run": other, "recipe": recipe.model.hstu.dropout}}}
