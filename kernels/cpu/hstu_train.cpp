@@ -97,7 +97,7 @@ void store_rows(const float* src, int rows, int width, float scale, void* dst, i
     } else {
       uint16_t* d = static_cast<uint16_t*>(dst) + r * ld;
       int c = 0;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if GENREC_DPBF16
       for (; c + 16 <= width; c += 16)  // the same rounding (to nearest even)
         _mm256_storeu_si256((__m256i*)(d + c),
                             (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + c), _mm512_set1_ps(scale))));
@@ -172,6 +172,10 @@ void gemm(int M, int N, int K, const float* A, int lda, const float* B, int ldb,
 }
 
 inline int pad16(int x) { return (x + 15) & ~15; }
+#if defined(__AVX512F__)
+// lanes 0..n-1 of 16 (all for n >= 16, none for n <= 0)
+inline __mmask16 first_lanes(int n) { return n >= 16 ? __mmask16(0xffff) : n > 0 ? __mmask16((1u << n) - 1) : 0; }
+#endif
 constexpr int kTile = 32;  // query rows a tile
 
 struct Dims {
@@ -260,7 +264,7 @@ inline void row_scores(const Dims& d, const int32_t* cr, int k, int end, const f
     const __m512 alpha = _mm512_set1_ps(d.alpha), one = _mm512_set1_ps(1.f);
     const __m512i masked = _mm512_set1_epi32(d.masked);
     for (int j = 0; j < end; j += 16) {
-      const __mmask16 in = k - j >= 16 ? __mmask16(0xffff) : k - j > 0 ? __mmask16((1u << (k - j)) - 1) : 0;
+      const __mmask16 in = first_lanes(k - j);
       const __m512i c = _mm512_maskz_loadu_epi32(in, cr + j);
       const __m512 t = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), in, c, d.table, 4);
       _mm512_storeu_ps(x + j, _mm512_maskz_fmadd_ps(in, alpha, _mm512_loadu_ps(sr + j), t));
@@ -446,7 +450,7 @@ void pairs_of_columns(const uint16_t* src, int64_t ld, int n, int np, int width,
   const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                           _mm512_set1_epi32(int(ld)));
   for (int j = 0; j < np; j += 16) {
-    const __mmask16 in = n - j >= 16 ? __mmask16(0xffff) : n - j > 0 ? __mmask16((1u << (n - j)) - 1) : 0;
+    const __mmask16 in = first_lanes(n - j);
     const uint16_t* base = src + int64_t(j < n ? j : 0) * ld;
     for (int p = 0; p < width / 2; ++p)
       _mm512_storeu_si512(dst + int64_t(p) * np + j,
@@ -483,11 +487,7 @@ void pairs_of_rows(const uint16_t* src, int64_t ld, int n, int np, int width, ui
 }
 
 // 16 fp32 lanes -> 16 bf16 at dst (round to nearest even)
-inline void st_bf16(uint16_t* dst, v16 x) {
-  __m512 f;
-  std::memcpy(&f, &x, sizeof f);
-  _mm256_storeu_si256((__m256i*)dst, (__m256i)_mm512_cvtneps_pbh(f));
-}
+inline void st_bf16(uint16_t* dst, v16 x) { _mm256_storeu_si256((__m256i*)dst, (__m256i)_mm512_cvtneps_pbh((__m512)x)); }
 
 // t [n, np] (bf16) <- the lower triangle of a [n, np] bf16 matrix transposed (see transpose_lower),
 // and each row's entries from n up to the next even column zero (the pair the GEMM reads last).
@@ -552,6 +552,8 @@ void backward_one_bf(const Dims& d, int b, int h, int64_t o, int n, const void* 
   pairs_of_rows(static_cast<const uint16_t*>(k) + o * d.ldk + h * d.dqk, d.ldk, n, np, d.dqk, x.kr.data());
   pairs_of_rows(static_cast<const uint16_t*>(q) + o * d.ldq + h * d.dqk, d.ldq, n, np, d.dqk, x.qr.data());
   pairs_of_rows(gs, d.ldo, n, np, d.dv, x.gr.data());
+  const __m512i masked = _mm512_set1_epi32(d.masked);
+  const __m512 one = _mm512_set1_ps(1.f);
   for (int s = 0; s < n; s += kTile) {
     const int e = s + kTile < n ? s + kTile : n, cols = pad16(e), rows = e - s;
     gemm_bf(rows, cols, d.dv / 2, gs + int64_t(s) * d.ldo, d.ldo, x.vc.data(), np, w.s.data(), np);  // dP N
@@ -560,15 +562,11 @@ void backward_one_bf(const Dims& d, int b, int h, int64_t o, int n, const void* 
       uint16_t* pr = x.p.data() + int64_t(i) * np;
       float* dsr = w.ds.data() + int64_t(i - s) * np;
       const int32_t* cr = code_row(d, b, i);
-      const __m512i masked = _mm512_set1_epi32(d.masked);
-      for (int j = 0; j < cols; j += 16) {  // x and m over keys 0..i, zero past them
-        const __mmask16 in = i + 1 - j >= 16 ? __mmask16(0xffff) : i + 1 - j > 0 ? __mmask16((1u << (i + 1 - j)) - 1) : 0;
-        _mm512_storeu_ps(w.x.data() + j, _mm512_maskz_loadu_ps(in, save + int64_t(i) * n + j));
+      for (int j = 0; j < cols; j += 16) {  // x (the saved S) and m over keys 0..i, zero past them
+        const __mmask16 in = first_lanes(i + 1 - j);
         const __mmask16 keep = _mm512_mask_cmpneq_epi32_mask(in, _mm512_maskz_loadu_epi32(in, cr + j), masked);
-        _mm512_storeu_ps(w.m.data() + j, _mm512_maskz_mov_ps(keep, _mm512_set1_ps(1.f)));
-      }
-      for (int j = 0; j < cols; j += 16) {
-        const v16 xv = ld16(w.x.data() + j), m = ld16(w.m.data() + j), sg = vsigmoid(xv);
+        const v16 xv = (v16)_mm512_maskz_loadu_ps(in, save + int64_t(i) * n + j);
+        const v16 m = (v16)_mm512_maskz_mov_ps(keep, one), sg = vsigmoid(xv);
         st_bf16(pr + j, xv * sg * m);
         st16(dsr + j, ld16(dpr + j) * d.inv_n * sg * (1.f + xv * (1.f - sg)) * m);
       }
