@@ -47,13 +47,11 @@ def recipe_check(job: Any, recipe: Any) -> dict[str, Any]:
     """Whether ``job`` is an ML-1M HSTU at the recipe's model (``configs/hstu.toml``): the
     fields that differ, by dotted name, so the JSON says what was evaluated."""
     from genrec.config import to_dict
-    from genrec.train.runs.browse import flat_keys
+    from genrec.train.runs.browse import config_differences
 
-    have, want = flat_keys(to_dict(job)), flat_keys(to_dict(recipe))
     skip = ("run.", "data.path", "embedding.tables", "train.progress", "train.threads", "train.evaluate",
             "train.checkpoint_every_steps", "train.keep_checkpoints", "train.log_every_steps")
-    diff = {k: {"run": have.get(k), "recipe": want.get(k)} for k in sorted(set(have) | set(want))
-            if not k.startswith(skip) and have.get(k) != want.get(k)}
+    diff = {k: {"run": a, "recipe": b} for k, (a, b) in config_differences(to_dict(job), to_dict(recipe), skip).items()}
     ok = (Path(job.data.path).name == "ml1m" and job.model.tower == "hstu" and job.model.max_seq_len == 200
           and not any(k.startswith("model.") for k in diff))
     return {"ml1m_hstu_recipe_model": ok, "differences": diff}

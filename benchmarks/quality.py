@@ -110,7 +110,7 @@ def record_run(name: str, data: Path, model: str, run_dir: Path) -> dict:
     now, once. Refused when the run's config differs from the shipped one beyond ``RUN_ONLY``."""
     from genrec.config import to_dict
     from genrec.train.cli import evaluate_run
-    from genrec.train.runs.browse import flat_keys
+    from genrec.train.runs.browse import config_differences
 
     run_dir = Path(run_dir)
     job = load_job(run_dir / "config.toml")
@@ -119,8 +119,7 @@ def record_run(name: str, data: Path, model: str, run_dir: Path) -> dict:
     shipped = load_job(CONFIGS[model], [f'--data.path="{data}"'])
     # a run writes its tables sized from the data: compare the shipped config so sized
     shipped = replace(shipped, embedding=resolve_embedding(shipped.embedding, read_info(data)))
-    ran, want = flat_keys(to_dict(job)), flat_keys(to_dict(shipped))
-    differ = sorted(k for k in set(ran) | set(want) if not k.startswith(RUN_ONLY) and ran.get(k) != want.get(k))
+    differ = list(config_differences(to_dict(job), to_dict(shipped), RUN_ONLY))
     if differ:
         raise SystemExit(f"{run_dir}: trained with a config other than {CONFIGS[model]} ({', '.join(differ)} differ)")
     res = json.loads((run_dir / "results.json").read_text())

@@ -170,14 +170,12 @@ class FlopCount:
 
         from genrec.kernels import flops
 
-        self.kernels = flops.counter()
-        self.kernel_flops = self.kernels.__enter__()
-        self.counter = FlopCounterMode(display=False)
-        self.counter.__enter__()
+        self.open = contextlib.ExitStack()
+        self.kernel_flops = self.open.enter_context(flops.counter())
+        self.counter = self.open.enter_context(FlopCounterMode(display=False))
 
     def finish(self) -> int:
-        self.counter.__exit__(None, None, None)
-        self.kernels.__exit__(None, None, None)
+        self.open.close()
         return int(self.counter.get_total_flops()) + self.kernel_flops[0]
 
 

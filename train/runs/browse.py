@@ -133,6 +133,15 @@ def flat_keys(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def config_differences(have: dict[str, Any], want: dict[str, Any], skip: tuple[str, ...] = ()
+                       ) -> dict[str, tuple[Any, Any]]:
+    """{dotted key: (have's value, want's value)} for the keys of two configs (nested, as
+    ``to_dict`` or TOML gives them) whose values differ, leaving out keys starting with ``skip``."""
+    a, b = flat_keys(have), flat_keys(want)
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
+            if not k.startswith(skip) and a.get(k) != b.get(k)}
+
+
 def compare(runs: list[Path], out: Path | None = None) -> str:
     """``genrec runs compare``: the config keys whose values differ, a metric table (the best
     validation value of each run's early-stop metric and its test metrics), and, with ``out``
