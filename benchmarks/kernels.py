@@ -1,16 +1,27 @@
-"""Kernel benchmark: HSTU attention and a full training step, reference vs compiled vs Triton.
+"""Kernel benchmark: HSTU attention and a full training step, every backend side by side.
 
-Shapes follow ML-1M's default config (B = 128 users, lengths drawn from ML-1M's capped
-distribution, 1 head, d = 64). Forward + backward per call; median of repeated, interleaved
-rounds, reported as ratios to the eager reference in the same run.
+Shapes follow the shipped recipe (``configs/hstu.toml``: its heads, head sizes and
+``max_seq_len``; B = 128 users, lengths drawn from ML-1M's capped distribution). Forward +
+backward per call; median of repeated, interleaved rounds, reported as ratios to the eager
+reference in the same run, with each path's rate over the causal triangle's GEMM FLOPs
+(``kernels.flops``).
 
 * reference: ``hstu_attention_reference`` (pure PyTorch, padded to the batch's longest);
 * compiled: the same function under ``torch.compile`` (inductor: C++ on CPU, Triton on GPU);
-* coded: ``hstu_attention_coded``, what training and serving run outside Triton (one bias
-  code per pair, causal query blocks, a hand-written backward), its per-batch codes built
-  in every call (in a tower the first layer builds them for all);
-* triton: ``kernels.triton_hstu`` (GPU only; on CPU it only runs in the interpreter, which is
-  a correctness tool, not a speed one, so it is not timed here).
+* coded: ``hstu_attention_coded``, the PyTorch path training falls back to (one bias code per
+  pair, causal query blocks, a hand-written backward), its per-batch codes built in every call
+  (in a tower the first layer builds them for all);
+* native: ``kernels.hstu_train``, what training runs on CPU (C++, one user's triangle at a
+  time in cache), where its library builds;
+* coded_bf16, native_bf16: the same two on bf16 q, k, v, as under the recipe's bf16 autocast
+  (the native kernel's GEMMs as bf16 dot products where the CPU has AVX512-BF16:
+  ``native_bf16_gemms`` in the result says whether it did);
+* triton, triton_bf16: ``kernels.triton_hstu`` (GPU only; on CPU it only runs in the
+  interpreter, which is a correctness tool, not a speed one, so it is not timed here).
+
+The training step: the shipped recipe eager (its attention backend "auto": native on CPU),
+with the pure-PyTorch attention instead, compiled, and eager under bf16 autocast as the
+recipe's ``precision = "auto"`` trains where the CPU has native bf16 GEMMs.
 
     python -m genrec.benchmarks.kernels [--rounds 5] [--device cuda]
 """
@@ -18,19 +29,33 @@ rounds, reported as ratios to the eager reference in the same run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
+import tomllib
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from genrec.benchmarks.common import dataset, machine, today, update_results_md, write_json
+from genrec.kernels import flops, hstu_train
 from genrec.kernels.hstu_attention import (
     AttentionPlan,
     hstu_attention_coded,
     hstu_attention_reference,
 )
 from genrec.kernels.jagged import lengths_to_offsets
+
+RECIPE = Path(__file__).resolve().parents[1] / "configs" / "hstu.toml"
+
+
+def recipe_shape(path: Path = RECIPE) -> dict:
+    """The shipped recipe's attention shape: heads, qk / v head sizes, max_seq_len, time buckets."""
+    cfg = tomllib.loads(path.read_text())
+    hstu = cfg["model"]["hstu"]
+    return {"heads": hstu["num_heads"], "dqk": hstu["qk_dim"], "dv": hstu["v_dim"],
+            "max_seq_len": cfg["model"]["max_seq_len"], "time_buckets": hstu.get("num_time_buckets", 64)}
 
 
 def ml1m_lengths(batch: int, cap: int, seed: int) -> tuple[torch.Tensor, str]:
@@ -47,15 +72,19 @@ def ml1m_lengths(batch: int, cap: int, seed: int) -> tuple[torch.Tensor, str]:
     return torch.from_numpy(rng.choice(np.minimum(lengths, cap), size=batch)).long(), source
 
 
-def attention_inputs(lengths: torch.Tensor, heads: int, dim: int, device: str, dtype: torch.dtype, msl: int):
-    t = int(lengths.sum())
+def attention_inputs(lengths: torch.Tensor, shape: dict, device: str, dtype: torch.dtype):
+    """q, k [T, H, dqk], v [T, H, dv] (leaves, ``dtype``) and offsets; the bias weights,
+    timestamps and lengths as keyword arguments. The same values for every dtype (seed 0)."""
+    t, h, msl = int(lengths.sum()), shape["heads"], shape["max_seq_len"]
     g = torch.Generator().manual_seed(0)
-    mk = lambda: (torch.randn(t, heads, dim, generator=g) * 0.3).to(device, dtype).requires_grad_()  # noqa: E731
+    mk = lambda d: (torch.randn(t, h, d, generator=g) * 0.3).to(device, dtype).requires_grad_()  # noqa: E731
+    q, k, v = mk(shape["dqk"]), mk(shape["dqk"]), mk(shape["dv"])
     ts = torch.cumsum(torch.randint(0, 3600, (t,), generator=g), 0).to(device)
-    kw = dict(max_seq_len=msl, alpha=dim**-0.5, pos_weights=torch.randn(msl, device=device).requires_grad_(),
-              time_weights=torch.randn(64, device=device).requires_grad_(), timestamps=ts, query_times=ts + 30,
-              max_len=int(lengths.max()))
-    return (mk(), mk(), mk(), lengths_to_offsets(lengths).to(device)), kw
+    kw = dict(max_seq_len=msl, alpha=shape["dqk"] ** -0.5,
+              pos_weights=torch.randn(msl, generator=g).to(device).requires_grad_(),
+              time_weights=torch.randn(shape["time_buckets"], generator=g).to(device).requires_grad_(),
+              timestamps=ts, query_times=ts + 30, max_len=int(lengths.max()))
+    return (q, k, v, lengths_to_offsets(lengths).to(device)), kw
 
 
 def time_call(fn, reps: int, device: str) -> float:
@@ -70,33 +99,45 @@ def time_call(fn, reps: int, device: str) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def bench_attention(device: str, rounds: int, reps: int) -> dict:
-    lengths, source = ml1m_lengths(128, 200, seed=0)
-    args, kw = attention_inputs(lengths, 1, 64, device, torch.float32, 200)
+def bench_attention(device: str, rounds: int, reps: int, shape: dict | None = None) -> dict:
+    shape = shape or recipe_shape()
+    lengths, source = ml1m_lengths(128, shape["max_seq_len"], seed=0)
+    args, kw = attention_inputs(lengths, shape, device, torch.float32)
+    args16, kw16 = attention_inputs(lengths, shape, device, torch.bfloat16)
     compiled = torch.compile(hstu_attention_reference, dynamic=True)
 
-    def fwd_bwd(f):  # noqa: ANN001, ANN202
+    def fwd_bwd(f, a, k):  # noqa: ANN001, ANN202
         def run() -> None:
-            out = f(*args, **kw)
-            out.square().mean().backward()
+            f(*a, **k).float().square().mean().backward()
         return run
 
-    paths = {"reference": fwd_bwd(hstu_attention_reference), "compiled": fwd_bwd(compiled),
-             "coded": fwd_bwd(lambda *a, **k: hstu_attention_coded(*a, plan=AttentionPlan(), **k))}
+    coded = lambda *a, **k: hstu_attention_coded(*a, plan=AttentionPlan(), **k)  # noqa: E731
+    paths = {"reference": fwd_bwd(hstu_attention_reference, args, kw), "compiled": fwd_bwd(compiled, args, kw),
+             "coded": fwd_bwd(coded, args, kw), "coded_bf16": fwd_bwd(coded, args16, kw16)}
+    if device == "cpu" and hstu_train.supported(*args[:3], kw["max_len"]):
+        native = lambda *a, **k: hstu_train.hstu_attention_native(*a, plan=AttentionPlan(), **k)  # noqa: E731
+        paths["native"] = fwd_bwd(native, args, kw)
+        paths["native_bf16"] = fwd_bwd(native, args16, kw16)
     if device == "cuda":
         from genrec.kernels.triton_hstu import triton_hstu_attention
 
-        paths["triton"] = fwd_bwd(triton_hstu_attention)
-        args16, kw16 = attention_inputs(lengths, 1, 64, device, torch.bfloat16, 200)
-        paths["triton_bf16"] = lambda: triton_hstu_attention(*args16, **kw16).float().square().mean().backward()
+        paths["triton"] = fwd_bwd(triton_hstu_attention, args, kw)
+        paths["triton_bf16"] = fwd_bwd(triton_hstu_attention, args16, kw16)
     times = {k: [] for k in paths}
     for _ in range(rounds):
         for name, fn in paths.items():
             times[name].append(time_call(fn, reps, device))
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"shape": {"batch": 128, "tokens": int(lengths.sum()), "max_len": int(lengths.max()), "heads": 1, "dim": 64,
-                      "lengths_from": source},
+    offsets = args[3]
+    work = sum(flops.causal_attention_flops(offsets, shape["heads"], shape["dqk"], shape["dv"], backward=b)
+               for b in (False, True))
+    return {"shape": {"batch": 128, "tokens": int(lengths.sum()), "max_len": int(lengths.max()),
+                      "heads": shape["heads"], "dqk": shape["dqk"], "dv": shape["dv"], "lengths_from": source,
+                      "from": "configs/hstu.toml"},
+            "gflop_per_call": work / 1e9,
+            "native_bf16_gemms": hstu_train.bf16_gemms() if "native_bf16" in paths else None,
             "ms": {k: v * 1e3 for k, v in med.items()},
+            "gflop_per_s": {k: work / v / 1e9 for k, v in med.items()},
             "speedup_vs_reference": {k: med["reference"] / v for k, v in med.items()}}
 
 
@@ -108,7 +149,8 @@ def bench_train_step(device: str, rounds: int, steps: int) -> dict:
     data = dataset("ml1m")
     # (compile, the tower's attention backend) per variant: "reference" is the config key
     # model.hstu.attention_backend, the pure-PyTorch path, against the default "auto"
-    variants = {"eager": (False, "auto"), "eager_reference_attention": (False, "reference"), "compiled": (True, "auto")}
+    variants = {"eager": (False, "auto"), "eager_reference_attention": (False, "reference"), "compiled": (True, "auto"),
+                "eager_bf16": (False, "auto")}
     batches, steps_of, warm = None, {}, {}
     for name, (comp, backend) in variants.items():
         job = load_job("configs/hstu.toml", [f'--data.path="{data}"', f'--model.hstu.attention_backend="{backend}"'])
@@ -122,8 +164,12 @@ def bench_train_step(device: str, rounds: int, steps: int) -> dict:
             model.tower.compile(dynamic=True)
         opt = build_optimizer(list(model.parameters()), job.train.optim)
 
-        def step(b, model=model, opt=opt) -> None:  # noqa: ANN001
-            model(b.to(device))["loss"].backward()
+        cast = name.endswith("_bf16")
+
+        def step(b, model=model, opt=opt, cast=cast) -> None:  # noqa: ANN001
+            with torch.autocast(device, dtype=torch.bfloat16) if cast else contextlib.nullcontext():
+                loss = model(b.to(device))["loss"]
+            loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 

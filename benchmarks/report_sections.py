@@ -75,15 +75,18 @@ def train_speed(d: dict) -> list[str]:
 
 
 def kernels(d: dict) -> list[str]:
-    rows = [[path, num(ms, ".2f"), num(get(d, f"attention.speedup_vs_reference.{path}"), ".2f", "x")]
+    rows = [[path, num(ms, ".1f"), num(get(d, f"attention.gflop_per_s.{path}"), ".0f"),
+             num(get(d, f"attention.speedup_vs_reference.{path}"), ".2f", "x")]
             for path, ms in sorted(get(d, "attention.ms").items())] if get(d, "attention.ms") else []
+    shape = get(d, "attention.shape") or {}
     steps = [[name, num(v.get("s_per_step"), ".3f"), num(v.get("sequences_per_s"), ".0f")]
              for name, v in sorted((get(d, "train_step") or {}).items()) if isinstance(v, dict)]
     dev = d.get("device", "cpu")
     cmd = command(d, "python -m genrec.benchmarks.kernels" + ("" if dev == "cpu" else f" --device {dev}"))
-    return [f"## Kernels ({dev}): HSTU attention forward + backward, ML-1M-shaped batch", "",
-            "Anchor: the pure-PyTorch reference (1.00x).", "",
-            *table(["path", "ms", "vs reference"], rows), "",
+    return [f"## Kernels ({dev}): HSTU attention forward + backward", "",
+            f"Anchor: the pure-PyTorch reference (1.00x). An ML-1M batch of 128 users, {shape.get('heads', MISSING)} head(s) of "
+            f"{shape.get('dqk', shape.get('dim', MISSING))}; GFLOP/s over the causal triangle's GEMMs.", "",
+            *table(["path", "ms", "GFLOP/s", "vs reference"], rows), "",
             *table(["training step", "s/step", "sequences/s"], steps), *footer(d, cmd)]
 
 

@@ -40,7 +40,7 @@ def train_speed_summary(d: dict) -> tuple[str, str]:
 def kernels_summary(d: dict) -> tuple[str, str]:
     ratios = get(d, "attention.speedup_vs_reference") or {}
     best = max(ratios, key=lambda k: ratios[k], default=None)
-    return (f"HSTU attention, {best or MISSING} path: {num(ratios.get(best) if best else None, '.2f', 'x')} "
+    return (f"HSTU attention: {best or MISSING} {num(ratios.get(best) if best else None, '.2f', 'x')} "
             "the reference", "pure-PyTorch reference 1.00x")
 
 
