@@ -85,6 +85,8 @@ def _eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", help="dataset directory (default: the run's); required with --baseline")
     p.add_argument("--baseline", choices=["popular", "transition"], help="evaluate a non-neural baseline instead")
     p.add_argument("--json", action="store_true", help="print metrics as JSON")
+    p.add_argument("--vs", metavar="RUN", help="another retrieval run: the paired difference (run - RUN, its "
+                   "chosen checkpoint) over the users both rank on the split, with its standard error")
 
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:

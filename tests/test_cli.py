@@ -49,7 +49,7 @@ def cli(capfd, *args):
                            "--files", "--partition", "--no-progress"]),
     (["data", "inspect"], ["usage: genrec data inspect ", "--verify"]),
     (["train"], ["usage: genrec train ", "--config", "--resume", "--print-config"]),
-    (["eval"], ["usage: genrec eval ", "--run", "--split", "--baseline", "--json"]),
+    (["eval"], ["usage: genrec eval ", "--run", "--split", "--baseline", "--json", "--vs"]),
 ])
 def test_help_names_each_commands_own_usage_and_options(capfd, cmd, words):
     code, out, _ = cli(capfd, *cmd, "--help")
@@ -179,6 +179,19 @@ def test_data_train_eval_round_trip(tmp_path, tiny_config):
     assert again.keys() >= {"hr@10", "ndcg@10", "mrr"}
     table = genrec("eval", "--run", run).stdout
     assert f"| {run.name}/{results['best_checkpoint']} (test) | {test['hr@1']:.4f} | {test['hr@10']:.4f} |" in table
+    # two runs side by side: the paired difference is that of their per-user figures on the split
+    genrec("train", "--config", tiny_config, *tiny_job_overrides(data, tmp_path / "other"),
+           "--train.max_epochs=1", "--model.hstu.num_layers=1")
+    other = next((tmp_path / "other" / "tiny").iterdir())
+    mine = json.loads(genrec("eval", "--run", run, "--split", "valid", "--json").stdout)
+    theirs = json.loads(genrec("eval", "--run", other, "--split", "valid", "--json").stdout)
+    paired = json.loads(genrec("eval", "--run", run, "--vs", other, "--split", "valid", "--json").stdout)["paired_vs"]
+    assert paired["ndcg@10"]["users"] == mine["users"] == theirs["users"]
+    for key in ("hr@10", "ndcg@10"):
+        assert paired[key]["difference"] == pytest.approx(mine[key] - theirs[key], abs=1e-9)
+    assert paired["ndcg@10"]["difference"] != 0 and 0 < paired["ndcg@10"]["se"] < mine["ndcg@10_se"] + theirs["ndcg@10_se"]
+    assert f"{run.name} (valid) - {other.name}, paired over {mine['users']} users" in genrec(
+        "eval", "--run", run, "--vs", other, "--split", "valid").stdout
     # a baseline: the CLI's numbers are the library's on the split asked for
     base = json.loads(genrec("eval", "--baseline", "transition", "--data", data, "--split", "valid", "--json").stdout)
     job = load_job(None, [f'--data.path="{data}"'])

@@ -187,14 +187,36 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
             metrics, path = evaluate_run(Path(args.run), args.checkpoint, args.split, args.data)
             log.info(f"{path}: " + json.dumps(metrics), extra={"file_only": True})
         name = f"{Path(args.run).name}/{path.name}"
+    paired = paired_runs(Path(args.run), args.checkpoint, Path(args.vs), args.split, args.data) if args.vs else None
     if args.json:
-        print(json.dumps(metrics, indent=2))
+        print(json.dumps(metrics if paired is None else {**metrics, "paired_vs": paired[0]}, indent=2))
         return 0
     tables = [format_table({f"{name} ({args.split})": metrics})] if "ndcg@10" in metrics else []
     if any("/" in k for k in metrics):
         tables.append(task_table(metrics, args.split))
-    print("\n\n".join(tables))
+    print("\n\n".join(tables + ([paired[1]] if paired else [])))
     return 0
+
+
+def paired_runs(run: Path, checkpoint: str | None, other: Path, split: str,
+                data: str | None = None) -> tuple[dict, str]:
+    """``run - other`` on ``split`` (each run's chosen checkpoint; ``checkpoint`` for ``run``),
+    paired over the users both rank: {metric: (difference, standard error)} and the line that
+    prints it. Two recipes read on one validation split differ far less per user than their
+    means' errors say; this is the error to compare them by."""
+    from genrec.train.data.reader import make_reader
+    from genrec.train.eval.paired import format_paired, model_ranks, paired_difference
+
+    ranks = []
+    for path, ckpt in ((run, checkpoint), (other, None)):
+        job, model, emb, _ = load_run_model(path, ckpt, data)
+        if job.model.sid.enabled:
+            raise SystemExit(f"genrec eval --vs compares retrieval runs; {path} is not one")
+        ranks.append(model_ranks(model, make_reader(job.data, split, emb, job.model.max_seq_len), job.eval))
+    diff = paired_difference(*ranks)
+    users = len(ranks[0].keys() & ranks[1].keys())
+    return ({k: {"difference": d, "se": se, "users": users} for k, (d, se) in diff.items()},
+            format_paired(f"{run.name} ({split})", other.name, diff, users))
 
 
 def cmd_demo(args: argparse.Namespace, overrides: list[str]) -> int:
