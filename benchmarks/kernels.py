@@ -46,16 +46,20 @@ from genrec.kernels.hstu_attention import (
     hstu_attention_reference,
 )
 from genrec.kernels.jagged import lengths_to_offsets
+from genrec.models.hstu import HSTUConfig
 
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "hstu.toml"
 
 
 def recipe_shape(path: Path = RECIPE) -> dict:
-    """The shipped recipe's attention shape: heads, qk / v head sizes, max_seq_len, time buckets."""
+    """The shipped recipe's attention shape: heads, qk / v head sizes, max_seq_len, time buckets
+    (its ``[model.hstu]`` table read through ``HSTUConfig``, so unset keys take the tower's
+    defaults; TOML directly, not ``load_job``, which imports torchrec: the GPU check runs this
+    where only torch and Triton are installed)."""
     cfg = tomllib.loads(path.read_text())
-    hstu = cfg["model"]["hstu"]
-    return {"heads": hstu["num_heads"], "dqk": hstu["qk_dim"], "dv": hstu["v_dim"],
-            "max_seq_len": cfg["model"]["max_seq_len"], "time_buckets": hstu.get("num_time_buckets", 64)}
+    hstu = HSTUConfig(**cfg["model"]["hstu"])
+    return {"heads": hstu.num_heads, "dqk": hstu.qk_dim, "dv": hstu.v_dim,
+            "max_seq_len": cfg["model"]["max_seq_len"], "time_buckets": hstu.num_time_buckets}
 
 
 def ml1m_lengths(batch: int, cap: int, seed: int) -> tuple[torch.Tensor, str]:
@@ -128,8 +132,7 @@ def bench_attention(device: str, rounds: int, reps: int, shape: dict | None = No
         for name, fn in paths.items():
             times[name].append(time_call(fn, reps, device))
     med = {k: statistics.median(v) for k, v in times.items()}
-    offsets = args[3]
-    work = sum(flops.causal_attention_flops(offsets, shape["heads"], shape["dqk"], shape["dv"], backward=b)
+    work = sum(flops.causal_attention_flops(args[3], shape["heads"], shape["dqk"], shape["dv"], backward=b)
                for b in (False, True))
     return {"shape": {"batch": 128, "tokens": int(lengths.sum()), "max_len": int(lengths.max()),
                       "heads": shape["heads"], "dqk": shape["dqk"], "dv": shape["dv"], "lengths_from": source,
@@ -153,7 +156,7 @@ def bench_train_step(device: str, rounds: int, steps: int) -> dict:
                 "eager_bf16": (False, "auto")}
     batches, steps_of, warm = None, {}, {}
     for name, (comp, backend) in variants.items():
-        job = load_job("configs/hstu.toml", [f'--data.path="{data}"', f'--model.hstu.attention_backend="{backend}"'])
+        job = load_job(RECIPE, [f'--data.path="{data}"', f'--model.hstu.attention_backend="{backend}"'])
         torch.manual_seed(0)
         model, emb = build_model(job)
         model = model.to(device)
