@@ -1,9 +1,10 @@
-"""bf16 inference ops for scoring many candidates on CPU: a linear layer and SiLU.
+"""bf16 inference ops for scoring many candidates on CPU: the candidates' attention, a linear
+layer and SiLU.
 
-What the candidates' bf16 path (``candidate_precision = "bf16"``) runs besides its attention
-GEMMs (``kernels.hstu_candidates``): the tower's linear layers and the ranking head's MLP, in
-bf16 with fp32 accumulation inside the GEMM (oneDNN), and SiLU over their bf16 outputs in our
-own pass (``kernels/cpu/bf16_ops.cpp``: good to bf16's rounding, about half the cost of
+What the candidates' bf16 path (``candidate_precision = "bf16"``) runs: the candidates'
+attention against a cached history in one native kernel (:func:`candidate_attention`, where
+the CPU has AVX512-BF16), the tower's linear layers and the ranking head's MLP in bf16 with
+fp32 accumulation inside the GEMM (oneDNN), and SiLU over their bf16 outputs in our own pass (``kernels/cpu/bf16_ops.cpp``: good to bf16's rounding, about half the cost of
 oneDNN's SiLU epilogue and a quarter of PyTorch's fp32 SiLU over the same values). Where the
 pass is not built vectorised for this CPU (no AVX512-BF16, no compiler, ``GENREC_NATIVE=0``),
 PyTorch's SiLU runs instead, with the same results to bf16 rounding.
@@ -58,6 +59,55 @@ def _silu_grad_pass() -> ctypes._CFuncPtr | None:
     f = native.library("bf16_ops").genrec_silu_backward_bf16
     f.argtypes, f.restype = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
     return f
+
+
+@functools.cache
+def _candidates_pass() -> ctypes._CFuncPtr | None:
+    """``genrec_candidates_bf16`` where the SiLU pass is vectorised (the kernel is built only
+    there); else None."""
+    if _silu_pass() is None:
+        return None
+    f = native.library("bf16_ops").genrec_candidates_bf16
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    f.argtypes = [i64, i64, i64, i64, *[ptr, i64] * 3, ptr, ptr, i64, ptr, i64, f32, f32, f32, ptr, i64]
+    f.restype = ctypes.c_int
+    return f
+
+
+def fused_candidates(qk_dim: int, v_dim: int) -> bool:
+    """Whether :func:`candidate_attention` runs heads of these dims on this CPU."""
+    return _candidates_pass() is not None and qk_dim % 2 == 0 and v_dim in (16, 32, 64, 128)
+
+
+def candidate_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, own_k: torch.Tensor,
+                        own_v: torch.Tensor, alpha: float, own_bias: float, scale: float,
+                        out: torch.Tensor) -> torch.Tensor:
+    """One user's candidates, one head, in one native pass (``kernels/cpu/bf16_ops.cpp``)::
+
+        out = scale * (SiLU(alpha q k^T + bias) v + SiLU(alpha (q * own_k).sum(-1) + own_bias) own_v)
+
+    q, own_k [c, d], own_v and ``out`` [c, dv], the history's keys k [n, d] and values v [n, dv],
+    bias [n]: fp32, rows may be strided (unit last stride). The history's part runs in bf16 with
+    fp32 sums: the scores stay in registers, SiLU runs on their fp32 sums (:func:`silu_`'s
+    approximation) and they are rounded to bf16 once for the value GEMM, as the two-GEMM path
+    rounds its score block; the candidates' own term stays in fp32. Only where
+    :func:`fused_candidates` says so."""
+    f = _candidates_pass()
+    c, d = q.shape
+    n, dv = v.shape
+    if f is None or not fused_candidates(d, dv):
+        raise ValueError(f"no native candidates' attention for dims {d} / {dv} here (see fused_candidates)")
+    ts = (q, k, v, bias, own_k, own_v, out)
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in ts):
+        raise TypeError("candidate_attention takes fp32 CPU tensors")
+    if (k.shape != (n, d) or bias.shape != (n,) or own_k.shape != (c, d) or own_v.shape != (c, dv)
+            or out.shape != (c, dv) or not bias.is_contiguous() or any(t.stride(-1) != 1 for t in ts)):
+        raise ValueError("candidate_attention: q, own_k [c, d], k [n, d], v [n, dv], bias [n], own_v, out [c, dv]")
+    if f(c, n, d, dv, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+         bias.data_ptr(), own_k.data_ptr(), own_k.stride(0), own_v.data_ptr(), own_v.stride(0), alpha, own_bias,
+         scale, out.data_ptr(), out.stride(0)):
+        raise RuntimeError("genrec_candidates_bf16 refused its arguments")
+    return out
 
 
 class _Silu(torch.autograd.Function):

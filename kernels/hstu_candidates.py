@@ -28,6 +28,14 @@ pass is not vectorised for the CPU). The candidates' own term and the 1 / N scal
 inputs' dtype. oneDNN builds a kernel per GEMM shape, so the bf16 GEMMs see shapes rounded up to a few sizes (:func:`bucket`, zero
 padding), not each call's own history length and candidate count.
 
+Where the CPU has AVX512-BF16 and the heads' dims suit it (``bf16_ops.fused_candidates``: an
+even key dim, a value dim of 16 to 128), bf16 runs none of the above: one native pass per user
+and head (``bf16_ops.candidate_attention``, ``kernels/cpu/bf16_ops.cpp``) computes a block of
+candidates' scores in registers, SiLU on their fp32 sums, the value GEMM from a small bf16
+buffer in L1, the candidates' own term and the scale, so no score block goes to memory and no
+Python runs per block (measured against the two GEMMs and the pass:
+``benchmarks/notes/2026-12-06-fused-candidates.md``).
+
 Inference only: under autograd the op falls back to the coded backend (its backward).
 """
 
@@ -158,6 +166,9 @@ def hstu_cached_attention_blocked(
     tw = time_weights if use_time else None
     gemm = dtype or q.dtype
     fused = _fused_silu(gemm, q)
+    if fused and all(t.dtype == torch.float32 for t in (q, k, v, k_hist, v_hist)) and bf16_ops.fused_candidates(
+            q.shape[-1], v.shape[-1]):
+        return _native(q, k, v, k_hist, v_hist, layout, alpha, pos_weights, tw, max_seq_len)
     fast = fused and bf16_ops.fast_silu()  # (our SiLU pass after the GEMM, else oneDNN's epilogue)
     qs = q if layout.order is None else q[layout.order]
     qg = (qs * alpha).to(gemm) if fused else qs.to(gemm)  # (no copy where the dtype is already)
@@ -190,3 +201,22 @@ def hstu_cached_attention_blocked(
     zero = bias_entries(pos_weights, tw, layout.code.new_zeros(1), max_seq_len, q.dtype)  # distance 0, time gap 0
     self_score = (q * k).sum(-1).mul_(alpha).add_(zero)  # [C, H]
     return out.add_(F.silu(self_score)[..., None] * v).div_(max_seq_len)
+
+
+def _native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_hist: torch.Tensor, v_hist: torch.Tensor,
+            layout: CandidateLayout, alpha: float, pos_weights: torch.Tensor | None, tw: torch.Tensor | None,
+            max_seq_len: int) -> torch.Tensor:
+    """:func:`hstu_cached_attention_blocked` in bf16 as one native pass per user and head
+    (``bf16_ops.candidate_attention``): the scores, SiLU, the value GEMM, the candidates' own
+    term and the 1 / N scale, no score block in memory and no Python per block."""
+    c, h = q.shape[0], q.shape[1]
+    qs, ks, vs = (t if layout.order is None else t[layout.order] for t in (q, k, v))
+    k_hist, v_hist = (t if t.stride(-1) == 1 else t.contiguous() for t in (k_hist, v_hist))
+    bias = bias_entries(pos_weights, tw, layout.code, max_seq_len, torch.float32).contiguous()  # [Th]
+    own = float(bias_entries(pos_weights, tw, layout.code.new_zeros(1), max_seq_len, torch.float32))  # distance 0
+    out = torch.empty(c, h, v.shape[-1])
+    for c0, c1, s, n in layout.users:
+        for hd in range(h):
+            bf16_ops.candidate_attention(qs[c0:c1, hd], k_hist[s : s + n, hd], v_hist[s : s + n, hd], bias[s : s + n],
+                                         ks[c0:c1, hd], vs[c0:c1, hd], alpha, own, 1.0 / max_seq_len, out[c0:c1, hd])
+    return out if layout.order is None else torch.empty_like(out).index_copy_(0, layout.order, out)

@@ -95,6 +95,62 @@ def test_the_candidates_blocks_take_the_native_silu_where_it_is_built(monkeypatc
     torch.testing.assert_close(got, want, atol=2e-2 * float(want.abs().max()), rtol=0)
 
 
+def _attention_fp32(q, k, v, bias, own_k, own_v, alpha, own_bias, scale):  # noqa: ANN001, ANN202
+    s = alpha * q @ k.T + bias
+    own = F.silu(alpha * (q * own_k).sum(-1) + own_bias)
+    return scale * (F.silu(s) @ v + own[:, None] * own_v)
+
+
+@pytest.mark.parametrize("c,n,d,dv", [(2000, 1100, 64, 64), (13, 100, 24, 16), (7, 1, 64, 32), (301, 777, 64, 128),
+                                      (5, 0, 64, 64), (17, 33, 2, 16), (9, 65, 34, 32)])
+def test_the_native_candidates_attention_is_fp32s_to_bf16_rounding(c, n, d, dv):
+    """``candidate_attention`` (scores, SiLU, value GEMM, own term, scale in one pass) against
+    the fp32 formula: within bf16's rounding (0.6% of the output's scale), on shapes whose
+    candidates fill no block of 6 (or 2) rows, whose keys fill no tile of 16 or 64, with dims
+    that are not a multiple of 16, an empty history, and rows read strided (one head of two)."""
+    if not bf16_ops.fused_candidates(d, dv):
+        pytest.skip("no native candidates' attention on this CPU (AVX512-BF16)")
+    g = torch.Generator().manual_seed(c + n)
+    mk = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    q, own_k, own_v = mk(c, 2, d)[:, 1] * 0.2, mk(c, 2, d)[:, 0], mk(c, 2, dv)[:, 1]
+    k, v, bias = mk(n, 2, d)[:, 0], mk(n, 2, dv)[:, 1], mk(n) * 0.3
+    out = torch.full((c, 2, dv), float("nan"))[:, 0]
+    got = bf16_ops.candidate_attention(q, k, v, bias, own_k, own_v, 0.7, 0.1, 1 / 300, out)
+    want = _attention_fp32(q, k, v, bias, own_k, own_v, 0.7, 0.1, 1 / 300)
+    scale = float(want.abs().max())
+    torch.testing.assert_close(got, want, atol=6e-3 * scale, rtol=0)
+    far = _attention_fp32(q, k, v, bias * 0, own_k, own_v, 0.7, 0.1, 1 / 300)  # the bias left out
+    if n > 1:
+        assert (far - want).abs().max() > 5 * (got - want).abs().max()
+
+
+def test_the_bf16_candidates_take_the_native_attention_where_it_is_built(monkeypatch):
+    """The blocked scorer in bf16 with heads the kernel covers: every (user, head) through
+    ``candidate_attention``, none through the two-GEMM blocks, the answers of fp32 to bf16's
+    rounding: two heads, users in any order, one with an empty history."""
+    if hc._linear_pointwise is None or not bf16_ops.fused_candidates(16, 16):
+        pytest.skip("no native candidates' attention on this CPU, or no oneDNN linear")
+    calls, gemms = [], []
+    orig = bf16_ops.candidate_attention
+    monkeypatch.setattr(bf16_ops, "candidate_attention", lambda *a: (calls.append(a[0].shape), orig(*a))[1])
+    monkeypatch.setattr(hc, "_linear_pointwise", lambda *a: gemms.append(1))
+    g = torch.Generator().manual_seed(2)
+    lens = torch.tensor([700, 0, 90])
+    t, c = int(lens.sum()), 400
+    kh, vh = torch.randn(t, 2, 16, generator=g), torch.randn(t, 2, 16, generator=g)
+    q, k, v = (torch.randn(c, 2, 16, generator=g) for _ in range(3))
+    owner = torch.randint(0, 3, (c,), generator=g)
+    kw = dict(max_seq_len=1000, alpha=0.25, pos_weights=torch.randn(1000, generator=g) * 0.1,
+              time_weights=torch.randn(8, generator=g) * 0.1, hist_times=torch.arange(t) * 50,
+              request_times=torch.tensor([40_000, 40_000, 40_000]))
+    offsets = torch.tensor([0, 700, 700, t])
+    with torch.inference_mode():
+        got = hc.hstu_cached_attention_blocked(q, k, v, kh, vh, offsets, owner, dtype=torch.bfloat16, **kw)
+        want = hc.hstu_cached_attention_blocked(q, k, v, kh, vh, offsets, owner, **kw)
+    assert len(calls) == 2 * 3 and not gemms
+    torch.testing.assert_close(got, want, atol=1e-2 * float(want.abs().max()), rtol=0)
+
+
 def test_the_ranking_head_in_bf16_is_fp32s_to_its_rounding():
     """``RankingHead(dtype=bf16)``: the MLP's GEMMs and SiLUs in bf16 (what a bf16 call scores
     with), logits within bf16's rounding of fp32's and far closer than another head's."""
