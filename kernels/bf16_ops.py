@@ -175,9 +175,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sil
     SiLU where ``silu``. On CPU the rows are zero-padded to a :func:`bucket` size for the GEMM."""
     n = x.shape[0]
     cpu = x.device.type == "cpu"
-    xb = x.to(torch.bfloat16)
-    if cpu:
-        xb = zero_padded(xb, bucket(n))
+    if cpu and bucket(n) != n:  # cast into the padded rows: one copy, not a cast and a pad
+        xb = x.new_empty(bucket(n), *x.shape[1:], dtype=torch.bfloat16)
+        xb[:n].copy_(x)
+        xb[n:].zero_()
+    else:
+        xb = x.to(torch.bfloat16)
     xb, wb = xb.contiguous(), weight.to(torch.bfloat16)
     bb = bias.to(torch.bfloat16) if bias is not None else None
     if linear_pointwise is not None and cpu:

@@ -42,9 +42,8 @@ inline float silu_scalar(float x) {
 }
 
 #if GENREC_BF16_VEC
-// sigmoid(x) = 1 / (1 + 2^(-x log2 e)), 2^t from the cubic on t's fraction
-inline __m512 sigmoid16(__m512 x) {
-  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(-kLog2e));
+// 1 / (1 + 2^t) = sigmoid(x) for t = -x log2 e, 2^t from the cubic on t's fraction
+inline __m512 sigmoid16_of_t(__m512 t) {
   __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // t - floor(t), one op
   __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(kC3), f, _mm512_set1_ps(kC2));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kC1));
@@ -52,6 +51,9 @@ inline __m512 sigmoid16(__m512 x) {
   __m512 e = _mm512_scalef_ps(p, t);  // p * 2^floor(t): +inf past float range, and rcp14(inf) = 0
   return _mm512_rcp14_ps(_mm512_add_ps(e, _mm512_set1_ps(1.f)));
 }
+
+// sigmoid(x) = 1 / (1 + 2^(-x log2 e))
+inline __m512 sigmoid16(__m512 x) { return sigmoid16_of_t(_mm512_mul_ps(x, _mm512_set1_ps(-kLog2e))); }
 
 inline __m512 silu16(__m512 x) { return _mm512_mul_ps(x, sigmoid16(x)); }
 
@@ -143,6 +145,11 @@ constexpr int64_t kSpan = 1024;   // keys per span, kept in L2 while every row b
 
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
+// The scores arrive as t = -log2(e) x (q and the bias scaled so, once a call), which spares the
+// sigmoid its first multiply: t sigmoid(x) = SiLU(x) / -ln 2, and the -ln 2 joins the final scale.
+constexpr float kLn2 = 0.6931471805599453f;
+inline __m512 silu_t(__m512 t) { return _mm512_mul_ps(t, sigmoid16_of_t(t)); }
+
 // keys k [n, d] fp32 (rows ks apart) -> [n_pad/16 tiles][d/2 pairs][16 keys] dwords of bf16 pairs:
 // each key's row rounded to bf16 pairs 16 at a time, its dwords stored 16 apart (plain stores:
 // the AVX-512 gathers of a first version took most of the packing's time on Zen 4)
@@ -206,8 +213,8 @@ void rows_block(const uint16_t* const* q, int64_t pairs, const uint32_t* kp, con
       for (int i = 0; i < 4; ++i) bb[i] = _mm512_loadu_ps(bias + c0 + 16 * i);
       for (int r = 0; r < kRows; ++r) {
         uint16_t* pr = p + r * kRound + (c0 - r0);
-        const __m512 s0 = silu16(_mm512_add_ps(acc[r][0], bb[0])), s1 = silu16(_mm512_add_ps(acc[r][1], bb[1]));
-        const __m512 s2 = silu16(_mm512_add_ps(acc[r][2], bb[2])), s3 = silu16(_mm512_add_ps(acc[r][3], bb[3]));
+        const __m512 s0 = silu_t(_mm512_add_ps(acc[r][0], bb[0])), s1 = silu_t(_mm512_add_ps(acc[r][1], bb[1]));
+        const __m512 s2 = silu_t(_mm512_add_ps(acc[r][2], bb[2])), s3 = silu_t(_mm512_add_ps(acc[r][3], bb[3]));
         _mm512_storeu_si512(pr, (__m512i)_mm512_cvtne2ps_pbh(s1, s0));
         _mm512_storeu_si512(pr + 32, (__m512i)_mm512_cvtne2ps_pbh(s3, s2));
       }
@@ -291,16 +298,16 @@ int genrec_candidates_bf16(int64_t c, int64_t n, int64_t d, int64_t dv, const fl
   if (c < 0 || n < 0 || d <= 0 || d % 2 || !(dv == 16 || dv == 32 || dv == 64 || dv == 128)) return 1;
   if (c == 0) return 0;
   const int64_t n_pad = (n + kKeys - 1) / kKeys * kKeys;
-  const int rows = dv == 128 ? 2 : 6;  // a block's score tile (rows x 4) and P V sums (rows x dv/16) in registers
+  const int rows = dv == 128 ? 2 : 5;  // a block's score tile (rows x 4) and P V sums (rows x dv/16) in registers
   const int64_t c_pad = (c + rows - 1) / rows * rows;
   // the packed operands and sums, kept per thread between calls (no fresh megabytes a call)
   thread_local std::vector<float> obuf, bp;
-  thread_local std::vector<uint16_t> qp;
+  thread_local std::vector<uint16_t> qp;  // -log2(e) alpha q in bf16
   thread_local std::vector<uint32_t> kp, vp;
   obuf.assign(size_t(c_pad * dv), 0.f);
   if (n_pad > 0) {
-    qp.assign(size_t(c_pad * d), 0);  // alpha q in bf16, zero rows past c
-    const __m512 al = _mm512_set1_ps(alpha);
+    qp.assign(size_t(c_pad * d), 0);  // zero rows past c
+    const __m512 al = _mm512_set1_ps(-kLog2e * alpha);
     for (int64_t i = 0; i < c; ++i)
       for (int64_t e = 0; e < d; e += 16) {
         const __mmask16 m = d - e >= 16 ? __mmask16(0xffff) : __mmask16((1u << (d - e)) - 1);
@@ -312,10 +319,10 @@ int genrec_candidates_bf16(int64_t c, int64_t n, int64_t d, int64_t dv, const fl
     bp.assign(size_t(n_pad), 0.f);
     pack_keys(k, k_s, n, d, n_pad, kp.data());
     pack_values(v, v_s, n, dv, n_pad, vp.data());
-    std::memcpy(bp.data(), bias, sizeof(float) * size_t(n));
-    if (dv == 16) candidates<6, 1>(c_pad, n_pad, d, qp.data(), kp.data(), vp.data(), bp.data(), obuf.data());
-    else if (dv == 32) candidates<6, 2>(c_pad, n_pad, d, qp.data(), kp.data(), vp.data(), bp.data(), obuf.data());
-    else if (dv == 64) candidates<6, 4>(c_pad, n_pad, d, qp.data(), kp.data(), vp.data(), bp.data(), obuf.data());
+    for (int64_t j = 0; j < n; ++j) bp[size_t(j)] = -kLog2e * bias[j];
+    if (dv == 16) candidates<5, 1>(c_pad, n_pad, d, qp.data(), kp.data(), vp.data(), bp.data(), obuf.data());
+    else if (dv == 32) candidates<5, 2>(c_pad, n_pad, d, qp.data(), kp.data(), vp.data(), bp.data(), obuf.data());
+    else if (dv == 64) candidates<5, 4>(c_pad, n_pad, d, qp.data(), kp.data(), vp.data(), bp.data(), obuf.data());
     else candidates<2, 8>(c_pad, n_pad, d, qp.data(), kp.data(), vp.data(), bp.data(), obuf.data());
   }
   for (int64_t i = 0; i < c; ++i) {
@@ -326,7 +333,7 @@ int genrec_candidates_bf16(int64_t c, int64_t n, int64_t d, int64_t dv, const fl
     }
     const float s = alpha * _mm512_reduce_add_ps(dot) + self_bias;
     const float g = s / (1.f + std::exp(-s));
-    for (int64_t e = 0; e < dv; ++e) out[i * out_s + e] = scale * (obuf[size_t(i * dv + e)] + g * cv[i * cv_s + e]);
+    for (int64_t e = 0; e < dv; ++e) out[i * out_s + e] = scale * (-kLn2 * obuf[size_t(i * dv + e)] + g * cv[i * cv_s + e]);
   }
   return 0;
 #else
