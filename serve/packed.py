@@ -43,9 +43,10 @@ def packed_supports(model: GenerativeRecommender) -> bool:
 
 
 # candidate_precision "auto" (serve.scoring) scores a micro-batch in bf16 from this many candidate
-# x history-event pairs: below it the fp32 native kernel is faster than bf16's PyTorch GEMMs and
-# their conversions (the crossover measured on an AVX512-BF16 CPU: benchmarks/notes/2026-12-05-bf16-crossover.md)
-BF16_FROM_PAIRS = 500_000
+# x history-event pairs: below it the fp32 native kernel is faster than bf16's conversions and
+# dispatch (the crossover measured on an AVX512-BF16 CPU, with the fused bf16 attention:
+# benchmarks/notes/2026-12-06-fused-candidates.md)
+BF16_FROM_PAIRS = 200_000
 
 
 class PackedPath:
