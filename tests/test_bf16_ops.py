@@ -124,6 +124,25 @@ def test_the_native_candidates_attention_is_fp32s_to_bf16_rounding(c, n, d, dv):
         assert (far - want).abs().max() > 5 * (got - want).abs().max()
 
 
+def test_the_native_candidates_attention_splits_its_blocks_between_threads_exactly():
+    """Enough candidates for the pass to share its row blocks between PyTorch's threads: the
+    same answers bit for bit with one thread and with two (each block is one thread's)."""
+    if not bf16_ops.fused_candidates(64, 64):
+        pytest.skip("no native candidates' attention on this CPU (AVX512-BF16)")
+    g = torch.Generator().manual_seed(4)
+    c, n = 203, 300
+    q, own_k, k = (torch.randn(m, 64, generator=g) for m in (c, c, n))
+    own_v, v, bias = torch.randn(c, 64, generator=g), torch.randn(n, 64, generator=g), torch.randn(n, generator=g)
+    threads, outs = torch.get_num_threads(), []
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            outs.append(bf16_ops.candidate_attention(q, k, v, bias, own_k, own_v, 0.125, 0.0, 0.01, torch.empty(c, 64)))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_the_bf16_candidates_take_the_native_attention_where_it_is_built(monkeypatch):
     """The blocked scorer in bf16 with heads the kernel covers: every (user, head) through
     ``candidate_attention``, none through the two-GEMM blocks, the answers of fp32 to bf16's
