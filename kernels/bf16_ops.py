@@ -161,12 +161,15 @@ def bucket(n: int) -> int:
     return -(-n // step) * step
 
 
-def zero_padded(t: torch.Tensor, n: int) -> torch.Tensor:
-    """``t`` [m, ...] with zero rows after it to n rows (``t`` itself where m = n)."""
+def zero_padded(t: torch.Tensor, n: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t`` [m, ...] in ``dtype`` (default its own) with zero rows after it to n rows: one copy
+    that casts too (``t`` itself where m = n and the dtype is its own)."""
+    dtype = dtype or t.dtype
     if t.shape[0] == n:
-        return t
-    out = t.new_zeros(n, *t.shape[1:])
-    out[: t.shape[0]] = t
+        return t.to(dtype)
+    out = t.new_empty(n, *t.shape[1:], dtype=dtype)
+    out[: t.shape[0]].copy_(t)
+    out[t.shape[0] :].zero_()
     return out
 
 
@@ -175,12 +178,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sil
     SiLU where ``silu``. On CPU the rows are zero-padded to a :func:`bucket` size for the GEMM."""
     n = x.shape[0]
     cpu = x.device.type == "cpu"
-    if cpu and bucket(n) != n:  # cast into the padded rows: one copy, not a cast and a pad
-        xb = x.new_empty(bucket(n), *x.shape[1:], dtype=torch.bfloat16)
-        xb[:n].copy_(x)
-        xb[n:].zero_()
-    else:
-        xb = x.to(torch.bfloat16)
+    xb = zero_padded(x, bucket(n) if cpu else n, torch.bfloat16)
     xb, wb = xb.contiguous(), weight.to(torch.bfloat16)
     bb = bias.to(torch.bfloat16) if bias is not None else None
     if linear_pointwise is not None and cpu:

@@ -186,10 +186,11 @@ void pack_values(const float* v, int64_t vs, int64_t n, int64_t dv, int64_t n_pa
   }
 }
 
-// kRows candidate rows (q[r]: each row's d bf16) against keys [k0, k1) (multiples of kKeys):
-// o [kRows][NV * 16] fp32 accumulates; p: the rows' bf16 P buffer [kRows][kRound].
+// kRows candidate rows (q: kRows rows of 2 x pairs bf16, one after another) against keys [k0, k1)
+// (multiples of kKeys): o [kRows][NV * 16] fp32 accumulates; p: the rows' bf16 P buffer
+// [kRows][kRound].
 template <int kRows, int NV>
-void rows_block(const uint16_t* const* q, int64_t pairs, const uint32_t* kp, const uint32_t* vp, const float* bias,
+void rows_block(const uint16_t* q, int64_t pairs, const uint32_t* kp, const uint32_t* vp, const float* bias,
                 int64_t k0, int64_t k1, float* o, uint16_t* p) {
   constexpr int64_t dv = NV * 16;
   for (int64_t r0 = k0; r0 < k1; r0 += kRound) {
@@ -204,7 +205,7 @@ void rows_block(const uint16_t* const* q, int64_t pairs, const uint32_t* kp, con
         for (int i = 0; i < 4; ++i) b[i] = _mm512_loadu_si512(kt + (i * pairs + e) * 16);
         for (int r = 0; r < kRows; ++r) {
           int32_t w;
-          std::memcpy(&w, q[r] + 2 * e, sizeof w);
+          std::memcpy(&w, q + (r * pairs + e) * 2, sizeof w);
           const __m512bh a = as_bh(_mm512_set1_epi32(w));
           for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], a, as_bh(b[i]));
         }
@@ -248,9 +249,7 @@ void candidates(int64_t c_pad, int64_t n_pad, int64_t d, const uint16_t* qp, con
 #pragma omp parallel for schedule(static) if (blocks >= 16)
     for (int64_t b = 0; b < blocks; ++b) {
       alignas(64) uint16_t pbuf[kRows * kRound];
-      const uint16_t* rows[kRows];
-      for (int r = 0; r < kRows; ++r) rows[r] = qp + (b * kRows + r) * d;
-      rows_block<kRows, NV>(rows, d / 2, kp, vp, bias, s0, s1, obuf + b * kRows * dv, pbuf);
+      rows_block<kRows, NV>(qp + b * kRows * d, d / 2, kp, vp, bias, s0, s1, obuf + b * kRows * dv, pbuf);
     }
   }
 }
