@@ -146,6 +146,9 @@ def test_eval_needs_a_run_or_a_baseline_with_data(capfd, tmp_path):
     assert code == 1 and "--baseline needs --data DIR" in err
     code, _, err = cli(capfd, "eval", "--run", tmp_path)
     assert code == 2 and f"{tmp_path}" in err and "config.toml" in err
+    # --vs compares two runs: with a baseline there is no run to pair (it crashed on a None path)
+    code, _, err = cli(capfd, "eval", "--baseline", "popular", "--data", tmp_path, "--vs", tmp_path)
+    assert code == 1 and "--vs compares two runs" in err
 
 
 def test_data_train_eval_round_trip(tmp_path, tiny_config):

@@ -165,6 +165,8 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     from genrec.train.eval.evaluate import format_table
     from genrec.train.observe.logs import log, progress, run_log
 
+    if args.vs and not args.run:
+        raise SystemExit("genrec eval --vs compares two runs: give the first with --run DIR")
     if args.baseline:
         from genrec.train.eval.baselines import Baseline, evaluate_baseline
         from genrec.train.job import JobConfig, resolve_embedding
