@@ -218,6 +218,28 @@ def test_synthetic_long_histories_carry_signal_a_recent_window_cannot_see(tmp_pa
     assert {len(r["resumed"]) for r in rows(tmp_path / "long")} == {700}
     with pytest.raises(ValueError, match="long_len"):
         SyntheticWorld(SyntheticConfig(long_len=100, long_recent=1.0))
+    # the sessions process's topic_stay = 1 keeps a user on one topic for ever: nothing to resume
+    with pytest.raises(ValueError, match="topic_stay"):
+        SyntheticWorld(SyntheticConfig(long_len=8192))
+
+
+def test_synthetic_long_command_in_the_docstring_resumes_past_interests():
+    """The module docstring's ``genrec data synth --long_len=...`` line, parsed as the CLI
+    parses it, draws users with several topics and ``resumed`` events."""
+    import re
+
+    from genrec.config import load_config
+    from genrec.train.data import synthetic
+    from genrec.train.data.synthetic import _users_chunk
+
+    doc = " ".join(synthetic.__doc__.split())
+    line = re.search(r"``genrec data synth (--long_len=[^`]*)``", doc).group(1)
+    cfg = replace(load_config(SyntheticConfig, None, line.split()), num_users=8, long_len=3000, long_quiet=300,
+                  long_return=0.02)
+    world = SyntheticWorld(cfg)
+    cols = _users_chunk(world, np.random.default_rng(0), 1, cfg.num_users)[0]
+    assert sum(int(r.sum()) for r in cols["resumed"]) >= 8
+    assert min(len(np.unique(world.item_topic(i))) for i in cols["item_ids"]) > 1
 
 
 def test_synthetic_id_bijection_scales_to_1e8_items():

@@ -45,8 +45,10 @@ the topic mixture.
 Long histories (``long_len`` > 0; off by default, and off leaves every row as it was; they
 always use the first-order process, whatever ``session_len`` says): every
 user has exactly ``long_len`` events (10^4 for the ads shape: ``genrec data synth
---long_len=10000 --num_users=2000 --num_items=20000 --num_topics=64 --repeat=0``, the catalogue
-of the 2026-12-04 figures) in two eras. The past era (the first ``1 - long_recent``
+--long_len=10000 --num_users=2000 --num_items=20000 --num_topics=64 --repeat=0 --topic_stay=0.75
+--follow=0.5 --interest_concentration=0.08``, the first-order process of the 2026-12-04 figures,
+:func:`first_order`; ``topic_stay`` must be below 1, or a user never leaves the first topic) in
+two eras. The past era (the first ``1 - long_recent``
 of the history) draws its topics from one interest mixture, the recent era (the last
 ``long_recent``) from a second one; the hidden click preference is the average of both. After
 the recent era's first ``long_quiet`` events, with probability ``long_return`` an event resumes
@@ -145,6 +147,9 @@ class SyntheticWorld:
             raise ValueError("synthetic: long_len must be >= 0, long_recent in (0, 1), long_return in [0, 1]")
         if cfg.long_quiet < 0:
             raise ValueError("synthetic: long_quiet must be >= 0")
+        if cfg.long_len and cfg.topic_stay >= 1.0:  # one topic for ever: no past-era interest to resume
+            raise ValueError("synthetic: long_len needs topic_stay < 1 (the first-order process's 0.75: "
+                             "first_order()); with 1 a user never leaves the first topic")
         self.cfg = cfg
         self.per_topic = cfg.num_items // cfg.num_topics
         self.span = self.per_topic * cfg.num_topics
