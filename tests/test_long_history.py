@@ -198,3 +198,46 @@ def test_the_recipe_check_names_the_model_fields_a_run_changed():
     assert recipe_check(recipe, recipe) == {"ml1m_hstu_recipe_model": True, "differences": {}}
     assert recipe_check(run, recipe) == {"ml1m_hstu_recipe_model": False, "differences": {
         "model.hstu.dropout": {"run": other, "recipe": recipe.model.hstu.dropout}}}
+
+
+def test_long_quality_queries_put_each_resumed_event_after_its_whole_history(tmp_path):
+    """benchmarks/long_quality: a resumed query, read as the evaluator reads the test split,
+    predicts the resumed item from every event before it (up to the tower's 8,192), and the
+    config's three variants load."""
+    from dataclasses import replace
+
+    from genrec.benchmarks import long_quality as lq
+    from genrec.train.data.reader import DataConfig, make_reader
+    from genrec.train.data.schema import read_info
+    from genrec.train.data.synthetic import SyntheticWorld, _users_chunk
+    from genrec.train.job import load_job, resolve_embedding
+
+    cfg = replace(lq.synth_config(6), long_len=3000, long_quiet=300, long_return=0.02)
+    cols = _users_chunk(SyntheticWorld(cfg), np.random.default_rng(0), 1, cfg.num_users)[0]
+    q = lq.queries(cols, range(2, 6))
+    resumed = [(cols["user_id"][i], t) for i in range(2, 6) for t in np.flatnonzero(cols["resumed"][i])]
+    assert len(resumed) >= 4 and len(q["resumed"]["user_id"]) == len(resumed) and len(q["last"]["user_id"]) == 4
+    lq._write(tmp_path / "q", q["resumed"])
+    emb = resolve_embedding(load_job(str(lq.ROOT / lq.CONFIG), []).embedding, read_info(tmp_path / "q"))
+    reader = make_reader(DataConfig(path=str(tmp_path / "q"), eval_batch_size=3), "test", emb, 8192)
+    seen = {}
+    for batch in reader:
+        for u, target, n in zip(batch.user_ids.tolist(), batch.targets.tolist(), batch.lengths.tolist()):
+            seen[u] = (target, n)
+    for k, (uid, t) in enumerate(resumed):
+        qid = q["resumed"]["user_id"][k]
+        assert qid // 64 == uid
+        items = cols["item_ids"][uid - 1]
+        assert seen[qid] == (items[t], t)  # the resumed item, after all t events before it
+    # the generator's process: a resumed item has a probability only where the distant past is
+    # read (its topic is never among the last 512 events, nor the current one): the bottom rank
+    # (ties against it) from the window, above it from the whole history
+    cfg = replace(cfg, long_quiet=600)
+    cols = _users_chunk(SyntheticWorld(cfg), np.random.default_rng(0), 1, cfg.num_users)[0]
+    near, far = (lq.process_ranks(cols, range(6), d, cfg) for d in (False, True))
+    assert len(far["resumed"]) >= 6 and set(near["resumed"].values()) == {4095}
+    assert max(far["resumed"].values()) < 1000
+    for name, over in lq.VARIANTS.items():
+        job = load_job(str(lq.ROOT / lq.CONFIG), over)
+        assert (job.model.hstu.window, job.model.max_seq_len) == {"full": (0, 8192), "bounded": (512, 8192),
+                                                                  "window": (512, 512)}[name]

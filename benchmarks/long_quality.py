@@ -1,0 +1,340 @@
+"""What the distant past of an 8,192-event history is worth, and what bounding the reach costs (issue 44).
+
+    python -m genrec.benchmarks.long_quality [--users 256] [--eval-users 128] [--epochs 6]
+                                             [--nproc 2] [--variants full,bounded,window] [--test]
+                                             [--runs full=RUN,bounded=RUN,window=RUN]
+
+(``--runs``: read runs trained already instead of training them.)
+
+Data: the synthetic logs' long mode (``first_order`` process, ``long_len = 8192``, a catalogue
+of 4,096 items in 32 topics), ``--users`` users to train on and twice ``--eval-users`` held out
+whole: the first half validates, the second tests. A held-out user's events of kind
+``resumed`` come back to a past-era interest, at the item after the last one consumed in it,
+thousands of events earlier: the full history names that item, the last 512 events never hold
+its topic. Each resumed event is one query (the history before it, as a server receives it);
+each held-out user's last event is another (the ordinary case, mostly the recent interests).
+
+Models (``configs/long_synthetic.toml``, the same schedule, seed and data for each):
+
+* ``full``: every position attends to every earlier event (``hstu.window = 0``);
+* ``bounded``: the config as shipped, the last 512 events in full and 64-event block summaries
+  before them (``hstu.window = 512``): a candidate's cost does not grow with the history;
+* ``window``: only the last 512 events (``max_seq_len = 512``, so the bounded pass's window
+  holds every event: full attention over them; trained on a random 512-event window of each
+  user per epoch, for 16 times the epochs, so it reads as many targets).
+
+Beside them, the generator's process (:func:`process_ranks`): each target's rank under the
+process that drew it, with and without the distant past: what the data lets a model gain.
+
+Read from each: HR / NDCG / MRR of the served top-k (``model.user_embeddings`` on the query's
+history, the catalogue scored in full, history items not excluded, as the config serves),
+per query set, and each model's paired difference from ``full`` over the same queries. The
+validation queries decide; ``--test`` reads the test queries once, for the finished recipe.
+Training throughput (samples/s) and peak memory per rank come from each run's metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+NAME = "long_quality"
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = "configs/long_synthetic.toml"
+LONG = 8192
+WINDOW = 512
+KEYS = ("hr@10", "ndcg@10", "hr@50", "ndcg@50", "mrr")
+PAIRED = ("hr@10", "ndcg@10", "hr@50", "ndcg@50")
+SETS = ("resumed", "last")
+
+
+def synth_config(users: int, seed: int = 0):  # noqa: ANN201 - a SyntheticConfig
+    from genrec.train.data.synthetic import first_order
+
+    return first_order(num_users=users, long_len=LONG, num_items=4096, num_topics=32, long_recent=0.3,
+                       long_quiet=1024, long_return=0.01, seed=seed)
+
+
+def _rows(path: Path) -> dict[str, list]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path / "interactions.parquet",
+                         columns=["user_id", "item_ids", "timestamps", "actions", "resumed"]).to_pydict()
+
+
+def _write(out: Path, rows: dict[str, list]) -> None:
+    from genrec.train.data.schema import DatasetWriter
+    from genrec.train.data.synthetic import ACTIONS
+
+    with DatasetWriter(out, source="synthetic", action_names=ACTIONS) as w:
+        w.write({k: rows[k] for k in ("user_id", "item_ids", "timestamps", "actions")})
+
+
+def queries(rows: dict[str, list], users: range) -> dict[str, dict[str, list]]:
+    """The query sets of ``users`` (row indices): ``resumed``, each resumed event with the
+    history before it (user id ``64 * user + k``); ``last``, each user's whole row (its last
+    event the target)."""
+    out = {s: {"user_id": [], "item_ids": [], "timestamps": [], "actions": []} for s in SETS}
+    for i in users:
+        uid = rows["user_id"][i]
+        for k, t in enumerate(np.flatnonzero(np.asarray(rows["resumed"][i]))[:64]):
+            out["resumed"]["user_id"].append(64 * uid + k)
+            for c in ("item_ids", "timestamps", "actions"):
+                out["resumed"][c].append(rows[c][i][: t + 1])
+        out["last"]["user_id"].append(64 * uid)
+        for c in ("item_ids", "timestamps", "actions"):
+            out["last"][c].append(rows[c][i])
+    return out
+
+
+def make_data(root: Path, users: int, eval_users: int) -> dict:
+    """``root/train`` (the first ``users`` users) and ``root/{valid,test}_{resumed,last}``."""
+    from genrec.train.data.synthetic import generate
+
+    cfg = synth_config(users + 2 * eval_users)
+    stamp = root / "synthetic.json"
+    want = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__} | {"users": users, "eval_users": eval_users}
+    if stamp.exists() and json.loads(stamp.read_text()) == want:
+        return want
+    generate(cfg, root / "all", progress=False)
+    rows = _rows(root / "all")
+    _write(root / "train", {k: v[:users] for k, v in rows.items()})
+    for split, span in (("valid", range(users, users + eval_users)),
+                        ("test", range(users + eval_users, users + 2 * eval_users))):
+        for name, q in queries(rows, span).items():
+            _write(root / f"{split}_{name}", q)
+    stamp.write_text(json.dumps(want, indent=2) + "\n")
+    return want
+
+
+
+def process_ranks(rows: dict[str, list], users: range, distant: bool,
+                  cfg: Any = None) -> dict[str, dict[int, int]]:
+    """Each query's rank under the generator's own process (``synth_config``: the first-order
+    long mode), its mixtures estimated from the history as any model would have to: the next
+    item's probability given the previous event, the recent interests (the topics of the last
+    512 events) and, with ``distant``, the past era's (its topics' shares before the recent era)
+    with the chance that one not seen since resumes at the item after its last one. Without
+    ``distant``, what the last 512 events allow. Ties rank against the target, as the evaluator's
+    ranks do. The reference for what the data lets a model gain from the distant past."""
+    from genrec.train.data.synthetic import SyntheticWorld
+
+    cfg = cfg or synth_config(1)  # the rows' generator (its long_len, eras and rates)
+    world = SyntheticWorld(cfg)
+    m, k = world.per_topic, cfg.num_topics
+    zipf = np.diff(np.clip(((np.arange(m + 1) + 1.0) ** (1 - cfg.zipf) - 1) / ((m + 1) ** (1 - cfg.zipf) - 1), 0, 1))
+    recent_from = cfg.long_len - max(1, round(cfg.long_recent * cfg.long_len))
+
+    def rank(items: np.ndarray, t: int) -> int:
+        topic, rk = world.item_topic(items[:t]), world.item_rank(items[:t])
+        recent = np.bincount(topic[-WINDOW:], minlength=k) / min(t, WINDOW)
+        prob = np.zeros((k, m))
+        prob += cfg.topic_stay * (1 - cfg.follow) * zipf * np.eye(k)[topic[-1]][:, None]
+        prob[topic[-1], (rk[-1] + 1) % m] += cfg.topic_stay * cfg.follow
+        prob += (1 - cfg.topic_stay) * recent[:, None] * zipf[None, :]
+        if distant and t >= recent_from + cfg.long_quiet:
+            past = np.bincount(topic[:recent_from], minlength=k) / recent_from
+            last = np.full(k, -1)
+            np.maximum.at(last, topic, np.arange(t))  # each topic's last event before t
+            for tp in np.flatnonzero((last >= 0) & (last < recent_from)):
+                prob[tp, (rk[last[tp]] + 1) % m] += cfg.long_return * past[tp]
+        flat = prob.reshape(-1)  # item (topic, rank) at topic * m + rank: the whole catalogue
+        target = int(world.item_topic(items[t : t + 1])[0]) * m + int(world.item_rank(items[t : t + 1])[0])
+        return int((flat >= flat[target]).sum() - 1)
+
+    out: dict[str, dict[int, int]] = {s: {} for s in SETS}
+    for i in users:
+        uid, items = rows["user_id"][i], np.asarray(rows["item_ids"][i])
+        for j, t in enumerate(np.flatnonzero(np.asarray(rows["resumed"][i]))[:64]):
+            out["resumed"][64 * uid + j] = rank(items, int(t))
+        out["last"][64 * uid] = rank(items, items.size - 1)
+    return out
+
+VARIANTS = {
+    "full": ["--model.hstu.window=0"],
+    "bounded": [],
+    "window": [f"--model.max_seq_len={WINDOW}", '--data.train_window="random"'],
+}
+
+
+def train(variant: str, root: Path, out_dir: Path, epochs: int, nproc: int) -> Path:
+    """Trains ``variant`` under torchrun (one thread per process); its run directory."""
+    run_id = f"{variant}-{time.strftime('%Y%m%d-%H%M%S')}"
+    scale = LONG // WINDOW if variant == "window" else 1
+    overrides = [f'--data.path="{root / "train"}"', f'--run.out_dir="{out_dir}"', f"--run.name={variant}",
+                 f"--run.id={run_id}", f"--train.max_epochs={epochs * scale}", "--train.progress=false",
+                 *VARIANTS[variant]]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "genrec.cli", "train", "--config", str(ROOT / CONFIG), *overrides]
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return out_dir / variant / run_id
+
+
+def run_stats(run: Path) -> dict:
+    """Throughput (samples/s per rank, each rank one core) and peak memory per rank of a run,
+    from its results and per-interval metrics (the first interval, warm-up, left out)."""
+    res = json.loads((run / "results.json").read_text())
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [x for x in lines if x.get("kind") == "train" and "samples_per_s" in x]
+    sps = [x["samples_per_s"] for x in steps[1:]] or [x["samples_per_s"] for x in steps]
+    peak = max((max(x["peak_mem_mb"]) for x in steps if x.get("peak_mem_mb")), default=None)
+    return {"epochs": res["epochs"], "steps": res["steps"], "train_seconds": res["train_seconds"],
+            "samples_per_s_per_rank": round(float(np.median(sps)), 3) if sps else None,
+            "peak_mib_per_rank": peak}
+
+
+def ranks_of(run: Path, data: Path) -> dict[int, int]:
+    import torch
+
+    from genrec.train.cli import load_run_model
+    from genrec.train.data.reader import make_reader
+    from genrec.train.eval.paired import model_ranks
+
+    torch.set_num_threads(2)
+    job, model, emb, _ = load_run_model(run, None, None)  # the run's catalogue: its train users' items
+    model.eval()
+    reader = make_reader(replace(job.data, path=str(data)), "test", emb, job.model.max_seq_len)
+    return model_ranks(model, reader, job.eval)
+
+
+def compare(runs: dict[str, Path], root: Path, split: str, users: range) -> dict:
+    """Per query set: each model's metrics and its paired difference from ``full``, then the
+    generator's process with and without the distant past (:func:`process_ranks`)."""
+    from genrec.train.eval.evaluate import EvalConfig
+    from genrec.train.eval.paired import paired_difference, rank_metrics
+
+    cfg = EvalConfig(hr_ks=(1, 10, 50), ndcg_ks=(10, 50))
+    every = _rows(root / "all")
+    process = {f"process_{'full' if d else 'window'}": process_ranks(every, users, d) for d in (True, False)}
+    out: dict = {}
+    for name in SETS:
+        ranks = {v: ranks_of(run, root / f"{split}_{name}") for v, run in runs.items()}
+        rows = {}
+        for v, r in {**ranks, **{p: q[name] for p, q in process.items()}}.items():
+            m = rank_metrics(r, cfg)
+            row = {"queries": len(r), **{k: m[k] for k in KEYS}}
+            if v in ranks and v != "full" and "full" in ranks:
+                diff = paired_difference(r, ranks["full"], PAIRED)
+                row["vs_full"] = {k: {"difference": d, "se": se} for k, (d, se) in diff.items()}
+                base = rank_metrics(ranks["full"], cfg)
+                row["ratio_to_full"] = {k: (m[k] / base[k] if base[k] else None) for k in KEYS}
+            rows[v] = row
+        out[name] = rows
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from genrec.benchmarks.common import machine, shown_path, today, update_results_md, write_json
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--users", type=int, default=256)
+    ap.add_argument("--eval-users", type=int, default=128)
+    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--variants", default="full,bounded,window")
+    ap.add_argument("--runs", default="", help="variant=RUN_DIR,...: evaluate these runs instead of training")
+    ap.add_argument("--data-dir", default=str(ROOT / "data" / "long_quality"))
+    ap.add_argument("--out-dir", default=str(ROOT / "runs" / "long_quality"))
+    ap.add_argument("--test", action="store_true", help="read the test queries too (once, the finished recipe)")
+    args = ap.parse_args(argv)
+
+    root = Path(args.data_dir)
+    t0 = time.perf_counter()
+    data = make_data(root, args.users, args.eval_users)
+    print(f"data: {root} ({time.perf_counter() - t0:.0f}s)", flush=True)
+    runs = dict(x.split("=", 1) for x in args.runs.split(",") if x) if args.runs else {}
+    runs = {k: Path(v) for k, v in runs.items()}
+    for v in args.variants.split(","):
+        if v not in runs:
+            runs[v] = train(v, root, Path(args.out_dir), args.epochs, args.nproc)
+    result = {
+        "date": today(),
+        "machine": machine(),
+        "command": " ".join(["python -m genrec.benchmarks.long_quality", *sys.argv[1:]]),
+        "data": data,
+        "config": CONFIG,
+        "runs": {v: {"run_dir": shown_path(r), **run_stats(r)}
+                 for v, r in runs.items()},
+        "valid": compare(runs, root, "valid", range(args.users, args.users + args.eval_users)),
+    }
+    if args.test:
+        result["test"] = compare(runs, root, "test", range(args.users + args.eval_users, args.users + 2 * args.eval_users))
+    for split in ("valid", "test"):
+        for name, rows in result.get(split, {}).items():
+            for v, row in rows.items():
+                print(f"{split:5s} {name:8s} {v:8s} n={row['queries']:4d} "
+                      + " ".join(f"{k}={row[k]:.4f}" for k in KEYS), flush=True)
+    write_json(NAME, result)
+    update_results_md()
+    return 0
+
+
+# -- the report's section ---------------------------------------------------------------------
+
+LABELS = {"full": "full attention", "bounded": "bounded (512 + summaries)", "window": "last 512 only",
+          "process_full": "process, whole history", "process_window": "process, last 512"}
+
+
+def _table_rows(split: dict) -> list[list[str]]:
+    """One row per model: the resumed events' HR@50 and MRR, the last events' NDCG@10 and its
+    paired difference from full attention."""
+    from genrec.benchmarks.report import get, num
+
+    resumed, last = split.get("resumed") or {}, split.get("last") or {}
+    out = []
+    for v, row in last.items():
+        diff = get(row, "vs_full.ndcg@10.difference")
+        out.append([LABELS.get(v, v), num(get(resumed, f"{v}.hr@50")), num(get(resumed, f"{v}.mrr")),
+                    num(row.get("ndcg@10")),
+                    "-" if diff is None else num(diff, "+.4f") + " ± " + num(get(row, "vs_full.ndcg@10.se"), ".4f")])
+    return out
+
+
+def long_quality(d: dict) -> list[str]:
+    """The results pages' section of ``results/long_quality.json``."""
+    from genrec.benchmarks.report import MISSING, command, footer, get, num, table
+
+    head = ["model", "resumed: HR@50", "resumed: MRR", "last: NDCG@10", "last: NDCG@10 - full (paired)"]
+    runs = d.get("runs") or {}
+    speed = [[LABELS.get(v, v), num(r.get("epochs"), "d"), num(r.get("samples_per_s_per_rank"), ".2f"),
+              num(r.get("peak_mib_per_rank"), ".0f"), num(r.get("train_seconds"), ".0f")] for v, r in runs.items()]
+    data = d.get("data") or {}
+    n = {s: (num(get(d, f"{s}.resumed.full.queries"), "d"), num(get(d, f"{s}.last.full.queries"), "d"))
+         for s in ("valid", "test")}
+    out = ["## Distant history's worth (synthetic, 8,192 events)", "",
+           f"{num(data.get('users'), 'd')} users of {num(data.get('long_len'), 'd')} events trained on; "
+           f"{num(data.get('eval_users'), 'd')} others validate and as many test, held out whole. Queries: "
+           "each resumed event (a past-era interest resumed at the item after its last one, thousands of events "
+           "back; the last 512 events never hold its topic) and each user's last event. Config "
+           f"`{d.get('config', MISSING)}`, one schedule for all; the served top-k (history items not excluded). "
+           "Process: each target's probability under the process that drew it, its mixtures estimated from "
+           "the history (what the data allows a model). Bounded: `hstu.window = 512` with 64-event block "
+           "summaries; last 512 only: `max_seq_len = 512`.",
+           "", f"Validation ({n['valid'][0]} resumed, {n['valid'][1]} last events):", "",
+           *table(head, _table_rows(d.get("valid") or {}))]
+    if d.get("test"):
+        out += ["", f"Test, read once ({n['test'][0]} resumed, {n['test'][1]} last events):", "",
+                *table(head, _table_rows(d["test"]))]
+    out += ["", "Training (each rank one core, DDP):", "",
+            *table(["model", "epochs", "samples/s per rank", "peak MiB per rank", "train s"], speed),
+            *footer(d, command(d, "python -m genrec.benchmarks.long_quality"))]
+    return out
+
+
+def long_quality_summary(d: dict) -> tuple[str, str]:
+    """(headline, anchor) of the page's table at the top."""
+    from genrec.benchmarks.report import get, num
+
+    v = d.get("valid") or {}
+    return (f"valid NDCG@10 bounded {num(get(v, 'last.bounded.ndcg@10'))}; resumed HR@50 "
+            f"{num(get(v, 'resumed.bounded.hr@50'))}", f"full {num(get(v, 'last.full.ndcg@10'))}; "
+            f"{num(get(v, 'resumed.full.hr@50'))} (process {num(get(v, 'resumed.process_full.hr@50'))})")
