@@ -57,11 +57,12 @@ PAIRED = ("hr@10", "ndcg@10", "hr@50", "ndcg@50")
 SETS = ("resumed", "last")
 
 
-def synth_config(users: int, seed: int = 0):  # noqa: ANN201 - a SyntheticConfig
+def synth_config(users: int, seed: int = 0, topics: int = 32, long_return: float = 0.01):  # noqa: ANN201
+    """The data's generator (a ``SyntheticConfig``): ``topics`` topics share the 4,096 items."""
     from genrec.train.data.synthetic import first_order
 
-    return first_order(num_users=users, long_len=LONG, num_items=4096, num_topics=32, long_recent=0.3,
-                       long_quiet=1024, long_return=0.01, seed=seed)
+    return first_order(num_users=users, long_len=LONG, num_items=4096, num_topics=topics, long_recent=0.3,
+                       long_quiet=1024, long_return=long_return, seed=seed)
 
 
 def _rows(path: Path) -> dict[str, list]:
@@ -79,14 +80,14 @@ def _write(out: Path, rows: dict[str, list]) -> None:
         w.write({k: rows[k] for k in ("user_id", "item_ids", "timestamps", "actions")})
 
 
-def queries(rows: dict[str, list], users: range) -> dict[str, dict[str, list]]:
-    """The query sets of ``users`` (row indices): ``resumed``, each resumed event with the
-    history before it (user id ``64 * user + k``); ``last``, each user's whole row (its last
-    event the target)."""
+def queries(rows: dict[str, list], users: range, per_user: int = 64) -> dict[str, dict[str, list]]:
+    """The query sets of ``users`` (row indices): ``resumed``, each resumed event (the first
+    ``per_user`` of a user) with the history before it (user id ``64 * user + k``); ``last``,
+    each user's whole row (its last event the target)."""
     out = {s: {"user_id": [], "item_ids": [], "timestamps": [], "actions": []} for s in SETS}
     for i in users:
         uid = rows["user_id"][i]
-        for k, t in enumerate(np.flatnonzero(np.asarray(rows["resumed"][i]))[:64]):
+        for k, t in enumerate(np.flatnonzero(np.asarray(rows["resumed"][i]))[: min(per_user, 64)]):
             out["resumed"]["user_id"].append(64 * uid + k)
             for c in ("item_ids", "timestamps", "actions"):
                 out["resumed"][c].append(rows[c][i][: t + 1])
@@ -96,13 +97,15 @@ def queries(rows: dict[str, list], users: range) -> dict[str, dict[str, list]]:
     return out
 
 
-def make_data(root: Path, users: int, eval_users: int) -> dict:
-    """``root/train`` (the first ``users`` users) and ``root/{valid,test}_{resumed,last}``."""
+def make_data(root: Path, users: int, eval_users: int, cfg: Any, per_user: int = 64) -> dict:
+    """``root/train`` (the first ``users`` users of ``cfg``'s rows) and
+    ``root/{valid,test}_{resumed,last}``."""
     from genrec.train.data.synthetic import generate
 
-    cfg = synth_config(users + 2 * eval_users)
+    cfg = replace(cfg, num_users=users + 2 * eval_users)
     stamp = root / "synthetic.json"
-    want = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__} | {"users": users, "eval_users": eval_users}
+    want = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__} | {"users": users, "eval_users": eval_users,
+                                                                     "resumed_per_user": per_user}
     if stamp.exists() and json.loads(stamp.read_text()) == want:
         return want
     generate(cfg, root / "all", progress=False)
@@ -110,15 +113,15 @@ def make_data(root: Path, users: int, eval_users: int) -> dict:
     _write(root / "train", {k: v[:users] for k, v in rows.items()})
     for split, span in (("valid", range(users, users + eval_users)),
                         ("test", range(users + eval_users, users + 2 * eval_users))):
-        for name, q in queries(rows, span).items():
+        for name, q in queries(rows, span, per_user).items():
             _write(root / f"{split}_{name}", q)
     stamp.write_text(json.dumps(want, indent=2) + "\n")
     return want
 
 
 
-def process_ranks(rows: dict[str, list], users: range, distant: bool,
-                  cfg: Any = None) -> dict[str, dict[int, int]]:
+def process_ranks(rows: dict[str, list], users: range, distant: bool, cfg: Any = None,
+                  per_user: int = 64) -> dict[str, dict[int, int]]:
     """Each query's rank under the generator's own process (``synth_config``: the first-order
     long mode), its mixtures estimated from the history as any model would have to: the next
     item's probability given the previous event, the recent interests (the topics of the last
@@ -154,7 +157,7 @@ def process_ranks(rows: dict[str, list], users: range, distant: bool,
     out: dict[str, dict[int, int]] = {s: {} for s in SETS}
     for i in users:
         uid, items = rows["user_id"][i], np.asarray(rows["item_ids"][i])
-        for j, t in enumerate(np.flatnonzero(np.asarray(rows["resumed"][i]))[:64]):
+        for j, t in enumerate(np.flatnonzero(np.asarray(rows["resumed"][i]))[: min(per_user, 64)]):
             out["resumed"][64 * uid + j] = rank(items, int(t))
         out["last"][64 * uid] = rank(items, items.size - 1)
     return out
@@ -206,7 +209,7 @@ def ranks_of(run: Path, data: Path) -> dict[int, int]:
     return model_ranks(model, reader, job.eval)
 
 
-def compare(runs: dict[str, Path], root: Path, split: str, users: range) -> dict:
+def compare(runs: dict[str, Path], root: Path, split: str, users: range, cfg: Any, per_user: int = 64) -> dict:
     """Per query set: each model's metrics and its paired difference from ``full``, then the
     generator's process with and without the distant past (:func:`process_ranks`)."""
     from genrec.train.eval.evaluate import EvalConfig
@@ -214,7 +217,8 @@ def compare(runs: dict[str, Path], root: Path, split: str, users: range) -> dict
 
     cfg = EvalConfig(hr_ks=(1, 10, 50), ndcg_ks=(10, 50))
     every = _rows(root / "all")
-    process = {f"process_{'full' if d else 'window'}": process_ranks(every, users, d) for d in (True, False)}
+    process = {f"process_{'full' if d else 'window'}": process_ranks(every, users, d, cfg, per_user)
+               for d in (True, False)}
     out: dict = {}
     for name in SETS:
         ranks = {v: ranks_of(run, root / f"{split}_{name}") for v, run in runs.items()}
@@ -242,20 +246,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--variants", default="full,bounded,window")
     ap.add_argument("--runs", default="", help="variant=RUN_DIR,...: evaluate these runs instead of training")
-    ap.add_argument("--data-dir", default=str(ROOT / "data" / "long_quality"))
-    ap.add_argument("--out-dir", default=str(ROOT / "runs" / "long_quality"))
+    ap.add_argument("--topics", type=int, default=32, help="topics sharing the 4,096 items")
+    ap.add_argument("--long-return", type=float, default=0.01,
+                    help="the chance an event after the quiet start resumes a past-era interest")
+    ap.add_argument("--resumed-per-user", type=int, default=64, help="resumed events read a held-out user")
+    ap.add_argument("--name", default=NAME, help="results/NAME.json, data/NAME, runs/NAME")
+    ap.add_argument("--data-dir", default="", help="default: data/NAME")
+    ap.add_argument("--out-dir", default="", help="default: runs/NAME")
     ap.add_argument("--test", action="store_true", help="read the test queries too (once, the finished recipe)")
     args = ap.parse_args(argv)
 
-    root = Path(args.data_dir)
+    root = Path(args.data_dir or ROOT / "data" / args.name)
+    out_dir = Path(args.out_dir or ROOT / "runs" / args.name)
+    cfg = synth_config(1, topics=args.topics, long_return=args.long_return)
     t0 = time.perf_counter()
-    data = make_data(root, args.users, args.eval_users)
+    data = make_data(root, args.users, args.eval_users, cfg, args.resumed_per_user)
     print(f"data: {root} ({time.perf_counter() - t0:.0f}s)", flush=True)
     runs = dict(x.split("=", 1) for x in args.runs.split(",") if x) if args.runs else {}
     runs = {k: Path(v) for k, v in runs.items()}
     for v in args.variants.split(","):
         if v not in runs:
-            runs[v] = train(v, root, Path(args.out_dir), args.epochs, args.nproc)
+            runs[v] = train(v, root, out_dir, args.epochs, args.nproc)
     result = {
         "date": today(),
         "machine": machine(),
@@ -264,16 +275,18 @@ def main(argv: list[str] | None = None) -> int:
         "config": CONFIG,
         "runs": {v: {"run_dir": shown_path(r), **run_stats(r)}
                  for v, r in runs.items()},
-        "valid": compare(runs, root, "valid", range(args.users, args.users + args.eval_users)),
+        "valid": compare(runs, root, "valid", range(args.users, args.users + args.eval_users), cfg,
+                         args.resumed_per_user),
     }
     if args.test:
-        result["test"] = compare(runs, root, "test", range(args.users + args.eval_users, args.users + 2 * args.eval_users))
+        result["test"] = compare(runs, root, "test", range(args.users + args.eval_users, args.users + 2 * args.eval_users),
+                                 cfg, args.resumed_per_user)
     for split in ("valid", "test"):
         for name, rows in result.get(split, {}).items():
             for v, row in rows.items():
                 print(f"{split:5s} {name:8s} {v:8s} n={row['queries']:4d} "
                       + " ".join(f"{k}={row[k]:.4f}" for k in KEYS), flush=True)
-    write_json(NAME, result)
+    write_json(args.name, result)
     update_results_md()
     return 0
 
@@ -310,7 +323,9 @@ def long_quality(d: dict) -> list[str]:
     data = d.get("data") or {}
     n = {s: (num(get(d, f"{s}.resumed.full.queries"), "d"), num(get(d, f"{s}.last.full.queries"), "d"))
          for s in ("valid", "test")}
-    out = ["## Distant history's worth (synthetic, 8,192 events)", "",
+    other = (f", {num(data.get('num_topics'), 'd')} topics, long_return {data.get('long_return')}"
+             if (data.get("num_topics"), data.get("long_return")) != (32, 0.01) else "")
+    out = [f"## Distant history's worth (synthetic, 8,192 events{other})", "",
            f"{num(data.get('users'), 'd')} users of {num(data.get('long_len'), 'd')} events trained on; "
            f"{num(data.get('eval_users'), 'd')} others validate and as many test, held out whole. Queries: "
            "each resumed event (a past-era interest resumed at the item after its last one, thousands of events "
@@ -338,3 +353,7 @@ def long_quality_summary(d: dict) -> tuple[str, str]:
     return (f"valid NDCG@10 bounded {num(get(v, 'last.bounded.ndcg@10'))}; resumed HR@50 "
             f"{num(get(v, 'resumed.bounded.hr@50'))}", f"full {num(get(v, 'last.full.ndcg@10'))}; "
             f"{num(get(v, 'resumed.full.hr@50'))} (process {num(get(v, 'resumed.process_full.hr@50'))})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -90,6 +90,7 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "serving_scale": sec.serving_scale, "resilience": sec.resilience,
     "serving_cache": _lazy("serving_cache", "serving_cache"), "long_history": _lazy("long_history", "long_history"),
     "long_quality": _lazy("long_quality", "long_quality"),
+    "long_quality_dense": _lazy("long_quality", "long_quality"),
     "sid_decoding": _lazy("sid_decoding", "sid_decoding"),
     "sid_quality": _lazy("sid_quality", "sid_quality"),
     "ranking_serving": _lazy("ranking_serving", "ranking_serving"),
@@ -105,7 +106,7 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "merged_10m": _lazy("merged_scale", "merged_scale_section"),
 }
 # results that extend another benchmark's section, on DETAILS.md only (as variants are)
-DETAILS_ONLY = {"scale_10m_train", "merged_10m"}
+DETAILS_ONLY = {"scale_10m_train", "merged_10m", "long_quality_dense"}
 
 
 def renderer(stem: str) -> Callable[[dict], list[str]] | None:

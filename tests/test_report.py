@@ -162,3 +162,13 @@ def test_a_resilience_step_whose_sender_ran_late_is_marked_generator_bound() -> 
         "default": {"overload": [{"multiple": 4, "goodput": 200.0}]},
         "native front-end": {"overload": [{"multiple": 4, "goodput": 360.0}]}}})[0]
     assert "default 0.50x, native front-end 0.90x" in both
+
+
+def test_every_benchmark_with_a_main_runs_as_a_module() -> None:
+    """The pages tell readers to run ``python -m genrec.benchmarks.<name>``: a benchmark that
+    defines ``main`` must call it when run so (long_quality once lost its guard and exited 0
+    doing nothing)."""
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        text = path.read_text()
+        if "\ndef main(" in text:
+            assert 'if __name__ == "__main__":' in text.split("\ndef main(")[1], f"{path.name}: main() is never run"
