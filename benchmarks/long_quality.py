@@ -209,7 +209,7 @@ def ranks_of(run: Path, data: Path) -> dict[int, int]:
     return model_ranks(model, reader, job.eval)
 
 
-def compare(runs: dict[str, Path], root: Path, split: str, users: range, cfg: Any, per_user: int = 64) -> dict:
+def compare(runs: dict[str, Path], root: Path, split: str, users: range, synth: Any, per_user: int = 64) -> dict:
     """Per query set: each model's metrics and its paired difference from ``full``, then the
     generator's process with and without the distant past (:func:`process_ranks`)."""
     from genrec.train.eval.evaluate import EvalConfig
@@ -217,7 +217,7 @@ def compare(runs: dict[str, Path], root: Path, split: str, users: range, cfg: An
 
     cfg = EvalConfig(hr_ks=(1, 10, 50), ndcg_ks=(10, 50))
     every = _rows(root / "all")
-    process = {f"process_{'full' if d else 'window'}": process_ranks(every, users, d, cfg, per_user)
+    process = {f"process_{'full' if d else 'window'}": process_ranks(every, users, d, synth, per_user)
                for d in (True, False)}
     out: dict = {}
     for name in SETS:

@@ -237,6 +237,13 @@ def test_long_quality_queries_put_each_resumed_event_after_its_whole_history(tmp
     near, far = (lq.process_ranks(cols, range(6), d, cfg) for d in (False, True))
     assert len(far["resumed"]) >= 6 and set(near["resumed"].values()) == {4095}
     assert max(far["resumed"].values()) < 1000
+    # the comparison's reference rows from the generator's rows on disk (no model: no run to read)
+    from genrec.train.data.synthetic import generate
+
+    generate(replace(cfg, num_users=6), tmp_path / "all", progress=False)
+    got = lq.compare({}, tmp_path, "valid", range(6), cfg, per_user=2)
+    assert set(got) == set(lq.SETS) and set(got["resumed"]) == {"process_full", "process_window"}
+    assert got["resumed"]["process_window"]["hr@50"] == 0.0 < got["resumed"]["process_full"]["hr@50"]
     for name, over in lq.VARIANTS.items():
         job = load_job(str(lq.ROOT / lq.CONFIG), over)
         assert (job.model.hstu.window, job.model.max_seq_len) == {"full": (0, 8192), "bounded": (512, 8192),
