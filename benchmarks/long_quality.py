@@ -41,6 +41,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -80,20 +81,25 @@ def _write(out: Path, rows: dict[str, list]) -> None:
         w.write({k: rows[k] for k in ("user_id", "item_ids", "timestamps", "actions")})
 
 
-def queries(rows: dict[str, list], users: range, per_user: int = 64) -> dict[str, dict[str, list]]:
-    """The query sets of ``users`` (row indices): ``resumed``, each resumed event (the first
-    ``per_user`` of a user) with the history before it (user id ``64 * user + k``); ``last``,
-    each user's whole row (its last event the target)."""
-    out = {s: {"user_id": [], "item_ids": [], "timestamps": [], "actions": []} for s in SETS}
+def query_points(rows: dict[str, list], users: range, per_user: int = 64) -> Iterator[tuple[str, int, int, int]]:
+    """(set, query id, row, target event) of every query of ``users`` (row indices): ``resumed``,
+    a user's first ``per_user`` resumed events (query id ``64 * user + k``); ``last``, the user's
+    last event (query id ``64 * user``)."""
     for i in users:
         uid = rows["user_id"][i]
         for k, t in enumerate(np.flatnonzero(np.asarray(rows["resumed"][i]))[: min(per_user, 64)]):
-            out["resumed"]["user_id"].append(64 * uid + k)
-            for c in ("item_ids", "timestamps", "actions"):
-                out["resumed"][c].append(rows[c][i][: t + 1])
-        out["last"]["user_id"].append(64 * uid)
+            yield "resumed", 64 * uid + k, i, int(t)
+        yield "last", 64 * uid, i, len(rows["item_ids"][i]) - 1
+
+
+def queries(rows: dict[str, list], users: range, per_user: int = 64) -> dict[str, dict[str, list]]:
+    """The query sets of ``users`` as dataset rows (:func:`query_points`): each target event
+    with the history before it."""
+    out = {s: {"user_id": [], "item_ids": [], "timestamps": [], "actions": []} for s in SETS}
+    for name, qid, i, t in query_points(rows, users, per_user):
+        out[name]["user_id"].append(qid)
         for c in ("item_ids", "timestamps", "actions"):
-            out["last"][c].append(rows[c][i])
+            out[name][c].append(rows[c][i][: t + 1])
     return out
 
 
@@ -119,7 +125,6 @@ def make_data(root: Path, users: int, eval_users: int, cfg: Any, per_user: int =
     return want
 
 
-
 def process_ranks(rows: dict[str, list], users: range, distant: bool, cfg: Any = None,
                   per_user: int = 64) -> dict[str, dict[int, int]]:
     """Each query's rank under the generator's own process (``synth_config``: the first-order
@@ -134,33 +139,33 @@ def process_ranks(rows: dict[str, list], users: range, distant: bool, cfg: Any =
     cfg = cfg or synth_config(1)  # the rows' generator (its long_len, eras and rates)
     world = SyntheticWorld(cfg)
     m, k = world.per_topic, cfg.num_topics
-    zipf = np.diff(np.clip(((np.arange(m + 1) + 1.0) ** (1 - cfg.zipf) - 1) / ((m + 1) ** (1 - cfg.zipf) - 1), 0, 1))
+    zipf = world.zipf_probs()
     recent_from = cfg.long_len - max(1, round(cfg.long_recent * cfg.long_len))
 
-    def rank(items: np.ndarray, t: int) -> int:
-        topic, rk = world.item_topic(items[:t]), world.item_rank(items[:t])
+    def rank(topics: np.ndarray, ranks: np.ndarray, t: int) -> int:
+        topic, rk = topics[:t], ranks[:t]
         recent = np.bincount(topic[-WINDOW:], minlength=k) / min(t, WINDOW)
-        prob = np.zeros((k, m))
-        prob += cfg.topic_stay * (1 - cfg.follow) * zipf * np.eye(k)[topic[-1]][:, None]
+        prob = (1 - cfg.topic_stay) * recent[:, None] * zipf[None, :]
+        prob[topic[-1]] += cfg.topic_stay * (1 - cfg.follow) * zipf
         prob[topic[-1], (rk[-1] + 1) % m] += cfg.topic_stay * cfg.follow
-        prob += (1 - cfg.topic_stay) * recent[:, None] * zipf[None, :]
         if distant and t >= recent_from + cfg.long_quiet:
             past = np.bincount(topic[:recent_from], minlength=k) / recent_from
             last = np.full(k, -1)
             np.maximum.at(last, topic, np.arange(t))  # each topic's last event before t
             for tp in np.flatnonzero((last >= 0) & (last < recent_from)):
                 prob[tp, (rk[last[tp]] + 1) % m] += cfg.long_return * past[tp]
-        flat = prob.reshape(-1)  # item (topic, rank) at topic * m + rank: the whole catalogue
-        target = int(world.item_topic(items[t : t + 1])[0]) * m + int(world.item_rank(items[t : t + 1])[0])
-        return int((flat >= flat[target]).sum() - 1)
+        # item (topic, rank) at topic * m + rank: the whole catalogue
+        return int((prob >= prob[topics[t], ranks[t]]).sum() - 1)
 
     out: dict[str, dict[int, int]] = {s: {} for s in SETS}
-    for i in users:
-        uid, items = rows["user_id"][i], np.asarray(rows["item_ids"][i])
-        for j, t in enumerate(np.flatnonzero(np.asarray(rows["resumed"][i]))[: min(per_user, 64)]):
-            out["resumed"][64 * uid + j] = rank(items, int(t))
-        out["last"][64 * uid] = rank(items, items.size - 1)
+    row, parts = -1, None
+    for name, qid, i, t in query_points(rows, users, per_user):
+        if i != row:  # a user's items as (topic, rank), once for all its queries
+            items = np.asarray(rows["item_ids"][i])
+            row, parts = i, (world.item_topic(items), world.item_rank(items))
+        out[name][qid] = rank(*parts, t)
     return out
+
 
 VARIANTS = {
     "full": ["--model.hstu.window=0"],
@@ -195,41 +200,48 @@ def run_stats(run: Path) -> dict:
             "peak_mib_per_rank": peak}
 
 
-def ranks_of(run: Path, data: Path) -> dict[int, int]:
-    import torch
-
+def load(run: Path) -> tuple:
+    """(job, model in eval mode, embedding config) of a run's checkpoint: its own catalogue, the
+    items of its train users."""
     from genrec.train.cli import load_run_model
+
+    job, model, emb, _ = load_run_model(run, None, None)
+    return job, model.eval(), emb
+
+
+def ranks_of(loaded: tuple, data: Path) -> dict[int, int]:
+    """{query id: rank} of a :func:`load` ed model on the query set ``data`` (its test split:
+    the last event from the events before it)."""
     from genrec.train.data.reader import make_reader
     from genrec.train.eval.paired import model_ranks
 
-    torch.set_num_threads(2)
-    job, model, emb, _ = load_run_model(run, None, None)  # the run's catalogue: its train users' items
-    model.eval()
+    job, model, emb = loaded
     reader = make_reader(replace(job.data, path=str(data)), "test", emb, job.model.max_seq_len)
     return model_ranks(model, reader, job.eval)
 
 
-def compare(runs: dict[str, Path], root: Path, split: str, users: range, synth: Any, per_user: int = 64) -> dict:
-    """Per query set: each model's metrics and its paired difference from ``full``, then the
-    generator's process with and without the distant past (:func:`process_ranks`)."""
+def compare(models: dict[str, tuple], root: Path, split: str, every: dict[str, list], users: range, synth: Any,
+            per_user: int = 64) -> dict:
+    """Per query set: each :func:`load` ed model's metrics and its paired difference from
+    ``full``, then the generator's process with and without the distant past
+    (:func:`process_ranks` on ``every``, the rows of ``root/all``)."""
     from genrec.train.eval.evaluate import EvalConfig
     from genrec.train.eval.paired import paired_difference, rank_metrics
 
     cfg = EvalConfig(hr_ks=(1, 10, 50), ndcg_ks=(10, 50))
-    every = _rows(root / "all")
     process = {f"process_{'full' if d else 'window'}": process_ranks(every, users, d, synth, per_user)
                for d in (True, False)}
     out: dict = {}
     for name in SETS:
-        ranks = {v: ranks_of(run, root / f"{split}_{name}") for v, run in runs.items()}
+        ranks = {v: ranks_of(loaded, root / f"{split}_{name}") for v, loaded in models.items()}
+        base = rank_metrics(ranks["full"], cfg) if "full" in ranks else None
         rows = {}
         for v, r in {**ranks, **{p: q[name] for p, q in process.items()}}.items():
             m = rank_metrics(r, cfg)
             row = {"queries": len(r), **{k: m[k] for k in KEYS}}
-            if v in ranks and v != "full" and "full" in ranks:
+            if v in ranks and v != "full" and base is not None:
                 diff = paired_difference(r, ranks["full"], PAIRED)
                 row["vs_full"] = {k: {"difference": d, "se": se} for k, (d, se) in diff.items()}
-                base = rank_metrics(ranks["full"], cfg)
                 row["ratio_to_full"] = {k: (m[k] / base[k] if base[k] else None) for k in KEYS}
             rows[v] = row
         out[name] = rows
@@ -262,11 +274,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     data = make_data(root, args.users, args.eval_users, cfg, args.resumed_per_user)
     print(f"data: {root} ({time.perf_counter() - t0:.0f}s)", flush=True)
-    runs = dict(x.split("=", 1) for x in args.runs.split(",") if x) if args.runs else {}
-    runs = {k: Path(v) for k, v in runs.items()}
+    runs = {k: Path(v) for k, v in (x.split("=", 1) for x in args.runs.split(",") if x)}
     for v in args.variants.split(","):
         if v not in runs:
             runs[v] = train(v, root, out_dir, args.epochs, args.nproc)
+    import torch
+
+    torch.set_num_threads(2)
+    models = {v: load(r) for v, r in runs.items()}
+    every = _rows(root / "all")
     result = {
         "date": today(),
         "machine": machine(),
@@ -275,12 +291,12 @@ def main(argv: list[str] | None = None) -> int:
         "config": CONFIG,
         "runs": {v: {"run_dir": shown_path(r), **run_stats(r)}
                  for v, r in runs.items()},
-        "valid": compare(runs, root, "valid", range(args.users, args.users + args.eval_users), cfg,
+        "valid": compare(models, root, "valid", every, range(args.users, args.users + args.eval_users), cfg,
                          args.resumed_per_user),
     }
     if args.test:
-        result["test"] = compare(runs, root, "test", range(args.users + args.eval_users, args.users + 2 * args.eval_users),
-                                 cfg, args.resumed_per_user)
+        test = range(args.users + args.eval_users, args.users + 2 * args.eval_users)
+        result["test"] = compare(models, root, "test", every, test, cfg, args.resumed_per_user)
     for split in ("valid", "test"):
         for name, rows in result.get(split, {}).items():
             for v, row in rows.items():

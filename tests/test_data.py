@@ -242,6 +242,15 @@ def test_synthetic_long_command_in_the_docstring_resumes_past_interests():
     assert min(len(np.unique(world.item_topic(i))) for i in cols["item_ids"]) > 1
 
 
+def test_synthetic_zipf_probs_are_what_zipf_rank_draws():
+    for cfg in (SyntheticConfig(), SyntheticConfig(zipf=1.0, num_items=4096)):
+        world = SyntheticWorld(cfg)
+        drawn = np.bincount(world.zipf_rank(np.random.default_rng(0), 400_000), minlength=world.per_topic) / 400_000
+        probs = world.zipf_probs()
+        assert probs.shape == (world.per_topic,) and abs(probs.sum() - 1) < 1e-12
+        assert np.abs(drawn - probs).max() < 3e-3
+
+
 def test_synthetic_id_bijection_scales_to_1e8_items():
     world = SyntheticWorld(SyntheticConfig(num_items=100_000_000, num_topics=1000))
     rng = np.random.default_rng(0)

@@ -209,7 +209,7 @@ def test_long_quality_queries_put_each_resumed_event_after_its_whole_history(tmp
     from genrec.benchmarks import long_quality as lq
     from genrec.train.data.reader import DataConfig, make_reader
     from genrec.train.data.schema import read_info
-    from genrec.train.data.synthetic import SyntheticWorld, _users_chunk
+    from genrec.train.data.synthetic import SyntheticWorld, _users_chunk, generate
     from genrec.train.job import load_job, resolve_embedding
 
     cfg = replace(lq.synth_config(6), long_len=3000, long_quiet=300, long_return=0.02)
@@ -238,10 +238,8 @@ def test_long_quality_queries_put_each_resumed_event_after_its_whole_history(tmp
     assert len(far["resumed"]) >= 6 and set(near["resumed"].values()) == {4095}
     assert max(far["resumed"].values()) < 1000
     # the comparison's reference rows from the generator's rows on disk (no model: no run to read)
-    from genrec.train.data.synthetic import generate
-
     generate(replace(cfg, num_users=6), tmp_path / "all", progress=False)
-    got = lq.compare({}, tmp_path, "valid", range(6), cfg, per_user=2)
+    got = lq.compare({}, tmp_path, "valid", lq._rows(tmp_path / "all"), range(6), cfg, per_user=2)
     assert set(got) == set(lq.SETS) and set(got["resumed"]) == {"process_full", "process_window"}
     assert got["resumed"]["process_window"]["hr@50"] == 0.0 < got["resumed"]["process_full"]["hr@50"]
     for name, over in lq.VARIANTS.items():

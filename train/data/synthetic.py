@@ -193,6 +193,14 @@ class SyntheticWorld:
             r = r ** (1 / (1 - s))
         return np.clip(np.floor(r).astype(np.int64) - 1, 0, m - 1)
 
+    def zipf_probs(self) -> np.ndarray:
+        """[per_topic]: the probability :meth:`zipf_rank` draws each rank (the power law's CDF
+        between the rank's bounds)."""
+        s, m = self.cfg.zipf, self.per_topic
+        x = np.arange(1, m + 2, dtype=np.float64)
+        cdf = np.log(x) / math.log(m + 1) if abs(s - 1.0) < 1e-9 else (x ** (1 - s) - 1) / ((m + 1) ** (1 - s) - 1)
+        return np.diff(cdf)
+
 
 def _mix_and_lengths(cfg: SyntheticConfig, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray,
                                                                                    np.ndarray]:
