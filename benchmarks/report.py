@@ -46,7 +46,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 RESULTS_MD, DETAILS_MD = "RESULTS.md", "DETAILS.md"
 SIZE_LIMIT = 15_000  # bytes of RESULTS.md: a page a person reads, not a log
-SAME_CPU = "Compare speeds only between runs on the same CPU (the VM's changes)."
+SAME_CPU = "Compare speeds only between runs on the same CPU (the VM's varies)."
 
 
 def _lazy(module: str, name: str) -> Callable[[dict], Any]:
@@ -90,7 +90,6 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "serving_scale": sec.serving_scale, "resilience": sec.resilience,
     "serving_cache": _lazy("serving_cache", "serving_cache"), "long_history": _lazy("long_history", "long_history"),
     "long_quality": _lazy("long_quality", "long_quality"),
-    "long_quality_dense": _lazy("long_quality", "long_quality"),
     "sid_decoding": _lazy("sid_decoding", "sid_decoding"),
     "sid_quality": _lazy("sid_quality", "sid_quality"),
     "ranking_serving": _lazy("ranking_serving", "ranking_serving"),
@@ -106,12 +105,17 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "merged_10m": _lazy("merged_scale", "merged_scale_section"),
 }
 # results that extend another benchmark's section, on DETAILS.md only (as variants are)
-DETAILS_ONLY = {"scale_10m_train", "merged_10m", "long_quality_dense"}
+DETAILS_ONLY = {"scale_10m_train", "merged_10m"}
 
 
 def renderer(stem: str) -> Callable[[dict], list[str]] | None:
-    """kernels_cuda.json renders like kernels.json."""
-    return SECTIONS.get(stem) or (sec.kernels if stem.startswith("kernels_") else None)
+    """kernels_cuda.json renders like kernels.json, long_quality_dense.json like long_quality.json."""
+    if stem in SECTIONS:
+        return SECTIONS[stem]
+    for family in ("kernels", "long_quality"):
+        if stem.startswith(family + "_"):
+            return SECTIONS[family]
+    return None
 
 
 # -- the pages --------------------------------------------------------------------------------
