@@ -151,7 +151,7 @@ def test_eval_needs_a_run_or_a_baseline_with_data(capfd, tmp_path):
     assert code == 1 and "--vs compares two runs" in err
 
 
-def test_data_train_eval_round_trip(tmp_path, tiny_config):
+def test_data_train_eval_round_trip(tmp_path, tiny_config, monkeypatch, capfd):
     """The installed entry point end to end: data -> train (with overrides) -> eval of the run
     and of a baseline, each printing what the run directory holds."""
     from genrec.train.data.reader import make_reader
@@ -195,6 +195,15 @@ def test_data_train_eval_round_trip(tmp_path, tiny_config):
     assert paired["ndcg@10"]["difference"] != 0 and 0 < paired["ndcg@10"]["se"] < mine["ndcg@10_se"] + theirs["ndcg@10_se"]
     assert f"{run.name} (valid) - {other.name}, paired over {mine['users']} users" in genrec(
         "eval", "--run", run, "--vs", other, "--split", "valid").stdout
+    # ... reading each run's model once (the first run's ranks come from its own evaluation)
+    from genrec.train import cli as train_cli
+
+    loads, load = [], train_cli.load_run_model
+    monkeypatch.setattr(train_cli, "load_run_model", lambda path, *a: loads.append(Path(path).name) or load(path, *a))
+    code, out, _ = cli(capfd, "eval", "--run", run, "--vs", other, "--split", "valid", "--json")
+    again = json.loads(out)["paired_vs"]
+    assert code == 0 and {k: pytest.approx(v) for k, v in again.items()} == paired
+    assert sorted(loads) == sorted([run.name, other.name])
     # a baseline: the CLI's numbers are the library's on the split asked for
     base = json.loads(genrec("eval", "--baseline", "transition", "--data", data, "--split", "valid", "--json").stdout)
     job = load_job(None, [f'--data.path="{data}"'])

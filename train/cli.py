@@ -135,11 +135,13 @@ def load_run_model(run: Path, checkpoint: str | None, data: str | None):  # noqa
     return job, model, emb, path
 
 
-def evaluate_run(run: Path, checkpoint: str | None, split: str, data: str | None = None) -> tuple[dict, Path]:
+def evaluate_run(run: Path, checkpoint: str | None, split: str, data: str | None = None,
+                 ranks: dict[int, int] | None = None) -> tuple[dict, Path]:
     """Metrics of a run's checkpoint (default: its best, else its newest) on ``split``, and
     that checkpoint's path: what ``genrec eval --run`` prints. A generative model's retrieval
     metrics (HR, NDCG, MRR), and with ranking tasks those of ``rank_<split>`` (keys
-    ``<task>/<metric>``: the checkpoint's calibrated probabilities, as served)."""
+    ``<task>/<metric>``: the checkpoint's calibrated probabilities, as served). ``ranks``:
+    filled with each user's target rank (what ``--vs`` pairs)."""
     from genrec.train.data.reader import make_reader
     from genrec.train.eval.evaluate import evaluate
     from genrec.train.eval.ranking_metrics import evaluate_ranking
@@ -152,7 +154,7 @@ def evaluate_run(run: Path, checkpoint: str | None, split: str, data: str | None
     tasks = task_masks(job, read_info(job.data.path))
     if job.model.arch == "generative":  # tasks: a ranking model's history window, as served
         reader = make_reader(job.data, split, emb, job.model.max_seq_len, tasks=tasks, tokens_per_event=tpe)
-        metrics.update(evaluate(model, progress(reader, split), job.eval))
+        metrics.update(evaluate(model, progress(reader, split), job.eval, ranks=ranks))
     if tasks and job.data.ranking.enabled:
         reader = make_reader(job.data, f"rank_{split}", emb, job.model.max_seq_len, tasks=tasks,
                              tokens_per_event=tpe)
@@ -186,10 +188,14 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
         with run_log(Path(args.run), name="eval") if Path(args.run).is_dir() else contextlib.nullcontext():
             log.info(f"eval {args.run}: checkpoint {args.checkpoint or 'best'}, split {args.split}"
                      f"{f', data {args.data}' if args.data else ''}", extra={"file_only": True})
-            metrics, path = evaluate_run(Path(args.run), args.checkpoint, args.split, args.data)
+            if args.vs:
+                retrieval_run(Path(args.run))
+            ranks: dict[int, int] = {}  # (the run's per-user ranks, paired with --vs's without a second pass)
+            metrics, path = evaluate_run(Path(args.run), args.checkpoint, args.split, args.data, ranks)
             log.info(f"{path}: " + json.dumps(metrics), extra={"file_only": True})
         name = f"{Path(args.run).name}/{path.name}"
-    paired = paired_runs(Path(args.run), args.checkpoint, Path(args.vs), args.split, args.data) if args.vs else None
+    paired = paired_runs(Path(args.run), args.checkpoint, Path(args.vs), args.split, args.data,
+                         ranks if args.vs else None) if args.vs else None
     if args.json:
         print(json.dumps(metrics if paired is None else {**metrics, "paired_vs": paired[0]}, indent=2))
         return 0
@@ -200,20 +206,31 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def retrieval_run(run: Path) -> None:
+    """Exits with a message unless ``run`` trained a retrieval model (what ``--vs`` pairs)."""
+    from genrec.train.job import load_job
+
+    if load_job(run / "config.toml", []).model.sid.enabled:
+        raise SystemExit(f"genrec eval --vs compares retrieval runs; {run} is not one")
+
+
 def paired_runs(run: Path, checkpoint: str | None, other: Path, split: str,
-                data: str | None = None) -> tuple[dict, str]:
+                data: str | None = None, first: dict[int, int] | None = None) -> tuple[dict, str]:
     """``run - other`` on ``split`` (each run's chosen checkpoint; ``checkpoint`` for ``run``),
     paired over the users both rank: {metric: (difference, standard error)} and the line that
     prints it. Two recipes read on one validation split differ far less per user than their
-    means' errors say; this is the error to compare them by."""
+    means' errors say; this is the error to compare them by. ``first``: ``run``'s per-user
+    ranks on ``split``, read already (then its model is not loaded again)."""
     from genrec.train.data.reader import make_reader
     from genrec.train.eval.paired import format_paired, model_ranks, paired_difference
 
     ranks = []
-    for path, ckpt in ((run, checkpoint), (other, None)):
+    for path, ckpt, known in ((run, checkpoint, first), (other, None, None)):
+        retrieval_run(path)
+        if known is not None:
+            ranks.append(known)
+            continue
         job, model, emb, _ = load_run_model(path, ckpt, data)
-        if job.model.sid.enabled:
-            raise SystemExit(f"genrec eval --vs compares retrieval runs; {path} is not one")
         ranks.append(model_ranks(model, make_reader(job.data, split, emb, job.model.max_seq_len), job.eval))
     diff = paired_difference(*ranks)
     users = len(ranks[0].keys() & ranks[1].keys())

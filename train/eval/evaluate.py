@@ -141,12 +141,14 @@ def evaluate(
     device: torch.device | None = None,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     total_batches: int | None = None,
+    ranks: dict[int, int] | None = None,
 ) -> dict[str, float]:
     """HR / NDCG / MRR of ``model`` over ``batches`` (a reader of the valid or test split).
 
     Distributed: ``reduce`` sums metric state across ranks; ``total_batches`` (the most any
     rank has) keeps ranks with fewer batches running dummy forwards, since lookups in
-    sharded tables are collective calls every rank must join.
+    sharded tables are collective calls every rank must join. ``ranks``: filled with each
+    user's 0-based target rank (this rank's users; ``paired.model_ranks`` gives the same).
     """
     cfg = cfg or EvalConfig()
     was_training = model.training
@@ -170,7 +172,10 @@ def evaluate(
             beams, _ = decoder.beam_search(states, model.cfg.sid.beam_width, seen if seen[0] is not None else None)
             generated.update(generated_ranks(beams, batch.targets, corpus.numel()).cpu())
         scores = model.head.scores(users, items).float()
-        metrics.update(target_ranks(scores, batch.targets, corpus, *seen).cpu())
+        r = target_ranks(scores, batch.targets, corpus, *seen).cpu()
+        metrics.update(r)
+        if ranks is not None:
+            ranks.update(zip(batch.user_ids.tolist(), r.tolist()))
         done, last = done + 1, batch
     while total_batches is not None and done < total_batches:
         model.user_embeddings(last)  # a dummy forward: joins the other ranks' lookups
