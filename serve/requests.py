@@ -207,12 +207,14 @@ def parse(cls: type[Message], data: bytes) -> Message:
         msg = cls.FromString(data)
     except DecodeError as e:
         raise InvalidRequest(f"request: cannot parse {cls.DESCRIPTOR.name} ({e}); truncated or not protobuf") from None
-    # Fast check first: with unknown fields dropped, the canonical re-encoding of a request
-    # (no maps, packed scalars) is never longer than the bytes it came from, and is as long
-    # only when nothing was dropped. Otherwise walk the message to name the field (a walk of
+    # Fast check first: a parsed message keeps its unknown fields and counts them in its size,
+    # so the size changes when they are dropped exactly when there were some. (Not the size of
+    # the bytes received: an unpacked repeated field re-encodes packed, longer, which can hide as
+    # many bytes of unknown fields.) Otherwise walk the message to name the field (a walk of
     # every event, as costly as a good part of the decoding itself, hence not on every call).
+    size = msg.ByteSize()
     msg.DiscardUnknownFields()
-    if msg.ByteSize() == len(data):
+    if msg.ByteSize() == size:
         return msg
     msg = cls.FromString(data)
     bad = _unknown_fields(msg, "")

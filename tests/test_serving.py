@@ -703,6 +703,14 @@ def test_unknown_fields_are_named_at_any_depth_and_odd_but_valid_encodings_pass(
     bad = pb.RecommendRequest(retrieve_k=10).SerializeToString() + bytes([0x0A, len(nested)]) + nested
     with pytest.raises(InvalidRequest, match=r"^user\.history\[1\]: has fields"):
         parse(pb.RecommendRequest, bad)
+    # a column sent unpacked (re-encoded packed, a byte longer) beside as many bytes of an
+    # unknown field: the same length as received, still refused
+    cols = bytes([0x08, 0x01, 0x10, 0x64])  # EventColumns: item_ids [1], timestamps [100], unpacked
+    user_cols = bytes([0x22, len(cols)]) + cols  # User.history_columns
+    hidden = bytes([0x0A, len(user_cols)]) + user_cols + bytes([0x78, 0x01])  # + field 15, unknown
+    assert pb.RecommendRequest.FromString(hidden).user.history_columns.item_ids == [1]
+    with pytest.raises(InvalidRequest, match=r"^request: has fields"):
+        parse(pb.RecommendRequest, hidden)
 
 
 def test_history_as_columns_is_the_same_request_and_its_errors_name_the_column(artifacts):
