@@ -59,6 +59,8 @@ from genrec.serve.requests import MAX_DETAIL, InvalidRequest, Kind, Limits, deco
 from genrec.serve.scoring import ScoringConfig
 from genrec.serve.worker import EngineProcess, EngineProcessError, ProcessSettings
 
+# a time remaining past this (a year) is a call without a deadline
+NO_DEADLINE_S = 365 * 86400.0
 log = logging.getLogger("genrec.serve")
 RECOMMENDER = "genrec.v1.Recommender"
 ADMIN = "genrec.v1.Admin"
@@ -622,7 +624,9 @@ class RecommenderServer:
 
     async def _serve(self, kind: Kind, data: bytes, context: Any, t0: float, caller: str | None = None) -> bytes:
         remaining = context.time_remaining()
-        budget = self.cfg.default_timeout_ms / 1e3 if remaining is None or math.isinf(remaining) else remaining
+        # no deadline: None on the aio server, ~9e18 s (gRPC's infinite future) on the thread-pool one
+        none = remaining is None or not math.isfinite(remaining) or remaining > NO_DEADLINE_S
+        budget = self.cfg.default_timeout_ms / 1e3 if none else remaining
         budget = min(budget, self.cfg.limits.max_deadline_ms / 1e3)  # clamped, not refused: we just won't hold it longer
         deadline = t0 + budget
         batcher = self.batcher

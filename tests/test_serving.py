@@ -824,6 +824,25 @@ def test_the_native_front_end_refuses_tls_it_cannot_terminate(artifacts, tmp_pat
         RecommenderServer(cfg, artifacts["hstu"])
 
 
+@pytest.mark.parametrize("front_end", ["aio", "threads"])
+def test_a_call_without_a_deadline_gets_the_default_timeout_on_either_listener(artifacts, front_end):
+    """``default_timeout_ms`` bounds a call that sets no deadline. The thread-pool server gives
+    such a call a finite time remaining (~9e18 s), not the aio server's None: it must read as
+    "none" too, not as a deadline clamped to ``limits.max_deadline_ms``."""
+    conn = replace(local_config().connections, front_end=front_end)
+    srv = ThreadedServer(artifacts["hstu"], local_config(connections=conn, default_timeout_ms=300.0),
+                         engine=SlowEngine(TorchEngine(artifacts["hstu"]), delay=1.5))
+    req = pb.RecommendRequest(user=user(history(5), CTX), retrieve_k=10).SerializeToString()
+    try:
+        with grpc.insecure_channel(srv.target) as ch:
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                ch.unary_unary("/genrec.v1.Recommender/Recommend")(req)  # no deadline
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t0 < 1.2
+    finally:
+        srv.stop()
+
+
 def test_the_thread_pool_front_end_refuses_past_its_slots_at_once_while_the_loop_is_busy(artifacts):
     """``connections.front_end = "threads"``: gRPC's thread-pool server refuses a call past
     ``max_concurrent_rpcs`` on its polling thread (RESOURCE_EXHAUSTED), without the event loop.
