@@ -29,6 +29,8 @@ proxy) where callers are not trusted; what this bounds is how much of the server
 
 from __future__ import annotations
 
+import math
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -46,6 +48,17 @@ class TenantQuota:
     max_concurrent: int = 0  # its calls in the server at once (0: the share every caller gets)
     qps: float = 0.0  # calls admitted per second, sustained (0: no rate limit)
     burst_s: float = 1.0  # seconds of qps it may send at once (the token bucket's depth)
+
+    def __post_init__(self) -> None:
+        where = f"serve.fair.quotas, tenant {self.tenant!r}"
+        if len(self.tenant) > MAX_NAME:  # (a caller's name is cut there: a longer one would never match)
+            raise ValueError(f"{where}: a tenant name has at most {MAX_NAME} characters")
+        if self.max_concurrent < 0:
+            raise ValueError(f"{where}: max_concurrent = {self.max_concurrent}; it must be >= 0 (0: the common share)")
+        if not (math.isfinite(self.qps) and self.qps >= 0):
+            raise ValueError(f"{where}: qps = {self.qps}; it must be a number >= 0 (0: no rate limit)")
+        if not (math.isfinite(self.burst_s) and self.burst_s > 0):
+            raise ValueError(f"{where}: burst_s = {self.burst_s}; it must be a number > 0")
 
 
 @dataclass(frozen=True)
@@ -65,6 +78,13 @@ class FairConfig:
     def __post_init__(self) -> None:
         if not 0 < self.max_share <= 1:
             raise ValueError(f"serve.fair.max_share = {self.max_share}; it must be in (0, 1]")
+        if not (math.isfinite(self.active_s) and self.active_s >= 0):
+            raise ValueError(f"serve.fair.active_s = {self.active_s}; it must be a number >= 0")
+        # gRPC delivers metadata keys in lower case: any other key would never be found
+        if not re.fullmatch(r"[0-9a-z_.-]+", self.metadata_key) or self.metadata_key.endswith("-bin") \
+                or self.metadata_key.startswith("grpc-"):
+            raise ValueError(f"serve.fair.metadata_key = {self.metadata_key!r}: a gRPC metadata key as it arrives "
+                             "(lower-case letters, digits, '_', '-', '.'; not 'grpc-...' nor a '-bin' key)")
         names = [q.tenant for q in self.quotas]
         if len(set(names)) != len(names) or "" in names:
             raise ValueError(f"serve.fair.quotas name each tenant once, none empty: {names}")

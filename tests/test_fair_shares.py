@@ -65,6 +65,16 @@ def test_shares_bound_each_callers_calls_at_once_and_its_rate():
     assert "peer-b" not in s.held
     with pytest.raises(ValueError, match="max_share"):
         FairConfig(max_share=0)
+    # limits that could never apply, or would refuse every call, are config errors
+    with pytest.raises(ValueError, match="at most 64 characters"):  # (callers' names are cut at 64)
+        TenantQuota("t" * 65, max_concurrent=1)
+    for bad in (dict(max_concurrent=-1), dict(qps=-1.0), dict(qps=float("nan")), dict(burst_s=0.0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            TenantQuota("ads", **bad)
+    for key in ("Tenant", "", "grpc-tenant", "tenant-bin"):  # gRPC lower-cases keys: "Tenant" never arrives
+        with pytest.raises(ValueError, match="metadata_key"):
+            FairConfig(metadata_key=key)
+    assert FairConfig(metadata_key="x-tenant.id").metadata_key == "x-tenant.id"
 
 
 @pytest.mark.unit
