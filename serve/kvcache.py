@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -166,7 +166,10 @@ class KVCache:
     def put(self, user_id: str, entry: Entry) -> int:
         """Keeps ``entry`` as the user's (most recently used), replacing the user's last one,
         evicting the least recently used users until it fits; an entry larger than the budget
-        is not kept (nor is the user's last one). Returns the tokens evicted (of other users)."""
+        is not kept (nor is the user's last one); one whose tokens fit but whose room to grow
+        does not is kept without the room (a copy). Returns the tokens evicted (of other users)."""
+        if entry.held > self.capacity_tokens >= entry.tokens and entry.room is not None:
+            entry = replace(entry, k=entry.k.clone(), v=entry.v.clone(), room=None)
         with self.lock:
             old = self.entries.pop(user_id, None)
             if old is not None:

@@ -234,8 +234,11 @@ class PackedPath:
             return vec, [Kept(kp[:, 0, :big], vp[:, 0, :big], (kp[:, 0], vp[:, 0]), user_sums[0])]
         if w == 1:  # [layers, 1, n, .] is one history's layout already
             return vec, [Kept(kp[:, 0], vp[:, 0], None, user_sums[0])]
-        return vec, [Kept(kp[:, i, :n].contiguous(), vp[:, i, :n].contiguous(), None, user_sums[i])
-                     for i, n in enumerate(lens)]
+        # copies (never views: a one-layer slice is contiguous already, and a view would keep the
+        # whole batch's buffer alive for as long as any of these users stays cached)
+        own = torch.contiguous_format
+        return vec, [Kept(kp[:, i, :n].clone(memory_format=own), vp[:, i, :n].clone(memory_format=own), None,
+                          user_sums[i]) for i, n in enumerate(lens)]
 
     def _extend_paged(self, x: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, entries: list[Entry],
                       prefix: np.ndarray, lens: np.ndarray, key_times: np.ndarray, query_times: np.ndarray,

@@ -32,13 +32,13 @@ TASKS = (TaskConfig("click", ("click",)), TaskConfig("conversion", ("conversion"
 BACKENDS = ["torch", "native"]
 
 
-def _artifact(out: Path) -> Path:
+def _artifact(out: Path, layers: int = 2) -> Path:
     """A small untrained HSTU ranking model (2 heads, visible biases) written as an fp32 artifact."""
     torch.manual_seed(0)
     tables = (TableConfig("item", ("item",), dim=16, num_embeddings=ITEMS + 1),
               TableConfig("action", ("action",), dim=16, num_embeddings=8),
               TableConfig("region", ("region",), dim=8, num_embeddings=5, pooling="sum"))
-    hstu = HSTUConfig(num_layers=2, num_heads=2, qk_dim=8, v_dim=8, dropout=0.0, num_time_buckets=16)
+    hstu = HSTUConfig(num_layers=layers, num_heads=2, qk_dim=8, v_dim=8, dropout=0.0, num_time_buckets=16)
     cfg = ModelConfig(tower="hstu", max_seq_len=WINDOW + 1, input_dropout=0.0, hstu=hstu,
                       ranking=RankingConfig(tasks=TASKS, dropout=0.0))
     emb = EmbeddingConfig(tables=tables)
@@ -287,6 +287,35 @@ def test_lru_evicts_the_least_recently_used_user():
     assert cache.put("a", entry(101)) == 0 and not cache.entries  # ... and the user's old one is gone too
     s = cache.stats()
     assert (s["hits"], s["misses"], s["evicted_tokens"], s["capacity_tokens"], s["bytes"]) == (1, 0, 80, 100, 0)
+
+
+def test_an_entry_whose_room_to_grow_does_not_fit_is_kept_without_it():
+    """A warm call grows a user's storage with room for more tokens; where the tokens fit the
+    budget and the room does not, the entry is kept compact (else every other call of a growing
+    user would miss)."""
+    z = np.arange(60)
+    ks, vs = torch.randn(1, 80, 2), torch.randn(1, 80, 2)  # storage for 80 tokens, 60 used
+    grown_entry = Entry(z, z, z, z + 1, ks[:, :60], vs[:, :60], room=(ks, vs))
+    cache = KVCache(budget_bytes=70 * 10, token_bytes=10)  # 70 tokens
+    assert grown_entry.held == 80 and cache.put("a", grown_entry) == 0
+    kept = cache.entries["a"]
+    assert kept.room is None and kept.held == cache.used_tokens == 60
+    assert torch.equal(kept.k, ks[:, :60]) and kept.k.untyped_storage().nbytes() == 60 * 2 * 4
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_each_entry_of_a_warm_batch_holds_only_its_own_tokens(tmp_path, layers):
+    """Warm users extended together: each kept entry owns storage of its own tokens only, never a
+    view of the batch's buffer (which a one-layer slice would be, and which would keep every
+    user's padded rows alive beyond what the budget counts)."""
+    eng = TorchEngine(_artifact(tmp_path / "art", layers), native=False, kv_cache_mb=64)
+    us = [named(history(n, seed=i), f"u{i}") for i, n in enumerate([60, 5, 5, 5])]
+    eng.run(works(us))
+    eng.run(works([grown(u, 1, seed=100 + i) for i, u in enumerate(us)]))
+    assert len(eng.cache.entries) == 4
+    for e in eng.cache.entries.values():
+        for t in (e.k, e.v):
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 def test_common_prefix_stops_at_the_first_difference_and_leaves_the_last_event():
