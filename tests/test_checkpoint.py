@@ -136,6 +136,38 @@ def test_a_checkpoint_is_fsynced_before_its_rename_and_the_rename_after(tmp_path
     assert ("fsync", str(root)) in events[at + 1:]
 
 
+def test_a_run_killed_after_it_stopped_stops_again_when_restarted(tiny_synth, tiny_config, tmp_path, monkeypatch):
+    """Patience stops the run after epoch 3 and its worker dies in the test that follows; the
+    restart (the same command, the same run directory) resumes from the checkpoint written as
+    it stopped and must stop there too, not train on. Likewise a spent time budget."""
+    curve = [0.30, 0.20, 0.10, 0.40, 0.50, 0.60]  # best at epoch 1: patience 2 stops after epoch 3
+    real = Trainer.evaluate
+
+    def scripted(self, readers):
+        return real(self, readers) if "valid" not in readers else {"hr@10": 0.1, "ndcg@10": curve[self.state.epoch - 1]}
+
+    monkeypatch.setattr(Trainer, "evaluate", scripted)
+    base = tiny_job_overrides(tiny_synth, tmp_path) + ["--train.max_epochs=6", "--train.patience=2", "--run.name=k"]
+    finish = Trainer.finish
+
+    def killed(self):
+        raise SystemExit("worker killed in its test")
+
+    for stop, extra in (("no improvement in 2 evaluations", []),
+                        ("time budget", ["--train.time_budget_min=0.0001", "--train.evaluate=false"])):
+        job = load_job(tiny_config, base + extra + [f'--run.id="r{len(extra)}"'])
+        monkeypatch.setattr(Trainer, "finish", killed)
+        monkeypatch.setattr(Trainer, "summary", killed)  # (the end of a run without evaluation)
+        with pytest.raises(SystemExit):
+            run_training(job)
+        first = ckpt.load_trainer_state(latest_checkpoint(tmp_path / "k" / f"r{len(extra)}" / "checkpoints"))
+        monkeypatch.setattr(Trainer, "finish", finish)
+        monkeypatch.undo()  # (evaluate too: restored below)
+        monkeypatch.setattr(Trainer, "evaluate", scripted)
+        _, res = run_training(job)
+        assert res["stopped"] == stop and res["steps"] == first["trainer"]["step"], (stop, res["steps"])
+
+
 def test_resume_falls_back_from_a_damaged_newest_checkpoint_and_says_so(tiny_synth, tiny_config, tmp_path):
     """The newest checkpoint truncated (a crash mid-write that the rename did not cover, a full
     disk): --resume takes the one before it, the log names the damaged one and why, and it

@@ -468,11 +468,19 @@ class Trainer:
             head.calibrator.reset()
         cfg = self.cfg
         while not self.state.stopped:
+            # every stop rule read again here, not only where it first fires: a run resumed from the
+            # checkpoint written as it stopped (a worker killed in its test) stops again, as it did
             if self.state.epoch >= cfg.max_epochs:
                 self.state.stopped = "max_epochs"
                 break
             if cfg.max_steps and self.state.step >= cfg.max_steps:
                 self.state.stopped = "max_steps"
+                break
+            if cfg.evaluate and self.state.last_eval_step >= 0 and self.state.evals_since_best >= cfg.patience:
+                self.state.stopped = f"no improvement in {cfg.patience} evaluations"
+                break
+            if self._out_of_time(time.perf_counter()):
+                self.state.stopped = "time budget"
                 break
             self.run_epoch()
             if self.state.stopped:
