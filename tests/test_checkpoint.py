@@ -168,6 +168,25 @@ def test_a_run_killed_after_it_stopped_stops_again_when_restarted(tiny_synth, ti
         assert res["stopped"] == stop and res["steps"] == first["trainer"]["step"], (stop, res["steps"])
 
 
+def test_pruning_keeps_the_best_that_a_kept_checkpoint_names(tiny_synth, tiny_config, tmp_path, monkeypatch):
+    """Two checkpoints kept: step 10 is the best until step 20 takes over, and step 15 still names
+    step 10. With step 20 damaged, the resume falls back to step 15, and its run must find the
+    checkpoint it would test (step 10), not a pruned directory."""
+    real = Trainer.evaluate
+    monkeypatch.setattr(Trainer, "evaluate", lambda self, r: real(self, r) if "valid" not in r else {
+        "hr@10": 0.1, "ndcg@10": {10: 0.3, 20: 0.5}.get(self.state.step, 0.1)})
+    base = tiny_job_overrides(tiny_synth, tmp_path) + ["--run.name=pruned", "--eval.test=false", "--train.max_epochs=2",
+                                                       "--train.checkpoint_every_steps=5", "--train.keep_checkpoints=2"]
+    run_dir, _ = run_training(load_job(tiny_config, base))
+    root = run_dir / "checkpoints"
+    assert {p.name for p in ckpt.complete_checkpoints(root)} == {"step_00000010", "step_00000015", "step_00000020"}
+    shard = max((root / "step_00000020").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    _, res = run_training(load_job(run_dir / "config.toml", ["--train.max_steps=18"]), run_dir)
+    assert res["steps"] == 18 and res["best_step"] == 10
+
+
 def test_resume_falls_back_from_a_damaged_newest_checkpoint_and_says_so(tiny_synth, tiny_config, tmp_path):
     """The newest checkpoint truncated (a crash mid-write that the rename did not cover, a full
     disk): --resume takes the one before it, the log names the damaged one and why, and it

@@ -349,11 +349,23 @@ def warm_start_state(io: Any, path: Path) -> list[str]:
 
 
 def prune_checkpoints(root: Path, keep: int, protect: set[Path]) -> None:
-    """Deletes all but the newest ``keep`` finished checkpoints (and any in ``protect``)."""
+    """Deletes all but the newest ``keep`` finished checkpoints (and any in ``protect``, and the
+    chosen checkpoint each kept one names: a resume that falls back to a kept checkpoint finds
+    the best it knew of)."""
     rank, _ = _rank_world()
     if rank != 0:
         return
     done = complete_checkpoints(root)
-    for p in done[: max(len(done) - keep, 0)]:
-        if p not in protect:
+    cut = max(len(done) - keep, 0)
+    names = {p.name for p in protect} | {step_dir(root, s).name for s in map(_chosen, done[cut:]) if s >= 0}
+    for p in done[:cut]:
+        if p.name not in names:
             shutil.rmtree(p, ignore_errors=True)
+
+
+def _chosen(path: Path) -> int:
+    """The chosen (best) step a checkpoint's trainer state names; -1 for none or unreadable."""
+    try:
+        return int(json.loads((path / "trainer_state.rank0.json").read_text())["trainer"]["best_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
