@@ -429,9 +429,17 @@ class HSTUTower(nn.Module):
         return out
 
     # ---- the native backend: this tower's weights for the kernel -----------------------------
+    def plain_linears(self) -> bool:
+        """Whether every layer's linear maps are ``nn.Linear`` with their weight tensors, as the
+        native kernel and the bf16 GEMMs read them (not an artifact's int8 / fp8 quantized
+        dense layers, which only their own forward computes)."""
+        return all(type(m) is nn.Linear for la in self.layers for m in (la.uvqk, la.out))
+
     def native_supported(self) -> bool:
         """Whether ``backend="native"`` computes this tower here (shapes it covers, and the
         library builds: ``kernels.native``)."""
+        if not self.plain_linears():
+            return False
         c, fn = self.layers[0].cfg, self.final_norm
         eps = [la.norm.eps for la in self.layers] + [la.out_norm.eps for la in self.layers]
         affine = isinstance(fn, nn.LayerNorm) and fn.weight is not None and fn.bias is not None

@@ -94,6 +94,11 @@ class TorchEngine(InProcessEngine):
         if candidate_precision not in ("fp32", "bf16", "auto"):
             raise ValueError(f"candidate_precision: '{candidate_precision}'; use 'fp32', 'bf16' or 'auto'")
         bf16 = candidate_precision == "bf16" or (candidate_precision == "auto" and bf16_gemm_fast(self.device))
+        if bf16 and self.model.cfg.tower == "hstu" and not self.model.tower.plain_linears():
+            if candidate_precision == "bf16":
+                raise ValueError("candidate_precision 'bf16' runs the tower's linear layers as bf16 GEMMs; this "
+                                 "artifact's dense layers are quantized (int8 / fp8): serve it with fp32 or auto")
+            bf16 = False  # (auto: the quantized layers' own forward)
         score: TowerBackend | None = "torch-bf16" if bf16 else None
         # "auto": bf16 only where a micro-batch is large enough for it to win (BF16_FROM_PAIRS)
         score_from = BF16_FROM_PAIRS if candidate_precision == "auto" and native and bf16 else 0

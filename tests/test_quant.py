@@ -142,6 +142,19 @@ def test_artifact_round_trip_serves_what_was_measured(trained_run, tiny_synth, t
         assert again == report["metrics"]["before"]
     # quantized or not, the artifact ranks close to the float model
     assert abs(again["hr@50"] - report["metrics"]["before"]["hr@50"]) < 0.05
+    # ... and the server's engine loads it and answers, on its default path (the native kernel
+    # and bf16 GEMMs read plain weights; quantized dense layers run their own forward)
+    from genrec.proto.v1 import recommender_pb2 as pb
+    from genrec.serve.engine import TorchEngine
+    from genrec.serve.requests import Limits, decode
+
+    engine = TorchEngine(art)
+    assert (engine.path == "native") == (dense in ("fp32", "bf16") and engine.model.tower.native_supported())
+    ids = engine.corpus_np[:6]
+    req = pb.RecommendRequest(user=pb.User(history=[pb.Event(item_id=int(i), timestamp=1_700_000_000 + 60 * k)
+                                                    for k, i in enumerate(ids)]), retrieve_k=10)
+    (res,) = engine.run([decode("recommend", req.SerializeToString(), engine.schema, Limits())])
+    assert len(res.item_ids) == 10 and set(res.item_ids.tolist()) <= set(engine.corpus_np.tolist())
 
 
 def test_managed_collision_tables_export_their_raw_id_map(tiny_synth, tmp_path):
