@@ -268,6 +268,10 @@ def load_index(path: str | Path, manifest: Manifest, dim: int, nprobe: int = 0, 
     index = faiss.deserialize_index(blob.numpy())
     if index.ntotal != have["items"] or index.d != dim:
         raise ArtifactError(_mismatch(path, {**built, "items": int(index.ntotal), "dim": int(index.d)}, have))
+    for key in ("nprobe", "shortlist"):
+        value = info.get(key, 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ArtifactError(f"{path}/manifest.json: index.{key} = {value!r}; it must be a positive integer")
     ann = AnnIndex(index, info, nprobe or int(info.get("nprobe", 1)), shortlist or int(info.get("shortlist", 1000)))
     set_nprobe(index, ann.nprobe)
     # faiss's OpenMP pool (its own runtime) as wide as torch's: the engine process's threads

@@ -196,7 +196,8 @@ def _top(ids: np.ndarray, vals: np.ndarray, works: Sequence[tuple[int, Asks]]) -
     return out
 
 
-# what makes a model in a manifest: not where it came from (source, report), nor when it was written
+# what makes a model in a manifest: not where it came from (source, report), nor when it was
+# written; and its ANN index's entry where it has one (content_hash)
 _CONTENT = ("format_version", "model", "embedding", "quantization", "generative", "tensors", "files")
 
 
@@ -207,6 +208,8 @@ def content_hash(manifest: Manifest) -> str:
     artifacts of one hash hold the same model, and artifacts that differ in a single weight
     differ in hash, whatever their folder and run names."""
     body = {k: getattr(manifest, k) for k in _CONTENT}
+    if manifest.index:  # its search settings (nprobe, shortlist) change what retrieval returns
+        body["index"] = manifest.index
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

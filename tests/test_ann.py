@@ -183,6 +183,24 @@ def test_a_changed_index_file_is_refused(indexed, tmp_path):
         TorchEngine(other)
 
 
+def test_the_index_search_settings_are_part_of_the_version_and_checked(indexed, tmp_path):
+    """nprobe and shortlist change what ANN retrieval returns: a manifest edited in them alone is
+    another model_version (replicas and standbys compare it), and values that cannot search are
+    refused."""
+    ann = RetrievalConfig(search="ann")
+    other = tmp_path / "probes"
+    shutil.copytree(indexed, other)
+    m = json.loads((other / "manifest.json").read_text())
+    m["index"]["nprobe"] = 1
+    (other / "manifest.json").write_text(json.dumps(m))
+    assert read_served(other, ann).version != read_served(indexed, ann).version
+    for bad in (0, -3, "4", True):
+        m["index"]["nprobe"] = bad
+        (other / "manifest.json").write_text(json.dumps(m))
+        with pytest.raises(ArtifactError, match="index.nprobe"):
+            TorchEngine(other, retrieval=ann)
+
+
 def test_shortlist_best_k_is_the_full_sort_and_exclusion_is_membership() -> None:
     """The re-score keeps each row's k best by a partition and a sort of those k: the same ids and
     scores, in the same order, as a stable sort of the whole shortlist (masked entries included);
