@@ -32,7 +32,7 @@ from genrec.quant.artifact import Manifest, save_artifact
 from genrec.quant.dense import Scheme as DenseScheme
 from genrec.quant.dense import dense_bytes, dense_tensors
 from genrec.quant.embeddings import Scheme as EmbScheme
-from genrec.quant.embeddings import table_bytes, table_tensors
+from genrec.quant.embeddings import check_dims, table_bytes, table_tensors
 from genrec.quant.load import SID_PREFIX, load_model
 from genrec.train.loop import checkpoint as ckpt
 from genrec.train.loop.checkpoint import resolve_checkpoint  # noqa: F401 - re-exported (benchmarks, tests)
@@ -97,6 +97,7 @@ def export(
     bar = tqdm(total=6, desc="quantize", disable=not progress, unit="step")
     run_dir, ckpt_dir = resolve_checkpoint(checkpoint)
     job, model = load_training_model(run_dir, ckpt_dir)
+    check_dims({t.name: t.dim for t in job.embedding.tables}, qcfg.embeddings)  # before any evaluation
     bar.update(1)
     data = Path(eval_data) if eval_data else Path(job.data.path)
     have_data = measure_accuracy and (data / "dataset.json").exists()

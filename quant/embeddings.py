@@ -29,6 +29,21 @@ DATA_TYPE = {"fp32": DataType.FP32, "fp16": DataType.FP16, "int8": DataType.INT8
 BITS = {"int8": 8, "int4": 4}
 
 
+# fbgemm packs a row's codes and its 4-byte scale / bias into whole 2-byte words: an int8 row needs
+# an even number of columns, an int4 row a multiple of 4
+DIM_MULTIPLE = {"int8": 2, "int4": 4}
+
+
+def check_dims(dims: dict[str, int], scheme: Scheme) -> None:
+    """Refuses, naming them, tables of ``dims`` (name -> columns) that ``scheme`` cannot pack."""
+    m = DIM_MULTIPLE.get(scheme, 1)
+    bad = {name: d for name, d in dims.items() if d % m}
+    if bad:
+        raise ValueError(f"embeddings {scheme}: rows are packed in multiples of {m} columns, and table(s) "
+                         + ", ".join(f"'{n}' (dim {d})" for n, d in bad.items())
+                         + " are not; quantize them as fp16, or train with such a dim")
+
+
 def quantize_weight(weight: torch.Tensor, scheme: Scheme) -> dict[str, torch.Tensor]:
     """[N, D] float rows -> {'codes': [N, D * bits / 8] uint8, 'scale_bias': [N, 4] uint8}
     for int8 / int4, {'weight': [N, D]} in fp16 / fp32 otherwise."""

@@ -42,6 +42,26 @@ def test_rowwise_tables_stay_within_half_a_step(scheme, levels):
     assert parts["codes"].shape[1] == 64 * {"int8": 8, "int4": 4}[scheme] // 8
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_the_dims_refused_up_front_are_exactly_those_fbgemm_cannot_pack(scheme):
+    """``genrec quantize`` checks every table's dim before loading data or evaluating: the rule
+    matches what fbgemm's packing accepts (else it failed late, with fbgemm's own message)."""
+    from genrec.quant.embeddings import check_dims, quantize_weight
+
+    for d in range(1, 18):
+        try:
+            quantize_weight(torch.randn(3, d), scheme)
+            packs = True
+        except RuntimeError:
+            packs = False
+        if packs:
+            check_dims({"item": d}, scheme)
+        else:
+            with pytest.raises(ValueError, match=rf"'item' \(dim {d}\)"):
+                check_dims({"item": d}, scheme)
+    check_dims({"item": 7}, "fp16")
+
+
 def test_fp16_tables_round_to_half_precision():
     w = torch.randn(50, 16)
     torch.testing.assert_close(dequantize(quantize_weight(w, "fp16"), "fp16", 16), w, rtol=1e-3, atol=1e-3)
