@@ -42,6 +42,10 @@ FILES = ("embeddings.safetensors", "dense.safetensors")
 OPTIONAL_FILES = ("index.safetensors",)  # read by its own loader (quant.ann.load_index), not load_tensors
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 16 << 20  # a manifest lists every tensor: a few hundred KB for large models
+# the schemes an artifact may name (quant.embeddings.Scheme, quant.dense.Scheme: a test keeps them
+# equal), here so that checking a manifest imports neither fbgemm nor torchrec
+EMBEDDING_SCHEMES = ("fp32", "fp16", "int8", "int4")
+DENSE_SCHEMES = ("fp32", "bf16", "int8", "fp8")
 REQUIRED = ("format", "format_version", "model", "embedding", "quantization", "tensors", "files")
 
 
@@ -134,19 +138,42 @@ def read_manifest(path: str | Path) -> Manifest:
     if raw.get("format") != FORMAT:
         raise ArtifactError(f"{mpath}: format is {str(raw.get('format'))[:64]!r}, expected {FORMAT!r}")
     version = raw.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
         raise ArtifactError(
             f"{mpath}: format_version {str(version)[:32]} is newer than this genrec reads ({FORMAT_VERSION}); "
             "upgrade genrec"
         )
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= FORMAT_VERSION:
+        raise ArtifactError(f"{mpath}: format_version {str(version)[:32]!r} is not one genrec wrote "
+                            f"(1 to {FORMAT_VERSION})")
     missing = [k for k in REQUIRED if k not in raw]
     if missing:
         raise ArtifactError(f"{mpath}: lacks the key '{missing[0]}'; was it written by 'genrec quantize'?")
     for key in ("model", "embedding", "quantization", "tensors", "files", "generative", "index"):
         if not isinstance(raw.get(key, {}), dict):
             raise ArtifactError(f"{mpath}: '{key}' is not a JSON object")
+    _check_quantization(mpath, raw["quantization"])
+    for fname, listed in raw["tensors"].items():
+        for name, want in (listed.items() if isinstance(listed, dict) else [(None, listed)]):
+            ok = (isinstance(want, dict) and isinstance(want.get("shape"), list)
+                  and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in want["shape"])
+                  and isinstance(want.get("dtype"), str) and isinstance(want.get("sha256"), str))
+            if not ok:
+                what = f"tensor {str(name)[:64]!r} of {str(fname)[:64]!r}" if name is not None else f"{str(fname)[:64]!r}"
+                raise ArtifactError(f"{mpath}: the entry of {what} is not {{shape: [ints], dtype, sha256}}")
     known = set(Manifest.__dataclass_fields__)
     return Manifest(**{k: v for k, v in raw.items() if k in known})
+
+
+def _check_quantization(mpath: Path, q: dict) -> None:
+    """The manifest's ``quantization``: schemes this genrec serves and a positive row alignment."""
+    for key, schemes in (("embeddings", EMBEDDING_SCHEMES), ("dense", DENSE_SCHEMES)):
+        if q.get(key) not in schemes:
+            raise ArtifactError(f"{mpath}: quantization.{key} = {str(q.get(key))[:32]!r}; "
+                                f"this genrec serves {list(schemes)}")
+    align = q.get("row_alignment", 16)
+    if not isinstance(align, int) or isinstance(align, bool) or align < 1:
+        raise ArtifactError(f"{mpath}: quantization.row_alignment = {str(align)[:32]!r}; it must be a positive integer")
 
 
 def _inside(path: Path, root: Path, what: str) -> None:

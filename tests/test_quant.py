@@ -249,6 +249,31 @@ def test_newer_format_version_is_refused(artifact):
         load_model(artifact)
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m.update(format_version=0), "format_version '0' is not one"),
+    (lambda m: m.update(format_version=True), "format_version 'True' is not one"),
+    (lambda m: m["quantization"].update(embeddings="int2"), r"quantization.embeddings = 'int2'"),
+    (lambda m: m["quantization"].update(dense=None), r"quantization.dense = 'None'"),
+    (lambda m: m["quantization"].update(row_alignment=0), "row_alignment = '0'"),
+    (lambda m: m["tensors"]["dense.safetensors"].update(corpus_ids={"dtype": "int64"}), "entry of tensor 'corpus_ids'"),
+])
+def test_a_manifest_field_that_cannot_be_served_is_refused_naming_it(artifact, edit, message):
+    m = json.loads((artifact / "manifest.json").read_text())
+    edit(m)
+    (artifact / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match=message):
+        load_model(artifact)
+
+
+def test_the_manifest_check_knows_every_scheme_the_quantizers_write():
+    from typing import get_args
+
+    from genrec.quant import artifact, dense, embeddings
+
+    assert artifact.EMBEDDING_SCHEMES == get_args(embeddings.Scheme)
+    assert artifact.DENSE_SCHEMES == get_args(dense.Scheme)
+
+
 def test_not_an_artifact(tmp_path):
     with pytest.raises(ArtifactError, match="no manifest.json"):
         load_model(tmp_path)
