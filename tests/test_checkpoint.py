@@ -187,6 +187,21 @@ def test_pruning_keeps_the_best_that_a_kept_checkpoint_names(tiny_synth, tiny_co
     assert res["steps"] == 18 and res["best_step"] == 10
 
 
+def test_a_run_id_of_another_config_is_refused_and_a_longer_schedule_extends_it(tiny_synth, tiny_config, tmp_path):
+    """A job under an existing run.id resumes that run: with another learning rate it would
+    train a model its config.toml does not describe, so it is refused naming the key; more steps
+    (a restart told to go further) extend it."""
+    from genrec.config import ConfigError
+
+    base = tiny_job_overrides(tiny_synth, tmp_path) + ["--run.name=same", '--run.id="r"', "--train.max_epochs=1",
+                                                       "--eval.test=false", "--train.checkpoint_every_steps=4"]
+    run_dir, _ = run_training(load_job(tiny_config, base + ["--train.max_steps=4"]))
+    with pytest.raises(ConfigError, match=r"train.optim.lr: 0.001 there, 0.05 now"):
+        run_training(load_job(tiny_config, base + ["--train.max_steps=4", "--train.optim.lr=0.05"]))
+    again, res = run_training(load_job(tiny_config, base + ["--train.max_steps=6"]))
+    assert again == run_dir and res["steps"] == 6
+
+
 def test_resume_falls_back_from_a_damaged_newest_checkpoint_and_says_so(tiny_synth, tiny_config, tmp_path):
     """The newest checkpoint truncated (a crash mid-write that the rename did not cover, a full
     disk): --resume takes the one before it, the log names the damaged one and why, and it

@@ -10,6 +10,7 @@ import gc
 import json
 import resource
 import shutil
+import tomllib
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from genrec.config import ConfigError
+from genrec.config import ConfigError, dump_toml
 from genrec.embedding.spec import IdOutOfRange
 from genrec.train.data.reader import make_reader
 from genrec.train.data.schema import DataFormatError, read_info
@@ -41,13 +42,35 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+# what a job under an existing run.id may change: how long it trains and whether it shows progress
+# (a restart is the same command; a longer schedule extends the run)
+RESTART_KEYS = ("train.max_epochs", "train.max_steps", "train.time_budget_min", "train.progress")
+
+
+def other_config(run_dir: Path, resolved: JobConfig) -> str:
+    """What differs between the run ``run_dir`` holds and ``resolved`` (beyond RESTART_KEYS),
+    as a message; "" where it is the same run."""
+    from genrec.train.runs.browse import config_differences
+
+    diff = config_differences(tomllib.loads((run_dir / "config.toml").read_text()), tomllib.loads(dump_toml(resolved)),
+                              RESTART_KEYS)
+    if not diff:
+        return ""
+    shown = "; ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in list(diff.items())[:4])
+    return (f"run.id {resolved.run.id!r}: {run_dir} holds a run of another config ({shown}"
+            f"{'; ...' if len(diff) > 4 else ''}); give a new run.id, or resume that run as it is (--resume)")
+
+
 def resolve_run_dir(job: JobConfig, resolved: JobConfig, ctx: DistContext, run_dir: Path | None) -> Path:
-    """Rank 0 picks the directory (new, or ``run.id``'s, or the one resumed), others follow."""
+    """Rank 0 picks the directory (new, or ``run.id``'s, or the one resumed), others follow.
+    A ``run.id`` whose directory holds a run of another config is refused on every rank."""
     if run_dir is None:
         if ctx.rank == 0:
+            refused = ""
             if job.run.id:
                 run_dir = Path(job.run.out_dir) / (job.run.name or "run") / job.run.id
                 fresh = not (run_dir / "config.toml").exists()
+                refused = "" if fresh else other_config(run_dir, resolved)
                 run_dir.mkdir(parents=True, exist_ok=True)
             else:
                 run_dir, fresh = new_run_dir(job.run.out_dir, job.run.name), True
@@ -55,7 +78,10 @@ def resolve_run_dir(job: JobConfig, resolved: JobConfig, ctx: DistContext, run_d
                 write_run_files(run_dir, resolved)
                 if resolved.model.sid.enabled:  # the codebook stays with the run (genrec eval --run finds it)
                     shutil.copyfile(resolved.model.sid.codebook, run_dir / "sid.safetensors")
-        run_dir = Path(ctx.broadcast(str(run_dir) if run_dir else ""))
+        got = ctx.broadcast(("!" + refused if refused else str(run_dir)) if ctx.rank == 0 else "")
+        if got.startswith("!"):
+            raise ConfigError(got[1:])
+        run_dir = Path(got)
     ctx.barrier()
     return run_dir
 
