@@ -76,6 +76,34 @@ def test_flops_are_torch_counts_of_forward_and_backward():
     assert count.finish() == 3 * 2 * 8 * 32 * 16  # forward, grad of input, grad of weight
 
 
+def test_counting_flops_leaves_managed_collision_tables_as_they_were(tiny_synth, tmp_path):
+    """The FLOP count's own pass must not move an MCH table (its counters, its remap, the step
+    it last evicted at): a resumed run counts again at its first step, so a pass that moved
+    them would train a resumed model differently from the uninterrupted one."""
+    from contextlib import nullcontext
+
+    from genrec.train.data.reader import make_reader
+    from genrec.train.data.schema import read_info
+    from genrec.train.job import build_model, resolve_embedding
+    from genrec.train.observe.stepstats import count_model_flops
+
+    cfg = tmp_path / "mch.toml"
+    cfg.write_text('[[embedding.tables]]\nname = "item"\nfeatures = ["item"]\ndim = 16\nnum_embeddings = 64\n'
+                   'oov = "mch"\nraw_id_space = 1000000\nmch_eviction_interval = 2\nmch_buckets = 1\n')
+    job = load_job(cfg, tiny_job_overrides(tiny_synth, tmp_path))
+    model, emb = build_model(job)
+    batch = next(iter(make_reader(job.data, "train", resolve_embedding(job.embedding, read_info(job.data.path)),
+                                  job.model.max_seq_len)))
+    model.train()
+    for _ in range(3):  # (the table in use: ids remapped, an eviction behind it)
+        model(batch)["loss"].backward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    flops, how = count_model_flops(model, batch, nullcontext)
+    after = model.state_dict()
+    assert [k for k in before if not torch.equal(before[k], after[k])] == []
+    assert flops > 0 and how == "3 x forward" and model.training
+
+
 def test_matmul_peak_is_measured_once_per_machine_and_leaves_the_rng_alone(tmp_path):
     torch.manual_seed(0)
     before = torch.get_rng_state()

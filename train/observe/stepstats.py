@@ -179,21 +179,29 @@ class FlopCount:
         return int(self.counter.get_total_flops()) + self.kernel_flops[0]
 
 
+def has_managed_collisions(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds TorchRec managed-collision modules (state a forward changes)."""
+    from torchrec.modules.mc_modules import ManagedCollisionModule
+
+    return any(isinstance(m, ManagedCollisionModule) for m in model.modules())
+
+
 def count_model_flops(model: torch.nn.Module, batch: Any, autocast: Callable[[], Any]) -> tuple[int, str]:
     """FLOPs of one training step's forward and backward of ``model`` on ``batch``, and how
     they were counted. A pass of its own, after the step: counting inside the step changes
     the kernels torch picks (ulp-level differences in gradients, which a resumed run would
     not share). The pass leaves the training as it was: the RNG state is restored, DDP
     reduces nothing (``no_sync``); the caller drops the gradients. With TorchRec's fused
-    optimizers (DMP) a backward would update the tables, so the forward alone is counted
-    (in eval mode, where managed-collision tables do not move either) and the step taken as
-    three times it (the backward's two GEMMs per forward GEMM)."""
+    optimizers (DMP) a backward would update the tables, and a training-mode forward moves
+    managed-collision tables (their counters and the ids they remap), so there the forward alone
+    is counted, in eval mode, and the step taken as three times it (the backward's two GEMMs per
+    forward GEMM)."""
     from genrec.train.loop.parallel import has_sharded_tables, no_sync
 
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
     try:
-        if not has_sharded_tables(model):
+        if not has_sharded_tables(model) and not has_managed_collisions(model):
             count = FlopCount()
             with no_sync(model):
                 with autocast():
