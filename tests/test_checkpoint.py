@@ -40,6 +40,24 @@ def test_resume_reproduces_the_uninterrupted_trajectory(tiny_synth, tmp_path, to
     assert resumed["test"]["ndcg@10"] == pytest.approx(straight["test"]["ndcg@10"], abs=1e-6)
 
 
+def test_resume_of_a_managed_collision_table_keeps_its_eviction_schedule(tiny_synth, tmp_path):
+    """An MCH item table evicting every 3 steps, stopped after 4 (between two evictions) and
+    resumed: the ids recorded since the last eviction and the step it happened at travel with
+    the checkpoint (TorchRec keeps them outside the state dict), so the resumed run evicts the
+    same rows at the same steps as the uninterrupted one and trains the same model."""
+    config = tmp_path / "mch.toml"
+    config.write_text('[[embedding.tables]]\nname = "item"\nfeatures = ["item"]\ndim = 16\nnum_embeddings = 256\n'
+                      'oov = "mch"\nraw_id_space = 1000\nmch_eviction_interval = 3\nmch_buckets = 2\n' + SCHEDULE)
+    base = tiny_job_overrides(tiny_synth, tmp_path) + ["--train.max_epochs=1", "--train.log_every_steps=1",
+                                                       "--data.valid_users=0", "--eval.test=false"]
+    straight, _ = run_training(load_job(config, base + ["--run.name=straight"]))
+    parts, _ = run_training(load_job(config, base + ["--run.name=parts", "--train.max_steps=4",
+                                                     "--train.checkpoint_every_steps=4"]))
+    assert (ckpt.latest_checkpoint(parts / "checkpoints") / ckpt.rank_tensors_file(0)).exists()
+    run_training(load_job(parts / "config.toml", ["--train.max_steps=0"]), parts)
+    assert_same_trajectory(straight, parts)
+
+
 def test_without_a_validation_split_the_last_model_is_tested(tiny_synth, tiny_config, tmp_path):
     job = load_job(tiny_config, tiny_job_overrides(tiny_synth, tmp_path) + [
         "--data.valid_users=0", "--train.max_epochs=2", "--run.name=novalid"])

@@ -111,9 +111,11 @@ def fsync_tree(folder: Path) -> None:
     fsync_path(folder)
 
 
-def save_checkpoint(root: Path, step: int, tensors: dict[str, Any], trainer_state: dict[str, Any]) -> Path:
+def save_checkpoint(root: Path, step: int, tensors: dict[str, Any], trainer_state: dict[str, Any],
+                    rank_tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """Writes ``tensors`` (model / optimizer state) and the trainer state to ``root/step_<step>``
-    atomically; returns its path."""
+    atomically; returns its path. ``rank_tensors``: this rank's own tensors besides
+    (``rank_tensors_file``; the MCH tables' eviction state, ``train.loop.mch_state``)."""
     rank, world = _rank_world()
     final = step_dir(root, step)
     tmp = root / f".{final.name}.tmp"
@@ -124,6 +126,8 @@ def save_checkpoint(root: Path, step: int, tensors: dict[str, Any], trainer_stat
     dcp.save(tensors, checkpoint_id=tmp)
     body = {**trainer_state, "world_size": world, "rank": rank}
     (tmp / f"trainer_state.rank{rank}.json").write_text(json.dumps(body, indent=1))
+    if rank_tensors:
+        torch.save(rank_tensors, tmp / rank_tensors_file(rank))
     _barrier()
     if rank == 0:  # (every rank's files are written: the barrier above)
         fsync_tree(tmp)
@@ -180,6 +184,17 @@ def load_newest(root: Path, load: Callable[[Path], T]) -> tuple[Path, T, list[tu
         raise RuntimeError(f"no checkpoint under {root} loads: " +
                            "; ".join(f"{p.name}: {why}" for p, why in damaged))
     return None
+
+
+def rank_tensors_file(rank: int) -> str:
+    return f"rank_tensors.rank{rank}.pt"
+
+
+def load_rank_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """This rank's own tensors of checkpoint ``path`` ({} where it has none)."""
+    rank, _ = _rank_world()
+    file = path / rank_tensors_file(rank)
+    return torch.load(file, weights_only=True) if file.exists() else {}
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from genrec.train.eval.evaluate import EvalConfig, evaluate
 from genrec.train.eval.ranking_metrics import evaluate_ranking
 from genrec.train.job import OptimConfig, TrainConfig, resolve_precision
 from genrec.train.loop import checkpoint as ckpt
+from genrec.train.loop import mch_state
 from genrec.train.loop.average import AveragedWeights
 from genrec.train.loop.parallel import full_params, time_collectives
 from genrec.train.observe import faults
@@ -215,14 +216,18 @@ class Trainer:
     def save(self) -> Path:
         body = {"trainer": self.state.__dict__, "reader": self.train_reader.state_dict(), "rng": ckpt.rng_state(),
                 "device_rng": ckpt.device_rng_state(self.device)}
-        path = ckpt.save_checkpoint(self.ckpt_root, self.state.step, self.io.state(), body)
+        path = ckpt.save_checkpoint(self.ckpt_root, self.state.step, self.io.state(), body,
+                                    mch_state.capture(self.model))
         best = ckpt.step_dir(self.ckpt_root, self.state.best_step) if self.state.best_step >= 0 else None
         ckpt.prune_checkpoints(self.ckpt_root, self.cfg.keep_checkpoints, {best} if best else set())
         return path
 
     def _load(self, path: Path) -> dict[str, Any]:
         ckpt.restore(self.io, path)
-        return ckpt.load_trainer_state(path)
+        body = ckpt.load_trainer_state(path)
+        if body.get("world_size") == self.world_size:  # (per rank: on another world size, a fresh schedule)
+            mch_state.apply(self.model, ckpt.load_rank_tensors(path))
+        return body
 
     def resume(self, path: Path | None = None) -> bool:
         """Resumes from ``path``, or else from the newest checkpoint that loads: a damaged newer
