@@ -15,6 +15,20 @@ RESULTS_MD = ROOT / "benchmarks" / "RESULTS.md"
 SHARED = Path(os.environ.get("GENREC_SHARED_DATA", ROOT.parent / "shared" / "data"))
 
 
+def pin_process(cpus: Any) -> None:
+    """Pins every thread of this process to ``cpus`` (and so the threads it starts later).
+    ``os.sched_setaffinity(0, ...)`` moves the calling thread only: gRPC's own threads (its
+    event engine and timers, which do the load generator's I/O), started at the first call and
+    kept for the process's life, would stay where they were started."""
+    cpus = set(cpus)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # (a thread that has just ended)
+            pass
+    os.sched_setaffinity(0, cpus)
+
+
 def dataset(name: str, cache: Path = ROOT / "data") -> Path:
     """A converted dataset directory for 'ml1m', 'beauty' or 'kuairand', converting once from
     SHARED (KuaiRand-Pure: SHARED/kuairand-pure, else the release unpacked in data/raw/kuairand)."""

@@ -48,7 +48,14 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from genrec.benchmarks.common import ROOT, machine, today, update_results_md, write_json
+from genrec.benchmarks.common import (
+    ROOT,
+    machine,
+    pin_process,
+    today,
+    update_results_md,
+    write_json,
+)
 from genrec.benchmarks.serving import artifact_and_requests
 from genrec.loadtest.runner import RESPONSES, native_step, run_step
 from genrec.loadtest.sender import choose
@@ -341,7 +348,7 @@ def main() -> None:
     SENDER, why = choose(args.sender)
     print(f"sender: {SENDER}" + (f" ({why})" if why else ""), flush=True)
     mine, generator = server_cpus()
-    os.sched_setaffinity(0, generator)
+    pin_process(generator)
     servers: dict[str, dict] = {}
     cap = within = 0.0
     steps: list[dict] = []

@@ -55,6 +55,7 @@ from genrec.benchmarks.common import (
     ROOT,
     dataset,
     machine,
+    pin_process,
     today,
     update_results_md,
     write_json,
@@ -260,7 +261,7 @@ def main() -> None:
             proc, target, layout = start_server(engine, artifact, args.server_threads, prof)
             # a pinned engine (serve.engine_cpus = "auto"): the load generator stays beside the front-end,
             # off the engine's CPU; otherwise it floats like the server
-            os.sched_setaffinity(0, layout["front_end_cpus"] or all_cpus)
+            pin_process(layout["front_end_cpus"] or all_cpus)
             try:
                 single = single_request_latency(target, payloads)
                 res = sweep(target, SWEEPS[engine], args.duration, payloads, args.slo_p99_ms, timeout_s=1.0,
@@ -268,7 +269,7 @@ def main() -> None:
             finally:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=120)
-                os.sched_setaffinity(0, all_cpus)
+                pin_process(all_cpus)
             runs.append((res, single, json.loads(prof.read_text()) if prof.exists() else {}, layout))
         # the repeat with the median max QPS (the lower middle of an even count) stands for the server
         res, single, profile, layout = sorted(runs, key=lambda r: r[0].max_qps_within_slo)[(len(runs) - 1) // 2]

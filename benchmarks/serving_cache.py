@@ -59,6 +59,7 @@ from genrec.benchmarks.common import (
     ROOT,
     dataset,
     machine,
+    pin_process,
     shown_path,
     today,
     update_results_md,
@@ -368,7 +369,7 @@ def run_engine(name: str, server_args: list[str], shapes: list[Shape], items: An
         record["startup_s"] = round(time.perf_counter() - t0, 1)
         record["memory_at_start"] = server.memory()
         all_cpus = tuple(sorted(os.sched_getaffinity(0)))
-        os.sched_setaffinity(0, server.front_end_cpus or all_cpus)  # off a pinned engine's CPU
+        pin_process(server.front_end_cpus or all_cpus)  # off a pinned engine's CPU
         try:
             for shape in shapes:
                 row, res = measure(server, shape, workloads(shape, items, args), args,
@@ -378,7 +379,7 @@ def run_engine(name: str, server_args: list[str], shapes: list[Shape], items: An
                 print(name, shape.name, json.dumps({k: row[k] for k in ("single", "max_qps_within_slo", "hit_rate")}),
                       flush=True)
         finally:
-            os.sched_setaffinity(0, all_cpus)
+            pin_process(all_cpus)
     return record, sweeps
 
 

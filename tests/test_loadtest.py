@@ -7,6 +7,7 @@ import math
 import os
 import threading
 import time
+from dataclasses import replace
 
 import grpc
 import numpy as np
@@ -109,6 +110,24 @@ def test_sweep_counts_percentiles_and_errors_match_the_known_server(tmp_path, se
         srv.stop()
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two CPUs to show")
+def test_pinning_the_generator_moves_the_threads_started_before():
+    """gRPC's threads start with the first call and stay: the benchmarks pin the whole process,
+    not the calling thread alone, or the generator's I/O keeps running on the server's CPU."""
+    from genrec.benchmarks.common import pin_process
+
+    cpus = sorted(os.sched_getaffinity(0))
+    stop = threading.Event()
+    early = threading.Thread(target=stop.wait, daemon=True)
+    early.start()  # (as gRPC's event engine, started before the pinning)
+    try:
+        pin_process({cpus[0]})
+        assert os.sched_getaffinity(early.native_id) == {cpus[0]} == os.sched_getaffinity(0)
+    finally:
+        pin_process(cpus)
+        stop.set()
+
+
 def test_machine_busy_and_steal_shares_come_from_proc_stat():
     assert cpu_shares((10.0, 1.0, 100.0), (40.0, 3.0, 200.0)) == pytest.approx((30.0, 2.0))
     assert all(math.isnan(x) for x in cpu_shares(None, (1.0, 0.0, 2.0)))
@@ -147,6 +166,52 @@ def test_a_missed_step_caps_the_max_qps_even_when_a_higher_step_met_the_budget()
     assert qps_within(steps, 15.0) == (50, 200)
     assert qps_within([step(10, 16.0), step(50, 14.0)], 15.0) == (0.0, 50)
     assert qps_within([], 15.0) == (0.0, 0.0)
+    # a step that sent nothing (p99 NaN) or less than its schedule (the request budget or a stream
+    # ran out) measured no load: it meets nothing, and caps what is above it
+    empty = StepResult(1000, 1.0, 0, 0, {}, 0.0, *[math.nan] * 6, 0)
+    short = replace(step(400, 12.0), cut_short=True)
+    assert qps_within([step(50, 12.0), empty], 15.0) == (50, 50)
+    assert qps_within([step(50, 12.0), short, step(800, 13.0)], 15.0) == (50, 800)
+
+
+def test_a_step_counts_answers_of_its_window_and_knows_when_it_was_cut_short():
+    """achieved_qps is the step's answers per second of its window: answers that come back after
+    it (a saturated server draining its queue) are not this step's rate. A step sent short of
+    its schedule says so."""
+    from genrec.loadtest.runner import Recorder
+
+    rec = Recorder(3, None, None, None, window=2.0)
+    rec.record(0.5, 0.2, "OK", b"")
+    rec.record(1.5, 0.4, "OK", b"")
+    rec.record(1.9, 0.9, "OK", b"")  # back at 2.8 s: after the window
+    step = rec.result(100.0, 2.0, 3, 0.0, 0.0, scheduled=200)
+    assert step.ok == 3 and step.achieved_qps == 1.0 and step.cut_short
+    assert not rec.result(100.0, 2.0, 3, 0.0, 0.0, scheduled=3).cut_short
+
+
+def test_a_calls_deadline_is_never_shorter_than_the_budget(monkeypatch):
+    """With a 1.5 s budget and the 1 s default deadline, answers within the budget became
+    DEADLINE_EXCEEDED (and p99 infinite): the deadline is raised to the budget."""
+    from genrec.loadtest import runner
+    from genrec.loadtest.results import StepResult
+
+    seen = []
+
+    def fake_step(call, payloads, qps, duration, timeout, *a, **k):  # noqa: ANN001, ANN002, ANN003
+        seen.append(timeout)
+        return StepResult(qps, duration, 1, 1, {}, qps, *[10.0] * 6, 0)
+
+    srv = KnownServer()
+    try:
+        monkeypatch.setattr(runner, "run_step", fake_step)
+        payload = [pb.RecommendRequest(top_k=1).SerializeToString()]
+        runner.sweep(f"127.0.0.1:{srv.port}", [5.0], 0.1, payload, slo_ms=1500.0, timeout_s=1.0, warmup=0,
+                     progress=False, cooldown_s=0.0)
+        runner.sweep(f"127.0.0.1:{srv.port}", [5.0], 0.1, payload, slo_ms=15.0, timeout_s=1.0, warmup=0,
+                     progress=False, cooldown_s=0.0)
+    finally:
+        srv.stop()
+    assert seen == [1.5, 1.0]
 
 
 # ----- the repeated-user workload ---------------------------------------------------------------

@@ -70,6 +70,9 @@ class StepResult:
     cache_users: float | None = None
     cache_used_tokens: float | None = None
     cache_capacity_tokens: float | None = None
+    # fewer calls sent than the step's schedule held (the request budget, or a stream, ran out):
+    # not a measurement of its offered load
+    cut_short: bool = False
 
 
 @dataclass
@@ -92,11 +95,15 @@ class LoadTestResult:
 def qps_within(steps: list[StepResult], slo_ms: float) -> tuple[float, float]:
     """(the highest offered QPS up to which every step's p99, failures counted as infinite,
     met ``slo_ms``; the highest step that met it). They differ when a step missed the budget
-    below one that met it: on a noisy host the first figure is the one to plan with."""
+    below one that met it: on a noisy host the first figure is the one to plan with. A step
+    that sent nothing or was cut short of its schedule meets nothing."""
+    def met(s: StepResult) -> bool:  # (a step that sent nothing, or less than its schedule, met nothing)
+        return not s.cut_short and s.sent > 0 and s.p99_all_ms <= slo_ms
+
     sustained = 0.0
     for s in sorted(steps, key=lambda s: s.offered_qps):
-        if s.p99_all_ms > slo_ms:
+        if not met(s):
             break
         sustained = s.offered_qps
-    return sustained, max((s.offered_qps for s in steps if s.p99_all_ms <= slo_ms), default=0.0)
+    return sustained, max((s.offered_qps for s in steps if met(s)), default=0.0)
 

@@ -60,8 +60,9 @@ class Recorder:
     its lateness (:meth:`sent_late`, one thread: no lock)."""
 
     def __init__(self, expected: int, response: type[Message] | None, bar: tqdm | None,
-                 calls: list[tuple[float, float, str]] | None) -> None:
-        self.response, self.bar, self.calls = response, bar, calls
+                 calls: list[tuple[float, float, str]] | None, window: float = math.inf) -> None:
+        self.response, self.bar, self.calls, self.window = response, bar, calls, window
+        self.ok_in_window = 0  # answers OK that came back within the step's window (achieved_qps)
         self.latency, self.codes = Histogram(), Counter()
         self.server, self.compute, self.outside, self.lateness = (Histogram() for _ in range(4))
         self.decode, self.wait, self.handoff, self.refused = (Histogram() for _ in range(4))
@@ -93,6 +94,8 @@ class Recorder:
             self.codes[code] += 1
             if self.calls is not None:
                 self.calls.append((offset, took, code))
+            if code == "OK" and offset + took <= self.window:
+                self.ok_in_window += 1
             if code in REFUSALS:
                 self.refused.record(took)
             if reply is not None:
@@ -124,11 +127,16 @@ class Recorder:
         if self.pending == 0:
             self.finished.set()
 
-    def result(self, qps: float, duration: float, sent: int, busy: float, steal: float) -> StepResult:
-        """The step's figures, once ``finished`` (milliseconds)."""
+    def result(self, qps: float, duration: float, sent: int, busy: float, steal: float,
+               scheduled: int | None = None) -> StepResult:
+        """The step's figures, once ``finished`` (milliseconds). ``scheduled``: the calls its
+        schedule held (None: ``sent``); fewer sent (a request budget or a stream that ran out)
+        marks the step ``cut_short``."""
         ok = self.codes["OK"]
+        short = scheduled is not None and sent < scheduled
         if sent == 0:
-            return StepResult(qps, duration, 0, 0, {}, 0.0, *[math.nan] * 6, 0, cpu_busy_pct=busy, steal_pct=steal)
+            return StepResult(qps, duration, 0, 0, {}, 0.0, *[math.nan] * 6, 0, cpu_busy_pct=busy, steal_pct=steal,
+                              cut_short=short)
 
         def ms(h: Histogram, p: float) -> float:
             return h.percentile(p) * 1e3 if h.total else math.nan
@@ -137,7 +145,8 @@ class Recorder:
         rank_needed = math.ceil(0.99 * sent)
         p99_all = math.inf if rank_needed > ok else self.latency.percentile(100.0 * rank_needed / ok) * 1e3
         return StepResult(
-            qps, duration, sent, ok, {k: v for k, v in self.codes.items() if k != "OK"}, ok / duration,
+            # answers per second of the step's window: what came back after it is not this step's rate
+            qps, duration, sent, ok, {k: v for k, v in self.codes.items() if k != "OK"}, self.ok_in_window / duration,
             ms(self.latency, 50), ms(self.latency, 90), ms(self.latency, 99), ms(self.latency, 99.9), p99_all,
             self.latency.max * 1e3 if ok else math.nan, self.late_sends,
             server_p50_ms=ms(self.server, 50), server_p99_ms=ms(self.server, 99),
@@ -148,7 +157,11 @@ class Recorder:
             decode_p50_ms=ms(self.decode, 50), decode_p99_ms=ms(self.decode, 99),
             wait_p50_ms=ms(self.wait, 50), wait_p99_ms=ms(self.wait, 99),
             handoff_p50_ms=ms(self.handoff, 50), handoff_p99_ms=ms(self.handoff, 99),
-            cpu_busy_pct=busy, steal_pct=steal, refused_p50_ms=ms(self.refused, 50), refused_p99_ms=ms(self.refused, 99))
+            cpu_busy_pct=busy, steal_pct=steal, refused_p50_ms=ms(self.refused, 50), refused_p99_ms=ms(self.refused, 99),
+            cut_short=short)
+
+
+UNCAPPED = 2**62  # (send_times without a request budget: what the step's schedule holds)
 
 
 def send_times(qps: float, duration: float, seed: int, max_requests: int) -> np.ndarray:
@@ -180,7 +193,8 @@ def run_step(call: grpc.UnaryUnaryMultiCallable, payloads: Payloads, qps: float,
     and more: lateness that counts against the server, since latency runs from the scheduled
     time."""
     offsets = send_times(qps, duration, seed, max_requests)
-    rec = Recorder(len(offsets), response, bar, calls)
+    scheduled = len(send_times(qps, duration, seed, UNCAPPED))
+    rec = Recorder(len(offsets), response, bar, calls, window=duration)
     source = itertools.cycle(payloads) if isinstance(payloads, Sequence) else iter(payloads)
     machine = cpu_times()
     rec.start = time.perf_counter() + 0.05
@@ -200,7 +214,7 @@ def run_step(call: grpc.UnaryUnaryMultiCallable, payloads: Payloads, qps: float,
     if len(offsets):
         rec.finished.wait()
     busy, steal = cpu_shares(machine, cpu_times())
-    return rec.result(qps, duration, len(offsets), busy, steal)
+    return rec.result(qps, duration, len(offsets), busy, steal, scheduled)
 
 
 def native_step(target: str, method: str, payloads: Payloads, qps: float, duration: float, timeout: float,
@@ -214,16 +228,17 @@ def native_step(target: str, method: str, payloads: Payloads, qps: float, durati
     over and the schedule's clock starts. Returns once every call has its answer; ``bar`` moves
     at the end."""
     offsets = send_times(qps, duration, seed, max_requests)
+    scheduled = len(send_times(qps, duration, seed, UNCAPPED))
     if isinstance(payloads, Sequence):
         items, first = list(payloads), 0
     else:  # a stream: the warm-up's requests, then one per scheduled call, as far as it goes
         items, first = list(itertools.islice(payloads, warmup + len(offsets))), warmup
         offsets = offsets[:max(len(items) - warmup, 0)]
-    rec = Recorder(len(offsets), response, None, calls)
+    rec = Recorder(len(offsets), response, None, calls, window=duration)
     if not len(offsets):
         if began is not None:
             began.set()
-        return rec.result(qps, duration, 0, math.nan, math.nan)
+        return rec.result(qps, duration, 0, math.nan, math.nan, scheduled)
     machine = cpu_times()
     answers = send(target, f"/genrec.v1.Recommender/{method}", items, offsets.tolist(), timeout, warmup=warmup,
                    first=first, replies=response is not None, metadata=metadata, began=began)
@@ -234,7 +249,7 @@ def native_step(target: str, method: str, payloads: Payloads, qps: float, durati
         rec.record(offset, took, code, reply)
     if bar is not None:
         bar.update(len(offsets))
-    return rec.result(qps, duration, len(offsets), busy, steal)
+    return rec.result(qps, duration, len(offsets), busy, steal, scheduled)
 
 
 def step_seconds(qps: float, duration: float, min_requests: int = 0) -> float:
@@ -272,6 +287,8 @@ def sweep(target: str, qps_steps: list[float], duration: float, payloads: Payloa
     ``sender``: "python" (this process) or "native" (each step sent by :func:`native_step`)."""
     if sender not in ("python", "native"):
         raise ValueError(f"sender is python or native, not {sender!r}")
+    # a call's deadline is at least the budget: an answer within it is never cut off as an error
+    timeout_s = max(timeout_s, slo_ms / 1e3)
     result = LoadTestResult(target, method, slo_ms)
     # what is loaded now stays; a full collection over it would stall the sender mid-step
     # (serve.factory.quiet_gc has the same reason on the server side)
