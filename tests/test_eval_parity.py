@@ -59,3 +59,24 @@ def test_offline_hr_equals_what_the_server_returns_on_data_with_repeats(repeat_d
     assert offline["users"] == len(rows)
     assert hits / len(rows) == pytest.approx(offline["hr@10"], abs=1e-9)
     assert gain / len(rows) == pytest.approx(offline["ndcg@10"], abs=1e-6)
+
+
+def test_the_history_left_out_is_in_table_rows_as_the_targets_and_the_catalogue(repeat_data):
+    """A hashed item table (``oov = "hash"``: ids past its rows fold into them): targets and the
+    catalogue are table rows, so the history the evaluator leaves out (and checks repeats
+    against) must be too, as the server's is; raw ids past the table matched nothing."""
+    import numpy as np
+
+    from genrec.embedding.spec import EmbeddingConfig, TableConfig, prepare_ids
+    from genrec.train.data.reader import SequenceReader
+
+    table = TableConfig("item", ("item",), dim=8, num_embeddings=200, oov="hash")  # ids go to 600
+    reader = SequenceReader(repeat_data, "test", embedding=EmbeddingConfig(tables=(table,)), max_seq_len=50,
+                            batch_size=64)
+    rows = pq.read_table(repeat_data / "interactions.parquet", columns=["user_id", "item_ids"]).to_pydict()
+    history = {u: items[:-1] for u, items in zip(rows["user_id"], rows["item_ids"])}
+    batch = next(iter(reader))
+    seen = np.split(batch.seen_ids.numpy(), np.cumsum(batch.seen_lengths.numpy())[:-1])
+    assert int(batch.seen_ids.max()) < 200 and max(max(h) for h in history.values()) > 200
+    for u, s in zip(batch.user_ids.tolist(), seen):
+        assert s.tolist() == prepare_ids(table, "item", np.array(history[u])).tolist()

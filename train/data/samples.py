@@ -149,7 +149,9 @@ def collate(samples: list[Sample], item_feature: str, with_actions: bool, contex
             batch.oracle = torch.from_numpy(np.concatenate([s.oracle for s in samples if s.num_candidates]))
     if any(s.seen is not None for s in samples):
         batch.seen_lengths = torch.tensor([s.seen.size for s in samples], dtype=torch.int64)
-        batch.seen_ids = torch.from_numpy(np.concatenate([s.seen for s in samples]))
+        # as table rows, as the items and targets (and the corpus, and what the server excludes)
+        batch.seen_ids = torch.from_numpy(check_ids(item_feature, np.concatenate([s.seen for s in samples]), users,
+                                                    [s.seen.size for s in samples]))
     if context:
         names = list(context)
         vals = [check_ids(f, np.concatenate(context[f]).astype(np.int64), users, [v.size for v in context[f]])
