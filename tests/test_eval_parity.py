@@ -80,3 +80,19 @@ def test_the_history_left_out_is_in_table_rows_as_the_targets_and_the_catalogue(
     assert int(batch.seen_ids.max()) < 200 and max(max(h) for h in history.values()) > 200
     for u, s in zip(batch.user_ids.tolist(), seen):
         assert s.tolist() == prepare_ids(table, "item", np.array(history[u])).tolist()
+
+
+def test_a_window_with_a_zero_timestamp_is_read_at_positions_as_the_server_reads_it():
+    """A timestamp of 0 is what a request leaves unset: the server reads a window holding one at
+    positions (``serve.requests``), so the evaluator's and the trainer's windows do too."""
+    import numpy as np
+
+    from genrec.train.data.samples import UserEvents, loo_eval, retrieval_window
+
+    times = np.arange(1, 11, dtype=np.int64) * 1_700_000_000
+    ev = UserEvents(7, np.arange(1, 11), times, None)
+    assert loo_eval(ev, 9, 5).has_time and retrieval_window(ev, 9, 5, None).has_time
+    times[6] = 0
+    assert not loo_eval(ev, 9, 5).has_time  # (the window: events 4-8)
+    assert not retrieval_window(ev, 9, 5, None).has_time
+    assert loo_eval(ev, 6, 3).has_time  # (events 3-5: the zero lies outside)

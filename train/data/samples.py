@@ -77,6 +77,13 @@ def _times(ev: UserEvents, s: int, e: int, query: int | None) -> tuple[np.ndarra
     return ev.times[s:e], ev.times[np.minimum(qi, ev.items.size - 1)]
 
 
+def _has_time(ev: UserEvents, s: int, e: int) -> bool:
+    """Whether events [s, e) are read at their timestamps: the user has them and none is 0 (a
+    request's unset time). Else the tower reads positions, as the server decides it for the
+    same window (``serve.requests``: all of the window's times > 0)."""
+    return ev.times is not None and bool((ev.times[s:e] > 0).all())
+
+
 def _actions(ev: UserEvents, s: int, e: int) -> np.ndarray | None:
     return None if ev.actions is None else ev.actions[s:e]
 
@@ -86,7 +93,7 @@ def retrieval_window(ev: UserEvents, end: int, span: int, rng: np.random.Generat
     s = 0 if end <= span else (end - span if rng is None else int(rng.integers(0, end - span + 1)))
     e = min(end, s + span)
     t, q = _times(ev, s, e - 1, None)
-    return Sample(ev.user, ev.items[s : e - 1], t, q, ev.times is not None, ev.items[s + 1 : e],
+    return Sample(ev.user, ev.items[s : e - 1], t, q, _has_time(ev, s, e - 1), ev.items[s + 1 : e],
                   actions=_actions(ev, s, e - 1))
 
 
@@ -95,7 +102,7 @@ def loo_eval(ev: UserEvents, end: int, max_len: int, block: int = 1) -> Sample:
     ``block``: ``models.inputs.history_window``), target events[end]; ``seen``: all of events[:end]."""
     s = history_window(end, max_len, block)
     t, q = _times(ev, s, end, end)
-    return Sample(ev.user, ev.items[s:end], t, q, ev.times is not None, ev.items[end : end + 1],
+    return Sample(ev.user, ev.items[s:end], t, q, _has_time(ev, s, end), ev.items[end : end + 1],
                   actions=_actions(ev, s, end), seen=ev.items[:end])
 
 
@@ -114,7 +121,7 @@ def with_candidates(ev: UserEvents, hist_end: int, cand: np.ndarray, max_len: in
     oracle = np.stack([o[cand] if o is not None else np.full(k, np.nan, np.float32) for o in ev.oracle], 1) \
         if ev.oracle else None
     targets = ev.items[s + 1 : hist_end + 1] if train else np.zeros(0, np.int64)
-    return Sample(ev.user, items, times, qtimes, ev.times is not None, targets, actions=acts, num_candidates=k,
+    return Sample(ev.user, items, times, qtimes, _has_time(ev, s, hist_end), targets, actions=acts, num_candidates=k,
                   labels=labels, oracle=oracle)
 
 
