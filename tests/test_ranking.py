@@ -202,6 +202,27 @@ def test_ranking_reader_labels_and_time_split(tiny_synth):
     assert seen > 0
 
 
+def test_ranking_evaluation_reads_the_history_a_served_rank_reads(tiny_synth):
+    """A served Rank keeps history_capacity events before its candidates (they share one
+    position after it), however many candidates it has; the ranking evaluation keeps the same,
+    not max_seq_len minus the candidates (it read 12 events where the server read 15)."""
+    from genrec.serve.layout import history_capacity
+
+    info = read_info(tiny_synth)
+    masks = RankingConfig(tasks=TASKS).task_masks(info.action_names)
+    e = EmbeddingConfig(tables=(TableConfig("item", ("item",), dim=8, num_embeddings=info.item_table_size),
+                                TableConfig("action", ("action",), dim=8, num_embeddings=8)))
+    rk = RankingDataConfig(enabled=True, num_candidates=4, test_fraction=0.1)
+    cap, longest = history_capacity(16, 1, ranked=True), 0
+    for b in SequenceReader(tiny_synth, "rank_test", embedding=e, max_seq_len=16, batch_size=16, ranking=rk,
+                            tasks=masks):
+        hist = b.seq.lengths()[: b.batch_size] - b.num_targets
+        assert int(hist.max()) <= cap
+        four = hist[b.num_targets == 4]  # requests of 4 candidates
+        longest = max(longest, int(four.max()) if four.numel() else 0)
+    assert longest == cap == 15
+
+
 def test_auc_gauc_logloss_ne_on_hand_computed_cases():
     assert auc(np.array([0.9, 0.2, 0.6]), np.array([1, 0, 0])) == 1.0
     assert auc(np.array([0.1, 0.2, 0.6, 0.4]), np.array([1, 0, 1, 0])) == pytest.approx(0.5)

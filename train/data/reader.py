@@ -312,9 +312,11 @@ class SequenceReader:
             # one request per num_candidates consecutive held-out events, each after every event
             # before it, as a served request sees the log up to its time (and as training cuts);
             # a request with no event before it (a user's first) is cold start: not ranked here
-            k = self._max_candidates(rk.num_candidates)
-            return [with_candidates(ev, int(idx[c]), idx[c:c + k], self._hist_cap(idx[c:c + k].size),
-                                    self.task_masks, train=False)
+            # the history a served Rank reads: the candidates share one position after it, so it
+            # keeps every place but one (history_capacity), whatever the number of candidates
+            k, cap = self._max_candidates(rk.num_candidates), history_capacity(self.max_seq_len, self.tpe, ranked=True)
+            return [with_candidates(ev, int(idx[c]), idx[c:c + k], cap + idx[c:c + k].size, self.task_masks,
+                                    train=False)
                     for c in range(0, idx.size, k) if idx[c] > 0] or None
         end = self._train_end(ev)
         rng = np.random.default_rng([self.seed, self.epoch, g, r])
