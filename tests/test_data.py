@@ -5,6 +5,7 @@ import json
 from dataclasses import replace
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -510,6 +511,11 @@ GOOD = {"user_id": 1, "item_ids": [1, 2, 3], "timestamps": [10, 20, 30], "action
     ({"timestamps": [1, 2]}, r"row 1 \(user 2, row group 0\): timestamps has 2 values for 3 item_ids"),
     ({"actions": [1, 4, 0]}, r"row 1 \(user 2, row group 0\): actions\[1\] = 4 is not \[0, 2\)"),
     ({"ctx_device": [9]}, r"row 1 \(user 2, row group 0\): ctx_device\[0\] = 9 is not \[0, 4\)"),
+    # out of time order: the reader's time cuts would let held-out events into training inputs
+    ({"timestamps": [10, 30, 20]}, r"row 1 \(user 2, row group 0\): timestamps\[2\] = 20 is before timestamps\[1\]"),
+    ({"timestamps": [10, 20, 1_700_000_000_000]}, r"row 1 \(user 2, row group 0\): timestamps\[2\] = 1700000000000 "
+                                                  r"is not \[0, 4000000000\) \(unix seconds, not milliseconds\)"),
+    ({"user_id": 1}, r"user 1 has more than one row"),
 ])
 def test_verify_names_file_row_and_field_of_a_bad_value(tmp_path, bad, err):
     from genrec.train.data.verify import verify_dataset
@@ -517,6 +523,21 @@ def test_verify_names_file_row_and_field_of_a_bad_value(tmp_path, bad, err):
     user_rows = [{**GOOD, "ctx_device": [0]}, {**GOOD, "user_id": 2, "ctx_device": [3], **bad}]
     write_dataset(tmp_path / "d", user_rows, action_names=["click"], context_features={"device": 4})
     with pytest.raises(DataFormatError, match=f"{tmp_path / 'd' / 'interactions.parquet'}: {err}"):
+        verify_dataset(tmp_path / "d")
+
+
+def test_verify_compares_the_catalogue_with_the_logged_items(tmp_path):
+    """items.parquet must list the items the logs hold, with their counts: a catalogue of other
+    ids (the same number, the same total) would be evaluated and served against."""
+    from genrec.train.data.verify import verify_dataset
+
+    write_dataset(tmp_path / "d", [{**GOOD, "user_id": u, "item_ids": [10 + u, 11 + u, 12 + u]} for u in range(3)],
+                  action_names=["click"])
+    verify_dataset(tmp_path / "d")
+    items = pq.read_table(tmp_path / "d" / "items.parquet")
+    shifted = items.set_column(0, "item_id", pa.array(np.asarray(items.column("item_id")) - 1))
+    pq.write_table(shifted, tmp_path / "d" / "items.parquet")
+    with pytest.raises(DataFormatError, match=r"items.parquet: row 0: item 9 with count 1, but the logs hold item 10"):
         verify_dataset(tmp_path / "d")
 
 

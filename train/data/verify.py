@@ -14,7 +14,7 @@ and the field:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +44,9 @@ class VerifyReport:
     users_with_timestamps: int = 0
     item_id_max: int = -1
     interactions: str = INTERACTIONS_FILE  # or "interactions/": what the counts above were read from
+    # (read along, for the checks across row groups: each user once; the catalogue as logged)
+    user_ids: list = field(default_factory=list, repr=False)
+    item_counts: list = field(default_factory=list, repr=False)
 
 
 class _RowGroup:
@@ -126,9 +129,32 @@ def _check_per_event(rg: _RowGroup, name: str, lengths: np.ndarray) -> pa.ListAr
     return arr
 
 
+# unix seconds stop here (the year 2096): a log in milliseconds lies far beyond it
+MAX_UNIX_SECONDS = 4_000_000_000
+
+
+def _check_times(rg: _RowGroup, times: pa.ListArray) -> None:
+    """Timestamps are unix seconds, each user's in time order (the format's promise: the
+    reader's time cuts search them)."""
+    _check_range(rg, "timestamps", times, 0, MAX_UNIX_SECONDS, "unix seconds, not milliseconds")
+    lengths, values = _values(rg, "timestamps", times)
+    if values.size < 2:
+        return
+    step = np.diff(values)
+    starts = np.cumsum(lengths)[:-1]  # (a difference across two users' lists is no order)
+    inside = np.ones(step.size, bool)
+    inside[starts[(starts > 0) & (starts <= step.size)] - 1] = False
+    bad = _first(inside & (step < 0))
+    if bad is not None:
+        row, pos = _value_row(lengths, bad + 1)
+        raise DataFormatError(f"{rg.where(row)}: timestamps[{pos}] = {values[bad + 1]} is before timestamps[{pos - 1}] "
+                              f"= {values[bad]}; each user's events are in time order")
+
+
 def _check_group(rg: _RowGroup, info: DatasetInfo, report: VerifyReport) -> None:
     lengths = _check_items(rg)
     times = _check_per_event(rg, "timestamps", lengths)
+    _check_times(rg, times)
     n_actions = len(info.action_names)
     _check_range(rg, "actions", _check_per_event(rg, "actions", lengths), 0, 1 << n_actions,
                  f"bitmasks over dataset.json's {n_actions} action_names")
@@ -140,6 +166,9 @@ def _check_group(rg: _RowGroup, info: DatasetInfo, report: VerifyReport) -> None
     report.events += int(lengths.sum())
     report.users_with_timestamps += rg.table.num_rows - times.null_count
     report.item_id_max = max(report.item_id_max, int(items.max()) if items.size else -1)
+    report.user_ids.append(rg.user_id.to_numpy())
+    ids, counts = np.unique(items, return_counts=True)
+    report.item_counts.append((ids, counts))
 
 
 def _verify_interactions(path: Path, info: DatasetInfo, report: VerifyReport) -> None:
@@ -153,6 +182,11 @@ def _verify_interactions(path: Path, info: DatasetInfo, report: VerifyReport) ->
     report.files += len(log.paths)
     report.interactions = f"{INTERACTIONS_DIR}/" if log.partitioned else INTERACTIONS_FILE
     report.row_groups += len(log.units)
+    users = np.sort(np.concatenate(report.user_ids)) if report.user_ids else np.zeros(0, np.int64)
+    twice = _first(users[1:] == users[:-1])
+    if twice is not None:
+        raise DataFormatError(f"{path / report.interactions}: user {users[twice]} has more than one row; each user "
+                              f"is one row (merge their events when converting); {REMAKE}")
 
 
 def _verify_items(path: Path, info: DatasetInfo, report: VerifyReport) -> None:
@@ -165,6 +199,16 @@ def _verify_items(path: Path, info: DatasetInfo, report: VerifyReport) -> None:
     if bad is not None:
         raise DataFormatError(f"{file}: row {bad + 1}: item_id {ids[bad + 1]} follows {ids[bad]}; "
                               f"ids must be sorted and distinct; {REMAKE}")
+    if report.item_counts:
+        logged = np.concatenate([i for i, _ in report.item_counts])
+        order = np.argsort(logged, kind="stable")
+        logged, per = logged[order], np.concatenate([c for _, c in report.item_counts])[order]
+        first = np.flatnonzero(np.r_[True, logged[1:] != logged[:-1]])
+        want_ids, want_counts = logged[first], np.add.reduceat(per, first) if per.size else per
+        if ids.size == want_ids.size and not (np.array_equal(ids, want_ids) and np.array_equal(counts, want_counts)):
+            at = _first((ids != want_ids) | (counts != want_counts))
+            raise DataFormatError(f"{file}: row {at}: item {ids[at]} with count {counts[at]}, but the logs hold item "
+                                  f"{want_ids[at]} {want_counts[at]} times; the files do not belong together: {REMAKE}")
     if ids.size != info.num_items or int(counts.sum()) != report.events:
         raise DataFormatError(f"{file}: {ids.size} items with {int(counts.sum())} events, but dataset.json says "
                               f"{info.num_items} items and {report.interactions} has {report.events} events; "
@@ -189,4 +233,5 @@ def verify_dataset(path: str | Path) -> VerifyReport:
     _verify_interactions(path, info, report)
     _check_manifest(path, info, report)
     _verify_items(path, info, report)
+    report.user_ids, report.item_counts = [], []  # (read along for the checks: not part of the report)
     return report
