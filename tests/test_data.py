@@ -560,6 +560,23 @@ def test_verify_reads_every_row_group_and_checks_the_manifest(tmp_path):
         verify_dataset(tmp_path / "d")
 
 
+def test_the_reader_refuses_files_that_hold_other_users_than_the_manifest(tmp_path):
+    """A stray copy of a part in interactions/ would be read as more users (each twice); the
+    reader compares the rows with dataset.json. A file that is not Parquet beside the parts
+    (a README) is no part."""
+    import shutil
+
+    src = tmp_path / "seq.txt"
+    src.write_text("".join(f"{u} 1 2 3 4\n" for u in range(20)))
+    convert_sequences(src, tmp_path / "d", layout=Layout(files=2))
+    parts = sorted((tmp_path / "d" / "interactions").rglob("*.parquet"))
+    (tmp_path / "d" / "interactions" / "README.txt").write_text("parts of the log\n")
+    SequenceReader(tmp_path / "d", "train", embedding=emb(6), max_seq_len=8, batch_size=8)
+    shutil.copy(parts[0], parts[0].with_name("part-copy.parquet"))
+    with pytest.raises(DataFormatError, match=r"hold \d+ rows but dataset.json says 20 users"):
+        SequenceReader(tmp_path / "d", "train", embedding=emb(6), max_seq_len=8, batch_size=8)
+
+
 def test_baselines_name_a_damaged_dataset_file(tmp_path):
     from genrec.train.eval.baselines import Baseline
 

@@ -186,6 +186,13 @@ def test_the_config_cuts_the_readers_validation_and_test_windows(tiny_synth):
             assert n == seen - history_window(seen, 16, 8) and today[u] == (min(seen, 16), seen)
     with pytest.raises(ValueError, match="data.eval_window_block"):
         make_reader(replace(DataConfig(path=str(tiny_synth)), eval_window_block=17), "valid", emb, 16)
+    # a ranking model's window is one event shorter (its candidates' position): a block of the
+    # whole sequence is refused up front, not at the first validation batch
+    from genrec.train.data.reader import SequenceReader
+
+    with pytest.raises(ValueError, match=r"events the tower reads \(15\), got 16"):
+        SequenceReader(tiny_synth, "valid", embedding=emb, max_seq_len=16, batch_size=8, tasks={"click": 2},
+                       window_block=16)
 
 
 def test_the_recipe_check_names_the_model_fields_a_run_changed():

@@ -63,7 +63,7 @@ def interaction_paths(dataset: str | Path) -> list[Path]:
                               f"one of them: delete the stale one or {REMAKE}")
     # an explicit (empty) schema: discovery only lists files; a damaged one is named when opened below
     found = ds.dataset(folder, format="parquet", partitioning="hive", schema=pa.schema([])).files
-    paths = sorted(Path(f) for f in found)
+    paths = sorted(Path(f) for f in found if f.endswith(".parquet"))  # (a README beside them is no part)
     if not paths:
         raise DataFormatError(f"{folder}: holds no Parquet files; {REMAKE}")
     return paths

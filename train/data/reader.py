@@ -56,6 +56,7 @@ from genrec.train.data.samples import (
 from genrec.train.data.schema import (
     CONTEXT_PREFIX,
     MIN_EVENTS,
+    REMAKE,
     DataFormatError,
     read_info,
 )
@@ -132,14 +133,19 @@ class SequenceReader:
     ) -> None:
         if not 0.0 <= valid_users <= 1.0:
             raise ValueError(f"data.valid_users must be in [0, 1], got {valid_users}")
-        if not 1 <= window_block <= max(max_seq_len // tokens_per_event, 1):
+        window = history_capacity(max_seq_len, tokens_per_event, ranked=bool(tasks))  # (as served)
+        if not 1 <= window_block <= max(window, 1):
             raise ValueError(f"data.eval_window_block must be between 1 and the events the tower reads "
-                             f"({max_seq_len // tokens_per_event}), got {window_block}")
+                             f"({window}), got {window_block}")
         self.window_block = window_block
         self.valid_users = valid_users
         self.path = Path(path)
         self.info = read_info(self.path)
         self.log = InteractionFiles(self.path)  # footers only; row groups are read as the plan needs them
+        if self.log.num_rows != self.info.num_users:  # (a stray or stale file would be read as more users)
+            raise DataFormatError(f"{self.path}: the interactions files hold {self.log.num_rows} rows but "
+                                  f"dataset.json says {self.info.num_users} users; the files do not belong "
+                                  f"together (a stray or stale file?): {REMAKE}")
         self.split, self.embedding, self.max_seq_len = split, embedding, max_seq_len
         self.batch_size, self.seed, self.rank, self.world = batch_size, seed, rank, world_size
         self.shuffle = (split == "train") if shuffle is None else shuffle
