@@ -481,6 +481,23 @@ def test_reader_names_the_file_and_row_group_of_a_damaged_page(tmp_path):
         SequenceReader(tmp_path / "d", "train", embedding=emb(6), max_seq_len=8, batch_size=8)
 
 
+def test_converters_refuse_a_user_on_two_lines_and_drop_users_too_short_to_train(tmp_path):
+    """A user on two lines became two rows (read twice); a user of fewer than 3 events passed
+    conversion and failed training mid-epoch. The first is refused naming both lines; the
+    others are dropped and counted in dataset.json (as the KuaiRand converter does)."""
+    src = tmp_path / "seq.txt"
+    src.write_text("1 5 6 7\n2 5 6 7\n1 8 9 10\n")
+    with pytest.raises(DataFormatError, match=r"seq.txt:3: user 1 is on line 1 already"):
+        convert_sequences(src, tmp_path / "d")
+    src.write_text("1 5 6 7\n2 5 6\n3 5 6 7 8\n")
+    info = convert_sequences(src, tmp_path / "e")
+    assert info.num_users == 2 and read_info(tmp_path / "e").extra["dropped_users"] == 1
+    ratings = tmp_path / "ratings.dat"
+    ratings.write_text("1::5::4::10\n1::6::3::20\n1::7::5::30\n2::5::4::10\n2::6::2::20\n")
+    info = convert_ratings(ratings, tmp_path / "r")
+    assert info.num_users == 1 and read_info(tmp_path / "r").extra["dropped_users"] == 1
+
+
 def test_read_info_names_a_broken_manifest(tmp_path):
     src = tmp_path / "seq.txt"
     src.write_text("1 5 6 7\n")

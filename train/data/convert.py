@@ -73,7 +73,9 @@ def _ints(tokens: list[str], path: Path, lineno: int, names: Sequence[str]) -> l
 
 
 def read_sequences(path: Path) -> Iterator[tuple[int, list[int]]]:
-    """Yields (user, items) from a ``user item item ...`` file; malformed lines raise."""
+    """Yields (user, items) from a ``user item item ...`` file; malformed lines raise, and so does
+    a user on a second line (one row a user: the reader would read it twice)."""
+    first: dict[int, int] = {}
     for lineno, line in _lines(path):
         tokens = line.split()
         if not tokens:
@@ -83,7 +85,17 @@ def read_sequences(path: Path) -> Iterator[tuple[int, list[int]]]:
             raise DataFormatError(f"{path}:{lineno}: user {ids[0]} has no items")
         if min(ids[1:]) < 0:
             raise DataFormatError(f"{path}:{lineno}: negative item id")
+        if ids[0] in first:
+            raise DataFormatError(f"{path}:{lineno}: user {ids[0]} is on line {first[ids[0]]} already; "
+                                  "give each user's events on one line")
+        first[ids[0]] = lineno
         yield ids[0], ids[1:]
+
+
+def _dropped(w: DatasetWriter, n: int) -> None:
+    """Records users left out for having fewer than MIN_EVENTS events (``extra.dropped_users``)."""
+    if n:
+        w.info.extra["dropped_users"] = n
 
 
 def read_ratings(path: Path) -> dict[int, list[tuple[int, int, int]]]:
@@ -122,12 +134,17 @@ def convert_sequences(path: str | Path, out: str | Path, source: str | None = No
     path = Path(path)
     rows: dict[str, list] = {"user_id": [], "item_ids": []}
     with DatasetWriter(out, source=source or path.name, layout=layout, progress=progress) as w:
+        dropped = 0
         for user, items in read_sequences(path):
+            if len(items) < MIN_EVENTS:  # (leave-one-out holds out two: nothing to train on)
+                dropped += 1
+                continue
             rows["user_id"].append(user)
             rows["item_ids"].append(items)
             if len(rows["user_id"]) >= CHUNK:
                 _flush(w, rows)
         _flush(w, rows)
+        _dropped(w, dropped)
         if not w.info.num_users:
             raise _no_users(path, "'user item item ...'")
     return w.info
@@ -144,7 +161,9 @@ def convert_ratings(path: str | Path, out: str | Path, users_file: str | Path | 
     with DatasetWriter(out, source=path.name, action_names=RATING_ACTIONS,
                        context_features=ML_CONTEXT if profiles else None, layout=layout, progress=progress,
                        total=len(ratings)) as w:
-        for user in sorted(ratings):
+        short = [u for u in ratings if len(ratings[u]) < MIN_EVENTS]
+        _dropped(w, len(short))
+        for user in sorted(set(ratings) - set(short)):
             events = sorted(ratings[user], key=lambda e: e[0])  # stable: ties keep file order
             _append_user(rows, user, [e[1] for e in events], [e[0] for e in events],
                          [1 << (e[2] - 1) for e in events], profiles)
@@ -203,7 +222,11 @@ def convert_movielens(folder: str | Path, out: str | Path, *, layout: Layout | N
     rows = _empty_rows(profiles is not None)
     with DatasetWriter(out, source="ml-1m", action_names=RATING_ACTIONS,
                        context_features=ML_CONTEXT if profiles else None, layout=layout, progress=progress) as w:
+        dropped = 0
         for user, items in read_sequences(seq_path):
+            if len(items) < MIN_EVENTS:
+                dropped += 1
+                continue
             times = actions = None
             if user in ratings:
                 by_item = {i: (t, r) for t, i, r in ratings[user]}
@@ -219,6 +242,7 @@ def convert_movielens(folder: str | Path, out: str | Path, *, layout: Layout | N
             if len(rows["user_id"]) >= CHUNK:
                 _flush(w, rows)
         _flush(w, rows)
+        _dropped(w, dropped)
         if not w.info.num_users:
             raise _no_users(seq_path, "'user item item ...'")
     return w.info
