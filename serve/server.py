@@ -531,14 +531,16 @@ class RecommenderServer:
         if self.server:
             await self.server.wait_for_termination()
 
-    async def reload(self, path: str, timeout: float | None = None) -> str:
+    async def reload(self, path: str, timeout: float | None = None, expect: str | None = None) -> str:
         """Loads ``path`` off the event loop, then swaps it in between batches. One load at a
         time (another is refused, not queued); a load runs to its end even if its caller goes
         away, and a server that stops meanwhile closes the new engine instead of serving it.
         The whole engine start is bounded by ``timeout`` (default ``admin.load_timeout_s``):
         past it, what started is stopped (``serve.loading``) and AdminError DEADLINE_EXCEEDED
         names the step that hung; the next load is taken. The engine replaced keeps the calls
-        already validated against its schema, and closes once they are done (``_retire``)."""
+        already validated against its schema, and closes once they are done (``_retire``).
+        ``expect``: the model_version the caller checked at ``path``; an engine that loaded
+        another (the folder changed between the check and the load) is closed, not served."""
         if self._reloading.locked():
             raise AdminError(grpc.StatusCode.FAILED_PRECONDITION, "another LoadArtifact is in progress; retry after it")
         async with self._reloading:
@@ -560,6 +562,11 @@ class RecommenderServer:
             if self._stopping:
                 loop.run_in_executor(None, engine.close).add_done_callback(_log_failure)
                 raise ShuttingDown("the server is shutting down; the new artifact was not swapped in")
+            if expect is not None and engine.version != expect:
+                loop.run_in_executor(None, engine.close).add_done_callback(_log_failure)
+                raise AdminError(grpc.StatusCode.ABORTED,
+                                 f"path: the artifact changed between its check ({expect}) and its load "
+                                 f"({engine.version}); not served, {self.engine.version} still serves")
             old, self.engine, self.artifact = self.engine, engine, path
             self._observe(engine)
             await self._set_health()
@@ -766,6 +773,8 @@ class RecommenderServer:
         return resolved
 
     async def _load_artifact(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.LoadArtifactResponse:
+        from genrec.serve.catalogue import version_of
+
         t0 = time.monotonic()
         req = parse(pb.LoadArtifactRequest, data)
         path = self.resolve_artifact(req.path)
@@ -775,12 +784,14 @@ class RecommenderServer:
         # path costs milliseconds, not an engine process; every file must resolve below the root
         # (a symlinked file is followed: one pointing out of the root is refused)
         try:
-            await asyncio.wait_for(loop.run_in_executor(None, check_artifact, path, self.artifact_root),
-                                   min(timeout, 30.0))
+            checked = await asyncio.wait_for(loop.run_in_executor(None, check_artifact, path, self.artifact_root),
+                                             min(timeout, 30.0))
         except TimeoutError:
             raise AdminError(grpc.StatusCode.DEADLINE_EXCEEDED, "path: the artifact check did not finish in time") from None
-        # the engine start gets what is left of load_timeout_s (bounded inside reload)
-        version = await asyncio.shield(self.reload(str(path), timeout - (time.monotonic() - t0)))
+        # the engine start gets what is left of load_timeout_s (bounded inside reload); the engine
+        # must hold the model checked here (the folder may change after its check: the engine
+        # re-opens it, and a model of another content is not served)
+        version = await asyncio.shield(self.reload(str(path), timeout - (time.monotonic() - t0), version_of(checked)))
         return pb.LoadArtifactResponse(model_version=version, load_seconds=time.monotonic() - t0)
 
     async def _model_info(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.ModelInfo:

@@ -260,6 +260,39 @@ def test_a_second_load_while_one_runs_is_refused_and_one_engine_stays(root):
         srv.stop()
 
 
+def test_an_artifact_swapped_for_another_after_its_check_is_not_served(tmp_path):
+    """The root check runs on the folder; the engine re-opens it by name seconds later. A folder
+    swapped in between (for a symlink out of the root, by whoever can write below it) loads
+    another model: it must not be served (its model_version differs from the one checked)."""
+    from genrec.quant.artifact import read_manifest
+    from genrec.serve.catalogue import version_of
+    from genrec.serve.worker import ProcessSettings
+    from tests.serving_helpers import untrained_artifact
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    live = untrained_artifact(root / "live")
+    shutil.copytree(live, root / "upload")
+    other = untrained_artifact(outside / "other", seed=1)
+    cfg = local_config(engine_process=True, process=ProcessSettings(threads=1, standby=False),
+                       admin=AdminConfig(token_file=admin_token_file(), artifact_root=str(root)))
+    srv = ThreadedServer(live, cfg)
+    try:
+        results = []
+        t = threading.Thread(target=lambda: results.append(load(srv, "upload")))
+        t.start()
+        deadline = time.monotonic() + 30
+        while not srv.server._reloading.locked() and time.monotonic() < deadline:
+            time.sleep(0.001)  # (the check has passed: the engine process is starting)
+        os.rename(root / "upload", root / "upload.old")
+        os.symlink(other, root / "upload")
+        t.join(120)
+        code, detail = results[0]
+        assert code == grpc.StatusCode.ABORTED and "changed between its check" in detail
+        assert srv.server.engine.version == version_of(read_manifest(live))
+    finally:
+        srv.stop()
+
+
 def _self_signed(tmp: Path, name: str) -> tuple[Path, Path]:
     key, cert = tmp / f"{name}.key", tmp / f"{name}.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
