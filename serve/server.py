@@ -210,6 +210,9 @@ class ServeConfig:
         if self.engine_replicas < 1:
             raise ValueError(f"serve.engine_replicas = {self.engine_replicas}; it must be at least 1")
         a = self.admin
+        if a.token_file and a.port and a.port == self.port:
+            raise ValueError(f"serve.admin.port = {a.port} is serve.port: Admin has its own listener, never the "
+                             "public one; give it another port (0: any free one)")
         if a.token_file and not is_loopback(a.host) and not (a.tls.enabled or self.tls.enabled) and not a.insecure:
             raise ValueError(f"serve.admin.host = {a.host!r} is not loopback and Admin has no TLS: its bearer token "
                              "would cross the network in plaintext. Set serve.admin.tls.cert / .key (or serve.tls), "
@@ -480,8 +483,10 @@ class RecommenderServer:
 
     async def _start_admin(self) -> None:
         a = self.cfg.admin
-        self.admin_server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 10)],
-                                            maximum_concurrent_rpcs=8)
+        # no SO_REUSEPORT: a port another listener holds (the public one) fails here, where gRPC's
+        # default would share it and hand public callers to Admin
+        self.admin_server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 10),
+                                                     ("grpc.so_reuseport", 0)], maximum_concurrent_rpcs=8)
         admin = {"LoadArtifact": grpc.unary_unary_rpc_method_handler(self._admin(self._load_artifact)),
                  "GetModelInfo": grpc.unary_unary_rpc_method_handler(self._admin(self._model_info))}
         self.admin_server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(ADMIN, admin),))

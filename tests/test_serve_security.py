@@ -89,6 +89,22 @@ def test_admin_needs_the_token(server):
     assert server.client().info().tower == "hstu"
 
 
+def test_admin_never_shares_the_public_port(root):
+    """gRPC sets SO_REUSEPORT by default: an Admin listener bound to the public port started
+    without a word, and the kernel handed public callers to it (UNIMPLEMENTED) and Admin to the
+    public. The same port in the config is refused; a port taken by the public listener (its
+    port 0 resolved) fails Admin's bind."""
+    with pytest.raises(ValueError, match="serve.admin.port = 50123 is serve.port"):
+        ServeConfig(host="127.0.0.1", port=50123, admin=AdminConfig(token_file=admin_token_file(), port=50123))
+    public = ThreadedServer(root / "live", local_config())
+    try:
+        cfg = local_config(admin=AdminConfig(token_file=admin_token_file(), port=int(public.target.rsplit(":", 1)[1])))
+        with pytest.raises(Exception, match="(?i)bind|address|port"):
+            ThreadedServer(root / "live", cfg)
+    finally:
+        public.stop()
+
+
 def test_admin_is_off_without_a_token_file(root):
     from genrec.serve.server import RecommenderServer
 
