@@ -133,7 +133,7 @@ class Recorder:
         schedule held (None: ``sent``); fewer sent (a request budget or a stream that ran out)
         marks the step ``cut_short``."""
         ok = self.codes["OK"]
-        short = scheduled is not None and sent < scheduled
+        short = bool(scheduled is not None and sent < scheduled)
         if sent == 0:
             return StepResult(qps, duration, 0, 0, {}, 0.0, *[math.nan] * 6, 0, cpu_busy_pct=busy, steal_pct=steal,
                               cut_short=short)
@@ -193,7 +193,7 @@ def run_step(call: grpc.UnaryUnaryMultiCallable, payloads: Payloads, qps: float,
     and more: lateness that counts against the server, since latency runs from the scheduled
     time."""
     offsets = send_times(qps, duration, seed, max_requests)
-    scheduled = len(send_times(qps, duration, seed, UNCAPPED))
+    planned = len(send_times(qps, duration, seed, UNCAPPED))  # (the schedule without the budget)
     rec = Recorder(len(offsets), response, bar, calls, window=duration)
     source = itertools.cycle(payloads) if isinstance(payloads, Sequence) else iter(payloads)
     machine = cpu_times()
@@ -214,7 +214,7 @@ def run_step(call: grpc.UnaryUnaryMultiCallable, payloads: Payloads, qps: float,
     if len(offsets):
         rec.finished.wait()
     busy, steal = cpu_shares(machine, cpu_times())
-    return rec.result(qps, duration, len(offsets), busy, steal, scheduled)
+    return rec.result(qps, duration, len(offsets), busy, steal, planned)
 
 
 def native_step(target: str, method: str, payloads: Payloads, qps: float, duration: float, timeout: float,
@@ -228,7 +228,7 @@ def native_step(target: str, method: str, payloads: Payloads, qps: float, durati
     over and the schedule's clock starts. Returns once every call has its answer; ``bar`` moves
     at the end."""
     offsets = send_times(qps, duration, seed, max_requests)
-    scheduled = len(send_times(qps, duration, seed, UNCAPPED))
+    planned = len(send_times(qps, duration, seed, UNCAPPED))
     if isinstance(payloads, Sequence):
         items, first = list(payloads), 0
     else:  # a stream: the warm-up's requests, then one per scheduled call, as far as it goes
@@ -238,7 +238,7 @@ def native_step(target: str, method: str, payloads: Payloads, qps: float, durati
     if not len(offsets):
         if began is not None:
             began.set()
-        return rec.result(qps, duration, 0, math.nan, math.nan, scheduled)
+        return rec.result(qps, duration, 0, math.nan, math.nan, planned)
     machine = cpu_times()
     answers = send(target, f"/genrec.v1.Recommender/{method}", items, offsets.tolist(), timeout, warmup=warmup,
                    first=first, replies=response is not None, metadata=metadata, began=began)
@@ -249,7 +249,7 @@ def native_step(target: str, method: str, payloads: Payloads, qps: float, durati
         rec.record(offset, took, code, reply)
     if bar is not None:
         bar.update(len(offsets))
-    return rec.result(qps, duration, len(offsets), busy, steal, scheduled)
+    return rec.result(qps, duration, len(offsets), busy, steal, planned)
 
 
 def step_seconds(qps: float, duration: float, min_requests: int = 0) -> float:
