@@ -497,9 +497,7 @@ class Trainer:
                 continue
             if self.state.epoch % cfg.eval_every_epochs == 0 or self.state.epoch == cfg.max_epochs:
                 self.validate()
-                self.save()
-                if self.state.evals_since_best >= cfg.patience:
-                    self.state.stopped = f"no improvement in {cfg.patience} evaluations"
+                self.save()  # (patience, if spent, stops the run at the loop's top, as after a resume)
         if not cfg.evaluate:
             self.save()
             return self.summary()

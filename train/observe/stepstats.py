@@ -179,13 +179,6 @@ class FlopCount:
         return int(self.counter.get_total_flops()) + self.kernel_flops[0]
 
 
-def has_managed_collisions(model: torch.nn.Module) -> bool:
-    """Whether ``model`` holds TorchRec managed-collision modules (state a forward changes)."""
-    from torchrec.modules.mc_modules import ManagedCollisionModule
-
-    return any(isinstance(m, ManagedCollisionModule) for m in model.modules())
-
-
 def count_model_flops(model: torch.nn.Module, batch: Any, autocast: Callable[[], Any]) -> tuple[int, str]:
     """FLOPs of one training step's forward and backward of ``model`` on ``batch``, and how
     they were counted. A pass of its own, after the step: counting inside the step changes
@@ -196,12 +189,13 @@ def count_model_flops(model: torch.nn.Module, batch: Any, autocast: Callable[[],
     managed-collision tables (their counters and the ids they remap), so there the forward alone
     is counted, in eval mode, and the step taken as three times it (the backward's two GEMMs per
     forward GEMM)."""
+    from genrec.train.loop import mch_state
     from genrec.train.loop.parallel import has_sharded_tables, no_sync
 
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
     try:
-        if not has_sharded_tables(model) and not has_managed_collisions(model):
+        if not has_sharded_tables(model) and not mch_state.modules(model):
             count = FlopCount()
             with no_sync(model):
                 with autocast():
