@@ -33,7 +33,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from genrec.quant.artifact import ArtifactError, Manifest, _regular_file, file_sha256, tensor_sha256
+from genrec.quant.artifact import (
+    ArtifactError,
+    Manifest,
+    _regular_file,
+    file_sha256,
+    tensor_sha256,
+    whole,
+)
 
 INDEX_FILE = "index.safetensors"
 NPROBE_LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -270,7 +277,7 @@ def load_index(path: str | Path, manifest: Manifest, dim: int, nprobe: int = 0, 
         raise ArtifactError(_mismatch(path, {**built, "items": int(index.ntotal), "dim": int(index.d)}, have))
     for key in ("nprobe", "shortlist"):
         value = info.get(key, 1)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not whole(value, 1):
             raise ArtifactError(f"{path}/manifest.json: index.{key} = {value!r}; it must be a positive integer")
     ann = AnnIndex(index, info, nprobe or int(info.get("nprobe", 1)), shortlist or int(info.get("shortlist", 1000)))
     set_nprobe(index, ann.nprobe)

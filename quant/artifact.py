@@ -138,12 +138,12 @@ def read_manifest(path: str | Path) -> Manifest:
     if raw.get("format") != FORMAT:
         raise ArtifactError(f"{mpath}: format is {str(raw.get('format'))[:64]!r}, expected {FORMAT!r}")
     version = raw.get("format_version")
-    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+    if whole(version) and version > FORMAT_VERSION:
         raise ArtifactError(
             f"{mpath}: format_version {str(version)[:32]} is newer than this genrec reads ({FORMAT_VERSION}); "
             "upgrade genrec"
         )
-    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= FORMAT_VERSION:
+    if not whole(version, 1):
         raise ArtifactError(f"{mpath}: format_version {str(version)[:32]!r} is not one genrec wrote "
                             f"(1 to {FORMAT_VERSION})")
     missing = [k for k in REQUIRED if k not in raw]
@@ -156,13 +156,18 @@ def read_manifest(path: str | Path) -> Manifest:
     for fname, listed in raw["tensors"].items():
         for name, want in (listed.items() if isinstance(listed, dict) else [(None, listed)]):
             ok = (isinstance(want, dict) and isinstance(want.get("shape"), list)
-                  and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in want["shape"])
+                  and all(whole(d) for d in want["shape"])
                   and isinstance(want.get("dtype"), str) and isinstance(want.get("sha256"), str))
             if not ok:
                 what = f"tensor {str(name)[:64]!r} of {str(fname)[:64]!r}" if name is not None else f"{str(fname)[:64]!r}"
                 raise ArtifactError(f"{mpath}: the entry of {what} is not {{shape: [ints], dtype, sha256}}")
     known = set(Manifest.__dataclass_fields__)
     return Manifest(**{k: v for k, v in raw.items() if k in known})
+
+
+def whole(x: Any, low: int = 0) -> bool:
+    """Whether a JSON value is an integer (not a bool) of at least ``low``."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
 
 
 def _check_quantization(mpath: Path, q: dict) -> None:
@@ -172,7 +177,7 @@ def _check_quantization(mpath: Path, q: dict) -> None:
             raise ArtifactError(f"{mpath}: quantization.{key} = {str(q.get(key))[:32]!r}; "
                                 f"this genrec serves {list(schemes)}")
     align = q.get("row_alignment", 16)
-    if not isinstance(align, int) or isinstance(align, bool) or align < 1:
+    if not whole(align, 1):
         raise ArtifactError(f"{mpath}: quantization.row_alignment = {str(align)[:32]!r}; it must be a positive integer")
 
 

@@ -161,12 +161,9 @@ class Recorder:
             cut_short=short)
 
 
-UNCAPPED = 2**62  # (send_times without a request budget: what the step's schedule holds)
-
-
-def send_times(qps: float, duration: float, seed: int, max_requests: int) -> np.ndarray:
+def send_times(qps: float, duration: float, seed: int, max_requests: int | None = None) -> np.ndarray:
     """Poisson send times (seconds from the step's start) of a step: ``qps`` on average, all
-    before ``duration``, at most ``max_requests``."""
+    before ``duration``, at most ``max_requests`` (None: the whole schedule)."""
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1.0 / qps, size=int(qps * duration * 1.5) + 10)
     offsets = np.cumsum(gaps)
@@ -192,8 +189,8 @@ def run_step(call: grpc.UnaryUnaryMultiCallable, payloads: Payloads, qps: float,
     timer, whose millisecond granularity makes an asyncio sender late by up to a millisecond
     and more: lateness that counts against the server, since latency runs from the scheduled
     time."""
-    offsets = send_times(qps, duration, seed, max_requests)
-    planned = len(send_times(qps, duration, seed, UNCAPPED))  # (the schedule without the budget)
+    schedule = send_times(qps, duration, seed)
+    offsets, planned = schedule[:max_requests], len(schedule)  # (planned: what the budget may cut)
     rec = Recorder(len(offsets), response, bar, calls, window=duration)
     source = itertools.cycle(payloads) if isinstance(payloads, Sequence) else iter(payloads)
     machine = cpu_times()
@@ -227,8 +224,8 @@ def native_step(target: str, method: str, payloads: Payloads, qps: float, durati
     list; taken off a stream, before its scheduled calls). ``began``: set once the warm-up is
     over and the schedule's clock starts. Returns once every call has its answer; ``bar`` moves
     at the end."""
-    offsets = send_times(qps, duration, seed, max_requests)
-    planned = len(send_times(qps, duration, seed, UNCAPPED))
+    schedule = send_times(qps, duration, seed)
+    offsets, planned = schedule[:max_requests], len(schedule)
     if isinstance(payloads, Sequence):
         items, first = list(payloads), 0
     else:  # a stream: the warm-up's requests, then one per scheduled call, as far as it goes
