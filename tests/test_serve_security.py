@@ -253,17 +253,24 @@ def test_fuzzed_admin_calls_never_get_unknown_or_internal(server):
     assert {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED} <= seen
 
 
+def load_under_way(srv: ThreadedServer, path: str) -> tuple[threading.Thread, list]:
+    """A LoadArtifact of ``path`` started in a thread, returned once the server has taken its
+    reload lock (the artifact checked, the engine starting); its result lands in the list."""
+    results: list = []
+    t = threading.Thread(target=lambda: results.append(load(srv, path)))
+    t.start()
+    deadline = time.monotonic() + 30
+    while not srv.server._reloading.locked() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return t, results
+
+
 def test_a_second_load_while_one_runs_is_refused_and_one_engine_stays(root):
     """(One engine: its serving process and its standby.)"""
     cfg = ServeConfig(host="127.0.0.1", port=0, engine_process=True)
     srv = ThreadedServer(root / "live", cfg)
     try:
-        results = []
-        t = threading.Thread(target=lambda: results.append(load(srv, "live")))
-        t.start()
-        deadline = time.monotonic() + 30
-        while not srv.server._reloading.locked() and time.monotonic() < deadline:
-            time.sleep(0.005)
+        t, results = load_under_way(srv, "live")
         code, detail = load(srv, "live")
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "in progress" in detail
         t.join(120)
@@ -293,12 +300,7 @@ def test_an_artifact_swapped_for_another_after_its_check_is_not_served(tmp_path)
                        admin=AdminConfig(token_file=admin_token_file(), artifact_root=str(root)))
     srv = ThreadedServer(live, cfg)
     try:
-        results = []
-        t = threading.Thread(target=lambda: results.append(load(srv, "upload")))
-        t.start()
-        deadline = time.monotonic() + 30
-        while not srv.server._reloading.locked() and time.monotonic() < deadline:
-            time.sleep(0.001)  # (the check has passed: the engine process is starting)
+        t, results = load_under_way(srv, "upload")  # (the check has passed: the engine process is starting)
         os.rename(root / "upload", root / "upload.old")
         os.symlink(other, root / "upload")
         t.join(120)

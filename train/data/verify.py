@@ -14,7 +14,7 @@ and the field:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,9 +44,6 @@ class VerifyReport:
     users_with_timestamps: int = 0
     item_id_max: int = -1
     interactions: str = INTERACTIONS_FILE  # or "interactions/": what the counts above were read from
-    # (read along, for the checks across row groups: each user once; the catalogue as logged)
-    user_ids: list = field(default_factory=list, repr=False)
-    item_counts: list = field(default_factory=list, repr=False)
 
 
 class _RowGroup:
@@ -151,7 +148,9 @@ def _check_times(rg: _RowGroup, times: pa.ListArray) -> None:
                               f"= {values[bad]}; each user's events are in time order")
 
 
-def _check_group(rg: _RowGroup, info: DatasetInfo, report: VerifyReport) -> None:
+def _check_group(rg: _RowGroup, info: DatasetInfo, report: VerifyReport) -> tuple[np.ndarray, np.ndarray]:
+    """Checks one row group and counts it into ``report``; returns its user ids and item ids
+    (for the checks across row groups)."""
     lengths = _check_items(rg)
     times = _check_per_event(rg, "timestamps", lengths)
     _check_times(rg, times)
@@ -166,30 +165,36 @@ def _check_group(rg: _RowGroup, info: DatasetInfo, report: VerifyReport) -> None
     report.events += int(lengths.sum())
     report.users_with_timestamps += rg.table.num_rows - times.null_count
     report.item_id_max = max(report.item_id_max, int(items.max()) if items.size else -1)
-    report.user_ids.append(rg.user_id.to_numpy())
-    ids, counts = np.unique(items, return_counts=True)
-    report.item_counts.append((ids, counts))
+    return rg.user_id.to_numpy(), items
 
 
-def _verify_interactions(path: Path, info: DatasetInfo, report: VerifyReport) -> None:
+def _verify_interactions(path: Path, info: DatasetInfo, report: VerifyReport) -> tuple[np.ndarray, np.ndarray]:
+    """Checks every row group and that each user is one row; returns the logged catalogue
+    (item ids ascending, events per item)."""
     log = InteractionFiles(path)  # every file's footer and schema, the same in every file
     for feature in info.context_features:
         if CONTEXT_PREFIX + feature not in log.schema.names:
             raise DataFormatError(f"{log.paths[0]}: no column '{CONTEXT_PREFIX}{feature}' for the manifest's "
                                   f"context feature '{feature}'; {REMAKE}")
+    none = np.zeros(0, np.int64)
+    users, items = [none], [(none, none)]  # (a log of no rows: nothing to compare)
     for unit, table in log.tables(log.schema.names):
-        _check_group(_RowGroup(log.paths[unit.file], unit.group, unit.first, table), info, report)
+        u, i = _check_group(_RowGroup(log.paths[unit.file], unit.group, unit.first, table), info, report)
+        users.append(u)
+        items.append(np.unique(i, return_counts=True))
     report.files += len(log.paths)
     report.interactions = f"{INTERACTIONS_DIR}/" if log.partitioned else INTERACTIONS_FILE
     report.row_groups += len(log.units)
-    users = np.sort(np.concatenate(report.user_ids)) if report.user_ids else np.zeros(0, np.int64)
-    twice = _first(users[1:] == users[:-1])
+    ids = np.sort(np.concatenate(users))
+    twice = _first(ids[1:] == ids[:-1])
     if twice is not None:
-        raise DataFormatError(f"{path / report.interactions}: user {users[twice]} has more than one row; each user "
+        raise DataFormatError(f"{path / report.interactions}: user {ids[twice]} has more than one row; each user "
                               f"is one row (merge their events when converting); {REMAKE}")
+    logged, where = np.unique(np.concatenate([i for i, _ in items]), return_inverse=True)
+    return logged, np.bincount(where, weights=np.concatenate([c for _, c in items])).astype(np.int64)
 
 
-def _verify_items(path: Path, info: DatasetInfo, report: VerifyReport) -> None:
+def _verify_items(path: Path, info: DatasetInfo, report: VerifyReport, logged: tuple[np.ndarray, np.ndarray]) -> None:
     file = path / "items.parquet"
     ids, counts = read_items(path)
     low = _first(counts < 1)
@@ -199,16 +204,11 @@ def _verify_items(path: Path, info: DatasetInfo, report: VerifyReport) -> None:
     if bad is not None:
         raise DataFormatError(f"{file}: row {bad + 1}: item_id {ids[bad + 1]} follows {ids[bad]}; "
                               f"ids must be sorted and distinct; {REMAKE}")
-    if report.item_counts:
-        logged = np.concatenate([i for i, _ in report.item_counts])
-        order = np.argsort(logged, kind="stable")
-        logged, per = logged[order], np.concatenate([c for _, c in report.item_counts])[order]
-        first = np.flatnonzero(np.r_[True, logged[1:] != logged[:-1]])
-        want_ids, want_counts = logged[first], np.add.reduceat(per, first) if per.size else per
-        if ids.size == want_ids.size and not (np.array_equal(ids, want_ids) and np.array_equal(counts, want_counts)):
-            at = _first((ids != want_ids) | (counts != want_counts))
-            raise DataFormatError(f"{file}: row {at}: item {ids[at]} with count {counts[at]}, but the logs hold item "
-                                  f"{want_ids[at]} {want_counts[at]} times; the files do not belong together: {REMAKE}")
+    want_ids, want_counts = logged
+    if ids.size == want_ids.size and not (np.array_equal(ids, want_ids) and np.array_equal(counts, want_counts)):
+        at = _first((ids != want_ids) | (counts != want_counts))
+        raise DataFormatError(f"{file}: row {at}: item {ids[at]} with count {counts[at]}, but the logs hold item "
+                              f"{want_ids[at]} {want_counts[at]} times; the files do not belong together: {REMAKE}")
     if ids.size != info.num_items or int(counts.sum()) != report.events:
         raise DataFormatError(f"{file}: {ids.size} items with {int(counts.sum())} events, but dataset.json says "
                               f"{info.num_items} items and {report.interactions} has {report.events} events; "
@@ -230,8 +230,7 @@ def verify_dataset(path: str | Path) -> VerifyReport:
     path = Path(path)
     info = read_info(path)
     report = VerifyReport(files=1)  # dataset.json, read and checked above
-    _verify_interactions(path, info, report)
+    logged = _verify_interactions(path, info, report)
     _check_manifest(path, info, report)
-    _verify_items(path, info, report)
-    report.user_ids, report.item_counts = [], []  # (read along for the checks: not part of the report)
+    _verify_items(path, info, report, logged)
     return report
