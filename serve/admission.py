@@ -19,7 +19,10 @@ request is decoded:
    always binds.
 3. The batcher's fair queue (serve.batcher): each caller queues on its own and batches take
    calls from the callers in turn, so admitted calls of a flooding caller wait behind each
-   other, not in front of everyone else's.
+   other, not in front of everyone else's; and while another caller is active, a caller holding
+   more than ``max_share`` of the calls in the server is refused once the work ahead passes
+   ``max_share`` of the queueing budget (``batch.max_queue_ms``), so its calls in the batches in
+   flight, which every caller waits for, never take the budget the others need.
 
 A caller is the value of the ``tenant`` metadata key (``metadata_key``), or without one its
 peer's address (host, not port: one client's connections are one caller). A tenant name is
@@ -137,6 +140,14 @@ class Shares:
         """Whether a caller other than ``caller`` sent a call within ``active_s`` seconds."""
         since = now - self.cfg.active_s
         return any(c != caller and t >= since for c, t in self.recent)
+
+    def contended(self, caller: str) -> float | None:
+        """``max_share`` while a caller other than ``caller`` is active, else None (the share of the
+        queueing budget the batcher holds a caller to: ``Batcher.admit(..., share=)``)."""
+        if not self.cfg.enabled:
+            return None
+        with self.lock:
+            return self.cfg.max_share if self.others_active(caller, time.monotonic()) else None
 
     def _seen(self, caller: str, now: float) -> None:
         self.recent = [(caller, now), *[(c, t) for c, t in self.recent if c != caller][:1]]

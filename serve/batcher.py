@@ -23,7 +23,11 @@ in time instead of ones whose callers gave up (goodput stays near capacity). A f
 Fair queueing: each caller (``submit(..., caller=)``: a tenant, serve.admission) has its own
 queue, and a batch takes calls from the callers' queues in turn (round robin), so a caller
 that floods the server waits behind its own backlog, not others behind it; admission predicts
-each call's wait from the calls that will run before it under that order.
+each call's wait from the calls that will run before it under that order. The batches in
+flight are everyone's wait, whatever the order: while another caller is active, a caller
+holding more than its share of the calls is refused once the work ahead passes its share of
+``max_queue_ms`` (``admit(..., share=)``), so a flood cannot keep the pipeline full of its own
+calls and the others' calls still start within the budget.
 
 Each call runs on the engine it was validated for (``submit(work, engine=...)``; default: the
 engine of the moment), whatever was swapped in since: a batch holds the calls of one engine,
@@ -157,6 +161,8 @@ class Batcher:
         self.loop_task: asyncio.Task | None = None
         self.cost = BatchCost()
         self.inflight_calls = 0  # calls in batches handed to the engine and not yet back
+        self.held: dict[str, int] = {}  # each caller's calls submitted and not yet answered
+        self.held_total = 0
         self.engines_running: list[Engine] = []  # the engine of each batch in flight
 
     def start(self) -> None:
@@ -190,15 +196,24 @@ class Batcher:
         engine = self.engine_fn()
         return self.inflight if engine.batches_together else max(engine.parallel, 1)
 
-    def admit(self, deadline: float, caller: str = "") -> None:
+    def admit(self, deadline: float, caller: str = "", share: float | None = None) -> None:
         """Raises ``Overloaded`` (or ``ShuttingDown``) at once for a call that would not start in
-        time; cheap enough to run before a request is decoded."""
+        time; cheap enough to run before a request is decoded. ``share`` (serve.admission: the fair
+        share, given while another caller is active): once the work ahead passes that fraction of
+        ``max_queue_ms``, a caller holding more than that fraction of the calls in the server is
+        refused, so one caller's backlog (in the queue and in the batches in flight) never fills
+        the queueing budget that the others' calls need to start in time."""
         if self.closing:
             raise ShuttingDown("the server is shutting down")
         if self.queued >= self.cfg.max_queue:
             raise Overloaded(f"queue full ({self.cfg.max_queue} requests waiting); retry with backoff")
         a, c = self.cost.coefficients() or (0.0, 0.0)  # (fitted once per call: this runs on every call)
         wait = self.predicted_wait((a, c), caller)
+        if share is not None and self.cfg.max_queue_ms > 0 and wait * 1e3 > share * self.cfg.max_queue_ms:
+            mine = self.held.get(caller, 0)
+            if mine > share * self.held_total:
+                raise Overloaded(f"caller {caller!r} holds {mine} of the {self.held_total} calls in the server, more "
+                                 f"than its share ({share:g}), while other callers wait; retry with backoff")
         if self.cfg.max_queue_ms > 0 and wait * 1e3 > self.cfg.max_queue_ms:
             raise Overloaded(f"overloaded: a call would wait ~{wait * 1e3:.0f} ms to start, more than the "
                              f"server's {self.cfg.max_queue_ms:g} ms; retry with backoff or another replica")
@@ -222,8 +237,18 @@ class Batcher:
         fut = asyncio.get_running_loop().create_future()
         self._queue(caller).append((work, fut, engine if engine is not None else self.engine_fn()))
         self.queued += 1
+        self.held[caller] = self.held.get(caller, 0) + 1
+        self.held_total += 1
         self.wakeup.set()
-        return await (fut if timeout is None else asyncio.wait_for(fut, timeout))
+        try:
+            return await (fut if timeout is None else asyncio.wait_for(fut, timeout))
+        finally:  # answered, failed, expired or cancelled: no longer the caller's (a batch may still run it)
+            self.held_total -= 1
+            left = self.held[caller] - 1
+            if left:
+                self.held[caller] = left
+            else:
+                del self.held[caller]  # (callers come and go: only those with calls in the server)
 
     def uses(self, engine: Engine) -> bool:
         """Whether a call queued (and still awaited) or a batch in flight is ``engine``'s."""

@@ -649,7 +649,8 @@ class RecommenderServer:
             caller = self._caller(context)
             self._take_share(caller)  # its share of the server, then the server's admission
         try:
-            batcher.admit(deadline, caller)  # before decoding: a refusal costs next to nothing
+            # before decoding: a refusal costs next to nothing
+            batcher.admit(deadline, caller, self.shares.contended(caller))
             return await self._run(kind, data, batcher, deadline, caller, t0)
         finally:
             if share:

@@ -11,11 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import grpc
+import numpy as np
 import pytest
 
 from genrec.loadtest.client import RecommenderClient, user
 from genrec.serve.admission import FairConfig, Shares, TenantQuota, caller_of
 from genrec.serve.batcher import BatchConfig, Batcher, Overloaded
+from genrec.serve.contract import Result
 from genrec.serve.engine import TorchEngine
 from genrec.serve.proxy import available as front_available
 from genrec.serve.server import ConnectionConfig
@@ -116,6 +118,68 @@ def test_batches_take_callers_in_turn_so_a_backlog_delays_only_its_own_caller():
     first, quiet_wait, flood_wait = asyncio.run(scenario())
     assert "q0" in first  # ... and one call of another caller rides in the first batch
     assert quiet_wait < flood_wait / 3  # and admission knows: the quiet caller's wait is short
+
+
+@pytest.mark.unit
+def test_the_batchers_share_is_given_only_while_another_caller_is_active():
+    shares = Shares(FairConfig(max_share=0.25, active_s=60), slots=32)
+    shares.acquire("a")
+    assert shares.contended("a") is None  # alone: the whole budget
+    shares.acquire("b")
+    assert shares.contended("a") == shares.contended("b") == 0.25
+    assert Shares(FairConfig(enabled=False), slots=32).contended("a") is None
+
+
+@pytest.mark.unit
+def test_a_flood_cannot_fill_the_batches_in_flight_that_every_caller_waits_for():
+    """A caller offering ~8x capacity beside a quiet one at a fifth of it: admission stops the
+    flood at its share of the queueing budget, so the quiet caller's calls (which wait for the
+    batches in flight, whoever's calls they hold) still start in time; without the share the
+    flood keeps the pipeline full and the quiet caller is refused with it."""
+    class Engine:
+        batches_together, parallel = False, 1
+
+        def __init__(self) -> None:
+            self.busy = asyncio.Lock()  # one batch at a time, as one engine process computes them
+
+        async def run_async(self, works):  # noqa: ANN001, ANN202 - 2 ms a call: ~500 calls/s
+            async with self.busy:
+                await asyncio.sleep(0.002 * len(works))
+            return [Result(np.zeros(0, np.int64), np.zeros(0, np.float32), compute_ms=2.0 * len(works),
+                           batch_size=len(works)) for _ in works]
+
+    async def scenario(share: float | None) -> dict[str, collections.Counter]:
+        engine = Engine()
+        b = Batcher(lambda: engine, BatchConfig(max_batch=8, max_wait_ms=0, max_queue_ms=20, max_inflight=3))
+        b.start()
+        codes = {"flood": collections.Counter(), "quiet": collections.Counter()}
+        counted = time.monotonic() + 0.2  # (the first batches fit the cost model: admission is blind before)
+
+        async def call(caller: str) -> None:
+            seen = codes[caller] if time.monotonic() > counted else collections.Counter()
+            try:
+                b.admit(time.monotonic() + 1, caller, share)
+            except Overloaded:
+                seen["refused"] += 1
+                return
+            await b.submit(SimpleNamespace(deadline=time.monotonic() + 1), caller=caller)
+            seen["ok"] += 1
+
+        calls, end, tick = [], time.monotonic() + 1.7, 0
+        while time.monotonic() < end:
+            calls += [asyncio.create_task(call("flood")) for _ in range(4)]
+            if tick % 10 == 0:
+                calls.append(asyncio.create_task(call("quiet")))
+            tick += 1
+            await asyncio.sleep(0.001)
+        await asyncio.gather(*calls)
+        b.loop_task.cancel()
+        return codes
+
+    fair, unfair = asyncio.run(scenario(0.5)), asyncio.run(scenario(None))
+    assert fair["quiet"]["refused"] <= 0.05 * sum(fair["quiet"].values()), fair
+    assert fair["flood"]["ok"] >= 0.5 * unfair["flood"]["ok"], (fair, unfair)  # the flood still gets the rest
+    assert unfair["quiet"]["refused"] >= 0.2 * sum(unfair["quiet"].values()), unfair  # (what the share prevents)
 
 
 @pytest.fixture(scope="module")
