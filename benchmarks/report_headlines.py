@@ -50,6 +50,7 @@ HEADLINES: dict[str, Headline] = {
     "long_history": Headline(1, caption="Test split, read once:"),
     "long_quality": Headline(0, ("model", "resumed: HR@50", "last: NDCG@10 - full (paired)"),
                              _not("model", "full attention", "process, last 512"), caption="Validation:"),
+    "long_ranking": Headline(0, ("model", "AUC: all", "AUC: resumed", "all - full"), caption="Click, validation:"),
     "sid_decoding": Headline(0, ("beam", "torch p50 / p99 ms", "SGLang p50 / p99 ms", "same items",
                                  "max abs dlogp", "items valid"), _is("call", "decode"),
                              "Decoding from a user vector:"),

@@ -253,3 +253,61 @@ def test_long_quality_queries_put_each_resumed_event_after_its_whole_history(tmp
         job = load_job(str(lq.ROOT / lq.CONFIG), over)
         assert (job.model.hstu.window, job.model.max_seq_len) == {"full": (0, 8192), "bounded": (512, 8192),
                                                                   "window": (512, 512)}[name]
+
+
+def test_long_ranking_requests_open_at_each_resumed_event_after_its_whole_history(tmp_path):
+    """benchmarks/long_ranking: each request, read as the model reads it, ranks the 16 events
+    from a resumed event on after every event before it (up to the tower's capacity), labelled
+    from their actions; the resumed flags line up with the candidates read; a model compared
+    with itself differs by zero; the config's three variants load."""
+    from dataclasses import replace
+
+    from genrec.benchmarks import long_ranking as lr
+    from genrec.train.data.schema import read_info
+    from genrec.train.data.synthetic import SyntheticWorld, _users_chunk
+    from genrec.train.eval.ranking_metrics import RankingPredictions
+    from genrec.train.job import load_job, resolve_embedding
+
+    cfg = replace(lr.synth_config(6, topics=64, long_return=0.2), long_len=3000, long_quiet=300)
+    cols = _users_chunk(SyntheticWorld(cfg), np.random.default_rng(0), 1, cfg.num_users)[0]
+    rows, flags = lr.held_out(cols, range(2, 6))
+    want = {64 * cols["user_id"][i] + k: (cols["user_id"][i], int(t)) for i in range(2, 6)
+            for k, t in enumerate(np.flatnonzero(cols["resumed"][i])[: lr.PER_USER])}
+    assert len(want) >= 8 and list(flags) == list(want) == rows["user_id"]
+    lr._write(tmp_path / "q", rows)
+    job = load_job(str(lr.ROOT / lr.CONFIG), [f'--data.path="{tmp_path / "q"}"', "--data.eval_batch_size=3"])
+    emb = resolve_embedding(job.embedding, read_info(tmp_path / "q"))
+    read = {}
+    labels, users = [], []
+    for batch in lr.requests(job, emb, tmp_path / "q"):
+        starts = np.cumsum(batch.lengths.numpy()) - batch.lengths.numpy()
+        items = batch.seq[emb.item_feature].values().numpy()
+        for u, s, n, k in zip(batch.user_ids.tolist(), starts, batch.lengths.tolist(), batch.num_targets.tolist()):
+            read[u] = (n - k, items[s + n - k : s + n])
+        labels.append(batch.labels.numpy())
+        users.append(np.repeat(batch.user_ids.numpy(), batch.num_targets.numpy()))
+    for qid, (uid, t) in want.items():
+        hist, cand = read[qid]
+        events = cols["item_ids"][uid - 1]
+        assert hist == t and list(cand) == list(events[t : t + 16])  # every event before the resumed one
+        assert flags[qid][0] and flags[qid].size == 16
+        assert list(flags[qid]) == [bool(x) for x in cols["resumed"][uid - 1][t : t + 16]]
+    y, ids = np.concatenate(labels), np.concatenate(users)
+    for qid, (uid, t) in want.items():  # each candidate labelled by its own event's click
+        assert list(y[ids == qid, 0]) == list(np.asarray(cols["actions"][uid - 1][t : t + 16]) & 2 != 0)
+    scores = np.random.default_rng(1).random(y.shape).astype(np.float32)
+    pred = RankingPredictions(scores, scores, y, np.concatenate(users), oracle=scores)
+    resumed, owner = lr._per_user(pred, flags)
+    assert resumed.sum() == sum(f.sum() for f in flags.values()) and owner.max() == 3
+    got = lr.compare({"full": pred, "bounded": pred}, flags, draws=5)
+    for name in lr.SUBSETS:
+        assert got["click"][name]["bounded"]["vs_full"] == {"difference": 0.0, "se": 0.0}
+    assert got["click"]["resumed"]["full"]["candidates"] == int(resumed.sum())
+    short = RankingPredictions(scores[1:], scores[1:], y[1:], pred.users[1:])  # a request read short
+    with pytest.raises(RuntimeError, match="candidates read"):
+        lr._per_user(short, flags)
+    for name, over in lr.VARIANTS.items():
+        job = load_job(str(lr.ROOT / lr.CONFIG), over)
+        assert (job.model.hstu.window, job.model.max_seq_len) == {"full": (0, 8192), "bounded": (512, 8192),
+                                                                  "window": (512, 512)}[name]
+        assert [t.name for t in job.model.ranking.tasks] == list(lr.TASKS)
