@@ -276,8 +276,9 @@ def resilience(d: dict) -> list[str]:
             f"A step whose sender ran more than {GENERATOR_LATE_MS:g} ms late (p99) measured the load "
             "generator as much as the server.", "",
             f"Engine SIGKILL at {num(kill.get('offered_qps'), '.0f')} QPS: {num(kill.get('failed_pct'), '.2f')}% "
-            f"of calls failed, the last {num(kill.get('last_failure_after_kill_s'), '.1f')} s after the kill. "
-            f"SIGTERM: exit code {num(stop.get('exit_code'), 'd')} after {num(stop.get('exit_s'), '.1f')} s "
+            + (f"of calls failed, the last {num(kill.get('last_failure_after_kill_s'), '.1f')} s after the kill. "
+               if kill.get("failed") != 0 else f"of calls failed (none of {num(kill.get('sent'), ',d')}). ")
+            + f"SIGTERM: exit code {num(stop.get('exit_code'), 'd')} after {num(stop.get('exit_s'), '.1f')} s "
             f"(grace {num(stop.get('grace_s'), 'g')} s), engine processes left {num(stop.get('engine_processes_left'), 'd')}."
             + "".join(f" {x}." for x in two + rec), *footer(d, cmd)]
 

@@ -175,3 +175,17 @@ def test_every_benchmark_with_a_main_runs_as_a_module() -> None:
         text = path.read_text()
         if "\ndef main(" in text:
             assert 'if __name__ == "__main__":' in text.split("\ndef main(")[1], f"{path.name}: main() is never run"
+
+
+def test_an_engine_kill_that_failed_no_call_says_so() -> None:
+    """The section read "the last missing s after the kill" when no call failed (2026-12-06)."""
+    from genrec.benchmarks.report_sections import resilience
+
+    def text(kill: dict) -> str:
+        return "\n".join(resilience({"capacity_qps": 400.0, "servers": {}, "engine_kill": kill, "shutdown": {}}))
+
+    none = text({"offered_qps": 200.0, "sent": 5460, "failed": 0, "failed_pct": 0.0,
+                 "last_failure_after_kill_s": None})
+    assert "(none of 5,460)" in none and "missing" not in none.split("SIGTERM")[0]
+    some = text({"offered_qps": 200.0, "sent": 100, "failed": 2, "failed_pct": 2.0, "last_failure_after_kill_s": 0.3})
+    assert "the last 0.3 s after the kill" in some
