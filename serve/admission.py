@@ -19,10 +19,11 @@ request is decoded:
    always binds.
 3. The batcher's fair queue (serve.batcher): each caller queues on its own and batches take
    calls from the callers in turn, so admitted calls of a flooding caller wait behind each
-   other, not in front of everyone else's; and while another caller is active, a caller holding
-   more than ``max_share`` of the calls in the server is refused once the work ahead passes
-   ``max_share`` of the queueing budget (``batch.max_queue_ms``), so its calls in the batches in
-   flight, which every caller waits for, never take the budget the others need.
+   other, not in front of everyone else's; and while another caller is active, a heavy caller
+   (one sending more than ``max_share`` of the calls) holding more than ``max_share`` of the
+   calls in the server is refused once the work ahead passes ``max_share`` of the queueing
+   budget (``batch.max_queue_ms``), so its calls in the batches in flight, which every caller
+   waits for, never take the budget the others need.
 
 A caller is the value of the ``tenant`` metadata key (``metadata_key``), or without one its
 peer's address (host, not port: one client's connections are one caller). A tenant name is
@@ -134,6 +135,9 @@ class Shares:
         # the last call of the two callers seen most recently, newest first: whether another caller
         # is active needs only the newest one that is not the caller (no per-caller table to scan)
         self.recent: list[tuple[str, float]] = []
+        # arrival rates (calls counted with weight exp(-age / active_s)): the callers' and everyone's
+        self.rates: dict[str, tuple[float, float]] = {}
+        self.total_rate = (0.0, 0.0)
         self.lock = threading.Lock()
 
     def others_active(self, caller: str, now: float) -> bool:
@@ -142,12 +146,30 @@ class Shares:
         return any(c != caller and t >= since for c, t in self.recent)
 
     def contended(self, caller: str) -> float | None:
-        """``max_share`` while a caller other than ``caller`` is active, else None (the share of the
-        queueing budget the batcher holds a caller to: ``Batcher.admit(..., share=)``)."""
+        """``max_share`` for a heavy caller (:meth:`heavy`) while another caller is active, else
+        None: the share of the queueing budget the batcher holds it to (``Batcher.admit(...,
+        share=)``). A caller sending less than its share of the calls is not held to it: its
+        bursts ride on the budget the heavy caller leaves."""
         if not self.cfg.enabled:
             return None
         with self.lock:
-            return self.cfg.max_share if self.others_active(caller, time.monotonic()) else None
+            now = time.monotonic()
+            return self.cfg.max_share if self.others_active(caller, now) and self.heavy(caller, now) else None
+
+    def _decayed(self, rate: tuple[float, float], now: float) -> float:
+        weight, at = rate
+        return weight * math.exp(-(now - at) / max(self.cfg.active_s, 1e-3))
+
+    def heavy(self, caller: str, now: float) -> bool:
+        """Whether ``caller`` sent more than ``max_share`` of the calls of the last ~``active_s``."""
+        mine = self._decayed(self.rates.get(caller, (0.0, now)), now)
+        return mine > self.cfg.max_share * self._decayed(self.total_rate, now)
+
+    def _count(self, caller: str, now: float) -> None:
+        self.rates[caller] = (self._decayed(self.rates.get(caller, (0.0, now)), now) + 1.0, now)
+        self.total_rate = (self._decayed(self.total_rate, now) + 1.0, now)
+        if len(self.rates) > 4096:  # (callers come and go: keep those seen within a few active_s)
+            self.rates = {c: r for c, r in self.rates.items() if self._decayed(r, now) > 0.01}
 
     def _seen(self, caller: str, now: float) -> None:
         self.recent = [(caller, now), *[(c, t) for c, t in self.recent if c != caller][:1]]
@@ -166,11 +188,12 @@ class Shares:
     def _acquire(self, caller: str) -> None:
         now = time.monotonic()
         self._seen(caller, now)
+        self._count(caller, now)
         quota = self.quotas.get(caller)
         if quota and quota.max_concurrent:
             limit = quota.max_concurrent
-        else:  # its share while others are active, else every slot
-            limit = self.default if self.others_active(caller, now) else self.slots
+        else:  # a heavy caller's share while others are active, else every slot
+            limit = self.default if self.others_active(caller, now) and self.heavy(caller, now) else self.slots
         held = self.held.get(caller, 0)
         if held >= limit:
             self._refuse(caller)

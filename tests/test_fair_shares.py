@@ -128,6 +128,16 @@ def test_the_batchers_share_is_given_only_while_another_caller_is_active():
     shares.acquire("b")
     assert shares.contended("a") == shares.contended("b") == 0.25
     assert Shares(FairConfig(enabled=False), slots=32).contended("a") is None
+    # a light caller (a quarter of the calls beside a flood) is not held to it: its bursts ride
+    # on the budget the flood leaves (benchmarks/notes/2026-12-06-two-callers.md)
+    shares = Shares(FairConfig(max_share=0.5, active_s=60), slots=32)
+    for i in range(40):
+        shares.acquire("flood")
+        shares.release("flood")
+        if i % 4 == 0:
+            shares.acquire("quiet")
+            shares.release("quiet")
+    assert shares.contended("flood") == 0.5 and shares.contended("quiet") is None
 
 
 @pytest.mark.unit
@@ -233,3 +243,52 @@ def test_a_flooding_tenant_is_refused_past_its_share_while_another_is_served(art
         assert refused and any("caller 'flood'" in c for c in refused), set(flood_codes)
     finally:
         srv.stop()
+
+
+@pytest.mark.serving
+def test_a_light_callers_burst_passes_the_native_front_end_beside_a_flood(artifact):
+    """A fixed count of places per caller refused a light caller's bursts (a Poisson caller at a
+    quarter of capacity holds more than half of 12 places about 15% of the time): only a heavy
+    caller, one sending more than its share of the calls, is held to its places."""
+    native_or_skip(front_available())
+    engine = SlowEngine(TorchEngine(artifact), delay=0.05)
+    cfg = local_config(batch=BatchConfig(max_batch=4, max_wait_ms=1, max_queue=64, max_queue_ms=1000),
+                       fair=FairConfig(max_share=0.25),
+                       connections=ConnectionConfig(front_end="native", max_in_flight=12))
+    srv = ThreadedServer(artifact, cfg, engine=engine)
+    try:
+        u = user([(i + 1, T0 + 60 * i, 1) for i in range(6)], {"region": [3]})
+        flood = RecommenderClient(srv.target, timeout_s=10, tenant="flood")
+        quiet = RecommenderClient(srv.target, timeout_s=10, tenant="quiet")
+        stop = threading.Event()
+        flood_codes: collections.Counter = collections.Counter()
+
+        def flooding(_):
+            while not stop.is_set():
+                try:
+                    flood.retrieve(u, k=5)
+                    flood_codes["OK"] += 1
+                except grpc.RpcError as e:
+                    flood_codes[e.code().name] += 1
+
+        def one(_):
+            try:
+                quiet.retrieve(u, k=5)
+                return "OK"
+            except grpc.RpcError as e:
+                return e.code().name + ":" + (e.details() or "")
+
+        with ThreadPoolExecutor(16) as pool, ThreadPoolExecutor(6) as burst:
+            for i in range(16):
+                pool.submit(flooding, i)
+            time.sleep(1.0)
+            quiet_codes = []
+            for _ in range(3):  # bursts of 6 calls at once: past its 3 places (12 x 0.25)
+                quiet_codes += list(burst.map(one, range(6)))
+                time.sleep(0.3)
+            stop.set()
+        assert quiet_codes == ["OK"] * 18, quiet_codes
+        assert flood_codes["RESOURCE_EXHAUSTED"] > 0, flood_codes  # the flood is held to its places
+    finally:
+        srv.stop()
+

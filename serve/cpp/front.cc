@@ -2,9 +2,10 @@
 //
 // A gRPC proxy in front of the Python server that sheds load in C++: it passes at most
 // MAX_IN_FLIGHT Recommender calls to the server at once, and while another caller is active, at
-// most MAX_SHARE of them to one caller (a caller: its METADATA_KEY value, else its peer's host;
-// work-conserving as serve.admission.Shares: a caller alone may use every place, and a caller
-// within its share is let in past the cap, see Shares::acquire). A call past either is answered
+// most MAX_SHARE of them to one heavy caller (a caller: its METADATA_KEY value, else its peer's
+// host; heavy: it sent more than MAX_SHARE of the recent calls; work-conserving as
+// serve.admission.Shares: a caller alone may use every place, and a caller within its share, or
+// a light one, is let in past the cap, see Shares::acquire). A call past either is answered
 // RESOURCE_EXHAUSTED here, in microseconds, without the server seeing it.
 // Every other method (health, reflection) is passed on uncapped. The caller's name is forwarded
 // as METADATA_KEY, so the server's own shares see the same callers; the call's deadline and a
@@ -55,11 +56,18 @@ class Shares {
   // is let in past the cap (up to twice it): a caller that had the server to itself may hold
   // every place, and a newcomer must not wait for them; the other's calls past its share are
   // refused from then on, so the total is back under the cap within a call's time.
+  //
+  // The share binds a heavy caller only: one that sent more than MAX_SHARE of the calls of the
+  // last ~ACTIVE_S seconds. A light caller (a quarter of capacity beside a flood) is let past its
+  // places at once as a caller within its share is: its bursts are what a fixed count of places
+  // refused (18.6% of a Poisson caller's calls, benchmarks/notes/2026-12-06-two-callers.md).
   std::string acquire(const std::string& caller) {
     const auto now = Clock::now();
     Held& mine = held_[caller];
+    const double mine_rate = count(mine.rate, mine.rate_at, now);
+    const bool heavy = mine_rate > share_ * count(total_rate_, total_at_, now);
     const int share_limit = share_ > 0 ? std::max(1, static_cast<int>(std::ceil(cap_ * share_))) : cap_;
-    const bool within_share = share_ > 0 && mine.calls < share_limit;
+    const bool within_share = share_ > 0 && (mine.calls < share_limit || !heavy);
     if (share_ > 0 && !within_share && others_active(caller, now)) {
       return "overloaded: caller '" + caller + "' has " + std::to_string(mine.calls) +
              " calls at once, its share of the server's front end while others call; retry with backoff";
@@ -87,7 +95,17 @@ class Shares {
   struct Held {
     int calls = 0;
     Clock::time_point last{};
+    double rate = 0;  // calls counted with weight exp(-age / ACTIVE_S)
+    Clock::time_point rate_at{};
   };
+
+  // Decays ``weight`` (calls, exp(-age / ACTIVE_S)) to ``now`` and counts one more call.
+  double count(double& weight, Clock::time_point& at, Clock::time_point now) const {
+    const double age = std::chrono::duration<double>(now - at).count();
+    weight = weight * std::exp(-age / std::max(active_s_, 1e-3)) + 1.0;
+    at = now;
+    return weight;
+  }
 
   bool others_active(const std::string& caller, Clock::time_point now) const {
     for (const auto& [name, h] : held_) {
@@ -108,6 +126,8 @@ class Shares {
 
   int cap_;
   double share_, active_s_;
+  double total_rate_ = 0;  // every caller's calls, weighted as Held::rate
+  Clock::time_point total_at_{};
   int total_ = 0;
   std::unordered_map<std::string, Held> held_;
 };
