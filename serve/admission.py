@@ -15,8 +15,10 @@ request is decoded:
    its quota's ``max_concurrent``) and its rate (a token bucket, ``qps``): past either, its
    call is refused with RESOURCE_EXHAUSTED naming the caller, while other callers are admitted.
    The share is work-conserving: it binds only while another caller has sent a call within
-   the last ``active_s`` seconds (a caller alone may use the whole server); a named quota
-   always binds.
+   the last ``active_s`` seconds (a caller alone may use the whole server), and only a heavy
+   caller, one that sent more than ``max_share`` of the recent calls (a light caller's bursts
+   pass: a fixed count refused 18.6% of a Poisson caller's calls beside a flood,
+   benchmarks/notes/2026-12-06-two-callers.md); a named quota always binds.
 3. The batcher's fair queue (serve.batcher): each caller queues on its own and batches take
    calls from the callers in turn, so admitted calls of a flooding caller wait behind each
    other, not in front of everyone else's; and while another caller is active, a heavy caller

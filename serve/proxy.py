@@ -9,8 +9,9 @@ offered and 0.34-0.49x at 8x (benchmarks/notes/2026-12-05-native-front.md).
 How: ``genrec serve`` starts ``cpp/front.cc`` as its child on the public host and port; the
 gRPC server listens on an ephemeral loopback port behind it. The front end passes at most
 ``connections.max_in_flight`` Recommender calls to the server at once, and while another
-caller is active at most ``fair.max_share`` of them to one caller (named by ``fair.metadata_key``,
-else its peer host, as serve.admission names callers; work-conserving, as its shares are).
+caller is active at most ``fair.max_share`` of them to one heavy caller (named by
+``fair.metadata_key``, else its peer host, as serve.admission names callers; heavy: it sent more
+than ``fair.max_share`` of the recent calls; work-conserving, as its shares are).
 Past either it answers RESOURCE_EXHAUSTED itself, without the server seeing the call. The cap
 is the server's admission moved in front of it: sized near what the server answers within its
 queueing budget (``batch.max_queue_ms`` / one call's cost), the server's own admission rarely
