@@ -41,7 +41,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -103,26 +103,39 @@ def queries(rows: dict[str, list], users: range, per_user: int = 64) -> dict[str
     return out
 
 
-def make_data(root: Path, users: int, eval_users: int, cfg: Any, per_user: int = 64) -> dict:
-    """``root/train`` (the first ``users`` users of ``cfg``'s rows) and
-    ``root/{valid,test}_{resumed,last}``."""
+def draw_users(root: Path, users: int, eval_users: int, cfg: Any, stamp_extra: dict,
+               rows_of: Callable[[Path], dict[str, list]], write: Callable[[Path, dict[str, list]], None],
+               held_out: Callable[[dict[str, list], str, range], None]) -> dict:
+    """``root/all`` (``users`` + 2 x ``eval_users`` users of ``cfg``), ``root/train`` (the first
+    ``users``, written by ``write``) and the held-out users of each split (``held_out(rows,
+    split, span)``: the next ``eval_users`` validate, the last test). Drawn once: a stamp of the
+    settings (with ``stamp_extra``) keeps it."""
     from genrec.train.data.synthetic import generate
 
     cfg = replace(cfg, num_users=users + 2 * eval_users)
     stamp = root / "synthetic.json"
     want = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__} | {"users": users, "eval_users": eval_users,
-                                                                     "resumed_per_user": per_user}
+                                                                     **stamp_extra}
     if stamp.exists() and json.loads(stamp.read_text()) == want:
         return want
     generate(cfg, root / "all", progress=False)
-    rows = _rows(root / "all")
-    _write(root / "train", {k: v[:users] for k, v in rows.items()})
+    rows = rows_of(root / "all")
+    write(root / "train", {k: v[:users] for k, v in rows.items()})
     for split, span in (("valid", range(users, users + eval_users)),
                         ("test", range(users + eval_users, users + 2 * eval_users))):
-        for name, q in queries(rows, span, per_user).items():
-            _write(root / f"{split}_{name}", q)
+        held_out(rows, split, span)
     stamp.write_text(json.dumps(want, indent=2) + "\n")
     return want
+
+
+def make_data(root: Path, users: int, eval_users: int, cfg: Any, per_user: int = 64) -> dict:
+    """``root/train`` (the first ``users`` users of ``cfg``'s rows) and
+    ``root/{valid,test}_{resumed,last}``."""
+    def held(rows: dict[str, list], split: str, span: range) -> None:
+        for name, q in queries(rows, span, per_user).items():
+            _write(root / f"{split}_{name}", q)
+
+    return draw_users(root, users, eval_users, cfg, {"resumed_per_user": per_user}, _rows, _write, held)
 
 
 def process_ranks(rows: dict[str, list], users: range, distant: bool, cfg: Any = None,
@@ -174,17 +187,58 @@ VARIANTS = {
 }
 
 
-def train(variant: str, root: Path, out_dir: Path, epochs: int, nproc: int) -> Path:
-    """Trains ``variant`` under torchrun (one thread per process); its run directory."""
+def launch(config: str, variant: str, extra: list[str], root: Path, out_dir: Path, epochs: int, nproc: int) -> Path:
+    """Trains ``config`` with ``extra`` overrides as run ``variant`` on ``root/train`` under
+    torchrun (one thread per process); its run directory."""
     run_id = f"{variant}-{time.strftime('%Y%m%d-%H%M%S')}"
-    scale = LONG // WINDOW if variant == "window" else 1
     overrides = [f'--data.path="{root / "train"}"', f'--run.out_dir="{out_dir}"', f"--run.name={variant}",
-                 f"--run.id={run_id}", f"--train.max_epochs={epochs * scale}", "--train.progress=false",
-                 *VARIANTS[variant]]
+                 f"--run.id={run_id}", f"--train.max_epochs={epochs}", "--train.progress=false", *extra]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "genrec.cli", "train", "--config", str(ROOT / CONFIG), *overrides]
+           "-m", "genrec.cli", "train", "--config", str(ROOT / config), *overrides]
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return out_dir / variant / run_id
+
+
+def train(variant: str, root: Path, out_dir: Path, epochs: int, nproc: int) -> Path:
+    """Trains ``variant`` (:data:`VARIANTS`; the window for 16x the epochs: as many targets)."""
+    scale = LONG // WINDOW if variant == "window" else 1
+    return launch(CONFIG, variant, VARIANTS[variant], root, out_dir, epochs * scale, nproc)
+
+
+def trained_runs(args: argparse.Namespace, root: Path, out_dir: Path,
+                 train_fn: Callable[[str, Path, Path, int, int], Path]) -> dict[str, Path]:
+    """{variant: run directory}: those ``--runs`` names, the other ``--variants`` trained now."""
+    runs = {k: Path(v) for k, v in (x.split("=", 1) for x in args.runs.split(",") if x)}
+    for v in args.variants.split(","):
+        if v not in runs:
+            runs[v] = train_fn(v, root, out_dir, args.epochs, args.nproc)
+    return runs
+
+
+def training_table(runs: dict, labels: dict[str, str]) -> list[str]:
+    """The report's table of each run's epochs, samples/s and peak memory per rank, train time."""
+    from genrec.benchmarks.report import num, table
+
+    return table(["model", "epochs", "samples/s per rank", "peak MiB per rank", "train s"],
+                 [[labels.get(v, v), num(r.get("epochs"), "d"), num(r.get("samples_per_s_per_rank"), ".2f"),
+                   num(r.get("peak_mib_per_rank"), ".0f"), num(r.get("train_seconds"), ".0f")]
+                  for v, r in runs.items()])
+
+
+def arguments(doc: str, name: str) -> argparse.ArgumentParser:
+    """The options the long-history comparisons share (``name``: the default results name)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--users", type=int, default=256)
+    ap.add_argument("--eval-users", type=int, default=128)
+    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--variants", default="full,bounded,window")
+    ap.add_argument("--runs", default="", help="variant=RUN_DIR,...: evaluate these runs instead of training")
+    ap.add_argument("--name", default=name, help="results/NAME.json, data/NAME, runs/NAME")
+    ap.add_argument("--data-dir", default="", help="default: data/NAME")
+    ap.add_argument("--out-dir", default="", help="default: runs/NAME")
+    ap.add_argument("--test", action="store_true", help="read the test split too (once, the finished recipe)")
+    return ap
 
 
 def run_stats(run: Path) -> dict:
@@ -251,21 +305,11 @@ def compare(models: dict[str, tuple], root: Path, split: str, every: dict[str, l
 def main(argv: list[str] | None = None) -> int:
     from genrec.benchmarks.common import machine, shown_path, today, update_results_md, write_json
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--users", type=int, default=256)
-    ap.add_argument("--eval-users", type=int, default=128)
-    ap.add_argument("--epochs", type=int, default=6)
-    ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--variants", default="full,bounded,window")
-    ap.add_argument("--runs", default="", help="variant=RUN_DIR,...: evaluate these runs instead of training")
+    ap = arguments(__doc__, NAME)
     ap.add_argument("--topics", type=int, default=32, help="topics sharing the 4,096 items")
     ap.add_argument("--long-return", type=float, default=0.01,
                     help="the chance an event after the quiet start resumes a past-era interest")
     ap.add_argument("--resumed-per-user", type=int, default=64, help="resumed events read a held-out user")
-    ap.add_argument("--name", default=NAME, help="results/NAME.json, data/NAME, runs/NAME")
-    ap.add_argument("--data-dir", default="", help="default: data/NAME")
-    ap.add_argument("--out-dir", default="", help="default: runs/NAME")
-    ap.add_argument("--test", action="store_true", help="read the test queries too (once, the finished recipe)")
     args = ap.parse_args(argv)
 
     root = Path(args.data_dir or ROOT / "data" / args.name)
@@ -274,10 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     data = make_data(root, args.users, args.eval_users, cfg, args.resumed_per_user)
     print(f"data: {root} ({time.perf_counter() - t0:.0f}s)", flush=True)
-    runs = {k: Path(v) for k, v in (x.split("=", 1) for x in args.runs.split(",") if x)}
-    for v in args.variants.split(","):
-        if v not in runs:
-            runs[v] = train(v, root, out_dir, args.epochs, args.nproc)
+    runs = trained_runs(args, root, out_dir, train)
     import torch
 
     torch.set_num_threads(2)
@@ -334,8 +375,6 @@ def long_quality(d: dict) -> list[str]:
 
     head = ["model", "resumed: HR@50", "resumed: MRR", "last: NDCG@10", "last: NDCG@10 - full (paired)"]
     runs = d.get("runs") or {}
-    speed = [[LABELS.get(v, v), num(r.get("epochs"), "d"), num(r.get("samples_per_s_per_rank"), ".2f"),
-              num(r.get("peak_mib_per_rank"), ".0f"), num(r.get("train_seconds"), ".0f")] for v, r in runs.items()]
     data = d.get("data") or {}
     n = {s: (num(get(d, f"{s}.resumed.full.queries"), "d"), num(get(d, f"{s}.last.full.queries"), "d"))
          for s in ("valid", "test")}
@@ -356,7 +395,7 @@ def long_quality(d: dict) -> list[str]:
         out += ["", f"Test, read once ({n['test'][0]} resumed, {n['test'][1]} last events):", "",
                 *table(head, _table_rows(d["test"]))]
     out += ["", "Training (each rank one core, DDP):", "",
-            *table(["model", "epochs", "samples/s per rank", "peak MiB per rank", "train s"], speed),
+            *training_table(runs, LABELS),
             *footer(d, command(d, "python -m genrec.benchmarks.long_quality"))]
     return out
 

@@ -36,10 +36,6 @@ the test users once, for the finished recipe.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -48,7 +44,16 @@ from typing import Any
 
 import numpy as np
 
-from genrec.benchmarks.long_quality import WINDOW, run_stats, synth_config
+from genrec.benchmarks.long_quality import (
+    WINDOW,
+    arguments,
+    draw_users,
+    launch,
+    run_stats,
+    synth_config,
+    trained_runs,
+    training_table,
+)
 
 NAME = "long_ranking"
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,22 +111,10 @@ def held_out(rows: dict[str, list], users: range) -> tuple[dict[str, list], dict
 def make_data(root: Path, users: int, eval_users: int, cfg: Any) -> dict:
     """``root/all`` (the generator's rows), ``root/train`` (the first ``users`` users, whole) and
     ``root/{valid,test}`` (:func:`held_out`)."""
-    from genrec.train.data.synthetic import generate
-
-    cfg = replace(cfg, num_users=users + 2 * eval_users)
-    stamp = root / "synthetic.json"
-    want = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__} | {"users": users, "eval_users": eval_users,
-                                                                     "per_user": PER_USER}
-    if stamp.exists() and json.loads(stamp.read_text()) == want:
-        return want
-    generate(cfg, root / "all", progress=False)
-    rows = _rows(root / "all")
-    _write(root / "train", {k: v[:users] for k, v in rows.items()})
-    for split, span in (("valid", range(users, users + eval_users)),
-                        ("test", range(users + eval_users, users + 2 * eval_users))):
+    def held(rows: dict[str, list], split: str, span: range) -> None:
         _write(root / split, held_out(rows, span)[0])
-    stamp.write_text(json.dumps(want, indent=2) + "\n")
-    return want
+
+    return draw_users(root, users, eval_users, cfg, {"per_user": PER_USER}, _rows, _write, held)
 
 
 VARIANTS = {
@@ -132,14 +125,8 @@ VARIANTS = {
 
 
 def train(variant: str, root: Path, out_dir: Path, epochs: int, nproc: int) -> Path:
-    """Trains ``variant`` under torchrun (one thread per process); its run directory."""
-    run_id = f"{variant}-{time.strftime('%Y%m%d-%H%M%S')}"
-    overrides = [f'--data.path="{root / "train"}"', f'--run.out_dir="{out_dir}"', f"--run.name={variant}",
-                 f"--run.id={run_id}", f"--train.max_epochs={epochs}", "--train.progress=false", *VARIANTS[variant]]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "genrec.cli", "train", "--config", str(ROOT / CONFIG), *overrides]
-    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return out_dir / variant / run_id
+    """Trains ``variant`` (:data:`VARIANTS`, the same epochs for each: the same labels read)."""
+    return launch(CONFIG, variant, VARIANTS[variant], root, out_dir, epochs, nproc)
 
 
 def requests(job: Any, emb: Any, data: Path) -> Any:
@@ -232,18 +219,7 @@ def compare(preds: dict[str, Any], flags: dict[int, np.ndarray], draws: int = 20
 def main(argv: list[str] | None = None) -> int:
     from genrec.benchmarks.common import machine, shown_path, today, update_results_md, write_json
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--users", type=int, default=256)
-    ap.add_argument("--eval-users", type=int, default=128)
-    ap.add_argument("--epochs", type=int, default=6)
-    ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--variants", default="full,bounded,window")
-    ap.add_argument("--runs", default="", help="variant=RUN_DIR,...: evaluate these runs instead of training")
-    ap.add_argument("--name", default=NAME, help="results/NAME.json, data/NAME, runs/NAME")
-    ap.add_argument("--data-dir", default="", help="default: data/NAME")
-    ap.add_argument("--out-dir", default="", help="default: runs/NAME")
-    ap.add_argument("--test", action="store_true", help="read the test users too (once, the finished recipe)")
-    args = ap.parse_args(argv)
+    args = arguments(__doc__, NAME).parse_args(argv)
 
     root = Path(args.data_dir or ROOT / "data" / args.name)
     out_dir = Path(args.out_dir or ROOT / "runs" / args.name)
@@ -251,10 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     data = make_data(root, args.users, args.eval_users, cfg)
     print(f"data: {root} ({time.perf_counter() - t0:.0f}s)", flush=True)
-    runs = {k: Path(v) for k, v in (x.split("=", 1) for x in args.runs.split(",") if x)}
-    for v in args.variants.split(","):
-        if v not in runs:
-            runs[v] = train(v, root, out_dir, args.epochs, args.nproc)
+    runs = trained_runs(args, root, out_dir, train)
     import torch
 
     torch.set_num_threads(2)
@@ -311,8 +284,6 @@ def long_ranking(d: dict) -> list[str]:
 
     head = ["model", "AUC: all", "AUC: resumed", "AUC: ordinary", "all - full", "resumed - full"]
     runs = d.get("runs") or {}
-    speed = [[LABELS.get(v, v), num(r.get("epochs"), "d"), num(r.get("samples_per_s_per_rank"), ".2f"),
-              num(r.get("peak_mib_per_rank"), ".0f"), num(r.get("train_seconds"), ".0f")] for v, r in runs.items()]
     data = d.get("data") or {}
 
     def counts(split: str) -> str:
@@ -334,7 +305,7 @@ def long_ranking(d: dict) -> list[str]:
                 *table(head, _table_rows(d["test"], "click"))]
     out += ["", "Conversion, validation:", "", *table(head, _table_rows(d.get("valid") or {}, "conversion")),
             "", "Training (each rank one core, DDP):", "",
-            *table(["model", "epochs", "samples/s per rank", "peak MiB per rank", "train s"], speed),
+            *training_table(runs, LABELS),
             *footer(d, command(d, "python -m genrec.benchmarks.long_ranking"))]
     return out
 
