@@ -311,6 +311,33 @@ def _scored(result: Result, tasks: tuple[str, ...]) -> list[pb.ScoredItem]:
     return out
 
 
+class _TokenGate(grpc.aio.ServerInterceptor):
+    """Admin's token, checked on a call's headers. A unary handler runs only once the request
+    has arrived: without this, calls that sent headers and then nothing held Admin's 8 slots
+    until their deadline and locked the operator out. A call without the token gets a handler
+    that refuses at once without reading its request."""
+
+    def __init__(self, server: RecommenderServer) -> None:
+        self.server = server
+
+    async def intercept_service(self, continuation, details):  # noqa: ANN001, ANN201 - grpc's interface
+        try:
+            self.server._check_token(details.invocation_metadata)
+        except AdminError as e:
+            name = details.method.rsplit("/", 1)[-1]
+            name = name if name in ("LoadArtifact", "GetModelInfo") else "unknown"  # (a bounded label)
+            self.server.metrics.requests.labels(f"admin_{name}", e.code.name).inc()
+
+            code, msg = e.code, bounded(str(e))
+
+            async def refuse(_requests, context: grpc.aio.ServicerContext) -> bytes:  # noqa: ANN001
+                await context.abort(code, msg)
+                raise AssertionError("context.abort returned")  # (it raises: not reached)
+
+            return grpc.stream_unary_rpc_method_handler(refuse)
+        return await continuation(details)
+
+
 class AdminError(Exception):
     """An Admin call refused: ``code`` is its gRPC status."""
 
@@ -486,7 +513,8 @@ class RecommenderServer:
         # no SO_REUSEPORT: a port another listener holds (the public one) fails here, where gRPC's
         # default would share it and hand public callers to Admin
         self.admin_server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 10),
-                                                     ("grpc.so_reuseport", 0)], maximum_concurrent_rpcs=8)
+                                                     ("grpc.so_reuseport", 0)], maximum_concurrent_rpcs=8,
+                                            interceptors=[_TokenGate(self)])
         admin = {"LoadArtifact": grpc.unary_unary_rpc_method_handler(self._admin(self._load_artifact)),
                  "GetModelInfo": grpc.unary_unary_rpc_method_handler(self._admin(self._model_info))}
         self.admin_server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(ADMIN, admin),))
@@ -754,7 +782,11 @@ class RecommenderServer:
         return handle
 
     def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
-        sent = [v for k, v in (context.invocation_metadata() or ()) if k == "authorization"]
+        self._check_token(context.invocation_metadata())
+
+    def _check_token(self, metadata: Any) -> None:
+        """Raises AdminError unless ``metadata`` carries ``authorization: Bearer <the token>``."""
+        sent = [v for k, v in (metadata or ()) if k == "authorization"]
         if not sent:
             raise AdminError(grpc.StatusCode.UNAUTHENTICATED, "Admin needs 'authorization: Bearer <token>' metadata")
         value = sent[0].encode() if isinstance(sent[0], str) else sent[0]

@@ -89,6 +89,33 @@ def test_admin_needs_the_token(server):
     assert server.client().info().tower == "hstu"
 
 
+def test_calls_without_the_token_that_never_send_a_body_hold_no_admin_slot(server):
+    """Admin runs 8 calls at once. A unary handler runs only once the request has arrived, so a
+    stranger's calls that send headers and then nothing held the 8 slots until their deadline
+    and locked the operator out; the token is now checked on the headers alone."""
+    stalled, calls = threading.Event(), []
+
+    def never():  # a request stream that sends nothing until the test ends
+        stalled.wait(30)
+        return
+        yield  # (a generator)
+
+    with grpc.insecure_channel(server.admin_target) as ch:
+        hang = ch.stream_unary("/genrec.v1.Admin/GetModelInfo")
+        try:
+            for md in [()] * 6 + [(("authorization", "Bearer wrong"),)] * 6:
+                calls.append(hang.future(never(), timeout=30, metadata=md))
+            time.sleep(1.0)
+            code, detail = admin_call(server.admin_target, "GetModelInfo", b"", timeout=5)
+            assert code == grpc.StatusCode.OK, (code, detail)
+            codes = [c.exception().code() if c.done() and c.exception() else None for c in calls]
+            assert set(codes) == {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}, codes
+        finally:
+            stalled.set()
+            for c in calls:
+                c.cancel()
+
+
 def test_admin_never_shares_the_public_port(root):
     """gRPC sets SO_REUSEPORT by default: an Admin listener bound to the public port started
     without a word, and the kernel handed public callers to it (UNIMPLEMENTED) and Admin to the
