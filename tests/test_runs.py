@@ -81,3 +81,24 @@ def test_runs_compare(tmp_path, capfd):
     assert f"| {b} | ndcg@10 | 0.3000 | 0.4000 | 0.2800 | 2.0 |" in out
     assert png.stat().st_size > 0
     assert genrec(["runs", "compare", str(a), str(tmp_path)]) == 2
+
+
+def test_training_in_process_gives_the_matmul_precision_back(tiny_synth, tmp_path):
+    """run_training sets the job's fp32 GEMM precision ("medium" by default) and once left it
+    set: on a CPU with AMX every later fp32 GEMM of the process ran in bf16 (the native serving
+    parity tests failed after a fixture trained in-process)."""
+    import torch
+
+    from genrec.train.job import load_job
+    from genrec.train.loop.launch import run_training
+    from tests.conftest import tiny_job_overrides
+
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        job = load_job("configs/hstu.toml", tiny_job_overrides(tiny_synth, tmp_path) + [
+            "--train.max_epochs=1", '--train.matmul_precision="medium"'])
+        run_training(job)
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -96,6 +96,10 @@ def run_training(job: JobConfig, run_dir: Path | None = None) -> tuple[Path, dic
     rank calls this; rank 0 writes files and returns the results the others also get."""
     if job.train.threads:
         torch.set_num_threads(job.train.threads)
+    # the process's setting, given back on return: a job trained in-process (genrec demo, a
+    # test's fixture) once left "medium" behind, and on a CPU with AMX every later fp32 GEMM of
+    # the process (evaluation, an in-process server) ran in bf16
+    precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(job.train.matmul_precision)
     ctx = init_distributed(job.train.parallel)
     new_dir = run_dir is None and not job.run.id  # a run.id dir is a restart's to find: never removed
@@ -115,6 +119,7 @@ def run_training(job: JobConfig, run_dir: Path | None = None) -> tuple[Path, dic
             remove_unused_run_dir(run_dir)
         raise
     finally:
+        torch.set_float32_matmul_precision(precision)
         # no barrier on failure: a dead peer would turn a clean error into a hang
         if ctx.distributed and dist.is_initialized():
             dist.destroy_process_group()
