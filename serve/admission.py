@@ -137,9 +137,14 @@ class Shares:
         # the last call of the two callers seen most recently, newest first: whether another caller
         # is active needs only the newest one that is not the caller (no per-caller table to scan)
         self.recent: list[tuple[str, float]] = []
-        # arrival rates (calls counted with weight exp(-age / active_s)): the callers' and everyone's
+        # arrival rates (calls counted with weight exp(-age / active_s)) and occupancy (calls held,
+        # averaged over time with the same weight): each (value, when), the callers' and everyone's
         self.rates: dict[str, tuple[float, float]] = {}
         self.total_rate = (0.0, 0.0)
+        self.occupancy: dict[str, tuple[float, float]] = {}
+        self.total_occupancy = (0.0, 0.0)
+        self.total_held = 0
+        self.pruned_at = 0.0
         self.lock = threading.Lock()
 
     def others_active(self, caller: str, now: float) -> bool:
@@ -158,20 +163,47 @@ class Shares:
             now = time.monotonic()
             return self.cfg.max_share if self.others_active(caller, now) and self.heavy(caller, now) else None
 
+    def _weight(self, at: float, now: float) -> float:
+        return math.exp(-(now - at) / max(self.cfg.active_s, 1e-3))
+
     def _decayed(self, rate: tuple[float, float], now: float) -> float:
-        weight, at = rate
-        return weight * math.exp(-(now - at) / max(self.cfg.active_s, 1e-3))
+        return rate[0] * self._weight(rate[1], now)
+
+    def _averaged(self, occupancy: tuple[float, float], held: int, now: float) -> float:
+        """A time average of calls held (``held`` since its last update), brought to ``now``."""
+        d = self._weight(occupancy[1], now)
+        return occupancy[0] * d + held * (1.0 - d)
 
     def heavy(self, caller: str, now: float) -> bool:
-        """Whether ``caller`` sent more than ``max_share`` of the calls of the last ~``active_s``."""
-        mine = self._decayed(self.rates.get(caller, (0.0, now)), now)
-        return mine > self.cfg.max_share * self._decayed(self.total_rate, now)
+        """Whether ``caller`` sent more than ``max_share`` of the calls of the last ~``active_s``,
+        or held more than ``max_share`` of the calls in the server over that time (a caller of
+        few, long calls is heavy by what it holds, a flood by what it sends)."""
+        share = self.cfg.max_share
+        if self._decayed(self.rates.get(caller, (0.0, now)), now) > share * self._decayed(self.total_rate, now):
+            return True
+        mine = self._averaged(self.occupancy.get(caller, (0.0, now)), self.held.get(caller, 0), now)
+        return mine > share * self._averaged(self.total_occupancy, self.total_held, now)
 
     def _count(self, caller: str, now: float) -> None:
         self.rates[caller] = (self._decayed(self.rates.get(caller, (0.0, now)), now) + 1.0, now)
         self.total_rate = (self._decayed(self.total_rate, now) + 1.0, now)
-        if len(self.rates) > 4096:  # (callers come and go: keep those seen within a few active_s)
-            self.rates = {c: r for c, r in self.rates.items() if self._decayed(r, now) > 0.01}
+        # callers come and go: keep those seen within a few active_s (checked once per active_s, so
+        # a server with thousands of recent callers does not rebuild the tables on every call)
+        if len(self.rates) > 4096 and now - self.pruned_at > self.cfg.active_s:
+            self.pruned_at = now
+            self.rates = {c: r for c, r in self.rates.items() if self._decayed(r, now) > 0.01 or c in self.held}
+            self.occupancy = {c: o for c, o in self.occupancy.items() if c in self.rates}
+
+    def _hold(self, caller: str, held: int, now: float) -> None:
+        """``caller`` holds ``held`` calls from ``now`` on (occupancy brought up to date first)."""
+        before = self.held.get(caller, 0)
+        self.occupancy[caller] = (self._averaged(self.occupancy.get(caller, (0.0, now)), before, now), now)
+        self.total_occupancy = (self._averaged(self.total_occupancy, self.total_held, now), now)
+        self.total_held += held - before
+        if held > 0:
+            self.held[caller] = held
+        else:
+            self.held.pop(caller, None)  # (callers come and go: the dict holds only those in the server)
 
     def _seen(self, caller: str, now: float) -> None:
         self.recent = [(caller, now), *[(c, t) for c, t in self.recent if c != caller][:1]]
@@ -194,8 +226,10 @@ class Shares:
         quota = self.quotas.get(caller)
         if quota and quota.max_concurrent:
             limit = quota.max_concurrent
-        else:  # a heavy caller's share while others are active, else every slot
-            limit = self.default if self.others_active(caller, now) and self.heavy(caller, now) else self.slots
+        elif self.others_active(caller, now):  # a heavy caller's share; a light one may burst to twice it
+            limit = self.default if self.heavy(caller, now) else min(2 * self.default, self.slots)
+        else:  # alone: every slot
+            limit = self.slots
         held = self.held.get(caller, 0)
         if held >= limit:
             self._refuse(caller)
@@ -204,17 +238,13 @@ class Shares:
         if bucket is not None and not bucket.take():
             self._refuse(caller)
             raise Overloaded(f"caller {caller!r} is past its rate ({bucket.rate:g} calls/s); retry with backoff")
-        self.held[caller] = held + 1
+        self._hold(caller, held + 1, now)
 
     def release(self, caller: str) -> None:
         if not self.cfg.enabled:
             return
         with self.lock:
-            held = self.held.get(caller, 0) - 1
-            if held > 0:
-                self.held[caller] = held
-            else:
-                self.held.pop(caller, None)  # (callers come and go: the dict holds only those in the server)
+            self._hold(caller, max(self.held.get(caller, 0) - 1, 0), time.monotonic())
 
     def _refuse(self, caller: str) -> None:
         key = self.label(caller)

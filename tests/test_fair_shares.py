@@ -141,6 +141,49 @@ def test_the_batchers_share_is_given_only_while_another_caller_is_active():
 
 
 @pytest.mark.unit
+def test_a_caller_of_few_long_calls_is_heavy_by_what_it_holds(monkeypatch):
+    """Heaviness by calls sent alone let a caller of few, long calls (20 a second, a second
+    each) take every slot beside one of many short calls; what a caller holds counts too."""
+    import genrec.serve.admission as admission
+
+    clock = [100.0]
+    monkeypatch.setattr(admission.time, "monotonic", lambda: clock[0])
+    shares = Shares(FairConfig(max_share=0.5, active_s=1.0), slots=8)
+    outcomes = []
+    for tick in range(200):  # 2 s: the short caller every 10 ms (5 ms each), the long one every 50 ms
+        clock[0] += 0.005
+        shares.acquire("short")
+        clock[0] += 0.005
+        shares.release("short")
+        if tick % 5 == 0:
+            try:
+                shares.acquire("long")  # (never released: each call outlives the test)
+                outcomes.append("ok")
+            except Overloaded:
+                outcomes.append("refused")
+    assert outcomes.count("ok") == 4, outcomes  # its share of the 8 slots, then refused
+    assert shares.heavy("long", clock[0])
+
+
+@pytest.mark.unit
+def test_thousands_of_recent_callers_rebuild_the_tables_once_per_active_s(monkeypatch):
+    """Past 4,096 recent callers the tables were rebuilt on every call (1 ms a call, under the
+    lock the event loop shares); they are pruned at most once per ``active_s`` now."""
+    import genrec.serve.admission as admission
+
+    clock = [100.0]
+    monkeypatch.setattr(admission.time, "monotonic", lambda: clock[0])
+    shares = Shares(FairConfig(max_share=0.5, active_s=1.0), slots=8)
+    rebuilds, last = 0, shares.pruned_at
+    for i in range(6000):  # 6,000 callers in 0.6 s
+        clock[0] += 0.0001
+        shares.acquire(f"host-{i}")
+        shares.release(f"host-{i}")
+        rebuilds, last = rebuilds + (shares.pruned_at != last), shares.pruned_at
+    assert rebuilds == 1 and len(shares.rates) > 4096
+
+
+@pytest.mark.unit
 def test_a_flood_cannot_fill_the_batches_in_flight_that_every_caller_waits_for():
     """A caller offering ~8x capacity beside a quiet one at a fifth of it: admission stops the
     flood at its share of the queueing budget, so the quiet caller's calls (which wait for the
@@ -253,7 +296,7 @@ def test_a_light_callers_burst_passes_the_native_front_end_beside_a_flood(artifa
     native_or_skip(front_available())
     engine = SlowEngine(TorchEngine(artifact), delay=0.05)
     cfg = local_config(batch=BatchConfig(max_batch=4, max_wait_ms=1, max_queue=64, max_queue_ms=1000),
-                       fair=FairConfig(max_share=0.25),
+                       fair=FairConfig(max_share=0.5),
                        connections=ConnectionConfig(front_end="native", max_in_flight=12))
     srv = ThreadedServer(artifact, cfg, engine=engine)
     try:
@@ -278,16 +321,18 @@ def test_a_light_callers_burst_passes_the_native_front_end_beside_a_flood(artifa
             except grpc.RpcError as e:
                 return e.code().name + ":" + (e.details() or "")
 
-        with ThreadPoolExecutor(16) as pool, ThreadPoolExecutor(6) as burst:
+        with ThreadPoolExecutor(16) as pool, ThreadPoolExecutor(9) as burst:
             for i in range(16):
                 pool.submit(flooding, i)
             time.sleep(1.0)
+            one(0)  # the quiet caller is active from here on: the flood is held to its share
+            time.sleep(0.5)
             quiet_codes = []
-            for _ in range(3):  # bursts of 6 calls at once: past its 3 places (12 x 0.25)
-                quiet_codes += list(burst.map(one, range(6)))
-                time.sleep(0.3)
+            for _ in range(3):  # bursts of 9 calls at once: past its 6 places (12 x 0.5), a third
+                quiet_codes += list(burst.map(one, range(9)))  # of the server's calls over time
+                time.sleep(0.6)
             stop.set()
-        assert quiet_codes == ["OK"] * 18, quiet_codes
+        assert quiet_codes == ["OK"] * 27, quiet_codes
         assert flood_codes["RESOURCE_EXHAUSTED"] > 0, flood_codes  # the flood is held to its places
     finally:
         srv.stop()

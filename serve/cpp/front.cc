@@ -58,26 +58,30 @@ class Shares {
   // refused from then on, so the total is back under the cap within a call's time.
   //
   // The share binds a heavy caller only: one that sent more than MAX_SHARE of the calls of the
-  // last ~ACTIVE_S seconds. A light caller (a quarter of capacity beside a flood) is let past its
-  // places at once as a caller within its share is: its bursts are what a fixed count of places
-  // refused (18.6% of a Poisson caller's calls, benchmarks/notes/2026-12-06-two-callers.md).
+  // last ~ACTIVE_S seconds, or held more than MAX_SHARE of the calls passed on over that time (a
+  // flood is heavy by what it sends, a caller of few long calls by what it holds). A light caller
+  // (a quarter of capacity beside a flood) may burst past its places while the total is under
+  // the cap plus one share: its bursts are what a fixed count of places refused (18.6% of a
+  // Poisson caller's calls, benchmarks/notes/2026-12-06-two-callers.md).
   std::string acquire(const std::string& caller) {
     const auto now = Clock::now();
     Held& mine = held_[caller];
-    const double mine_rate = count(mine.rate, mine.rate_at, now);
-    const bool heavy = mine_rate > share_ * count(total_rate_, total_at_, now);
+    const bool sends = count(mine.rate, mine.rate_at, now) > share_ * count(total_rate_, total_at_, now);
+    const bool holds = average(mine.occupancy, mine.occupancy_at, mine.calls, now) >
+                       share_ * average(total_occupancy_, total_occupancy_at_, total_, now);
+    const bool heavy = sends || holds;
     const int share_limit = share_ > 0 ? std::max(1, static_cast<int>(std::ceil(cap_ * share_))) : cap_;
-    const bool within_share = share_ > 0 && (mine.calls < share_limit || !heavy);
-    if (share_ > 0 && !within_share && others_active(caller, now)) {
+    const bool within_share = share_ > 0 && mine.calls < share_limit;
+    if (share_ > 0 && !within_share && heavy && others_active(caller, now)) {
       return "overloaded: caller '" + caller + "' has " + std::to_string(mine.calls) +
              " calls at once, its share of the server's front end while others call; retry with backoff";
     }
-    if (total_ >= (within_share ? 2 * cap_ : cap_)) {
+    const int bound = within_share ? 2 * cap_ : (share_ > 0 && !heavy) ? cap_ + share_limit : cap_;
+    if (total_ >= bound) {
       return "overloaded: the server's front end has its " + std::to_string(cap_) +
              " calls at once; retry with backoff or another replica";
     }
-    ++mine.calls;
-    ++total_;
+    hold(mine, +1, now);
     mine.last = now;
     return "";
   }
@@ -85,10 +89,15 @@ class Shares {
   void release(const std::string& caller) {
     auto it = held_.find(caller);
     if (it == held_.end()) return;
-    it->second.calls = std::max(it->second.calls - 1, 0);
-    it->second.last = Clock::now();
-    --total_;
-    if (held_.size() > 4096) forget_idle();
+    const auto now = Clock::now();
+    if (it->second.calls > 0) hold(it->second, -1, now);
+    it->second.last = now;
+    // callers come and go; checked once per ACTIVE_S, so thousands of recent callers do not
+    // make every call scan the table
+    if (held_.size() > 4096 && std::chrono::duration<double>(now - pruned_at_).count() > active_s_) {
+      pruned_at_ = now;
+      forget_idle();
+    }
   }
 
  private:
@@ -97,14 +106,36 @@ class Shares {
     Clock::time_point last{};
     double rate = 0;  // calls counted with weight exp(-age / ACTIVE_S)
     Clock::time_point rate_at{};
+    double occupancy = 0;  // calls held, averaged over time with the same weight
+    Clock::time_point occupancy_at{};
   };
+
+  double decay(Clock::time_point at, Clock::time_point now) const {
+    return std::exp(-std::chrono::duration<double>(now - at).count() / std::max(active_s_, 1e-3));
+  }
 
   // Decays ``weight`` (calls, exp(-age / ACTIVE_S)) to ``now`` and counts one more call.
   double count(double& weight, Clock::time_point& at, Clock::time_point now) const {
-    const double age = std::chrono::duration<double>(now - at).count();
-    weight = weight * std::exp(-age / std::max(active_s_, 1e-3)) + 1.0;
+    weight = weight * decay(at, now) + 1.0;
     at = now;
     return weight;
+  }
+
+  // A time average of calls held (``held`` since ``at``), brought to ``now`` (not stored).
+  double average(double value, Clock::time_point at, int held, Clock::time_point now) const {
+    const double d = decay(at, now);
+    return value * d + held * (1.0 - d);
+  }
+
+  // One call more (+1) or fewer (-1) for ``h`` from ``now`` on, its and the total's averages
+  // brought up to date first.
+  void hold(Held& h, int delta, Clock::time_point now) {
+    h.occupancy = average(h.occupancy, h.occupancy_at, h.calls, now);
+    h.occupancy_at = now;
+    total_occupancy_ = average(total_occupancy_, total_occupancy_at_, total_, now);
+    total_occupancy_at_ = now;
+    h.calls += delta;
+    total_ += delta;
   }
 
   bool others_active(const std::string& caller, Clock::time_point now) const {
@@ -128,6 +159,9 @@ class Shares {
   double share_, active_s_;
   double total_rate_ = 0;  // every caller's calls, weighted as Held::rate
   Clock::time_point total_at_{};
+  double total_occupancy_ = 0;  // every caller's calls held, averaged as Held::occupancy
+  Clock::time_point total_occupancy_at_{};
+  Clock::time_point pruned_at_{};
   int total_ = 0;
   std::unordered_map<std::string, Held> held_;
 };
