@@ -95,8 +95,21 @@ class Entry:
 
     @property
     def held(self) -> int:
-        """Tokens of storage the entry holds (what the budget counts): its tokens and its room."""
+        """Tokens of storage the entry holds: its tokens and its room (the budget counts these
+        and a bounded tower's block summaries: :meth:`nbytes`)."""
         return int(self.room[0].shape[1]) if self.room is not None else self.tokens
+
+    def nbytes(self, token_bytes: int) -> int:
+        """Bytes the entry holds (what the budget counts): ``held x token_bytes`` (its keys,
+        values and events) and the storage of its block summaries, where it keeps them."""
+        total, seen = self.held * token_bytes, set()
+        for s in self.sums or ():
+            for t in (s.kb, s.vb) if s is not None else ():
+                storage = t.untyped_storage()
+                if storage.nbytes() and storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+        return total
 
 
 # the events an entry matches on, in Entry's order
@@ -119,26 +132,43 @@ def common_prefix(entry: Entry, events: tuple[np.ndarray, ...]) -> int:
 class KVCache:
     """user id -> :class:`Entry`, least recently used first out, under ``budget_bytes``.
 
-    Every token costs ``token_bytes`` (its keys and values in every layer, and its four event
-    fields), so the budget holds ``capacity_tokens`` tokens; an entry larger than that is not
-    kept. Counters (:meth:`stats`): ``hits`` (lookups that reused >= 1 token), ``misses``,
+    An entry costs what it holds (:meth:`Entry.nbytes`): ``token_bytes`` a token of storage (its
+    keys and values in every layer, and its four event fields) and a bounded tower's block
+    summaries. The budget is ``capacity_tokens`` whole tokens' bytes; an entry larger than that is
+    not kept. Counters (:meth:`stats`): ``hits`` (lookups that reused >= 1 token), ``misses``,
     ``history_tokens`` (of every call the engine ran, cached or not), ``cached_tokens``
-    (reused), ``evicted_tokens``; gauges ``users``, ``used_tokens``, ``capacity_tokens``,
-    ``bytes``. ``budget_bytes = 0``: a cache that keeps nothing (``enabled`` False)."""
+    (reused), ``evicted_tokens``; gauges ``users``, ``used_tokens`` (the bytes held in tokens'
+    worth, rounded up: tokens of storage and their room, and summaries as the tokens their bytes
+    would hold), ``capacity_tokens``, ``bytes`` (held). ``budget_bytes = 0``: a cache that keeps
+    nothing (``enabled`` False)."""
 
     def __init__(self, budget_bytes: int, token_bytes: int) -> None:
         if token_bytes < 1:
             raise ValueError("token_bytes must be at least 1")
         self.token_bytes = int(token_bytes)
         self.capacity_tokens = max(int(budget_bytes), 0) // self.token_bytes
+        self.budget_bytes = self.capacity_tokens * self.token_bytes  # (whole tokens)
         self.entries: collections.OrderedDict[str, Entry] = collections.OrderedDict()  # oldest use first
-        self.used_tokens = 0
+        self.charged: dict[str, int] = {}  # user id -> the bytes its entry was charged when put
+        self.used_bytes = 0
         self.lock = threading.Lock()  # (an in-process engine may run batches in several threads)
         self.counts = dict.fromkeys(("hits", "misses", "history_tokens", "cached_tokens", "evicted_tokens"), 0)
 
     @property
     def enabled(self) -> bool:
         return self.capacity_tokens > 0
+
+    @property
+    def used_tokens(self) -> int:
+        """The bytes held in tokens' worth (rounded up): the held tokens where no entry keeps summaries."""
+        return -(-self.used_bytes // self.token_bytes)
+
+    def _drop(self, user_id: str) -> Entry | None:
+        """Removes the user's entry (lock held), returning it."""
+        entry = self.entries.pop(user_id, None)
+        if entry is not None:
+            self.used_bytes -= self.charged.pop(user_id)
+        return entry
 
     def lookup(self, user_id: str, events: tuple[np.ndarray, ...], take: bool = False) -> tuple[Entry | None, int]:
         """(the user's entry, how many leading tokens of the window ``events`` it has encoded:
@@ -152,8 +182,7 @@ class KVCache:
                 self.entries.move_to_end(user_id)
                 prefix = common_prefix(entry, events)
                 if prefix and take:
-                    del self.entries[user_id]
-                    self.used_tokens -= entry.held
+                    self._drop(user_id)
             self.counts["hits" if prefix else "misses"] += 1
             self.counts["cached_tokens"] += prefix
         return (entry if prefix else None), prefix
@@ -166,33 +195,41 @@ class KVCache:
     def put(self, user_id: str, entry: Entry) -> int:
         """Keeps ``entry`` as the user's (most recently used), replacing the user's last one,
         evicting the least recently used users until it fits; an entry larger than the budget
-        is not kept (nor is the user's last one); one whose tokens fit but whose room to grow
-        does not is kept without the room (a copy). Returns the tokens evicted (of other users)."""
-        if entry.held > self.capacity_tokens >= entry.tokens and entry.room is not None:
-            entry = replace(entry, k=entry.k.clone(), v=entry.v.clone(), room=None)
+        is not kept (nor is the user's last one); one that fits without its room to grow is kept
+        without the room (a copy), and one that fits only without its block summaries too is kept
+        without them (a later call computes them again). Returns the tokens evicted (of other users)."""
+        cost = entry.nbytes(self.token_bytes)
+        if cost > self.budget_bytes and entry.room is not None:
+            compact = replace(entry, room=None)
+            if compact.nbytes(self.token_bytes) > self.budget_bytes and entry.sums is not None:
+                compact = replace(compact, sums=None)
+            if compact.nbytes(self.token_bytes) <= self.budget_bytes:
+                entry = replace(compact, k=entry.k.clone(), v=entry.v.clone())
+                cost = entry.nbytes(self.token_bytes)
+        elif cost > self.budget_bytes and entry.sums is not None:
+            entry = replace(entry, sums=None)
+            cost = entry.nbytes(self.token_bytes)
         with self.lock:
-            old = self.entries.pop(user_id, None)
-            if old is not None:
-                self.used_tokens -= old.held
-            if entry.held > self.capacity_tokens:
+            self._drop(user_id)
+            if cost > self.budget_bytes:
                 return 0
             evicted = 0
-            while self.used_tokens + entry.held > self.capacity_tokens:
-                _, gone = self.entries.popitem(last=False)
-                self.used_tokens -= gone.held
-                evicted += gone.tokens
+            while self.used_bytes + cost > self.budget_bytes:
+                gone_id = next(iter(self.entries))
+                evicted += self._drop(gone_id).tokens
             self.entries[user_id] = entry
-            self.used_tokens += entry.held
+            self.charged[user_id] = cost
+            self.used_bytes += cost
             self.counts["evicted_tokens"] += evicted
         return evicted
 
     def gauges(self) -> dict[str, int]:
-        """users, used_tokens (held: entries' tokens and their room), capacity_tokens and bytes
-        (used_tokens x token_bytes) now."""
+        """users, used_tokens (the bytes held in tokens' worth: :attr:`used_tokens`), capacity_tokens
+        and bytes (what the entries hold: their tokens, room and block summaries) now."""
         with self.lock:
-            users, used = len(self.entries), self.used_tokens
-        return {"users": users, "used_tokens": used, "capacity_tokens": self.capacity_tokens,
-                "bytes": used * self.token_bytes}
+            users, used = len(self.entries), self.used_bytes
+        return {"users": users, "used_tokens": -(-used // self.token_bytes), "capacity_tokens": self.capacity_tokens,
+                "bytes": used}
 
     def stats(self) -> dict[str, int]:
         """The counters and the gauges (class docstring)."""

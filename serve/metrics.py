@@ -42,7 +42,7 @@ class ServerMetrics:
         self.cache_hits = Counter("genrec_cache_hits", "Calls that reused >= 1 cached token", registry=r)
         self.cache_misses = Counter("genrec_cache_misses", "Calls with a user_id that reused no cached token",
                                     registry=r)
-        self.cache_used = Gauge("genrec_cache_used_tokens", "Tokens of storage the K/V cache holds (its entries' tokens and their room to grow)", registry=r)
+        self.cache_used = Gauge("genrec_cache_used_tokens", "Tokens' worth of storage the K/V cache holds (its entries' tokens, their room to grow and block summaries)", registry=r)
         self.cache_capacity = Gauge("genrec_cache_capacity_tokens", "Tokens the K/V cache's budget holds", registry=r)
         self.cache_users = Gauge("genrec_cache_users", "Users in the K/V cache", registry=r)
         self.cache_bytes = Gauge("genrec_cache_bytes", "Bytes of keys, values and events in the K/V cache",

@@ -12,6 +12,7 @@ from prometheus_client import generate_latest
 
 from genrec.config import to_dict
 from genrec.embedding.spec import EmbeddingConfig, TableConfig
+from genrec.kernels.hstu_bounded import BlockSums
 from genrec.kernels.hstu_native import library as native_library
 from genrec.models.hstu import HSTUConfig
 from genrec.models.ranking import RankingConfig, TaskConfig
@@ -32,13 +33,15 @@ TASKS = (TaskConfig("click", ("click",)), TaskConfig("conversion", ("conversion"
 BACKENDS = ["torch", "native"]
 
 
-def _artifact(out: Path, layers: int = 2) -> Path:
-    """A small untrained HSTU ranking model (2 heads, visible biases) written as an fp32 artifact."""
+def _artifact(out: Path, layers: int = 2, window: int = 0, summary_block: int = 64) -> Path:
+    """A small untrained HSTU ranking model (2 heads, visible biases) written as an fp32 artifact
+    (``window`` > 0: the bounded long-history tower, with block summaries of ``summary_block``)."""
     torch.manual_seed(0)
     tables = (TableConfig("item", ("item",), dim=16, num_embeddings=ITEMS + 1),
               TableConfig("action", ("action",), dim=16, num_embeddings=8),
               TableConfig("region", ("region",), dim=8, num_embeddings=5, pooling="sum"))
-    hstu = HSTUConfig(num_layers=layers, num_heads=2, qk_dim=8, v_dim=8, dropout=0.0, num_time_buckets=16)
+    hstu = HSTUConfig(num_layers=layers, num_heads=2, qk_dim=8, v_dim=8, dropout=0.0, num_time_buckets=16,
+                      window=window, summary_block=summary_block)
     cfg = ModelConfig(tower="hstu", max_seq_len=WINDOW + 1, input_dropout=0.0, hstu=hstu,
                       ranking=RankingConfig(tasks=TASKS, dropout=0.0))
     emb = EmbeddingConfig(tables=tables)
@@ -303,6 +306,23 @@ def test_an_entry_whose_room_to_grow_does_not_fit_is_kept_without_it():
     assert torch.equal(kept.k, ks[:, :60]) and kept.k.untyped_storage().nbytes() == 60 * 2 * 4
 
 
+def test_block_summaries_are_charged_and_dropped_where_only_they_do_not_fit():
+    def entry(n: int, blocks: int) -> Entry:
+        z = np.arange(n)
+        sums = [BlockSums(torch.zeros(blocks, 1, 1), torch.zeros(blocks, 1, 1))]  # 8 bytes a block
+        return Entry(z, z, z, z + 1, torch.zeros(1, n, 2), torch.zeros(1, n, 2), sums=sums)
+
+    cache = KVCache(budget_bytes=100 * 10, token_bytes=10)  # 100 tokens: 1,000 bytes
+    assert cache.put("a", entry(40, 25)) == 0 and cache.stats()["bytes"] == 400 + 200
+    assert cache.used_tokens == 60
+    assert cache.put("b", entry(30, 30)) == 40  # 600 + 540 > 1,000 (its tokens alone, 700, would fit)
+    assert list(cache.entries) == ["b"] and cache.stats()["bytes"] == 540
+    assert cache.put("c", entry(90, 5)) == 30 and cache.entries["c"].sums is not None  # 940 fits, b goes
+    assert cache.put("c", entry(95, 10)) == 0 and cache.entries["c"].sums is None  # 1,030: kept without sums
+    assert cache.stats()["bytes"] == 950 and cache.used_tokens == 95
+    assert cache.put("c", entry(101, 0)) == 0 and not cache.entries and cache.stats()["bytes"] == 0
+
+
 @pytest.mark.parametrize("layers", [1, 2])
 def test_each_entry_of_a_warm_batch_holds_only_its_own_tokens(tmp_path, layers):
     """Warm users extended together: each kept entry owns storage of its own tokens only, never a
@@ -316,6 +336,52 @@ def test_each_entry_of_a_warm_batch_holds_only_its_own_tokens(tmp_path, layers):
     for e in eng.cache.entries.values():
         for t in (e.k, e.v):
             assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def _held_bytes(e: Entry) -> tuple[int, int]:
+    """(bytes an entry's storage really holds: its keys / values' storage, room included, its
+    event arrays and its block summaries' storage; of which the summaries')."""
+    seen: set[int] = set()
+
+    def storage(t: torch.Tensor) -> int:
+        s = t.untyped_storage()
+        if s.data_ptr() in seen:
+            return 0
+        seen.add(s.data_ptr())
+        return s.nbytes()
+
+    kv = sum(storage(t) for t in (e.k, e.v, *(e.room or ())))
+    sums = sum(storage(t) for s in (e.sums or ()) if s is not None for t in (s.kb, s.vb))
+    return kv + sum(getattr(e, f).nbytes for f in ("items", "actions", "times", "query_times")) + sums, sums
+
+
+def test_a_bounded_towers_block_summaries_count_against_the_budget(tmp_path):
+    """A bounded tower's entry also keeps its block summaries (Entry.sums; with a summary block of
+    1 almost as large as its keys / values): the budget and the bytes gauge count them, so what
+    the cache really holds never exceeds its budget (before, only its tokens were counted: 1.65x
+    the budget held while the gauge read below it)."""
+    art = _artifact(tmp_path / "art", window=4, summary_block=1)
+    ref = TorchEngine(art, native=False)
+    cached = TorchEngine(art, native=False, kv_cache_mb=64 / 1024)  # 64 KiB: a few users
+    cache = cached.cache
+    budget = cache.capacity_tokens * cache.token_bytes
+    assert 0 < budget <= 64 * 1024
+    evicted, with_sums = 0, 0
+    for seed in range(6):
+        u = named(history(50, seed=seed), f"u{seed}")
+        for call in range(3):  # cold, then warm calls: their entries keep the summaries (and room)
+            got = run_both(ref, cached, [grown(u, call, seed=100 + 10 * seed + call) if call else u])
+            evicted += got[0].evicted_tokens
+            held = [_held_bytes(e) for e in cache.entries.values()]
+            real = sum(h for h, _ in held)
+            with_sums += sum(s > 0 for _, s in held)
+            # the gauge counts every held token's event fields (room included): the arrays hold the tokens'
+            room_events = sum(8 * 4 * (e.held - e.tokens) for e in cache.entries.values())
+            stats = cache.stats()
+            assert real <= stats["bytes"] <= budget, (seed, call, real, stats["bytes"], budget)
+            assert stats["bytes"] == real + room_events
+            assert stats["used_tokens"] <= stats["capacity_tokens"]
+    assert with_sums > 0 and evicted > 0 and cache.stats()["evicted_tokens"] == evicted
 
 
 def test_common_prefix_stops_at_the_first_difference_and_leaves_the_last_event():
