@@ -153,15 +153,18 @@ class Shares:
         return any(c != caller and t >= since for c, t in self.recent)
 
     def contended(self, caller: str) -> float | None:
-        """``max_share`` for a heavy caller (:meth:`heavy`) while another caller is active, else
-        None: the share of the queueing budget the batcher holds it to (``Batcher.admit(...,
-        share=)``). A caller sending less than its share of the calls is not held to it: its
-        bursts ride on the budget the heavy caller leaves."""
+        """``max_share`` for a heavy caller (:meth:`heavy`) while another caller is active, ``0.0``
+        for a light one, else None (alone, or shares off): how ``Batcher.admit(..., share=)``
+        holds it. A heavy caller gets ``max_share`` of the queueing budget; a light one's bursts
+        ride on the budget the heavy caller leaves, and may wait up to twice it (the calls in
+        flight it waits for are mostly the heavy caller's)."""
         if not self.cfg.enabled:
             return None
         with self.lock:
             now = time.monotonic()
-            return self.cfg.max_share if self.others_active(caller, now) and self.heavy(caller, now) else None
+            if not self.others_active(caller, now):
+                return None
+            return self.cfg.max_share if self.heavy(caller, now) else 0.0
 
     def _weight(self, at: float, now: float) -> float:
         return math.exp(-(now - at) / max(self.cfg.active_s, 1e-3))

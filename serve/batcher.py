@@ -202,21 +202,24 @@ class Batcher:
         share, given while another caller is active): once the work ahead passes that fraction of
         ``max_queue_ms``, a caller holding more than that fraction of the calls in the server is
         refused, so one caller's backlog (in the queue and in the batches in flight) never fills
-        the queueing budget that the others' calls need to start in time."""
+        the queueing budget that the others' calls need to start in time. ``share = 0``: a light
+        caller beside a heavy one, whose wait is mostly the heavy caller's calls in flight: it
+        may wait up to twice ``max_queue_ms``."""
         if self.closing:
             raise ShuttingDown("the server is shutting down")
         if self.queued >= self.cfg.max_queue:
             raise Overloaded(f"queue full ({self.cfg.max_queue} requests waiting); retry with backoff")
         a, c = self.cost.coefficients() or (0.0, 0.0)  # (fitted once per call: this runs on every call)
         wait = self.predicted_wait((a, c), caller)
-        if share is not None and self.cfg.max_queue_ms > 0 and wait * 1e3 > share * self.cfg.max_queue_ms:
+        if share and self.cfg.max_queue_ms > 0 and wait * 1e3 > share * self.cfg.max_queue_ms:
             mine = self.held.get(caller, 0)
             if mine > share * self.held_total:
                 raise Overloaded(f"caller {caller!r} holds {mine} of the {self.held_total} calls in the server, more "
                                  f"than its share ({share:g}), while other callers wait; retry with backoff")
-        if self.cfg.max_queue_ms > 0 and wait * 1e3 > self.cfg.max_queue_ms:
+        budget_ms = self.cfg.max_queue_ms * (2 if share == 0.0 else 1)
+        if self.cfg.max_queue_ms > 0 and wait * 1e3 > budget_ms:
             raise Overloaded(f"overloaded: a call would wait ~{wait * 1e3:.0f} ms to start, more than the "
-                             f"server's {self.cfg.max_queue_ms:g} ms; retry with backoff or another replica")
+                             f"server's {budget_ms:g} ms; retry with backoff or another replica")
         # (+ its own batch). An idle server always tries: a refusal teaches the cost model nothing,
         # so one slow batch (a cold prefill) would otherwise refuse every later call for good
         idle = not self.running and not self.queued

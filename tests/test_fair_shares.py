@@ -137,7 +137,7 @@ def test_the_batchers_share_is_given_only_while_another_caller_is_active():
         if i % 4 == 0:
             shares.acquire("quiet")
             shares.release("quiet")
-    assert shares.contended("flood") == 0.5 and shares.contended("quiet") is None
+    assert shares.contended("flood") == 0.5 and shares.contended("quiet") == 0.0
 
 
 @pytest.mark.unit
@@ -181,6 +181,32 @@ def test_thousands_of_recent_callers_rebuild_the_tables_once_per_active_s(monkey
         shares.release(f"host-{i}")
         rebuilds, last = rebuilds + (shares.pruned_at != last), shares.pruned_at
     assert rebuilds == 1 and len(shares.rates) > 4096
+
+
+@pytest.mark.unit
+def test_a_light_caller_beside_a_heavy_one_may_wait_twice_the_budget():
+    """The quiet caller's last refusals beside a 4x flood were the budget itself: a call
+    predicted to wait 20-22 ms against 20 ms, the heavy caller's calls in flight
+    (benchmarks/notes/2026-12-06-two-callers.md). A light caller may wait up to twice it."""
+    async def scenario() -> list[str]:
+        engine = SimpleNamespace(batches_together=False, parallel=1)
+        b = Batcher(lambda: engine, BatchConfig(max_batch=4, max_wait_ms=0, max_queue_ms=20))
+        loop = asyncio.get_running_loop()
+        b.queues["flood"] = collections.deque(
+            (SimpleNamespace(deadline=time.monotonic() + 60), loop.create_future(), engine) for _ in range(30))
+        b.queued = 30
+        for _ in range(10):
+            b.cost.observe(4, 0.004)  # 1 ms a call: ~30 ms of work ahead of everyone
+        out = []
+        for share in (None, 0.0):
+            try:
+                b.admit(time.monotonic() + 60, "flood" if share is None else "quiet", share)
+                out.append("admitted")
+            except Overloaded:
+                out.append("refused")
+        return out
+
+    assert asyncio.run(scenario()) == ["refused", "admitted"]
 
 
 @pytest.mark.unit
