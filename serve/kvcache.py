@@ -215,8 +215,8 @@ class KVCache:
                 return 0
             evicted = 0
             while self.used_bytes + cost > self.budget_bytes:
-                gone_id = next(iter(self.entries))
-                evicted += self._drop(gone_id).tokens
+                gone = self._drop(next(iter(self.entries)))
+                evicted += gone.tokens if gone is not None else 0
             self.entries[user_id] = entry
             self.charged[user_id] = cost
             self.used_bytes += cost
