@@ -25,7 +25,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -104,6 +104,20 @@ def rss_bytes() -> int | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+@contextlib.contextmanager
+def as_served() -> Iterator[None]:
+    """fp32 GEMMs at the precision a server runs them (``serve.process.matmul_precision``'s
+    default, "highest") while the block runs: evaluation and the calibrator's fit read the
+    model as it will be served and as ``genrec eval`` reads it, whatever precision the job
+    trains at (``train.matmul_precision``: "medium" lets a CPU with AMX run them in bf16)."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 class StepMemory:
@@ -404,7 +418,8 @@ class Trainer:
             if self.world_size > 1:  # every rank must make as many (collective) forwards
                 total = int(self.reduce_max(torch.tensor([len(reader)])).item())
             batches = progress(reader, split, enabled=self.cfg.progress and self.rank == 0)
-            with full_params(self.module):  # FSDP: the whole dense part, for methods besides forward
+            # FSDP: the whole dense part, for methods besides forward; fp32 GEMMs as a server runs them
+            with full_params(self.module), as_served():
                 if split.startswith("rank_"):
                     plot = self.run_dir / "reliability_test.png" if split == "rank_test" and self.rank == 0 else None
                     out.update(evaluate_ranking(self.module, batches, self.tasks, self.device, total, plot))
@@ -518,7 +533,7 @@ class Trainer:
         reader.set_epoch(0)
         total = int(self.reduce_max(torch.tensor([len(reader)])).item()) if self.world_size > 1 else None
         batches = progress(reader, "calibration", enabled=self.cfg.progress and self.rank == 0)
-        with full_params(self.module):
+        with full_params(self.module), as_served():
             summary = fit_calibration(self.module, batches, self.tasks, self.device, total, self.reduce, self.rank,
                                       self.world_size, self.run_dir / "reliability_valid.png" if self.rank == 0 else None)
         fitted = {k: v.clone() for k, v in self.module.named_buffers() if is_calibration_key(k)}
