@@ -66,19 +66,22 @@ def synth_config(users: int, seed: int = 0, topics: int = 32, long_return: float
                        long_quiet=1024, long_return=long_return, seed=seed)
 
 
-def _rows(path: Path) -> dict[str, list]:
+def read_rows(path: Path, columns: tuple[str, ...] = ("user_id", "item_ids", "timestamps", "actions",
+                                                     "resumed")) -> dict[str, list]:
+    """``columns`` of the dataset at ``path``, as lists per column."""
     import pyarrow.parquet as pq
 
-    return pq.read_table(path / "interactions.parquet",
-                         columns=["user_id", "item_ids", "timestamps", "actions", "resumed"]).to_pydict()
+    return pq.read_table(path / "interactions.parquet", columns=list(columns)).to_pydict()
 
 
-def _write(out: Path, rows: dict[str, list]) -> None:
+def write_rows(out: Path, rows: dict[str, list], extra_columns: dict[str, str] | None = None) -> None:
+    """A dataset at ``out``: the events of ``rows`` and the ``extra_columns`` (name -> type) it holds."""
     from genrec.train.data.schema import DatasetWriter
     from genrec.train.data.synthetic import ACTIONS
 
-    with DatasetWriter(out, source="synthetic", action_names=ACTIONS) as w:
-        w.write({k: rows[k] for k in ("user_id", "item_ids", "timestamps", "actions")})
+    with DatasetWriter(out, source="synthetic", action_names=ACTIONS, extra_columns=extra_columns) as w:
+        w.write({k: rows[k] for k in ("user_id", "item_ids", "timestamps", "actions", *(extra_columns or {}))})
+
 
 
 def query_points(rows: dict[str, list], users: range, per_user: int = 64) -> Iterator[tuple[str, int, int, int]]:
@@ -133,9 +136,9 @@ def make_data(root: Path, users: int, eval_users: int, cfg: Any, per_user: int =
     ``root/{valid,test}_{resumed,last}``."""
     def held(rows: dict[str, list], split: str, span: range) -> None:
         for name, q in queries(rows, span, per_user).items():
-            _write(root / f"{split}_{name}", q)
+            write_rows(root / f"{split}_{name}", q)
 
-    return draw_users(root, users, eval_users, cfg, {"resumed_per_user": per_user}, _rows, _write, held)
+    return draw_users(root, users, eval_users, cfg, {"resumed_per_user": per_user}, read_rows, write_rows, held)
 
 
 def process_ranks(rows: dict[str, list], users: range, distant: bool, cfg: Any = None,
@@ -323,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(2)
     models = {v: load(r) for v, r in runs.items()}
-    every = _rows(root / "all")
+    every = read_rows(root / "all")
     result = {
         "date": today(),
         "machine": machine(),

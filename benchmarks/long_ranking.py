@@ -49,10 +49,12 @@ from genrec.benchmarks.long_quality import (
     arguments,
     draw_users,
     launch,
+    read_rows,
     run_stats,
     synth_config,
     trained_runs,
     training_table,
+    write_rows,
 )
 
 NAME = "long_ranking"
@@ -66,19 +68,15 @@ SUBSETS = ("all", "resumed", "ordinary")
 COLUMNS = ("user_id", "item_ids", "timestamps", "actions", "oracle_click", "oracle_conversion", "resumed")
 
 
-def _rows(path: Path) -> dict[str, list]:
-    import pyarrow.parquet as pq
+EXTRA = {"oracle_click": "float32", "oracle_conversion": "float32", "resumed": "int8"}
 
-    return pq.read_table(path / "interactions.parquet", columns=list(COLUMNS)).to_pydict()
+
+def _rows(path: Path) -> dict[str, list]:
+    return read_rows(path, COLUMNS)
 
 
 def _write(out: Path, rows: dict[str, list]) -> None:
-    from genrec.train.data.schema import DatasetWriter
-    from genrec.train.data.synthetic import ACTIONS
-
-    cols = {"oracle_click": "float32", "oracle_conversion": "float32", "resumed": "int8"}
-    with DatasetWriter(out, source="synthetic", action_names=ACTIONS, extra_columns=cols) as w:
-        w.write({k: rows[k] for k in COLUMNS})
+    write_rows(out, rows, EXTRA)
 
 
 def held_out(rows: dict[str, list], users: range) -> tuple[dict[str, list], dict[int, np.ndarray]]:

@@ -224,7 +224,7 @@ def test_long_quality_queries_put_each_resumed_event_after_its_whole_history(tmp
     q = lq.queries(cols, range(2, 6))
     resumed = [(cols["user_id"][i], t) for i in range(2, 6) for t in np.flatnonzero(cols["resumed"][i])]
     assert len(resumed) >= 4 and len(q["resumed"]["user_id"]) == len(resumed) and len(q["last"]["user_id"]) == 4
-    lq._write(tmp_path / "q", q["resumed"])
+    lq.write_rows(tmp_path / "q", q["resumed"])
     emb = resolve_embedding(load_job(str(lq.ROOT / lq.CONFIG), []).embedding, read_info(tmp_path / "q"))
     reader = make_reader(DataConfig(path=str(tmp_path / "q"), eval_batch_size=3), "test", emb, 8192)
     seen = {}
@@ -246,7 +246,7 @@ def test_long_quality_queries_put_each_resumed_event_after_its_whole_history(tmp
     assert max(far["resumed"].values()) < 1000
     # the comparison's reference rows from the generator's rows on disk (no model: no run to read)
     generate(replace(cfg, num_users=6), tmp_path / "all", progress=False)
-    got = lq.compare({}, tmp_path, "valid", lq._rows(tmp_path / "all"), range(6), cfg, per_user=2)
+    got = lq.compare({}, tmp_path, "valid", lq.read_rows(tmp_path / "all"), range(6), cfg, per_user=2)
     assert set(got) == set(lq.SETS) and set(got["resumed"]) == {"process_full", "process_window"}
     assert got["resumed"]["process_window"]["hr@50"] == 0.0 < got["resumed"]["process_full"]["hr@50"]
     for name, over in lq.VARIANTS.items():
