@@ -35,6 +35,7 @@ proxy) where callers are not trusted; what this bounds is how much of the server
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import threading
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 
 from genrec.serve.batcher import Overloaded
 
-MAX_NAME = 64  # characters of a caller's name kept (longer names are cut: a bounded key)
+MAX_NAME = 64  # characters of a caller's name (longer names: bounded_name)
 
 
 @dataclass(frozen=True)
@@ -96,13 +97,24 @@ class FairConfig:
             raise ValueError(f"serve.fair.quotas name each tenant once, none empty: {names}")
 
 
+def bounded_name(name: str) -> str:
+    """``name`` where it fits in MAX_NAME characters, else its head, "~" and 16 hex digits of a
+    digest of the whole: a bounded key that still tells apart two names sharing a long prefix
+    (cut alone, they were one caller, sharing one share). The native front end
+    (serve/cpp/front.cc) bounds its callers' names the same way, with its own digest."""
+    if len(name) <= MAX_NAME:
+        return name
+    digest = hashlib.blake2b(name.encode("utf-8", "replace"), digest_size=8).hexdigest()
+    return f"{name[:MAX_NAME - 17]}~{digest}"
+
+
 def caller_of(metadata: tuple | None, peer: str, key: str) -> str:
     """The caller's name: its ``key`` metadata value, else its peer's host ("ipv4:10.0.0.7")."""
     for k, v in metadata or ():
         if k == key:
-            return (v if isinstance(v, str) else v.decode(errors="replace"))[:MAX_NAME]
+            return bounded_name(v if isinstance(v, str) else v.decode(errors="replace"))
     host = peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer  # (the port dropped: "ipv4:h:p", "ipv6:[h]:p")
-    return host[:MAX_NAME]
+    return bounded_name(host)
 
 
 class _Bucket:

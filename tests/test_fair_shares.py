@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from genrec.loadtest.client import RecommenderClient, user
-from genrec.serve.admission import FairConfig, Shares, TenantQuota, caller_of
+from genrec.serve.admission import MAX_NAME, FairConfig, Shares, TenantQuota, caller_of
 from genrec.serve.batcher import BatchConfig, Batcher, Overloaded
 from genrec.serve.contract import Result
 from genrec.serve.engine import TorchEngine
@@ -37,6 +37,9 @@ def test_a_caller_is_its_tenant_metadata_else_its_peer_host():
     assert caller_of((("other", "x"),), "ipv4:10.0.0.7:5123", "tenant") == "ipv4:10.0.0.7"
     assert caller_of((), "ipv6:[::1]:5123", "tenant") == "ipv6:[::1]"
     assert len(caller_of((("tenant", "x" * 500),), "", "tenant")) == 64  # a bounded key
+    # ...that still tells apart long names sharing their first 64 characters
+    a, b = (caller_of((("tenant", "p" * 64 + tail),), "", "tenant") for tail in ("-a", "-b"))
+    assert a != b and len(a) == len(b) == 64 and a.startswith("p" * 40)
 
 
 @pytest.mark.unit
@@ -268,9 +271,12 @@ def artifact(tiny_synth, tmp_path_factory):
 
 @pytest.mark.serving
 @pytest.mark.parametrize("front_end", ["aio", "threads", "native"])
-def test_a_flooding_tenant_is_refused_past_its_share_while_another_is_served(artifact, front_end):
+@pytest.mark.parametrize("names", [("flood", "quiet"), ("p" * 64 + "-flood", "p" * 64 + "-quiet")],
+                         ids=["short-names", "names-sharing-64-characters"])
+def test_a_flooding_tenant_is_refused_past_its_share_while_another_is_served(artifact, front_end, names):
     """On every listener (serve.frontend: the thread-pool one takes shares on its handler threads;
-    serve.proxy: the native front end takes them in front of the server, a caller's share of its cap)."""
+    serve.proxy: the native front end takes them in front of the server, a caller's share of its cap).
+    Long names are bounded, not cut: two names alike in their first 64 characters are two callers."""
     if front_end == "native":
         native_or_skip(front_available())
     engine = SlowEngine(TorchEngine(artifact), delay=0.05)  # ~80 calls/s at batches of 4
@@ -279,8 +285,8 @@ def test_a_flooding_tenant_is_refused_past_its_share_while_another_is_served(art
     srv = ThreadedServer(artifact, cfg, engine=engine)
     try:
         u = user([(i + 1, T0 + 60 * i, 1) for i in range(6)], {"region": [3]})
-        flood = RecommenderClient(srv.target, timeout_s=5, tenant="flood")
-        quiet = RecommenderClient(srv.target, timeout_s=5, tenant="quiet")
+        flood = RecommenderClient(srv.target, timeout_s=5, tenant=names[0])
+        quiet = RecommenderClient(srv.target, timeout_s=5, tenant=names[1])
         stop = threading.Event()
         flood_codes: list[str] = []
 
@@ -309,7 +315,8 @@ def test_a_flooding_tenant_is_refused_past_its_share_while_another_is_served(art
             stop.set()
         assert quiet_codes == ["OK"] * 15, quiet_codes
         refused = [c for c in flood_codes if c.startswith("RESOURCE_EXHAUSTED")]
-        assert refused and any("caller 'flood'" in c for c in refused), set(flood_codes)
+        shown = names[0][:MAX_NAME - 17]  # (the whole name where it fits)
+        assert refused and any(f"caller '{shown}" in c for c in refused), set(flood_codes)
     finally:
         srv.stop()
 
