@@ -33,7 +33,7 @@ from genrec.train.loop.parallel import (
     replicate,
     strategy,
 )
-from genrec.train.loop.trainer import Trainer, build_optimizer
+from genrec.train.loop.trainer import Trainer, build_optimizer, matmul_precision
 from genrec.train.observe.logs import log, run_log
 from genrec.train.runs.directory import new_run_dir, remove_unused_run_dir, write_run_files
 
@@ -99,8 +99,11 @@ def run_training(job: JobConfig, run_dir: Path | None = None) -> tuple[Path, dic
     # the process's setting, given back on return: a job trained in-process (genrec demo, a
     # test's fixture) once left "medium" behind, and on a CPU with AMX every later fp32 GEMM of
     # the process (evaluation, an in-process server) ran in bf16
-    precision = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(job.train.matmul_precision)
+    with matmul_precision(job.train.matmul_precision):
+        return _run_training(job, run_dir)
+
+
+def _run_training(job: JobConfig, run_dir: Path | None) -> tuple[Path, dict[str, Any]]:
     ctx = init_distributed(job.train.parallel)
     new_dir = run_dir is None and not job.run.id  # a run.id dir is a restart's to find: never removed
     state: dict[str, Any] = {}
@@ -119,7 +122,6 @@ def run_training(job: JobConfig, run_dir: Path | None = None) -> tuple[Path, dic
             remove_unused_run_dir(run_dir)
         raise
     finally:
-        torch.set_float32_matmul_precision(precision)
         # no barrier on failure: a dead peer would turn a clean error into a hang
         if ctx.distributed and dist.is_initialized():
             dist.destroy_process_group()

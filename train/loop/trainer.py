@@ -107,17 +107,23 @@ def rss_bytes() -> int | None:
 
 
 @contextlib.contextmanager
-def as_served() -> Iterator[None]:
-    """fp32 GEMMs at the precision a server runs them (``serve.process.matmul_precision``'s
-    default, "highest") while the block runs: evaluation and the calibrator's fit read the
-    model as it will be served and as ``genrec eval`` reads it, whatever precision the job
-    trains at (``train.matmul_precision``: "medium" lets a CPU with AMX run them in bf16)."""
+def matmul_precision(precision: str) -> Iterator[None]:
+    """torch's fp32 GEMM precision (``torch.set_float32_matmul_precision``) at ``precision``
+    while the block runs, and the process's own again after it, whatever the block raised."""
     before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
+    torch.set_float32_matmul_precision(precision)
     try:
         yield
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def as_served() -> contextlib.AbstractContextManager[None]:
+    """fp32 GEMMs at the precision a server runs them (``serve.process.matmul_precision``'s
+    default, "highest") while the block runs: evaluation and the calibrator's fit read the
+    model as it will be served and as ``genrec eval`` reads it, whatever precision the job
+    trains at (``train.matmul_precision``: "medium" lets a CPU with AMX run them in bf16)."""
+    return matmul_precision("highest")
 
 
 class StepMemory:
