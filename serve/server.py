@@ -325,7 +325,7 @@ class _TokenGate(grpc.aio.ServerInterceptor):
             self.server._check_token(details.invocation_metadata)
         except AdminError as e:
             name = details.method.rsplit("/", 1)[-1]
-            name = name if name in ("LoadArtifact", "GetModelInfo") else "unknown"  # (a bounded label)
+            name = name if name in self.server.admin_methods() else "unknown"  # (a bounded label)
             self.server.metrics.requests.labels(f"admin_{name}", e.code.name).inc()
 
             code, msg = e.code, bounded(str(e))
@@ -515,8 +515,8 @@ class RecommenderServer:
         self.admin_server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 10),
                                                      ("grpc.so_reuseport", 0)], maximum_concurrent_rpcs=8,
                                             interceptors=[_TokenGate(self)])
-        admin = {"LoadArtifact": grpc.unary_unary_rpc_method_handler(self._admin(self._load_artifact)),
-                 "GetModelInfo": grpc.unary_unary_rpc_method_handler(self._admin(self._model_info))}
+        admin = {name: grpc.unary_unary_rpc_method_handler(self._admin(method))
+                 for name, method in self.admin_methods().items()}
         self.admin_server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(ADMIN, admin),))
         self.admin_port = _bind(self.admin_server, a.host, a.port, a.tls if a.tls.enabled else self.cfg.tls)
         await self.admin_server.start()
@@ -746,15 +746,19 @@ class RecommenderServer:
         return {"served": self.served, "stages_s": {**self.stages, **self.engine.stages}}
 
     # ----- Admin ----------------------------------------------------------------------------
+    def admin_methods(self) -> dict[str, Callable]:
+        """Admin's methods by name: its handlers, and the metrics' bounded set of labels."""
+        return {"LoadArtifact": self._load_artifact, "GetModelInfo": self._model_info}
+
     def _admin(self, method):  # noqa: ANN001, ANN202 - an async gRPC handler
-        """An Admin method behind the token check, taking raw bytes (so a malformed message is
-        INVALID_ARGUMENT, not gRPC's UNKNOWN) and mapping every failure to a status."""
+        """An Admin method, taking raw bytes (so a malformed message is INVALID_ARGUMENT, not
+        gRPC's UNKNOWN) and mapping every failure to a status. The token was checked on the
+        call's headers before it got here (_TokenGate, Admin's only way in)."""
 
         async def handle(data: bytes, context: grpc.aio.ServicerContext) -> bytes:
             name = method.__name__.lstrip("_")
             code, msg = grpc.StatusCode.OK, ""
             try:
-                self._authenticate(context)
                 return (await method(data, context)).SerializeToString()
             except AdminError as e:
                 code, msg = e.code, str(e)
@@ -780,9 +784,6 @@ class RecommenderServer:
             raise AssertionError("context.abort returned")  # (it raises: not reached)
 
         return handle
-
-    def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
-        self._check_token(context.invocation_metadata())
 
     def _check_token(self, metadata: Any) -> None:
         """Raises AdminError unless ``metadata`` carries ``authorization: Bearer <the token>``."""
