@@ -31,7 +31,9 @@ import ipaddress
 import logging
 import math
 import multiprocessing as mp
+import shutil
 import stat
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -377,9 +379,10 @@ def _credentials(tls: TLSConfig) -> grpc.ServerCredentials | None:
                                        root_certificates=ca, require_client_auth=ca is not None)
 
 
-def _bind(server: grpc.aio.Server, host: str, port: int, tls: TLSConfig) -> int:
+def _bind(server: grpc.aio.Server, host: str, port: int | None, tls: TLSConfig) -> int:
+    """Listen on ``host:port``, or on the address ``host`` (``unix:PATH``) where ``port`` is None."""
     creds = _credentials(tls)
-    addr = f"{host}:{port}"
+    addr = host if port is None else f"{host}:{port}"
     bound = server.add_secure_port(addr, creds) if creds else server.add_insecure_port(addr)
     if bound == 0:
         raise OSError(f"cannot bind {addr}")
@@ -441,6 +444,7 @@ class RecommenderServer:
             self.health = self.health_servicer = health.aio.HealthServicer()
         self.port = self.admin_port = 0
         self.front: NativeFront | None = None  # connections.front_end = "native" (serve.proxy)
+        self._private_dir = ""  # the folder of the server's socket behind the front end
         self._watch_front: asyncio.Task | None = None
         self.artifact_root = Path(cfg.admin.artifact_root or Path(artifact).resolve().parent).resolve()
         self._reloading = asyncio.Lock()
@@ -471,8 +475,8 @@ class RecommenderServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health_servicer, grpc_server)
         names = (RECOMMENDER, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, grpc_server)
-        if conn.front_end == "native":  # (serve.proxy) the server on a loopback port behind it
-            self.front = self._front(_bind(self.server, "127.0.0.1", 0, TLSConfig()))
+        if conn.front_end == "native":  # (serve.proxy) the server on a socket of its own behind it
+            self.front = self._front(self._bind_private())
         else:
             self.port = _bind(self.server, self.cfg.host, self.cfg.port, self.cfg.tls)
         if self.admin_token is not None:
@@ -489,11 +493,20 @@ class RecommenderServer:
         log.info("serving %s (%s engine) on %s:%d", self.engine.version, self.engine.name, self.cfg.host, self.port)
         return self.port
 
-    def _front(self, upstream_port: int) -> NativeFront:
-        """The native front end on the public host and port, before the server's ``upstream_port``."""
+    def _bind_private(self) -> str:
+        """The server's listener behind the native front end: a Unix socket in a folder only this
+        user can enter: on a loopback port any local process could call the server past the front
+        end's caps and shares."""
+        self._private_dir = tempfile.mkdtemp(prefix="genrec-front-")  # (mode 0700)
+        address = f"unix:{self._private_dir}/server.sock"
+        _bind(self.server, address, None, TLSConfig())
+        return address
+
+    def _front(self, upstream: str) -> NativeFront:
+        """The native front end on the public host and port, before the server at ``upstream``."""
         conn, fair = self.cfg.connections, self.cfg.fair
         return NativeFront(FrontPlan(
-            host=self.cfg.host, port=self.cfg.port, upstream_port=upstream_port, max_in_flight=conn.max_in_flight,
+            host=self.cfg.host, port=self.cfg.port, upstream=upstream, max_in_flight=conn.max_in_flight,
             max_share=fair.max_share if fair.enabled else 0.0, active_s=fair.active_s, metadata_key=fair.metadata_key,
             max_message_bytes=conn.max_message_bytes or self.cfg.limits.request_bytes() + 1024))
 
@@ -552,6 +565,8 @@ class RecommenderServer:
             await self.batcher.drain(grace)
         if self.server:
             await self.server.stop(grace)
+        if self._private_dir:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
         if self.owns_engine:
             try:
                 await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, self.engine.close), grace + 5)

@@ -817,6 +817,29 @@ def test_the_native_front_end_refuses_past_its_cap_at_once_while_the_loop_is_bus
     assert not front.alive
 
 
+def test_behind_the_native_front_end_only_the_front_end_reaches_the_server(artifacts):
+    """The server behind the front end listened on a loopback TCP port: any local process could
+    call it past the front end's caps and shares. It listens on a Unix socket in a folder only
+    its user can enter, removed when it stops; this process's only TCP listener is Admin's."""
+    import psutil
+
+    native_or_skip(front_available())
+    srv = ThreadedServer(artifacts["hstu"], local_config(connections=replace(local_config().connections,
+                                                                            front_end="native")))
+    folder = Path(getattr(srv.server, "_private_dir", "") or "/nonexistent")
+    try:
+        me = psutil.Process()
+        conns = me.net_connections("tcp") if hasattr(me, "net_connections") else me.connections("tcp")
+        listening = {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN}
+        assert listening == {srv.server.admin_port}, listening
+        assert srv.server.front is not None and srv.server.front.plan.upstream == f"unix:{folder}/server.sock"
+        assert folder.stat().st_mode & 0o777 == 0o700 and folder.stat().st_uid == os.getuid()
+        assert srv.client().retrieve(user([(1, T0, 1), (2, T0 + 60, 1)], {"region": [3]}), k=5).items
+    finally:
+        srv.stop()
+    assert not folder.exists()
+
+
 def test_the_native_front_end_refuses_tls_it_cannot_terminate(artifacts, tmp_path):
     conn = replace(local_config().connections, front_end="native")
     cfg = local_config(connections=conn, tls=TLSConfig(cert=str(tmp_path / "c"), key=str(tmp_path / "k")))

@@ -13,7 +13,7 @@
 //
 //   front LISTEN UPSTREAM MAX_IN_FLIGHT MAX_SHARE ACTIVE_S METADATA_KEY MAX_MESSAGE_BYTES
 // LISTEN: host:port (port 0: any; "listening PORT" on stdout once it listens). UPSTREAM: the
-// server's host:port. MAX_SHARE 0: no per-caller cap. SIGTERM / SIGQUIT / SIGINT: stop taking
+// server's address: unix:PATH (its own socket, which nobody else can reach), or host:port. MAX_SHARE 0: no per-caller cap. SIGTERM / SIGQUIT / SIGINT: stop taking
 // calls, let those passed on finish (up to 10 s), exit 0.
 //
 // One thread drives one completion queue; each call is a small state machine (Call below):
