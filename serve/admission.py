@@ -45,6 +45,10 @@ from dataclasses import dataclass, field
 from genrec.serve.batcher import Overloaded
 
 MAX_NAME = 64  # characters of a caller's name (longer names: bounded_name)
+# the metadata key the native front end (serve/cpp/front.cc) sets on each Recommender call it
+# passes while callers contend: "heavy" or "light", its judgement of the caller (it sees every
+# call, the server only those it lets through); a client's own value is dropped there
+CONTENTION_KEY = "genrec-contention"
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,7 @@ class TenantQuota:
 
     def __post_init__(self) -> None:
         where = f"serve.fair.quotas, tenant {self.tenant!r}"
-        if len(self.tenant) > MAX_NAME:  # (a caller's name is cut there: a longer one would never match)
+        if len(self.tenant) > MAX_NAME:  # (a longer caller's name is bounded by a digest: it would never match)
             raise ValueError(f"{where}: a tenant name has at most {MAX_NAME} characters")
         if self.max_concurrent < 0:
             raise ValueError(f"{where}: max_concurrent = {self.max_concurrent}; it must be >= 0 (0: the common share)")
@@ -92,6 +96,9 @@ class FairConfig:
                 or self.metadata_key.startswith("grpc-"):
             raise ValueError(f"serve.fair.metadata_key = {self.metadata_key!r}: a gRPC metadata key as it arrives "
                              "(lower-case letters, digits, '_', '-', '.'; not 'grpc-...' nor a '-bin' key)")
+        if self.metadata_key == CONTENTION_KEY:
+            raise ValueError(f"serve.fair.metadata_key = {CONTENTION_KEY!r} is the front end's own key for how a "
+                             "caller stands; name callers by another")
         names = [q.tenant for q in self.quotas]
         if len(set(names)) != len(names) or "" in names:
             raise ValueError(f"serve.fair.quotas name each tenant once, none empty: {names}")

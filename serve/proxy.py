@@ -16,9 +16,11 @@ than ``fair.max_share`` of the recent calls; work-conserving, as its shares are)
 Past either it answers RESOURCE_EXHAUSTED itself, without the server seeing the call. The cap
 is the server's admission moved in front of it: sized near what the server answers within its
 queueing budget (``batch.max_queue_ms`` / one call's cost), the server's own admission rarely
-refuses, so Python runs almost only for calls it answers. The caller's name travels on as metadata (the server's rate quotas and
-shares see the same callers), so do deadlines and cancellations. Health checks and reflection
-pass uncapped.
+refuses, so Python runs almost only for calls it answers. The caller's name travels on as
+metadata (the server's quotas see the same callers), and so does the front end's judgement of
+it beside others (``serve.admission.CONTENTION_KEY``: heavy or light), which the server's
+batcher holds the call to instead of judging again from the calls let through; so do deadlines
+and cancellations. Health checks and reflection pass uncapped.
 
 Built on first use against the system's gRPC C++ library (:mod:`genrec.native_build`; Debian:
 ``apt-get install libgrpc++-dev``). TLS on the public port is not terminated here yet: a config

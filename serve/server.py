@@ -31,6 +31,7 @@ import ipaddress
 import logging
 import math
 import multiprocessing as mp
+import os
 import shutil
 import stat
 import tempfile
@@ -46,7 +47,7 @@ from grpc_reflection.v1alpha import reflection
 
 from genrec.proto.v1 import recommender_pb2 as pb
 from genrec.quant.artifact import ArtifactError, OutsideRoot, check_artifact
-from genrec.serve.admission import FairConfig, Shares, caller_of
+from genrec.serve.admission import CONTENTION_KEY, FairConfig, Shares, caller_of
 from genrec.serve.ann import RetrievalConfig
 from genrec.serve.batcher import BatchConfig, Batcher, DeadlineExceeded, Overloaded, ShuttingDown
 from genrec.serve.contract import Engine, EngineBuilder, Result
@@ -379,6 +380,21 @@ def _credentials(tls: TLSConfig) -> grpc.ServerCredentials | None:
                                        root_certificates=ca, require_client_auth=ca is not None)
 
 
+# a Unix socket's path has at most 107 bytes (sun_path)
+MAX_SOCKET_PATH = 107
+
+
+def private_folder() -> str:
+    """A new folder (mode 0700) for the server's socket behind the front end: under the user's
+    runtime folder where there is one (``$XDG_RUNTIME_DIR``: per user, not aged by /tmp's
+    cleaners), else the temp folder, else /tmp where that path would be too long for a socket."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    for base in ([runtime] if runtime and os.path.isdir(runtime) else []) + [tempfile.gettempdir(), "/tmp"]:
+        if len(os.fsencode(base)) + len("/genrec-front-XXXXXXXX/server.sock") <= MAX_SOCKET_PATH:
+            return tempfile.mkdtemp(prefix="genrec-front-", dir=base)
+    raise OSError("no folder short enough for the server's socket behind the front end")
+
+
 def _bind(server: grpc.aio.Server, host: str, port: int | None, tls: TLSConfig) -> int:
     """Listen on ``host:port``, or on the address ``host`` (``unix:PATH``) where ``port`` is None."""
     creds = _credentials(tls)
@@ -475,16 +491,23 @@ class RecommenderServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health_servicer, grpc_server)
         names = (RECOMMENDER, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, grpc_server)
-        if conn.front_end == "native":  # (serve.proxy) the server on a socket of its own behind it
-            self.front = self._front(self._bind_private())
-        else:
-            self.port = _bind(self.server, self.cfg.host, self.cfg.port, self.cfg.tls)
-        if self.admin_token is not None:
-            await self._start_admin()
-        await self.server.start()
-        if self.front is not None:
-            self.port = await asyncio.get_running_loop().run_in_executor(None, self.front.start)
-            self._watch_front = asyncio.get_running_loop().create_task(self._front_watchdog())
+        try:
+            if conn.front_end == "native":  # (serve.proxy) the server on a socket of its own behind it
+                self.front = self._front(self._bind_private())
+            else:
+                self.port = _bind(self.server, self.cfg.host, self.cfg.port, self.cfg.tls)
+            if self.admin_token is not None:
+                await self._start_admin()
+            await self.server.start()
+            if self.front is not None:
+                self.port = await asyncio.get_running_loop().run_in_executor(None, self.front.start)
+                self._watch_front = asyncio.get_running_loop().create_task(self._front_watchdog())
+        except BaseException:  # (a port taken, a front end that did not listen: nothing left behind)
+            if self.front is not None:
+                self.front.stop(0)
+            if self._private_dir:
+                shutil.rmtree(self._private_dir, ignore_errors=True)
+            raise
         self._observe(self.engine)
         await self._set_health()
         if self.cfg.metrics_port:
@@ -495,9 +518,10 @@ class RecommenderServer:
 
     def _bind_private(self) -> str:
         """The server's listener behind the native front end: a Unix socket in a folder only this
-        user can enter: on a loopback port any local process could call the server past the front
-        end's caps and shares."""
-        self._private_dir = tempfile.mkdtemp(prefix="genrec-front-")  # (mode 0700)
+        user can enter. The server trusts the front end's word on each caller (CONTENTION_KEY),
+        so nobody else may reach it: on a loopback port any local process could, past the front
+        end's caps and with a word of its own."""
+        self._private_dir = private_folder()
         address = f"unix:{self._private_dir}/server.sock"
         _bind(self.server, address, None, TLSConfig())
         return address
@@ -690,14 +714,27 @@ class RecommenderServer:
         share = caller is None  # (else taken, and released, on the thread-pool listener's handler thread)
         if caller is None:
             caller = self._caller(context)
-            self._take_share(caller)  # its share of the server, then the server's admission
+            self._take_share(caller)  # its share of the server and its quota, then the server's admission
         try:
+            # behind the native front end, how the caller stands is the front end's word: it sees
+            # every call, the server only those let through (a flood held to its places there
+            # looked no heavier than a quiet caller's burst here)
+            contended = self._contention(context) if self.front is not None else self.shares.contended(caller)
             # before decoding: a refusal costs next to nothing
-            batcher.admit(deadline, caller, self.shares.contended(caller))
+            batcher.admit(deadline, caller, contended)
             return await self._run(kind, data, batcher, deadline, caller, t0)
         finally:
             if share:
                 self.shares.release(caller)
+
+    def _contention(self, context: Any) -> float | None:
+        """Behind the native front end, its judgement of the caller (CONTENTION_KEY) as
+        ``Shares.contended`` gives it: ``max_share`` heavy, ``0.0`` light, None alone. Only the
+        front end reaches this server (its private socket) and it drops a client's own value."""
+        for k, v in context.invocation_metadata() or ():
+            if k == CONTENTION_KEY:
+                return self.cfg.fair.max_share if v == "heavy" else 0.0 if v == "light" else None
+        return None
 
     def _caller(self, context: Any) -> str:
         return caller_of(context.invocation_metadata(), context.peer(), self.cfg.fair.metadata_key)

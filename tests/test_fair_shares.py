@@ -15,7 +15,14 @@ import numpy as np
 import pytest
 
 from genrec.loadtest.client import RecommenderClient, user
-from genrec.serve.admission import MAX_NAME, FairConfig, Shares, TenantQuota, caller_of
+from genrec.serve.admission import (
+    CONTENTION_KEY,
+    MAX_NAME,
+    FairConfig,
+    Shares,
+    TenantQuota,
+    caller_of,
+)
 from genrec.serve.batcher import BatchConfig, Batcher, Overloaded
 from genrec.serve.contract import Result
 from genrec.serve.engine import TorchEngine
@@ -71,12 +78,14 @@ def test_shares_bound_each_callers_calls_at_once_and_its_rate():
     with pytest.raises(ValueError, match="max_share"):
         FairConfig(max_share=0)
     # limits that could never apply, or would refuse every call, are config errors
-    with pytest.raises(ValueError, match="at most 64 characters"):  # (callers' names are cut at 64)
+    with pytest.raises(ValueError, match="at most 64 characters"):  # (longer callers' names: a digest)
         TenantQuota("t" * 65, max_concurrent=1)
     for bad in (dict(max_concurrent=-1), dict(qps=-1.0), dict(qps=float("nan")), dict(burst_s=0.0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             TenantQuota("ads", **bad)
-    for key in ("Tenant", "", "grpc-tenant", "tenant-bin"):  # gRPC lower-cases keys: "Tenant" never arrives
+    # gRPC lower-cases keys: "Tenant" never arrives; the front end's own key would let a caller
+    # named "light" pass as light
+    for key in ("Tenant", "", "grpc-tenant", "tenant-bin", CONTENTION_KEY):
         with pytest.raises(ValueError, match="metadata_key"):
             FairConfig(metadata_key=key)
     assert FairConfig(metadata_key="x-tenant.id").metadata_key == "x-tenant.id"
@@ -319,6 +328,83 @@ def test_a_flooding_tenant_is_refused_past_its_share_while_another_is_served(art
         assert refused and any(f"caller '{shown}" in c for c in refused), set(flood_codes)
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("front_end", ["aio", "native"])
+def test_a_tenants_rate_quota_binds_on_every_listener(artifact, front_end):
+    """``[[serve.fair.quotas]]`` are the server's (serve.admission.Shares), not the front end's:
+    behind the native front end the server still takes each call's quota."""
+    if front_end == "native":
+        native_or_skip(front_available())
+    cfg = local_config(fair=FairConfig(quotas=(TenantQuota("metered", qps=1.0, burst_s=1.0),)),
+                       connections=ConnectionConfig(front_end=front_end))
+    srv = ThreadedServer(artifact, cfg)
+    try:
+        u = user([(i + 1, T0 + 60 * i, 1) for i in range(6)], {"region": [3]})
+        metered = RecommenderClient(srv.target, timeout_s=5, tenant="metered")
+        codes = []
+        for _ in range(4):  # within a second: one call's worth of tokens
+            try:
+                metered.retrieve(u, k=5)
+                codes.append("OK")
+            except grpc.RpcError as e:
+                codes.append(f"{e.code().name}: {e.details()}")
+        assert codes[0] == "OK" and any("past its rate" in c for c in codes[1:]), codes
+        assert RecommenderClient(srv.target, timeout_s=5, tenant="other").retrieve(u, k=5).items
+    finally:
+        srv.stop()
+
+
+@pytest.mark.serving
+def test_behind_the_native_front_end_calls_are_held_to_its_word_on_the_caller(artifact):
+    """The server saw only the calls the front end let through: a flood held to its places
+    there looked no heavier than a quiet caller's burst, and the server, judging again, refused
+    the quiet caller as the heavy one (a resilience probe: 18 of its 23 refusals came from the
+    server). The front end now forwards its own judgement (serve.proxy.CONTENTION_KEY), which
+    the batcher's admission takes; a client's own value for that key is dropped. Here the
+    server's own judgement is made blind (None) so that only the front end's word can count."""
+    native_or_skip(front_available())
+    engine = SlowEngine(TorchEngine(artifact), delay=0.05)
+    cfg = local_config(batch=BatchConfig(max_batch=4, max_wait_ms=1, max_queue=64, max_queue_ms=1000),
+                       fair=FairConfig(max_share=0.5), connections=ConnectionConfig(front_end="native"))
+    srv = ThreadedServer(artifact, cfg, engine=engine)
+    seen: list[tuple[str, float | None]] = []
+    admit = srv.server.batcher.admit
+    srv.server.shares.contended = lambda caller: None  # (the server's own judgement, blinded)
+
+    def recording(deadline, caller="", share=None):  # noqa: ANN001, ANN202
+        seen.append((caller, share))
+        return admit(deadline, caller, share)
+
+    srv.server.batcher.admit = recording
+    try:
+        u = user([(i + 1, T0 + 60 * i, 1) for i in range(6)], {"region": [3]})
+        flood = RecommenderClient(srv.target, timeout_s=5, tenant="flood")
+        claims = RecommenderClient(srv.target, timeout_s=5, tenant="flood")  # the flood, claiming to be light
+        claims.metadata = (*claims.metadata, (CONTENTION_KEY, "light"))
+        quiet = RecommenderClient(srv.target, timeout_s=5, tenant="quiet")
+        stop = threading.Event()
+
+        def flooding(i):
+            while not stop.is_set():
+                try:
+                    (flood if i % 2 else claims).retrieve(u, k=5)
+                except grpc.RpcError:
+                    pass
+
+        with ThreadPoolExecutor(16) as pool:
+            for i in range(16):
+                pool.submit(flooding, i)
+            time.sleep(0.5)
+            for _ in range(10):
+                quiet.retrieve(u, k=5)
+            stop.set()
+    finally:
+        srv.stop()
+    quiet_shares = {share for caller, share in seen if caller == "quiet"}
+    flood_shares = collections.Counter(share for caller, share in seen if caller == "flood")
+    assert quiet_shares == {0.0}, quiet_shares  # light beside the flood: may wait twice the budget
+    assert flood_shares[0.5] > 0 and flood_shares[0.0] == 0, flood_shares  # heavy, whatever it claims
 
 
 @pytest.mark.serving

@@ -8,8 +8,11 @@
 // a light one, is let in past the cap, see Shares::acquire). A call past either is answered
 // RESOURCE_EXHAUSTED here, in microseconds, without the server seeing it.
 // Every other method (health, reflection) is passed on uncapped. The caller's name is forwarded
-// as METADATA_KEY, so the server's own shares see the same callers; the call's deadline and a
-// client's cancellation are passed on too.
+// as METADATA_KEY, and whether it is heavy or light beside others as genrec-contention: the
+// server queues callers apart and holds each call to that judgement instead of taking shares a
+// second time from the calls let through (a flood held to its share here looked no heavier
+// there than a quiet caller's burst). The call's deadline and a client's cancellation are passed
+// on too.
 //
 //   front LISTEN UPSTREAM MAX_IN_FLIGHT MAX_SHARE ACTIVE_S METADATA_KEY MAX_MESSAGE_BYTES
 // LISTEN: host:port (port 0: any; "listening PORT" on stdout once it listens). UPSTREAM: the
@@ -44,6 +47,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 const std::string kCapped = "/genrec.v1.Recommender/";
+const std::string kContention = "genrec-contention";  // serve.proxy.CONTENTION_KEY: set here, never a client's
 std::atomic<bool> g_stop{false};
 
 void on_signal(int) { g_stop = true; }
@@ -65,7 +69,11 @@ class Shares {
   // (a quarter of capacity beside a flood) may burst past its places while the total is under
   // the cap plus one share: its bursts are what a fixed count of places refused (18.6% of a
   // Poisson caller's calls, benchmarks/notes/2026-12-06-two-callers.md).
-  std::string acquire(const std::string& caller) {
+  //
+  // ``contention`` (a call let in): "heavy" or "light" while another caller is active, "" when
+  // the caller is alone or shares are off; forwarded to the server (CONTENTION_KEY), whose batcher
+  // holds the call to it: the server sees only the calls let through here, not who is flooding.
+  std::string acquire(const std::string& caller, std::string& contention) {
     const auto now = Clock::now();
     Held& mine = held_[caller];
     const bool sends = count(mine.rate, mine.rate_at, now) > share_ * count(total_rate_, total_at_, now);
@@ -74,7 +82,9 @@ class Shares {
     const bool heavy = sends || holds;
     const int share_limit = share_ > 0 ? std::max(1, static_cast<int>(std::ceil(cap_ * share_))) : cap_;
     const bool within_share = share_ > 0 && mine.calls < share_limit;
-    if (share_ > 0 && !within_share && heavy && others_active(caller, now)) {
+    seen(caller, now);
+    const bool others = share_ > 0 && others_active(caller, mine, now);
+    if (!within_share && heavy && others) {
       return "overloaded: caller '" + caller + "' has " + std::to_string(mine.calls) +
              " calls at once, its share of the server's front end while others call; retry with backoff";
     }
@@ -85,6 +95,7 @@ class Shares {
     }
     hold(mine, +1, now);
     mine.last = now;
+    contention = !others ? "" : heavy ? "heavy" : "light";
     return "";
   }
 
@@ -136,17 +147,32 @@ class Shares {
     h.occupancy_at = now;
     total_occupancy_ = average(total_occupancy_, total_occupancy_at_, total_, now);
     total_occupancy_at_ = now;
+    holders_ += (h.calls == 0 && delta > 0) - (h.calls > 0 && h.calls + delta == 0);
     h.calls += delta;
     total_ += delta;
   }
 
-  bool others_active(const std::string& caller, Clock::time_point now) const {
-    for (const auto& [name, h] : held_) {
-      if (name != caller && (h.calls > 0 || std::chrono::duration<double>(now - h.last).count() < active_s_)) {
+  // Whether another caller holds calls or sent one within ACTIVE_S: the count of callers holding
+  // calls and the two most recent senders (as serve.admission.Shares), not a scan of every
+  // caller, which runs on each call.
+  bool others_active(const std::string& caller, const Held& mine, Clock::time_point now) const {
+    if (holders_ > (mine.calls > 0 ? 1 : 0)) return true;
+    for (int i = 0; i < 2; ++i) {
+      if (!recent_[i].empty() && recent_[i] != caller &&
+          std::chrono::duration<double>(now - recent_at_[i]).count() < active_s_) {
         return true;
       }
     }
     return false;
+  }
+
+  void seen(const std::string& caller, Clock::time_point now) {
+    if (recent_[0] != caller) {
+      recent_[1] = std::move(recent_[0]);
+      recent_at_[1] = recent_at_[0];
+      recent_[0] = caller;
+    }
+    recent_at_[0] = now;
   }
 
   void forget_idle() {
@@ -165,6 +191,9 @@ class Shares {
   Clock::time_point total_occupancy_at_{};
   Clock::time_point pruned_at_{};
   int total_ = 0;
+  int holders_ = 0;  // callers holding calls
+  std::string recent_[2];  // the two most recent senders, the newest first, and when they sent
+  Clock::time_point recent_at_[2]{};
   std::unordered_map<std::string, Held> held_;
 };
 
@@ -214,7 +243,7 @@ std::string caller_of(const grpc::GenericServerContext& ctx, const std::string& 
 
 bool forwarded(const std::string& name) {
   return !(name.empty() || name[0] == ':' || name.rfind("grpc-", 0) == 0 || name == "te" ||
-           name == "content-type" || name == "user-agent" || name == "host");
+           name == "content-type" || name == "user-agent" || name == "host" || name == kContention);
 }
 
 struct Call {
@@ -225,7 +254,7 @@ struct Call {
   grpc::ClientContext up;
   std::unique_ptr<grpc::GenericClientAsyncResponseReader> reader;
   grpc::Status status;
-  std::string caller;
+  std::string caller, contention;
   bool holds = false, upstream_busy = false, written = false, done = false;
   Tag accepted{this, Event::kAccepted}, read{this, Event::kRead}, answered{this, Event::kUpstream},
       wrote{this, Event::kWritten}, finished{this, Event::kDone};
@@ -271,7 +300,7 @@ struct Call {
   void on_accepted() {
     caller = caller_of(ctx, front->key);
     if (ctx.method().rfind(kCapped, 0) == 0) {
-      const std::string why = front->shares->acquire(caller);
+      const std::string why = front->shares->acquire(caller, contention);
       if (!why.empty()) {
         stream.Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, why), &wrote);
         return;
@@ -288,6 +317,7 @@ struct Call {
       if (forwarded(name) && name != front->key) up.AddMetadata(name, std::string(v.data(), v.size()));
     }
     up.AddMetadata(front->key, caller);
+    if (!contention.empty()) up.AddMetadata(kContention, contention);
     reader = front->upstream().PrepareUnaryCall(&up, ctx.method(), request, front->cq.get());
     upstream_busy = true;
     reader->StartCall();
