@@ -251,7 +251,8 @@ def run_stats(run: Path) -> dict:
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [x for x in lines if x.get("kind") == "train" and "samples_per_s" in x]
     sps = [x["samples_per_s"] for x in steps[1:]] or [x["samples_per_s"] for x in steps]
-    peak = max((max(x["peak_mem_mb"]) for x in steps if x.get("peak_mem_mb")), default=None)
+    # (one number a record from one process, one per rank from several)
+    peak = max((float(np.max(x["peak_mem_mb"])) for x in steps if x.get("peak_mem_mb")), default=None)
     return {"epochs": res["epochs"], "steps": res["steps"], "train_seconds": res["train_seconds"],
             "samples_per_s_per_rank": round(float(np.median(sps)), 3) if sps else None,
             "peak_mib_per_rank": peak}

@@ -311,3 +311,18 @@ def test_long_ranking_requests_open_at_each_resumed_event_after_its_whole_histor
         assert (job.model.hstu.window, job.model.max_seq_len) == {"full": (0, 8192), "bounded": (512, 8192),
                                                                   "window": (512, 512)}[name]
         assert [t.name for t in job.model.ranking.tasks] == list(lr.TASKS)
+
+
+@pytest.mark.parametrize("peaks", [[900.5, 1200.0], [1000.0, 1200.0]], ids=["one-process", "two-ranks"])
+def test_long_quality_reads_a_runs_peak_memory_from_one_process_or_several(tmp_path, peaks):
+    """A run of one process logs its peak memory as a number, a run of several as one per rank:
+    ``--nproc 1`` failed with 'float object is not iterable' after training."""
+    import json
+
+    from genrec.benchmarks.long_quality import run_stats
+
+    (tmp_path / "results.json").write_text(json.dumps({"epochs": 1, "steps": 3, "train_seconds": 2.0}))
+    recs = [{"kind": "train", "samples_per_s": 10.0 + i, "peak_mem_mb": peak if peaks[0] == 900.5 else [peak, 5.0]}
+            for i, peak in enumerate(peaks)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert run_stats(tmp_path)["peak_mib_per_rank"] == 1200.0
