@@ -552,7 +552,7 @@ class RecommenderServer:
         self.admin_server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 10),
                                                      ("grpc.so_reuseport", 0)], maximum_concurrent_rpcs=8,
                                             interceptors=[_TokenGate(self)])
-        admin = {name: grpc.unary_unary_rpc_method_handler(self._admin(method))
+        admin = {name: grpc.unary_unary_rpc_method_handler(self._admin(name, method))
                  for name, method in self.admin_methods().items()}
         self.admin_server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(ADMIN, admin),))
         self.admin_port = _bind(self.admin_server, a.host, a.port, a.tls if a.tls.enabled else self.cfg.tls)
@@ -802,13 +802,12 @@ class RecommenderServer:
         """Admin's methods by name: its handlers, and the metrics' bounded set of labels."""
         return {"LoadArtifact": self._load_artifact, "GetModelInfo": self._model_info}
 
-    def _admin(self, method):  # noqa: ANN001, ANN202 - an async gRPC handler
+    def _admin(self, name: str, method):  # noqa: ANN001, ANN202 - an async gRPC handler
         """An Admin method, taking raw bytes (so a malformed message is INVALID_ARGUMENT, not
         gRPC's UNKNOWN) and mapping every failure to a status. The token was checked on the
         call's headers before it got here (_TokenGate, Admin's only way in)."""
 
         async def handle(data: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            name = method.__name__.lstrip("_")
             code, msg = grpc.StatusCode.OK, ""
             try:
                 return (await method(data, context)).SerializeToString()

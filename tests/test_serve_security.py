@@ -87,6 +87,10 @@ def test_admin_needs_the_token(server):
     assert load(server, "live", token=None)[0] == grpc.StatusCode.UNAUTHENTICATED
     assert admin_call(server.admin_target, "GetModelInfo", b"")[0] == grpc.StatusCode.OK
     assert server.client().info().tower == "hstu"
+    # refused at the gate and answered by the handler: one label per method (they were
+    # admin_GetModelInfo and admin_model_info)
+    count = lambda code: server.server.metrics.requests.labels("admin_GetModelInfo", code)._value.get()  # noqa: E731
+    assert count("UNAUTHENTICATED") >= 1 and count("PERMISSION_DENIED") >= 1 and count("OK") >= 2
 
 
 def test_calls_without_the_token_that_never_send_a_body_hold_no_admin_slot(server):
