@@ -820,18 +820,22 @@ def test_the_native_front_end_refuses_past_its_cap_at_once_while_the_loop_is_bus
 def test_behind_the_native_front_end_only_the_front_end_reaches_the_server(artifacts):
     """The server behind the front end listened on a loopback TCP port: any local process could
     call it past the front end's caps and shares. It listens on a Unix socket in a folder only
-    its user can enter, removed when it stops; this process's only TCP listener is Admin's."""
-    import psutil
+    its user can enter, removed when it stops; the only TCP listener the server opens is Admin's."""
+    psutil = pytest.importorskip("psutil")
+
+    def listening() -> set[int]:  # this process's TCP listeners (another test's server may be among them)
+        me = psutil.Process()
+        conns = me.net_connections("tcp") if hasattr(me, "net_connections") else me.connections("tcp")
+        return {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN}
 
     native_or_skip(front_available())
+    before = listening()
     srv = ThreadedServer(artifacts["hstu"], local_config(connections=replace(local_config().connections,
                                                                             front_end="native")))
     folder = Path(getattr(srv.server, "_private_dir", "") or "/nonexistent")
     try:
-        me = psutil.Process()
-        conns = me.net_connections("tcp") if hasattr(me, "net_connections") else me.connections("tcp")
-        listening = {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN}
-        assert listening == {srv.server.admin_port}, listening
+        opened = listening() - before
+        assert opened == {srv.server.admin_port}, opened
         assert srv.server.front is not None and srv.server.front.plan.upstream == f"unix:{folder}/server.sock"
         assert folder.stat().st_mode & 0o777 == 0o700 and folder.stat().st_uid == os.getuid()
         assert srv.client().retrieve(user([(1, T0, 1), (2, T0 + 60, 1)], {"region": [3]}), k=5).items
