@@ -83,7 +83,6 @@ def write_rows(out: Path, rows: dict[str, list], extra_columns: dict[str, str] |
         w.write({k: rows[k] for k in ("user_id", "item_ids", "timestamps", "actions", *(extra_columns or {}))})
 
 
-
 def query_points(rows: dict[str, list], users: range, per_user: int = 64) -> Iterator[tuple[str, int, int, int]]:
     """(set, query id, row, target event) of every query of ``users`` (row indices): ``resumed``,
     a user's first ``per_user`` resumed events (query id ``64 * user + k``); ``last``, the user's

@@ -36,6 +36,7 @@ the test users once, for the finished recipe.
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from dataclasses import replace
@@ -65,18 +66,10 @@ PER_USER = 4  # requests a held-out user: one from each of its first resumed eve
 T0 = 1_700_000_000  # every held-out user's first candidate at this time (its log shifted whole)
 TASKS = ("click", "conversion")
 SUBSETS = ("all", "resumed", "ordinary")
-COLUMNS = ("user_id", "item_ids", "timestamps", "actions", "oracle_click", "oracle_conversion", "resumed")
-
-
 EXTRA = {"oracle_click": "float32", "oracle_conversion": "float32", "resumed": "int8"}
-
-
-def _rows(path: Path) -> dict[str, list]:
-    return read_rows(path, COLUMNS)
-
-
-def _write(out: Path, rows: dict[str, list]) -> None:
-    write_rows(out, rows, EXTRA)
+COLUMNS = ("user_id", "item_ids", "timestamps", "actions", *EXTRA)
+_rows = functools.partial(read_rows, columns=COLUMNS)
+_write = functools.partial(write_rows, extra_columns=EXTRA)
 
 
 def held_out(rows: dict[str, list], users: range) -> tuple[dict[str, list], dict[int, np.ndarray]]:

@@ -161,7 +161,10 @@ class KVCache:
     @property
     def used_tokens(self) -> int:
         """The bytes held in tokens' worth (rounded up): the held tokens where no entry keeps summaries."""
-        return -(-self.used_bytes // self.token_bytes)
+        return self._tokens(self.used_bytes)
+
+    def _tokens(self, nbytes: int) -> int:
+        return -(-nbytes // self.token_bytes)
 
     def _drop(self, user_id: str) -> Entry | None:
         """Removes the user's entry (lock held), returning it."""
@@ -199,16 +202,15 @@ class KVCache:
         without the room (a copy), and one that fits only without its block summaries too is kept
         without them (a later call computes them again). Returns the tokens evicted (of other users)."""
         cost = entry.nbytes(self.token_bytes)
-        if cost > self.budget_bytes and entry.room is not None:
-            compact = replace(entry, room=None)
-            if compact.nbytes(self.token_bytes) > self.budget_bytes and entry.sums is not None:
-                compact = replace(compact, sums=None)
-            if compact.nbytes(self.token_bytes) <= self.budget_bytes:
-                entry = replace(compact, k=entry.k.clone(), v=entry.v.clone())
-                cost = entry.nbytes(self.token_bytes)
-        elif cost > self.budget_bytes and entry.sums is not None:
-            entry = replace(entry, sums=None)
-            cost = entry.nbytes(self.token_bytes)
+        if cost > self.budget_bytes:  # smaller first without its room, then without its summaries too
+            smaller = replace(entry, room=None) if entry.room is not None else entry
+            if smaller.nbytes(self.token_bytes) > self.budget_bytes and smaller.sums is not None:
+                smaller = replace(smaller, sums=None)
+            # (without its room, an entry keeps its tokens in copies, not views of the room)
+            if entry.room is None or smaller.nbytes(self.token_bytes) <= self.budget_bytes:
+                if entry.room is not None:
+                    smaller = replace(smaller, k=entry.k.clone(), v=entry.v.clone())
+                entry, cost = smaller, smaller.nbytes(self.token_bytes)
         with self.lock:
             self._drop(user_id)
             if cost > self.budget_bytes:
@@ -228,7 +230,7 @@ class KVCache:
         and bytes (what the entries hold: their tokens, room and block summaries) now."""
         with self.lock:
             users, used = len(self.entries), self.used_bytes
-        return {"users": users, "used_tokens": -(-used // self.token_bytes), "capacity_tokens": self.capacity_tokens,
+        return {"users": users, "used_tokens": self._tokens(used), "capacity_tokens": self.capacity_tokens,
                 "bytes": used}
 
     def stats(self) -> dict[str, int]:

@@ -505,8 +505,7 @@ class RecommenderServer:
         except BaseException:  # (a port taken, a front end that did not listen: nothing left behind)
             if self.front is not None:
                 self.front.stop(0)
-            if self._private_dir:
-                shutil.rmtree(self._private_dir, ignore_errors=True)
+            self._remove_private_dir()
             raise
         self._observe(self.engine)
         await self._set_health()
@@ -525,6 +524,11 @@ class RecommenderServer:
         address = f"unix:{self._private_dir}/server.sock"
         _bind(self.server, address, None, TLSConfig())
         return address
+
+    def _remove_private_dir(self) -> None:
+        if self._private_dir:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
+            self._private_dir = ""
 
     def _front(self, upstream: str) -> NativeFront:
         """The native front end on the public host and port, before the server at ``upstream``."""
@@ -589,8 +593,7 @@ class RecommenderServer:
             await self.batcher.drain(grace)
         if self.server:
             await self.server.stop(grace)
-        if self._private_dir:
-            shutil.rmtree(self._private_dir, ignore_errors=True)
+        self._remove_private_dir()
         if self.owns_engine:
             try:
                 await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, self.engine.close), grace + 5)

@@ -16,8 +16,9 @@
 //
 //   front LISTEN UPSTREAM MAX_IN_FLIGHT MAX_SHARE ACTIVE_S METADATA_KEY MAX_MESSAGE_BYTES
 // LISTEN: host:port (port 0: any; "listening PORT" on stdout once it listens). UPSTREAM: the
-// server's address: unix:PATH (its own socket, which nobody else can reach), or host:port. MAX_SHARE 0: no per-caller cap. SIGTERM / SIGQUIT / SIGINT: stop taking
-// calls, let those passed on finish (up to 10 s), exit 0.
+// server's address: unix:PATH (its own socket, which nobody else can reach), or host:port.
+// MAX_SHARE 0: no per-caller cap. SIGTERM / SIGQUIT / SIGINT: stop taking calls, let those
+// passed on finish (up to 10 s), exit 0.
 //
 // One thread drives one completion queue; each call is a small state machine (Call below):
 // accepted -> refused, or read -> upstream call -> reply written; the done notice arrives
@@ -47,7 +48,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 const std::string kCapped = "/genrec.v1.Recommender/";
-const std::string kContention = "genrec-contention";  // serve.proxy.CONTENTION_KEY: set here, never a client's
+const std::string kContention = "genrec-contention";  // serve.admission.CONTENTION_KEY: set here, never a client's
 std::atomic<bool> g_stop{false};
 
 void on_signal(int) { g_stop = true; }
