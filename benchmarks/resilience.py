@@ -70,7 +70,10 @@ FORMER = ["--serve.connections.max_concurrent_rpcs=64", "--serve.connections.max
 THREADS = ["--serve.connections.front_end=threads"]
 # the C++ front end (serve.proxy): calls past its cap refused before the server sees them
 NATIVE = ["--serve.connections.front_end=native"]
-SERVERS = {"default": [], "threads front-end": THREADS, "native front-end": NATIVE, "former defaults": FORMER}
+# ... with calls past its cap refused at once, not waiting for a place (before issue 46's recovery work)
+NATIVE_NO_WAIT = [*NATIVE, "--serve.connections.max_wait_ms=0"]
+SERVERS = {"default": [], "threads front-end": THREADS, "native front-end": NATIVE, "native no-wait": NATIVE_NO_WAIT,
+           "former defaults": FORMER}
 
 
 # who sends (main sets it): the C++ sender (genrec/loadtest/cpp) where it builds; one Python core

@@ -13,7 +13,10 @@ front end and its user reaches. The front end passes at most
 caller is active at most ``fair.max_share`` of them to one heavy caller (named by
 ``fair.metadata_key``, else its peer host, as serve.admission names callers; heavy: it sent more
 than ``fair.max_share`` of the recent calls; work-conserving, as its shares are).
-Past either it answers RESOURCE_EXHAUSTED itself, without the server seeing the call. The cap
+Past either it answers RESOURCE_EXHAUSTED itself, without the server seeing the call; a call
+past the cap alone first waits up to ``connections.max_wait_ms`` for a place while the front
+end is not overloaded (a healthy load's burst is served late, not refused; under a flood calls
+past the cap are refused at once, except a light caller's, which take the places that free). The cap
 is the server's admission moved in front of it: sized near what the server answers within its
 queueing budget (``batch.max_queue_ms`` / one call's cost), the server's own admission rarely
 refuses, so Python runs almost only for calls it answers. The caller's name travels on as
@@ -58,11 +61,13 @@ class FrontPlan:
     active_s: float  # a caller counts as active this long after its last call
     metadata_key: str  # the callers' name key
     max_message_bytes: int  # the largest request the server's limits allow
+    max_wait_ms: float = 0.0  # how long a call past the cap may wait for a place (0: refused at once)
 
     def argv(self) -> list[str]:
         host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
         return [f"{host}:{self.port}", self.upstream, str(self.max_in_flight),
-                f"{self.max_share:g}", f"{self.active_s:g}", self.metadata_key, str(self.max_message_bytes)]
+                f"{self.max_share:g}", f"{self.active_s:g}", self.metadata_key, str(self.max_message_bytes),
+                f"{self.max_wait_ms:g}"]
 
 
 @functools.cache

@@ -143,6 +143,12 @@ class ConnectionConfig:
     # refuses with RESOURCE_EXHAUSTED in C++. Size it near what the server answers within
     # batch.max_queue_ms: that budget / one call's cost (12 here: ~20 ms / ~1.6 ms)
     max_in_flight: int = 12
+    # ... and how long a call past that cap may wait there for a place while the front end is not
+    # overloaded: a Poisson load at half of capacity sends bursts past 12 calls now and then,
+    # which were refused (issue 46's recovery windows). Refused at once while calls past the cap
+    # could not wait within the last 250 ms (a flood: the calls answered must not queue behind
+    # it). 0: refused at once
+    max_wait_ms: float = 10.0
     max_message_bytes: int = 0
     keepalive_time_s: float = 60.0  # ping an idle connection this often ...
     keepalive_timeout_s: float = 20.0  # ... and close it if the ping goes unanswered this long
@@ -155,6 +161,8 @@ class ConnectionConfig:
             raise ValueError(f"serve.connections.front_end = {self.front_end!r}; choose aio, threads or native")
         if self.max_in_flight < 1:
             raise ValueError(f"serve.connections.max_in_flight = {self.max_in_flight}; it must be at least 1")
+        if not 0 <= self.max_wait_ms <= 1000:
+            raise ValueError(f"serve.connections.max_wait_ms = {self.max_wait_ms}; it must be 0 to 1000")
 
 
 @dataclass(frozen=True)
@@ -536,7 +544,8 @@ class RecommenderServer:
         return NativeFront(FrontPlan(
             host=self.cfg.host, port=self.cfg.port, upstream=upstream, max_in_flight=conn.max_in_flight,
             max_share=fair.max_share if fair.enabled else 0.0, active_s=fair.active_s, metadata_key=fair.metadata_key,
-            max_message_bytes=conn.max_message_bytes or self.cfg.limits.request_bytes() + 1024))
+            max_message_bytes=conn.max_message_bytes or self.cfg.limits.request_bytes() + 1024,
+            max_wait_ms=conn.max_wait_ms))
 
     async def _front_watchdog(self) -> None:
         """The front end gone while serving: nothing reaches the server any more, so it stops

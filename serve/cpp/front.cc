@@ -5,8 +5,10 @@
 // most MAX_SHARE of them to one heavy caller (a caller: its METADATA_KEY value, else its peer's
 // host; heavy: it sent more than MAX_SHARE of the recent calls; work-conserving as
 // serve.admission.Shares: a caller alone may use every place, and a caller within its share, or
-// a light one, is let in past the cap, see Shares::acquire). A call past either is answered
-// RESOURCE_EXHAUSTED here, in microseconds, without the server seeing it.
+// a light one, is let in past the cap, see Shares::place). A call past either is answered
+// RESOURCE_EXHAUSTED here, in microseconds, without the server seeing it; a call past the cap
+// alone may first wait a few milliseconds for a place while the front end is not overloaded
+// (Front::waiting).
 // Every other method (health, reflection) is passed on uncapped. The caller's name is forwarded
 // as METADATA_KEY, and whether it is heavy or light beside others as genrec-contention: the
 // server queues callers apart and holds each call to that judgement instead of taking shares a
@@ -14,17 +16,19 @@
 // there than a quiet caller's burst). The call's deadline and a client's cancellation are passed
 // on too.
 //
-//   front LISTEN UPSTREAM MAX_IN_FLIGHT MAX_SHARE ACTIVE_S METADATA_KEY MAX_MESSAGE_BYTES
+//   front LISTEN UPSTREAM MAX_IN_FLIGHT MAX_SHARE ACTIVE_S METADATA_KEY MAX_MESSAGE_BYTES MAX_WAIT_MS
 // LISTEN: host:port (port 0: any; "listening PORT" on stdout once it listens). UPSTREAM: the
 // server's address: unix:PATH (its own socket, which nobody else can reach), or host:port.
-// MAX_SHARE 0: no per-caller cap. SIGTERM / SIGQUIT / SIGINT: stop taking calls, let those
-// passed on finish (up to 10 s), exit 0.
+// MAX_SHARE 0: no per-caller cap. MAX_WAIT_MS: the longest a call past the cap waits for a place
+// (0: refused at once). SIGTERM / SIGQUIT / SIGINT: stop taking calls, let those passed on
+// finish (up to 10 s), exit 0.
 //
 // One thread drives one completion queue; each call is a small state machine (Call below):
-// accepted -> refused, or read -> upstream call -> reply written; the done notice arrives
+// accepted -> (waiting ->) refused, or read -> upstream call -> reply written; the done notice arrives
 // independently, and the call is freed once both its last write and that notice are in.
 
 #include <grpc/support/time.h>
+#include <grpcpp/alarm.h>
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
@@ -38,6 +42,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <list>
 #include <memory>
 #include <string>
 #include <thread>
@@ -59,10 +64,29 @@ class Shares {
   Shares(int cap, double share, double active_s) : cap_(cap), share_(share), active_s_(active_s) {}
 
 
-  // "" when the caller may have one more call at once, else why not. A caller within its share
-  // is let in past the cap (up to twice it): a caller that had the server to itself may hold
-  // every place, and a newcomer must not wait for them; the other's calls past its share are
-  // refused from then on, so the total is back under the cap within a call's time.
+  // How a caller's call is judged when it arrives: heavy (more than its share of the recent
+  // calls sent, or of the places held), and whether another caller is active. The call counts
+  // towards the caller's rate here, once.
+  struct Judgement {
+    bool heavy = false, others = false;
+  };
+
+  Judgement judge(const std::string& caller) {
+    const auto now = Clock::now();
+    Held& mine = held_[caller];
+    const bool sends = count(mine.rate, mine.rate_at, now) > share_ * count(total_rate_, total_at_, now);
+    const bool holds = average(mine.occupancy, mine.occupancy_at, mine.calls, now) >
+                       share_ * average(total_occupancy_, total_occupancy_at_, total_, now);
+    seen(caller, now);
+    return {sends || holds, share_ > 0 && others_active(caller, mine, now)};
+  }
+
+  // "" when the caller may have one more call at once (its place taken), else why not; ``at_cap``
+  // says the call was refused by the count of places alone (it may wait for one), not by its
+  // caller's share. A caller within its share is let in past the cap (up to twice it): a caller
+  // that had the server to itself may hold every place, and a newcomer must not wait for them;
+  // the other's calls past its share are refused from then on, so the total is back under the
+  // cap within a call's time.
   //
   // The share binds a heavy caller only: one that sent more than MAX_SHARE of the calls of the
   // last ~ACTIVE_S seconds, or held more than MAX_SHARE of the calls passed on over that time (a
@@ -74,31 +98,29 @@ class Shares {
   // ``contention`` (a call let in): "heavy" or "light" while another caller is active, "" when
   // the caller is alone or shares are off; forwarded to the server (CONTENTION_KEY), whose batcher
   // holds the call to it: the server sees only the calls let through here, not who is flooding.
-  std::string acquire(const std::string& caller, std::string& contention) {
-    const auto now = Clock::now();
+  std::string place(const std::string& caller, const Judgement& j, bool& at_cap, std::string& contention) {
     Held& mine = held_[caller];
-    const bool sends = count(mine.rate, mine.rate_at, now) > share_ * count(total_rate_, total_at_, now);
-    const bool holds = average(mine.occupancy, mine.occupancy_at, mine.calls, now) >
-                       share_ * average(total_occupancy_, total_occupancy_at_, total_, now);
-    const bool heavy = sends || holds;
     const int share_limit = share_ > 0 ? std::max(1, static_cast<int>(std::ceil(cap_ * share_))) : cap_;
     const bool within_share = share_ > 0 && mine.calls < share_limit;
-    seen(caller, now);
-    const bool others = share_ > 0 && others_active(caller, mine, now);
-    if (!within_share && heavy && others) {
+    at_cap = false;
+    if (!within_share && j.heavy && j.others) {
       return "overloaded: caller '" + caller + "' has " + std::to_string(mine.calls) +
              " calls at once, its share of the server's front end while others call; retry with backoff";
     }
-    const int bound = within_share ? 2 * cap_ : (share_ > 0 && !heavy) ? cap_ + share_limit : cap_;
+    const int bound = within_share ? 2 * cap_ : (share_ > 0 && !j.heavy) ? cap_ + share_limit : cap_;
     if (total_ >= bound) {
+      at_cap = true;
       return "overloaded: the server's front end has its " + std::to_string(cap_) +
              " calls at once; retry with backoff or another replica";
     }
+    const auto now = Clock::now();
     hold(mine, +1, now);
     mine.last = now;
-    contention = !others ? "" : heavy ? "heavy" : "light";
+    contention = !j.others ? "" : j.heavy ? "heavy" : "light";
     return "";
   }
+
+  int cap() const { return cap_; }
 
   void release(const std::string& caller) {
     auto it = held_.find(caller);
@@ -198,6 +220,8 @@ class Shares {
   std::unordered_map<std::string, Held> held_;
 };
 
+struct Call;
+
 struct Front {
   grpc::AsyncGenericService service;
   std::unique_ptr<grpc::ServerCompletionQueue> cq;
@@ -208,12 +232,26 @@ struct Front {
   grpc::GenericStub& upstream() { return *upstreams[next_upstream++ % upstreams.size()]; }
   std::unique_ptr<Shares> shares;
   std::string key;
+  // Calls past the cap wait here for a place, oldest first, up to MAX_WAIT_MS each (and as many
+  // as the cap): a burst of a healthy load is served a few milliseconds late instead of refused.
+  // Under overload they do not: once a call could not wait (the line full, or a call waited its
+  // time out), calls past the cap are refused at once until none has been for kCalm, so that
+  // answered calls do not queue here behind a flood. A light caller beside others may wait even
+  // then: a place that frees goes to it, not to the flood (whose calls are refused at the cap).
+  std::list<Call*> waiting;
+  std::chrono::microseconds max_wait{0};
+  Clock::time_point strained_at{};  // when a call past the cap last could not wait
+  static constexpr std::chrono::milliseconds kCalm{250};
+  bool may_wait(bool light, Clock::time_point now) const {
+    return max_wait.count() > 0 && static_cast<int>(waiting.size()) < shares->cap() &&
+           (light || now - strained_at > kCalm);
+  }
   void accept_one();
+  void admit_waiting();
 };
 
-enum class Event { kAccepted, kRead, kUpstream, kWritten, kDone };
+enum class Event { kAccepted, kRead, kUpstream, kWritten, kDone, kWaited };
 
-struct Call;
 struct Tag {
   Call* call;
   Event event;
@@ -256,9 +294,12 @@ struct Call {
   std::unique_ptr<grpc::GenericClientAsyncResponseReader> reader;
   grpc::Status status;
   std::string caller, contention;
-  bool holds = false, upstream_busy = false, written = false, done = false;
+  Shares::Judgement judged;
+  grpc::Alarm alarm;  // a waiting call's time limit
+  std::list<Call*>::iterator in_line;
+  bool holds = false, upstream_busy = false, written = false, done = false, waits = false, alarm_set = false;
   Tag accepted{this, Event::kAccepted}, read{this, Event::kRead}, answered{this, Event::kUpstream},
-      wrote{this, Event::kWritten}, finished{this, Event::kDone};
+      wrote{this, Event::kWritten}, finished{this, Event::kDone}, waited{this, Event::kWaited};
 
   explicit Call(Front* f) : front(f) {}
 
@@ -289,11 +330,29 @@ struct Call {
         return true;
       case Event::kWritten:
         written = true;
-        return !done;
+        return !done || alarm_set;
       case Event::kDone:
         done = true;
+        if (waits) {  // the client went away while its call waited for a place
+          leave_line();
+          stream.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the call ended while it waited for a place"), &wrote);
+          return true;
+        }
         if (ctx.IsCancelled() && upstream_busy) up.TryCancel();  // the client went away: so does the server's call
-        return !written || upstream_busy;
+        return !written || upstream_busy || alarm_set;
+      case Event::kWaited:
+        alarm_set = false;
+        if (ok && waits) {  // waited its time without a place: refused, and the front end is strained
+          leave_line();
+          front->strained_at = Clock::now();
+          stream.Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                                     "overloaded: no place at the server's front end within " +
+                                         std::to_string(front->max_wait.count() / 1000) +
+                                         " ms; retry with backoff or another replica"),
+                        &wrote);
+          return true;
+        }
+        return !(written && done);
     }
     return true;
   }
@@ -301,14 +360,53 @@ struct Call {
   void on_accepted() {
     caller = caller_of(ctx, front->key);
     if (ctx.method().rfind(kCapped, 0) == 0) {
-      const std::string why = front->shares->acquire(caller, contention);
+      judged = front->shares->judge(caller);
+      bool at_cap = false;
+      const std::string why = front->shares->place(caller, judged, at_cap, contention);
       if (!why.empty()) {
+        const auto now = Clock::now();
+        if (at_cap && front->may_wait(judged.others && !judged.heavy, now)) {
+          wait_in_line();
+          return;
+        }
+        if (at_cap) front->strained_at = now;
         stream.Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, why), &wrote);
         return;
       }
       holds = true;
     }
     stream.Read(&request, &read);
+  }
+
+  // Waits for a place (Front::admit_waiting) until MAX_WAIT_MS or the call's deadline passes.
+  void wait_in_line() {
+    waits = true;
+    in_line = front->waiting.insert(front->waiting.end(), this);
+    const auto limit = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                                    gpr_time_from_micros(front->max_wait.count(), GPR_TIMESPAN));
+    alarm_set = true;
+    alarm.Set(front->cq.get(), gpr_time_min(limit, gpr_convert_clock_type(ctx.raw_deadline(), GPR_CLOCK_MONOTONIC)),
+              &waited);
+  }
+
+  void leave_line() {
+    if (!waits) return;
+    front->waiting.erase(in_line);
+    waits = false;
+    if (alarm_set) alarm.Cancel();
+  }
+
+  // A place was found for this waiting call (its place taken): on with it.
+  void admitted() {
+    leave_line();
+    holds = true;
+    stream.Read(&request, &read);
+  }
+
+  // No longer placeable (its caller's share binds now): refused.
+  void refused(const std::string& why) {
+    leave_line();
+    stream.Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, why), &wrote);
   }
 
   void forward() {
@@ -326,10 +424,28 @@ struct Call {
   }
 
   void release() {
-    if (holds) front->shares->release(caller);
+    if (!holds) return;
     holds = false;
+    front->shares->release(caller);
+    front->admit_waiting();
   }
 };
+
+// A place freed: the waiting calls, oldest first, take places while there are some.
+void Front::admit_waiting() {
+  while (!waiting.empty()) {
+    Call* c = waiting.front();
+    bool at_cap = false;
+    const std::string why = shares->place(c->caller, c->judged, at_cap, c->contention);
+    if (why.empty()) {
+      c->admitted();
+    } else if (at_cap) {
+      return;
+    } else {
+      c->refused(why);
+    }
+  }
+}
 
 void Front::accept_one() {
   Call* call = new Call(this);
@@ -340,21 +456,23 @@ void Front::accept_one() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 8) {
-    std::cerr << "usage: front LISTEN UPSTREAM MAX_IN_FLIGHT MAX_SHARE ACTIVE_S METADATA_KEY MAX_MESSAGE_BYTES\n";
+  if (argc != 9) {
+    std::cerr << "usage: front LISTEN UPSTREAM MAX_IN_FLIGHT MAX_SHARE ACTIVE_S METADATA_KEY MAX_MESSAGE_BYTES MAX_WAIT_MS\n";
     return 2;
   }
   const std::string listen = argv[1], target = argv[2];
   const int cap = std::atoi(argv[3]);
   const double share = std::atof(argv[4]), active_s = std::atof(argv[5]);
   const int max_bytes = std::atoi(argv[7]);
-  if (cap < 1 || share < 0 || share > 1 || max_bytes < 1) {
-    std::cerr << "front: MAX_IN_FLIGHT >= 1, 0 <= MAX_SHARE <= 1, MAX_MESSAGE_BYTES >= 1\n";
+  const double max_wait_ms = std::atof(argv[8]);
+  if (cap < 1 || share < 0 || share > 1 || max_bytes < 1 || max_wait_ms < 0) {
+    std::cerr << "front: MAX_IN_FLIGHT >= 1, 0 <= MAX_SHARE <= 1, MAX_MESSAGE_BYTES >= 1, MAX_WAIT_MS >= 0\n";
     return 2;
   }
   Front front;
   front.key = argv[6];
   front.shares = std::make_unique<Shares>(cap, share, active_s);
+  front.max_wait = std::chrono::microseconds(static_cast<int64_t>(max_wait_ms * 1000));
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);  // (a refused or failed call is the caller's to retry; no send buffering)
   args.SetMaxReceiveMessageSize(-1);
