@@ -84,7 +84,16 @@ from genrec.serve.packed import packed_covers
 from genrec.serve.ranking import Ranking
 from genrec.serve.requests import Work
 from genrec.serve.retrieval import merge_sources
-from genrec.serve.sglang_models.codec import ERROR_INFO, FAILED, PAYLOAD, VOCAB, Answer, decode_row
+from genrec.serve.sglang_models.codec import (
+    ERROR_INFO,
+    FAILED,
+    PAYLOAD,
+    VOCAB,
+    Answer,
+    decode_row,
+    pack_events,
+    pack_ints,
+)
 
 log = logging.getLogger("genrec.serve.sglang")
 CALL_TIMEOUT_S = 60.0  # the bound on a call whose works carry no deadline (a direct caller's)
@@ -303,11 +312,11 @@ class SGLangEngine(InProcessEngine):
         ranks = bool(self.schema.tasks) and 0 in self.ranking.plan([w], {0: (none, none)} if retrieve else {})
         rank = "none" if not ranks else ("retrieved" if retrieve else "given")
         excluded = w.excluded() if retrieve else None
-        payload = {"items": items.tolist(), "actions": actions.tolist(), "times": tk.tolist(), "qtimes": tq.tolist(),
+        payload = {"events": pack_events(items, actions, tk, tq),
                    "k": int(w.retrieve_k) if retrieve else 0, "source": w.source,
                    "beam": self._beam_of(w) if retrieve and w.source != "dense" else 0,
-                   "excluded": None if excluded is None else excluded.tolist(),
-                   "rank": rank, "candidates": w.candidates.tolist() if rank == "given" and w.candidates is not None else None,
+                   "excluded": pack_ints(excluded),
+                   "rank": rank, "candidates": pack_ints(w.candidates) if rank == "given" else None,
                    "context": {k: v.tolist() for k, v in w.user.context.items()}}
         # a user's entries are matched only against its own; no id: a salt of its own, evicted first
         if w.user.user_id:
@@ -431,7 +440,7 @@ class SGLangEngine(InProcessEngine):
             for i, w in works:
                 seen = w.excluded()
                 reqs.append(_Req([0], {"prompt": users[i].float().tolist(), "beam": self._beam_of(w),
-                                       "excluded": None if seen is None else seen.tolist()},
+                                       "excluded": pack_ints(seen)},
                                  f"gen:{uuid.uuid4().hex}"))
             return {i: self._generated(a) for (i, _), a in zip(works, self._call(reqs, deadline))}
 

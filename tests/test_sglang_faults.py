@@ -68,7 +68,7 @@ def test_an_exception_in_the_forward_fails_its_call_only(engines):
     works = [work(te.schema, history(20 + i, seed=10 + i), KINDS[i % 3], uid=f"fw{i}", seed=i) for i in range(3)]
     reqs = [se._request(w) for w in works]
     broken = se._request(works[0])
-    del broken.payload["qtimes"]  # what a bug in the forward looks like to SGLang's scheduler
+    del broken.payload["events"]  # what a bug in the forward looks like to SGLang's scheduler
     outs = se.send([broken, *reqs[1:]], time.monotonic() + 60)
     assert "KeyError" in outs[0]["meta_info"]["genrec_error"][-1]
     assert not [e for o in outs[1:] for e in (o["meta_info"].get("genrec_error") or []) if e]

@@ -15,8 +15,12 @@ is exact in float32, so positions stay exact up to 2^48 items (a plain float32 i
 below 2^24 = 16.7M). The beam's log-probabilities are float32 as the decoder computes them. ``status`` 0: answered; 1: the model's forward failed for this request (the
 reason travels as customized info under :data:`ERROR_INFO`, its K/V must not be reused).
 
-Also here: the constants both sides must agree on (payload key, customized-info key, the
-dummy vocabulary: the model decodes nothing through SGLang's sampler).
+Also here: the request payload's arrays, and the constants both sides must agree on (payload
+key, customized-info key, the dummy vocabulary: the model decodes nothing through SGLang's
+sampler). A payload's integer arrays travel as raw int64 bytes (:func:`pack_ints`,
+:func:`pack_events`), not Python lists: SGLang pickles every request to its scheduler, and
+lists of a long history's events cost 3.5 ms a call to build, pickle and read back at 8,000
+events against 0.15 ms as bytes.
 No SGLang import: both processes load this module.
 """
 
@@ -33,6 +37,27 @@ VOCAB = 4  # the dummy logits' width (every request is one greedy token: nothing
 HEADER = 5
 OK, FAILED = 0, 1
 _HALF = 1 << 24
+EVENTS = ("items", "actions", "times", "qtimes")  # the rows of a payload's "events" (pack_events)
+
+
+def pack_ints(values: np.ndarray | None) -> bytes | None:
+    """An integer array as int64 bytes for a payload (None stays None)."""
+    return None if values is None else np.ascontiguousarray(values, np.int64).tobytes()
+
+
+def unpack_ints(data: bytes | None) -> np.ndarray | None:
+    """:func:`pack_ints`' array back (read-only, no copy)."""
+    return None if data is None else np.frombuffer(data, np.int64)
+
+
+def pack_events(items: np.ndarray, actions: np.ndarray, times: np.ndarray, qtimes: np.ndarray) -> bytes:
+    """A history's events, one [4, n] int64 block (rows in :data:`EVENTS` order)."""
+    return np.stack([np.asarray(c, np.int64) for c in (items, actions, times, qtimes)]).tobytes()
+
+
+def unpack_events(data: bytes) -> np.ndarray:
+    """:func:`pack_events`' block back: [4, n] int64 (read-only, no copy)."""
+    return np.frombuffer(data, np.int64).reshape(len(EVENTS), -1)
 
 
 def _halves(pos: torch.Tensor) -> list[torch.Tensor]:

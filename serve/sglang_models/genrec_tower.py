@@ -53,11 +53,14 @@ from genrec.serve.retrieval import Pair, Retrieved, generate, merge_sources
 from genrec.serve.sglang_models.codec import (
     EMPTY,
     ERROR_INFO,
+    EVENTS,
     PAYLOAD,
     VOCAB,
     encode_row,
     failed_row,
     stack_rows,
+    unpack_events,
+    unpack_ints,
 )
 
 log = logging.getLogger("genrec.serve.sglang")
@@ -85,11 +88,13 @@ class _Ask:
 @dataclass
 class _Part:
     """The requests of one extend pass that the tower computes (those with genrec's payload):
-    their rows in the batch, payloads, cached and new tokens, the new tokens' positions and
-    pool slots [T], and their req-to-token rows [b]."""
+    their rows in the batch, payloads (and their histories' events, [4, n] each: codec.EVENTS),
+    cached and new tokens, the new tokens' positions and pool slots [T], and their req-to-token
+    rows [b]."""
 
     index: list[int]
     payloads: list[dict]
+    events: list[np.ndarray]
     pre: list[int]
     ext: list[int]
     positions: torch.Tensor
@@ -182,7 +187,7 @@ class GenRecHSTU(nn.Module):
 
     def _tower_part(self, part: _Part, rows: list[torch.Tensor]) -> None:
         h, kv = self._extend(part)
-        done = [j for j in range(len(part.index)) if part.pre[j] + part.ext[j] == len(part.payloads[j]["items"])]
+        done = [j for j in range(len(part.index)) if part.pre[j] + part.ext[j] == part.events[j].shape[1]]
         if done:
             self._finish(part, done, h, kv, rows)
 
@@ -202,7 +207,7 @@ class GenRecHSTU(nn.Module):
         their beams together, into ``rows``; a failure fails them (the reason in ``errors``)."""
         try:
             users = torch.tensor([payloads[i]["prompt"] for i in index], dtype=torch.float32)
-            asks = [(j, _Ask(0, _array(payloads[i]["excluded"]), "generative", int(payloads[i]["beam"])))
+            asks = [(j, _Ask(0, unpack_ints(payloads[i]["excluded"]), "generative", int(payloads[i]["beam"])))
                     for j, i in enumerate(index)]
             got = self._generate(users, asks)
             none = torch.zeros(0, dtype=torch.int64)
@@ -223,15 +228,15 @@ class GenRecHSTU(nn.Module):
             starts = np.cumsum(ext) - ext
             tok = torch.from_numpy(np.concatenate([np.arange(starts[i], starts[i] + ext[i]) for i in index]))
             loc, pos, pool_rows = loc[tok], pos[tok], pool_rows[torch.tensor(index)]
-        return _Part(index, [payloads[i] for i in index], [pre[i] for i in index], [ext[i] for i in index],
-                     pos, loc, pool_rows)
+        return _Part(index, [payloads[i] for i in index], [unpack_events(payloads[i]["events"]) for i in index],
+                     [pre[i] for i in index], [ext[i] for i in index], pos, loc, pool_rows)
 
     def _extend(self, part: _Part):  # noqa: ANN202
         """The part's new tokens through the tower over the pool -> (their outputs [T, D],
         (slot map [B, L], the pool, each request's tokens after this pass [B]))."""
-        m, payloads, pre, ext = self.model, part.payloads, part.pre, part.ext
-        cols = {key: np.concatenate([np.asarray(p[key][s : s + e], np.int64) for p, s, e in zip(payloads, pre, ext)])
-                for key in ("items", "actions", "times", "qtimes")}
+        m, pre, ext = self.model, part.pre, part.ext
+        new = np.concatenate([ev[:, s : s + e] for ev, s, e in zip(part.events, pre, ext)], axis=1)
+        cols = {key: np.ascontiguousarray(new[r]) for r, key in enumerate(EVENTS)}
         pos = part.positions
         # the new tokens' positions from the host's lengths (prefix + offset: SGLang's positions of
         # an extend), not read back from the device
@@ -332,14 +337,14 @@ class GenRecHSTU(nn.Module):
         flat = torch.cat([slots[i, : int(lengths[i])] for i in done])
         offsets = torch.zeros(len(done) + 1, dtype=torch.int64)
         offsets[1:] = torch.cumsum(lengths[done], 0)
-        request = torch.tensor([payloads[i]["qtimes"][-1] for i in done], dtype=torch.int64)
+        request = torch.tensor([part.events[i][EVENTS.index("qtimes"), -1] for i in done], dtype=torch.int64)
         times = self.slot_times[flat] if m.tower.time_bias and self.slot_times is not None else None
         hist = self._history(pool, flat, offsets, times, request if m.tower.time_bias else None, users.dtype)
         none = np.zeros(0, np.int64)
         ctx = self.packed.context([UserInput(none, none, none, True, 0, {n: np.asarray(v, np.int64) for n, v in
                                                                          payloads[i]["context"].items()}) for i in done])
         state = HistoryState(hist, lengths[done].clone(), ctx)
-        asks = {j: _Ask(payloads[i]["k"], _array(payloads[i]["excluded"]), payloads[i].get("source", "dense"),
+        asks = {j: _Ask(payloads[i]["k"], unpack_ints(payloads[i]["excluded"]), payloads[i].get("source", "dense"),
                         int(payloads[i].get("beam", 0))) for j, i in enumerate(done)}
         need = [(j, a) for j, a in asks.items() if a.retrieve_k and a.source != "generative"]
         found: dict[int, Pair] = eng.catalogue.top_k(users, need) if need else {}
@@ -353,7 +358,7 @@ class GenRecHSTU(nn.Module):
         for j, i in enumerate(done):
             p = payloads[i]
             if p["rank"] == "given":
-                to_rank[j] = (np.asarray(p["candidates"], np.int64),)
+                to_rank[j] = (unpack_ints(p["candidates"]),)
             elif p["rank"] == "retrieved":
                 to_rank[j] = (merged[j][0] if j in merged else found[j][0],)
         probs = eng.score(state, to_rank) if to_rank else {}
@@ -400,6 +405,4 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"[:300]
 
 
-def _array(values: list | None) -> np.ndarray | None:
-    return None if values is None else np.asarray(values, np.int64)
 EntryClass = GenRecHSTU
