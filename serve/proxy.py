@@ -61,7 +61,7 @@ class FrontPlan:
     active_s: float  # a caller counts as active this long after its last call
     metadata_key: str  # the callers' name key
     max_message_bytes: int  # the largest request the server's limits allow
-    max_wait_ms: float = 0.0  # how long a call past the cap may wait for a place (0: refused at once)
+    max_wait_ms: float  # how long a call past the cap may wait for a place (0: refused at once)
 
     def argv(self) -> list[str]:
         host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host

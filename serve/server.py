@@ -145,9 +145,10 @@ class ConnectionConfig:
     max_in_flight: int = 12
     # ... and how long a call past that cap may wait there for a place while the front end is not
     # overloaded: a Poisson load at half of capacity sends bursts past 12 calls now and then,
-    # which were refused (issue 46's recovery windows). Refused at once while calls past the cap
-    # could not wait within the last 250 ms (a flood: the calls answered must not queue behind
-    # it). 0: refused at once
+    # which were refused (issue 46's recovery windows). Once a call past the cap could not wait
+    # (the line full, or a wait ran out), calls past it are refused at once until 250 ms pass
+    # without one (a flood: the calls answered must not queue behind it). 0: refused at once; at
+    # most 100 (a waiting call keeps the judgement of its caller made when it arrived)
     max_wait_ms: float = 10.0
     max_message_bytes: int = 0
     keepalive_time_s: float = 60.0  # ping an idle connection this often ...
@@ -161,8 +162,8 @@ class ConnectionConfig:
             raise ValueError(f"serve.connections.front_end = {self.front_end!r}; choose aio, threads or native")
         if self.max_in_flight < 1:
             raise ValueError(f"serve.connections.max_in_flight = {self.max_in_flight}; it must be at least 1")
-        if not 0 <= self.max_wait_ms <= 1000:
-            raise ValueError(f"serve.connections.max_wait_ms = {self.max_wait_ms}; it must be 0 to 1000")
+        if not 0 <= self.max_wait_ms <= 100:
+            raise ValueError(f"serve.connections.max_wait_ms = {self.max_wait_ms}; it must be 0 to 100")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@
 //
 // One thread drives one completion queue; each call is a small state machine (Call below):
 // accepted -> (waiting ->) refused, or read -> upstream call -> reply written; the done notice arrives
-// independently, and the call is freed once both its last write and that notice are in.
+// independently, and the call is freed once its last write, that notice and (if it waited) its
+// alarm's notice are in.
 
 #include <grpc/support/time.h>
 #include <grpcpp/alarm.h>
@@ -235,14 +236,15 @@ struct Front {
   // Calls past the cap wait here for a place, oldest first, up to MAX_WAIT_MS each (and as many
   // as the cap): a burst of a healthy load is served a few milliseconds late instead of refused.
   // Under overload they do not: once a call could not wait (the line full, or a call waited its
-  // time out), calls past the cap are refused at once until none has been for kCalm, so that
-  // answered calls do not queue here behind a flood. A light caller beside others may wait even
-  // then: a place that frees goes to it, not to the flood (whose calls are refused at the cap).
+  // time out), every call past the cap is refused at once, and waiting resumes only after kCalm
+  // without a call refused at the cap, so that answered calls do not queue here behind a flood.
+  // A light caller beside others may wait even then: a place that frees goes to the oldest call
+  // in line that fits, and a flood's calls beside it are refused by its share, not lined up.
   std::list<Call*> waiting;
   std::chrono::microseconds max_wait{0};
   Clock::time_point strained_at{};  // when a call past the cap last could not wait
   static constexpr std::chrono::milliseconds kCalm{250};
-  bool may_wait(bool light, Clock::time_point now) const {
+  bool may_wait(bool light, Clock::time_point now) const {  // (a call past the cap)
     return max_wait.count() > 0 && static_cast<int>(waiting.size()) < shares->cap() &&
            (light || now - strained_at > kCalm);
   }
@@ -295,7 +297,7 @@ struct Call {
   grpc::Status status;
   std::string caller, contention;
   Shares::Judgement judged;
-  grpc::Alarm alarm;  // a waiting call's time limit
+  std::unique_ptr<grpc::Alarm> alarm;  // a waiting call's time limit (made when it first waits)
   std::list<Call*>::iterator in_line;
   bool holds = false, upstream_busy = false, written = false, done = false, waits = false, alarm_set = false;
   Tag accepted{this, Event::kAccepted}, read{this, Event::kRead}, answered{this, Event::kUpstream},
@@ -342,12 +344,13 @@ struct Call {
         return !written || upstream_busy || alarm_set;
       case Event::kWaited:
         alarm_set = false;
-        if (ok && waits) {  // waited its time without a place: refused, and the front end is strained
+        if (waits) {  // waited its time without a place: refused, and the front end is strained
           leave_line();
           front->strained_at = Clock::now();
+          char ms[32];
+          std::snprintf(ms, sizeof ms, "%g", front->max_wait.count() / 1000.0);
           stream.Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                                     "overloaded: no place at the server's front end within " +
-                                         std::to_string(front->max_wait.count() / 1000) +
+                                     std::string("overloaded: no place at the server's front end within ") + ms +
                                          " ms; retry with backoff or another replica"),
                         &wrote);
           return true;
@@ -369,7 +372,7 @@ struct Call {
           wait_in_line();
           return;
         }
-        if (at_cap) front->strained_at = now;
+        if (at_cap) front->strained_at = now;  // (also while strained: waiting resumes after a calm kCalm)
         stream.Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, why), &wrote);
         return;
       }
@@ -378,22 +381,23 @@ struct Call {
     stream.Read(&request, &read);
   }
 
-  // Waits for a place (Front::admit_waiting) until MAX_WAIT_MS or the call's deadline passes.
+  // Waits for a place (Front::admit_waiting) up to MAX_WAIT_MS. A deadline that passes first
+  // ends the call through its done notice (cancelled, not counted as overload).
   void wait_in_line() {
     waits = true;
     in_line = front->waiting.insert(front->waiting.end(), this);
-    const auto limit = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
-                                    gpr_time_from_micros(front->max_wait.count(), GPR_TIMESPAN));
+    if (!alarm) alarm = std::make_unique<grpc::Alarm>();
     alarm_set = true;
-    alarm.Set(front->cq.get(), gpr_time_min(limit, gpr_convert_clock_type(ctx.raw_deadline(), GPR_CLOCK_MONOTONIC)),
-              &waited);
+    alarm->Set(front->cq.get(),
+               gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_micros(front->max_wait.count(), GPR_TIMESPAN)),
+               &waited);
   }
 
   void leave_line() {
     if (!waits) return;
     front->waiting.erase(in_line);
     waits = false;
-    if (alarm_set) alarm.Cancel();
+    if (alarm_set) alarm->Cancel();  // (its tag still comes, ok = false, or true if it had fired)
   }
 
   // A place was found for this waiting call (its place taken): on with it.
@@ -431,17 +435,17 @@ struct Call {
   }
 };
 
-// A place freed: the waiting calls, oldest first, take places while there are some.
+// A place freed: the waiting calls, oldest first, take places while there are some. A call
+// still past its bound stays in line without holding up those behind it whose bound is higher
+// (a light caller's or one within its share); the line is at most the cap long.
 void Front::admit_waiting() {
-  while (!waiting.empty()) {
-    Call* c = waiting.front();
+  for (auto it = waiting.begin(); it != waiting.end();) {
+    Call* c = *it++;  // (admitted / refused take it out of the line; ``it`` is already past it)
     bool at_cap = false;
     const std::string why = shares->place(c->caller, c->judged, at_cap, c->contention);
     if (why.empty()) {
       c->admitted();
-    } else if (at_cap) {
-      return;
-    } else {
+    } else if (!at_cap) {
       c->refused(why);
     }
   }
@@ -465,8 +469,9 @@ int main(int argc, char** argv) {
   const double share = std::atof(argv[4]), active_s = std::atof(argv[5]);
   const int max_bytes = std::atoi(argv[7]);
   const double max_wait_ms = std::atof(argv[8]);
-  if (cap < 1 || share < 0 || share > 1 || max_bytes < 1 || max_wait_ms < 0) {
-    std::cerr << "front: MAX_IN_FLIGHT >= 1, 0 <= MAX_SHARE <= 1, MAX_MESSAGE_BYTES >= 1, MAX_WAIT_MS >= 0\n";
+  if (cap < 1 || share < 0 || share > 1 || max_bytes < 1 || !std::isfinite(max_wait_ms) || max_wait_ms < 0 ||
+      max_wait_ms > 1000) {
+    std::cerr << "front: MAX_IN_FLIGHT >= 1, 0 <= MAX_SHARE <= 1, MAX_MESSAGE_BYTES >= 1, 0 <= MAX_WAIT_MS <= 1000\n";
     return 2;
   }
   Front front;
