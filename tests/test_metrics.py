@@ -73,9 +73,15 @@ def test_ties_rank_ahead_of_the_target():
     assert seen.tolist() == [2, 4, 5]
 
 
-def test_target_outside_corpus_is_an_error():
-    with pytest.raises(ValueError, match="not in the model's corpus"):
-        target_ranks(torch.zeros(1, 2), torch.tensor([7]), torch.tensor([1, 2]))
+def test_a_target_outside_the_corpus_is_a_miss_not_an_error():
+    """The server never returns an item its model does not know: such a target ranks N (a miss
+    at every cut-off), with or without the history, and the other users' ranks stand (it raised,
+    and a held-out item no training user had seen ended the whole evaluation)."""
+    corpus, scores = torch.tensor([1, 2, 5]), torch.tensor([[0.9, 0.1, 0.5], [0.2, 0.8, 0.1]])
+    targets = torch.tensor([7, 2])  # 7: outside (sorts past the end); and inside, between: 3
+    assert target_ranks(scores, targets, corpus).tolist() == [3, 0]
+    assert target_ranks(scores, torch.tensor([3, 5]), corpus).tolist() == [3, 2]
+    assert target_ranks(scores, targets, corpus, torch.tensor([2]), torch.tensor([0, 1])).tolist() == [3, 3]
 
 
 def test_transition_baseline_counts_the_models_training_span(tmp_path):

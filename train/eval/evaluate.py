@@ -2,8 +2,9 @@
 
 For every user: score the whole catalogue with the user vector, drop the items already in
 the user's (untruncated) history, and find the rank of the held-out target among the
-rest, as the server's list would have it: a target that repeats a history item can never be
-returned, so it ranks N (a miss at every cut-off; ``target_ranks``). Ranks are 0-based: rank 0 is a hit at 1. Metrics are means over users (each with
+rest, as the server's list would have it: a target that repeats a history item, or an item
+outside the model's corpus (one its training never saw), can never be returned, so it ranks N
+(a miss at every cut-off; ``target_ranks``). Ranks are 0-based: rank 0 is a hit at 1. Metrics are means over users (each with
 its standard error, ``<metric>_se``: the spread of the per-user values over sqrt(users),
 what a checkpoint choice on a few hundred validation users has to allow for):
 
@@ -95,25 +96,27 @@ def target_ranks(
     seen_lengths [B]. With the history given, its items are left out of the list, as
     serving's ``exclude_history`` leaves them out: a target that repeats one of them can
     never be returned, so it ranks N (a miss at every cut-off). Without it nothing is left
-    out. Ties go against the target: every other item scored the same ranks ahead of it, so
-    a model that cannot tell items apart (equal scores, e.g. the shared miss row of a
-    managed-collision table) earns no hits from the ties.
+    out. A target outside the corpus ranks N as well: the server never returns an item its
+    model does not know (few training users leave some held-out items unseen). Ties go
+    against the target: every other item scored the same ranks ahead of it, so a model that
+    cannot tell items apart (equal scores, e.g. the shared miss row of a managed-collision
+    table) earns no hits from the ties.
 
     Example: corpus [10, 20, 30], scores [[0.1, 0.9, 0.5]], target 30 -> rank 1; with
-    history [20] -> rank 0; with history [30] (a repeat) -> rank 3.
+    history [20] -> rank 0; with history [30] (a repeat) -> rank 3; target 40 -> rank 3.
     """
-    tidx = torch.searchsorted(corpus_ids, targets).clamp(max=corpus_ids.numel() - 1)
-    if not bool((corpus_ids[tidx] == targets).all()):
-        missing = targets[corpus_ids[tidx] != targets][0]
-        raise ValueError(f"target item {int(missing)} is not in the model's corpus")
+    n = corpus_ids.numel()
+    tidx = torch.searchsorted(corpus_ids, targets).clamp(max=n - 1)
+    known = corpus_ids[tidx] == targets
     target_score = scores.gather(1, tidx[:, None])
     masked = seen_ids is not None and seen_ids.numel() > 0
     if masked:
         scores = mask_seen(scores, corpus_ids, seen_ids, seen_lengths)
     ranks = (scores >= target_score).sum(1) - 1  # the target's own entry does not count
-    if not masked:
-        return ranks
-    return torch.where(repeated_targets(targets, seen_ids, seen_lengths), corpus_ids.numel(), ranks)
+    missed = ~known
+    if masked:
+        missed |= repeated_targets(targets, seen_ids, seen_lengths)
+    return torch.where(missed, n, ranks)
 
 
 def repeated_targets(targets: torch.Tensor, seen_ids: torch.Tensor, seen_lengths: torch.Tensor) -> torch.Tensor:
