@@ -358,7 +358,10 @@ class GenRecHSTU(nn.Module):
         for j, i in enumerate(done):
             p = payloads[i]
             if p["rank"] == "given":
-                to_rank[j] = (unpack_ints(p["candidates"]),)
+                given = unpack_ints(p["candidates"])
+                if given is None:
+                    raise ValueError("a payload that ranks given candidates carries none")
+                to_rank[j] = (given,)
             elif p["rank"] == "retrieved":
                 to_rank[j] = (merged[j][0] if j in merged else found[j][0],)
         probs = eng.score(state, to_rank) if to_rank else {}
