@@ -62,7 +62,11 @@ void on_signal(int) { g_stop = true; }
 // Places for calls at once: everyone's (cap) and, while another caller is active, one caller's.
 class Shares {
  public:
-  Shares(int cap, double share, double active_s) : cap_(cap), share_(share), active_s_(active_s) {}
+  Shares(int cap, double share, double active_s)
+      : cap_(cap),
+        share_(share),
+        active_s_(active_s),
+        share_limit_(share > 0 ? std::max(1, static_cast<int>(std::ceil(cap * share))) : cap) {}
 
 
   // How a caller's call is judged when it arrives: heavy (more than its share of the recent
@@ -101,14 +105,13 @@ class Shares {
   // holds the call to it: the server sees only the calls let through here, not who is flooding.
   std::string place(const std::string& caller, const Judgement& j, bool& at_cap, std::string& contention) {
     Held& mine = held_[caller];
-    const int share_limit = share_ > 0 ? std::max(1, static_cast<int>(std::ceil(cap_ * share_))) : cap_;
-    const bool within_share = share_ > 0 && mine.calls < share_limit;
+    const bool within_share = share_ > 0 && mine.calls < share_limit_;
     at_cap = false;
     if (!within_share && j.heavy && j.others) {
       return "overloaded: caller '" + caller + "' has " + std::to_string(mine.calls) +
              " calls at once, its share of the server's front end while others call; retry with backoff";
     }
-    const int bound = within_share ? 2 * cap_ : (share_ > 0 && !j.heavy) ? cap_ + share_limit : cap_;
+    const int bound = within_share ? 2 * cap_ : (share_ > 0 && !j.heavy) ? cap_ + share_limit_ : cap_;
     if (total_ >= bound) {
       at_cap = true;
       return "overloaded: the server's front end has its " + std::to_string(cap_) +
@@ -209,6 +212,7 @@ class Shares {
 
   int cap_;
   double share_, active_s_;
+  int share_limit_;  // one caller's places while others call (the cap where shares are off)
   double total_rate_ = 0;  // every caller's calls, weighted as Held::rate
   Clock::time_point total_at_{};
   double total_occupancy_ = 0;  // every caller's calls held, averaged as Held::occupancy
@@ -345,14 +349,11 @@ struct Call {
       case Event::kWaited:
         alarm_set = false;
         if (waits) {  // waited its time without a place: refused, and the front end is strained
-          leave_line();
           front->strained_at = Clock::now();
           char ms[32];
           std::snprintf(ms, sizeof ms, "%g", front->max_wait.count() / 1000.0);
-          stream.Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                                     std::string("overloaded: no place at the server's front end within ") + ms +
-                                         " ms; retry with backoff or another replica"),
-                        &wrote);
+          refused(std::string("overloaded: no place at the server's front end within ") + ms +
+                  " ms; retry with backoff or another replica");
           return true;
         }
         return !(written && done);
@@ -373,7 +374,7 @@ struct Call {
           return;
         }
         if (at_cap) front->strained_at = now;  // (also while strained: waiting resumes after a calm kCalm)
-        stream.Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, why), &wrote);
+        refused(why);
         return;
       }
       holds = true;
@@ -407,7 +408,8 @@ struct Call {
     stream.Read(&request, &read);
   }
 
-  // No longer placeable (its caller's share binds now): refused.
+  // Refused (RESOURCE_EXHAUSTED ``why``): on arrival, or from the line (its time out, or its
+  // caller's share binding now).
   void refused(const std::string& why) {
     leave_line();
     stream.Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, why), &wrote);

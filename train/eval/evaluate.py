@@ -106,8 +106,7 @@ def target_ranks(
     history [20] -> rank 0; with history [30] (a repeat) -> rank 3; target 40 -> rank 3.
     """
     n = corpus_ids.numel()
-    tidx = torch.searchsorted(corpus_ids, targets).clamp(max=n - 1)
-    known = corpus_ids[tidx] == targets
+    tidx, known = corpus_columns(corpus_ids, targets)
     target_score = scores.gather(1, tidx[:, None])
     masked = seen_ids is not None and seen_ids.numel() > 0
     if masked:
@@ -117,6 +116,13 @@ def target_ranks(
     if masked:
         missed |= repeated_targets(targets, seen_ids, seen_lengths)
     return torch.where(missed, n, ranks)
+
+
+def corpus_columns(corpus_ids: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each of ``ids``' column in sorted ``corpus_ids`` [N] and whether it is there at all (a
+    column of an id outside the corpus is a neighbour's: use it only where ``known``)."""
+    col = torch.searchsorted(corpus_ids, ids).clamp(max=corpus_ids.numel() - 1)
+    return col, corpus_ids[col] == ids
 
 
 def repeated_targets(targets: torch.Tensor, seen_ids: torch.Tensor, seen_lengths: torch.Tensor) -> torch.Tensor:
@@ -131,8 +137,7 @@ def mask_seen(scores: torch.Tensor, corpus_ids: torch.Tensor, seen_ids: torch.Te
     """``scores`` [B, N] over sorted ``corpus_ids`` with each user's seen items (seen_ids [E],
     seen_lengths [B]) at -inf (a new tensor; ids outside the corpus are ignored)."""
     row = torch.repeat_interleave(torch.arange(scores.shape[0], device=scores.device), seen_lengths)
-    col = torch.searchsorted(corpus_ids, seen_ids).clamp(max=corpus_ids.numel() - 1)
-    known = corpus_ids[col] == seen_ids
+    col, known = corpus_columns(corpus_ids, seen_ids)
     return scores.index_put((row[known], col[known]), torch.tensor(float("-inf"), dtype=scores.dtype))
 
 
