@@ -7,8 +7,10 @@ generator that keeps its schedule, the aio listener answered 0.61-0.85x of its c
 offered and 0.34-0.49x at 8x (benchmarks/notes/2026-12-05-native-front.md).
 
 How: ``genrec serve`` starts ``cpp/front.cc`` as its child on the public host and port; the
-gRPC server listens behind it on a Unix socket in a private (0700) folder, which nobody but the
-front end and its user reaches. The front end passes at most
+server listens behind it on two Unix sockets in a private (0700) folder, which nobody but the
+front end and its user reaches: the Recommender calls it passes on arrive as frames on one
+(serve.link: a second gRPC call per call had cost the Python server about half its CPU per
+call), health checks and reflection on the other, the server's gRPC listener. The front end passes at most
 ``connections.max_in_flight`` Recommender calls to the server at once, and while another
 caller is active at most ``fair.max_share`` of them to one heavy caller (named by
 ``fair.metadata_key``, else its peer host, as serve.admission names callers; heavy: it sent more
@@ -55,7 +57,8 @@ class FrontPlan:
 
     host: str
     port: int  # 0: any free port (reported once it listens)
-    upstream: str  # the gRPC server's address: unix:PATH (its private socket) or host:port
+    upstream: str  # the gRPC server's address (health, reflection): unix:PATH (its private socket) or host:port
+    link: str  # the Unix socket (a path) of the server's link for Recommender calls (serve.link)
     max_in_flight: int  # Recommender calls passed to the server at once
     max_share: float  # one caller's share of them while another is active (0: no per-caller cap)
     active_s: float  # a caller counts as active this long after its last call
@@ -67,7 +70,7 @@ class FrontPlan:
         host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
         return [f"{host}:{self.port}", self.upstream, str(self.max_in_flight),
                 f"{self.max_share:g}", f"{self.active_s:g}", self.metadata_key, str(self.max_message_bytes),
-                f"{self.max_wait_ms:g}"]
+                f"{self.max_wait_ms:g}", self.link]
 
 
 @functools.cache

@@ -55,6 +55,7 @@ from genrec.serve.factory import make_engine, quiet_gc
 from genrec.serve.failover import EnginePool, FailoverEngine, open_engine_process
 from genrec.serve.frontend import FrontEnd, Health, ThreadListener
 from genrec.serve.kvcache import CacheConfig
+from genrec.serve.link import serve_link
 from genrec.serve.loading import Loading
 from genrec.serve.metrics import ServerMetrics
 from genrec.serve.proxy import FrontPlan, NativeFront
@@ -471,6 +472,7 @@ class RecommenderServer:
         self.front: NativeFront | None = None  # connections.front_end = "native" (serve.proxy)
         self._private_dir = ""  # the folder of the server's socket behind the front end
         self._watch_front: asyncio.Task | None = None
+        self._link: asyncio.AbstractServer | None = None  # the front end's calls (serve.link)
         self.artifact_root = Path(cfg.admin.artifact_root or Path(artifact).resolve().parent).resolve()
         self._reloading = asyncio.Lock()
         self._retiring: set[asyncio.Task] = set()  # replaced engines closing after their calls (reload)
@@ -496,13 +498,18 @@ class RecommenderServer:
             self.server = grpc_server = grpc.aio.server(options=options,
                                                         maximum_concurrent_rpcs=conn.max_concurrent_rpcs)
             handlers = {m: grpc.unary_unary_rpc_method_handler(self._handler(k)) for m, k in kinds.items()}
-        grpc_server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(RECOMMENDER, handlers),))
+        if conn.front_end != "native":  # (behind the native front end its calls come over serve.link alone)
+            grpc_server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(RECOMMENDER, handlers),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health_servicer, grpc_server)
         names = (RECOMMENDER, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, grpc_server)
         try:
             if conn.front_end == "native":  # (serve.proxy) the server on a socket of its own behind it
-                self.front = self._front(self._bind_private())
+                upstream = self._bind_private()
+                calls = {f"/{RECOMMENDER}/{m}": k for m, k in kinds.items()}
+                link = f"{self._private_dir}/calls.sock"  # (serve.link: the Recommender calls it passes on)
+                self._link = await serve_link(link, self._outcome, calls)
+                self.front = self._front(upstream, link)
             else:
                 self.port = _bind(self.server, self.cfg.host, self.cfg.port, self.cfg.tls)
             if self.admin_token is not None:
@@ -539,11 +546,12 @@ class RecommenderServer:
             shutil.rmtree(self._private_dir, ignore_errors=True)
             self._private_dir = ""
 
-    def _front(self, upstream: str) -> NativeFront:
-        """The native front end on the public host and port, before the server at ``upstream``."""
+    def _front(self, upstream: str, link: str) -> NativeFront:
+        """The native front end on the public host and port, before the server at ``upstream``
+        (gRPC: health, reflection) and ``link`` (its Recommender calls, serve.link)."""
         conn, fair = self.cfg.connections, self.cfg.fair
         return NativeFront(FrontPlan(
-            host=self.cfg.host, port=self.cfg.port, upstream=upstream, max_in_flight=conn.max_in_flight,
+            host=self.cfg.host, port=self.cfg.port, upstream=upstream, link=link, max_in_flight=conn.max_in_flight,
             max_share=fair.max_share if fair.enabled else 0.0, active_s=fair.active_s, metadata_key=fair.metadata_key,
             max_message_bytes=conn.max_message_bytes or self.cfg.limits.request_bytes() + 1024,
             max_wait_ms=conn.max_wait_ms))
@@ -599,6 +607,8 @@ class RecommenderServer:
             await self.admin_server.stop(0)
         if self.front is not None:  # it stops taking calls and lets those it passed on finish
             await asyncio.get_running_loop().run_in_executor(None, self.front.stop, grace)
+        if self._link is not None:
+            self._link.close()
         if self.batcher:
             await self.batcher.drain(grace)
         if self.server:

@@ -883,6 +883,42 @@ def test_behind_the_native_front_end_only_the_front_end_reaches_the_server(artif
     assert not folder.exists()
 
 
+def test_behind_the_native_front_end_recommender_calls_cross_its_link_not_a_second_grpc_call(artifacts):
+    """Each call the front end passed on was a second gRPC call to the server: about half of the
+    Python server's CPU per call went to grpc.aio for that hop (issue 46). The calls now cross
+    serve.link as frames: the server's gRPC socket no longer serves Recommender (health only),
+    and a client's cancellation still reaches the call in the server."""
+    native_or_skip(front_available())
+    engine = SlowEngine(TorchEngine(artifacts["hstu"]), delay=0.4)
+    conn = replace(local_config().connections, front_end="native")
+    srv = ThreadedServer(artifacts["hstu"], local_config(connections=conn), engine=engine)
+    folder = Path(srv.server._private_dir)
+    u = user(history(4), CTX)
+    try:
+        assert (folder / "calls.sock").exists()
+        assert len(srv.client(timeout_s=5).retrieve(u, k=5).items) == 5  # through the link
+        request = pb.RetrieveRequest(user=u, k=5).SerializeToString()
+        with grpc.insecure_channel(f"unix:{folder}/server.sock") as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                ch.unary_unary("/genrec.v1.Recommender/Retrieve")(request, timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+        cancelled = srv.server.metrics.requests.labels("retrieve", "CANCELLED")
+        before = cancelled._value.get()
+        with grpc.insecure_channel(srv.target) as ch:
+            call = ch.unary_unary("/genrec.v1.Recommender/Retrieve").future(request, timeout=5)
+            time.sleep(0.15)  # in the server, in the slow engine
+            call.cancel()
+            deadline = time.time() + 3
+            while cancelled._value.get() == before and time.time() < deadline:
+                time.sleep(0.02)
+        assert cancelled._value.get() == before + 1
+        assert len(srv.client(timeout_s=5).retrieve(u, k=5).items) == 5  # the link still serves
+    finally:
+        srv.stop()
+
+
 def test_the_native_front_end_refuses_tls_it_cannot_terminate(artifacts, tmp_path):
     conn = replace(local_config().connections, front_end="native")
     cfg = local_config(connections=conn, tls=TLSConfig(cert=str(tmp_path / "c"), key=str(tmp_path / "k")))

@@ -16,19 +16,25 @@
 // there than a quiet caller's burst). The call's deadline and a client's cancellation are passed
 // on too.
 //
-//   front LISTEN UPSTREAM MAX_IN_FLIGHT MAX_SHARE ACTIVE_S METADATA_KEY MAX_MESSAGE_BYTES MAX_WAIT_MS
+//   front LISTEN UPSTREAM MAX_IN_FLIGHT MAX_SHARE ACTIVE_S METADATA_KEY MAX_MESSAGE_BYTES MAX_WAIT_MS LINK
 // LISTEN: host:port (port 0: any; "listening PORT" on stdout once it listens). UPSTREAM: the
-// server's address: unix:PATH (its own socket, which nobody else can reach), or host:port.
+// server's gRPC address, for every call but the Recommender's: unix:PATH (its own socket, which
+// nobody else can reach), or host:port. LINK: the path of the server's Unix socket for the
+// Recommender calls passed on, a frame each way per call (serve/link.py: a second gRPC call cost
+// the Python server about as much CPU as the rest of its work on the call).
 // MAX_SHARE 0: no per-caller cap. MAX_WAIT_MS: the longest a call past the cap waits for a place
 // (0: refused at once). SIGTERM / SIGQUIT / SIGINT: stop taking calls, let those passed on
 // finish (up to 10 s), exit 0.
 //
 // One thread drives one completion queue; each call is a small state machine (Call below):
-// accepted -> (waiting ->) refused, or read -> upstream call -> reply written; the done notice arrives
+// accepted -> (waiting ->) refused, or read -> upstream call (or link frame) -> reply written; the done notice arrives
 // independently, and the call is freed once its last write, that notice and (if it waited) its
 // alarm's notice are in.
 
 #include <grpc/support/time.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
 #include <grpcpp/alarm.h>
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/generic/generic_stub.h>
@@ -37,6 +43,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cerrno>
 #include <cmath>
 #include <csignal>
 #include <cstdint>
@@ -44,7 +51,9 @@
 #include <cstdlib>
 #include <iostream>
 #include <list>
+#include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -227,6 +236,59 @@ class Shares {
 
 struct Call;
 
+// The server's link for Recommender calls (serve/link.py): one Unix socket, a frame per call out
+// and one back, read by a thread of its own. A reply is handed to its call through the call's
+// notice alarm, so every call's state changes on the completion queue's thread alone; the
+// table of calls awaiting replies is the one thing both threads touch (under ``mu``).
+struct Link {
+  int fd = -1;
+  std::mutex mu;
+  std::unordered_map<uint64_t, Call*> pending;
+  uint64_t next_id = 1;
+  bool dead = false;     // the server closed the link: calls fail UNAVAILABLE
+  bool closing = false;  // the completion queue is shutting down: no more notices
+  std::thread reader;
+
+  bool connect_to(const std::string& path) {
+    fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    if (fd < 0 || path.size() >= sizeof addr.sun_path) return false;
+    std::memcpy(addr.sun_path, path.data(), path.size());
+    return ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+  }
+
+  bool send_all(const std::string& frame) {  // (under mu: frames are not interleaved)
+    size_t at = 0;
+    while (at < frame.size()) {
+      const ssize_t n = ::send(fd, frame.data() + at, frame.size() - at, MSG_NOSIGNAL);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return false;
+      at += static_cast<size_t>(n);
+    }
+    return true;
+  }
+
+  bool read_all(char* out, size_t size) {
+    size_t at = 0;
+    while (at < size) {
+      const ssize_t n = ::recv(fd, out + at, size - at, 0);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return false;
+      at += static_cast<size_t>(n);
+    }
+    return true;
+  }
+
+  void read_loop();
+  void cancel(uint64_t id);
+};
+
+template <typename T>
+void put(std::string& out, T value) {  // little-endian, as serve/link.py reads it (x86, arm64)
+  out.append(reinterpret_cast<const char*>(&value), sizeof value);
+}
+
 struct Front {
   grpc::AsyncGenericService service;
   std::unique_ptr<grpc::ServerCompletionQueue> cq;
@@ -236,6 +298,7 @@ struct Front {
   size_t next_upstream = 0;
   grpc::GenericStub& upstream() { return *upstreams[next_upstream++ % upstreams.size()]; }
   std::unique_ptr<Shares> shares;
+  Link link;
   std::string key;
   // Calls past the cap wait here for a place, oldest first, up to MAX_WAIT_MS each (and as many
   // as the cap): a burst of a healthy load is served a few milliseconds late instead of refused.
@@ -302,6 +365,8 @@ struct Call {
   std::string caller, contention;
   Shares::Judgement judged;
   std::unique_ptr<grpc::Alarm> alarm;  // a waiting call's time limit (made when it first waits)
+  std::unique_ptr<grpc::Alarm> notice;  // the link's reply, handed to this thread (Link::read_loop)
+  uint64_t link_id = 0;  // while its call is out on the link
   std::list<Call*>::iterator in_line;
   bool holds = false, upstream_busy = false, written = false, done = false, waits = false, alarm_set = false;
   Tag accepted{this, Event::kAccepted}, read{this, Event::kRead}, answered{this, Event::kUpstream},
@@ -327,6 +392,7 @@ struct Call {
         return true;
       case Event::kUpstream:
         upstream_busy = false;
+        link_id = 0;
         release();
         if (status.ok()) {
           stream.WriteAndFinish(reply, grpc::WriteOptions(), grpc::Status::OK, &wrote);
@@ -344,7 +410,14 @@ struct Call {
           stream.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the call ended while it waited for a place"), &wrote);
           return true;
         }
-        if (ctx.IsCancelled() && upstream_busy) up.TryCancel();  // the client went away: so does the server's call
+        if (ctx.IsCancelled() && upstream_busy) {  // the client went away: so does the server's call
+          if (link_id) {
+            front->link.cancel(link_id);
+            if (!upstream_busy) return true;  // (answered CANCELLED here: its write is out)
+          } else {
+            up.TryCancel();
+          }
+        }
         return !written || upstream_busy || alarm_set;
       case Event::kWaited:
         alarm_set = false;
@@ -416,17 +489,78 @@ struct Call {
   }
 
   void forward() {
+    if (ctx.method().rfind(kCapped, 0) == 0) {
+      forward_link();
+      return;
+    }
     up.set_deadline(ctx.raw_deadline());
     for (const auto& [k, v] : ctx.client_metadata()) {
       const std::string name(k.data(), k.size());
       if (forwarded(name) && name != front->key) up.AddMetadata(name, std::string(v.data(), v.size()));
     }
-    up.AddMetadata(front->key, caller);
-    if (!contention.empty()) up.AddMetadata(kContention, contention);
     reader = front->upstream().PrepareUnaryCall(&up, ctx.method(), request, front->cq.get());
     upstream_busy = true;
     reader->StartCall();
     reader->Finish(&reply, &status, &answered);
+  }
+
+  // A Recommender call to the server as one frame on the link (serve/link.py for the layout):
+  // its deadline, method, metadata (the caller's name and contention as the front end judged
+  // them) and request.
+  void forward_link() {
+    std::string f;
+    f.reserve(256 + request.Length());
+    put<uint32_t>(f, 0);  // (its size, below)
+    put<uint8_t>(f, 1);
+    const size_t id_at = f.size();
+    put<uint64_t>(f, 0);
+    const gpr_timespec deadline = gpr_convert_clock_type(ctx.raw_deadline(), GPR_CLOCK_MONOTONIC);
+    int64_t remaining_us = -1;  // (none)
+    if (deadline.tv_sec != INT64_MAX) {
+      const gpr_timespec left = gpr_time_sub(deadline, gpr_now(GPR_CLOCK_MONOTONIC));
+      remaining_us = std::max<int64_t>(0, static_cast<int64_t>(left.tv_sec) * 1000000 + left.tv_nsec / 1000);
+    }
+    put<int64_t>(f, remaining_us);
+    put<uint16_t>(f, static_cast<uint16_t>(ctx.method().size()));
+    f += ctx.method();
+    std::vector<std::pair<std::string, std::string>> md;
+    for (const auto& [k, v] : ctx.client_metadata()) {
+      const std::string name(k.data(), k.size());
+      if (forwarded(name) && name != front->key) md.emplace_back(name, std::string(v.data(), v.size()));
+    }
+    md.emplace_back(front->key, caller);
+    if (!contention.empty()) md.emplace_back(kContention, contention);
+    put<uint16_t>(f, static_cast<uint16_t>(md.size()));
+    for (const auto& [k, v] : md) {
+      put<uint16_t>(f, static_cast<uint16_t>(k.size()));
+      f += k;
+      put<uint32_t>(f, static_cast<uint32_t>(v.size()));
+      f += v;
+    }
+    std::vector<grpc::Slice> slices;
+    request.Dump(&slices).IgnoreError();
+    for (const auto& sl : slices) f.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+    const uint32_t size = static_cast<uint32_t>(f.size() - 4);
+    std::memcpy(f.data(), &size, 4);
+    upstream_busy = true;
+    Link& link = front->link;
+    std::lock_guard<std::mutex> lock(link.mu);
+    const uint64_t id = link.next_id++;
+    std::memcpy(f.data() + id_at, &id, 8);
+    if (!link.dead && link.send_all(f)) {
+      link_id = id;
+      link.pending.emplace(id, this);
+      return;
+    }
+    link.dead = true;
+    status = grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server's link from the front end is down");
+    notify();
+  }
+
+  // Hands the upstream outcome (``status``, ``reply``) to the completion queue's thread.
+  void notify() {
+    if (!notice) notice = std::make_unique<grpc::Alarm>();
+    notice->Set(front->cq.get(), gpr_now(GPR_CLOCK_MONOTONIC), &answered);
   }
 
   void release() {
@@ -453,6 +587,64 @@ void Front::admit_waiting() {
   }
 }
 
+// Replies from the server, each handed to its call (Call::notify); once the link is closed, every
+// call still out fails UNAVAILABLE and later ones at once.
+void Link::read_loop() {
+  std::string body;
+  for (;;) {
+    uint32_t size = 0;
+    if (!read_all(reinterpret_cast<char*>(&size), 4) || size < 13) break;
+    body.resize(size);
+    if (!read_all(body.data(), size)) break;
+    uint64_t id;
+    uint8_t code;
+    uint32_t msg_size;
+    std::memcpy(&id, body.data(), 8);
+    std::memcpy(&code, body.data() + 8, 1);
+    std::memcpy(&msg_size, body.data() + 9, 4);
+    if (13 + static_cast<size_t>(msg_size) > size) break;
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = pending.find(id);
+    if (it == pending.end()) continue;  // (cancelled here first: already answered)
+    Call* c = it->second;
+    pending.erase(it);
+    if (code == 0) {
+      grpc::Slice slice(body.data() + 13 + msg_size, size - 13 - msg_size);
+      c->reply = grpc::ByteBuffer(&slice, 1);
+      c->status = grpc::Status::OK;
+    } else {
+      c->status = grpc::Status(static_cast<grpc::StatusCode>(code), body.substr(13, msg_size));
+    }
+    if (!closing) c->notify();
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  dead = true;
+  for (auto& [id, c] : pending) {
+    c->status = grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server closed its link from the front end");
+    if (!closing) c->notify();
+  }
+  pending.clear();
+}
+
+// The call ``id`` is over at the front end (its client went away, or its deadline passed): the
+// server is told to stop its work, and the call is answered CANCELLED here at once, not when
+// the server's reply comes (which is then dropped).
+void Link::cancel(uint64_t id) {
+  std::unique_lock<std::mutex> lock(mu);
+  auto it = pending.find(id);
+  if (it == pending.end()) return;  // (its reply is in: its notice is on the way)
+  Call* c = it->second;
+  pending.erase(it);
+  std::string f;
+  put<uint32_t>(f, 9);
+  put<uint8_t>(f, 2);
+  put<uint64_t>(f, id);
+  if (!dead && !send_all(f)) dead = true;
+  lock.unlock();
+  c->status = grpc::Status(grpc::StatusCode::CANCELLED, "the call ended before the server answered");
+  c->on(Event::kUpstream, true);
+}
+
 void Front::accept_one() {
   Call* call = new Call(this);
   call->ctx.AsyncNotifyWhenDone(&call->finished);
@@ -462,8 +654,9 @@ void Front::accept_one() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 9) {
-    std::cerr << "usage: front LISTEN UPSTREAM MAX_IN_FLIGHT MAX_SHARE ACTIVE_S METADATA_KEY MAX_MESSAGE_BYTES MAX_WAIT_MS\n";
+  if (argc != 10) {
+    std::cerr << "usage: front LISTEN UPSTREAM MAX_IN_FLIGHT MAX_SHARE ACTIVE_S METADATA_KEY MAX_MESSAGE_BYTES MAX_WAIT_MS "
+                 "LINK\n";
     return 2;
   }
   const std::string listen = argv[1], target = argv[2];
@@ -480,6 +673,12 @@ int main(int argc, char** argv) {
   front.key = argv[6];
   front.shares = std::make_unique<Shares>(cap, share, active_s);
   front.max_wait = std::chrono::microseconds(static_cast<int64_t>(max_wait_ms * 1000));
+  if (!front.link.connect_to(argv[9])) {
+    std::cerr << "front: cannot reach the server's link at " << argv[9] << "\n";
+    return 3;
+  }
+  front.link.reader = std::thread([&front] { front.link.read_loop(); });
+  front.link.reader.detach();  // (it ends with the process; its notices stop once the queue closes)
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);  // (a refused or failed call is the caller's to retry; no send buffering)
   args.SetMaxReceiveMessageSize(-1);
@@ -519,6 +718,10 @@ int main(int argc, char** argv) {
       if (g_stop && !stopper.joinable()) {  // graceful: no new calls, those passed on finish (10 s at most)
         stopper = std::thread([&] {
           server->Shutdown(gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_seconds(10, GPR_TIMESPAN)));
+          {
+            std::lock_guard<std::mutex> lock(front.link.mu);
+            front.link.closing = true;
+          }
           front.cq->Shutdown();
         });
       }
