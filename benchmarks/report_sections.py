@@ -253,8 +253,9 @@ def serving_scale(d: dict) -> list[str]:
 
 def resilience(d: dict) -> list[str]:
     cap = d.get("capacity_qps")
-    rows = [[name, f"{num(r.get('offered_qps'), 'g')} ({num(r.get('multiple'), 'g')}x)",
-             num(r.get("goodput") / cap if r.get("goodput") is not None and cap else None, ".2f", "x"),
+    rows = [[name, num(s.get("capacity_qps", cap), ".0f"), f"{num(r.get('offered_qps'), 'g')} ({num(r.get('multiple'), 'g')}x)",
+             num(r.get("goodput") / own if r.get("goodput") is not None and (own := s.get("capacity_qps", cap))
+                 else None, ".2f", "x"),
              num(r.get("goodput_within_2x_x"), ".2f", "x"),
              num(r.get("refused_p50_ms"), ".1f"), num(r.get("p99_ms"), ".1f"), num(r.get("send_late_p99_ms"), ".0f")]
             for name, s in d.get("servers", {}).items() for r in s.get("overload", [])]
@@ -268,10 +269,11 @@ def resilience(d: dict) -> list[str]:
     pin = d.get("pinning")
     cmd = command(d, f"python -m genrec.benchmarks.resilience --artifact {d.get('artifact', 'DIR')}")
     return ["## Resilience (overload, engine crash, shutdown)", "", f"Anchor: targets: {RESILIENCE_TARGETS}. "
-            f"Capacity: {num(cap, '.0f')} answers/s (the default server's sweep)"
+            f"Capacity: each server's own sweep (the default server's {num(cap, '.0f')} answers/s sets the crash "
+            "and shutdown runs' load)"
             + (f"; server on CPU {pin['server_cpus']}, load generator on {pin['generator_cpus']}" if pin else "")
             + f"; sender: {d.get('sender', 'python')}.", "",
-            *table(["server", "offered QPS", "goodput x capacity", "within 2x budget", "refused p50 ms",
+            *table(["server", "capacity QPS", "offered QPS", "goodput x capacity", "within 2x budget", "refused p50 ms",
                     "admitted p99 ms", "sender late p99 ms"], rows), "",
             f"A step whose sender ran more than {GENERATOR_LATE_MS:g} ms late (p99) measured the load "
             "generator as much as the server.", "",

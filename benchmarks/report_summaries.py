@@ -100,8 +100,9 @@ def resilience_summary(d: dict) -> tuple[str, str]:
         if at4 is None:
             continue
         good, late = at4.get("goodput"), at4.get("send_late_p99_ms")
+        own = servers[name].get("capacity_qps", cap)  # (each server's own since 2026-12-07)
         bound = f" (sender {late:.0f} ms late: generator-bound)" if late is not None and late > GENERATOR_LATE_MS else ""
-        shown.append(f"{name.split(' (')[0]} {num(good / cap if good is not None and cap else None, '.2f', 'x')}{bound}")
+        shown.append(f"{name.split(' (')[0]} {num(good / own if good is not None and own else None, '.2f', 'x')}{bound}")
     return (f"goodput at 4x offered (x capacity): {', '.join(shown) or 'n/a'}; "
             f"engine SIGKILL {num(get(d, 'engine_kill.failed_pct'), '.2f', '%')} failed",
             ">= 0.9x; <= 1%")

@@ -8,12 +8,13 @@ this load generator to the others, so that the generator does not take the serve
 (``--sender``, recorded as ``sender``: genrec.loadtest.sender); an answer after its deadline is
 a failure:
 
-* capacity: the most calls per second the default server answers, from a sweep of offered
+* capacity: the most calls per second each server answers, from a sweep of offered
   loads that goes on past saturation (less than 90% of what is offered answered) until two
   steps in a row answer no more than the best so far (beside it, the highest step within the
-  p99 budget, ``--slo-p99-ms``);
-* overload: 2x, 4x and 8x that capacity offered for ``--overload-s`` each, against the default
-  server and, side by side, the thread-pool listener (``front_end = "threads"``), the C++ front
+  p99 budget, ``--slo-p99-ms``); measured for each server, since what a server answers at most
+  is what its overload is a multiple of (the native front end answers more than the default);
+* overload: 2x, 4x and 8x its capacity offered for ``--overload-s`` each, to the default
+  server and, one after another, the thread-pool listener (``front_end = "threads"``), the C++ front
   end (``front_end = "native"``: serve.proxy) and the former
   defaults (64 handler slots, gRPC's own pending bound of 1000, no per-caller shares): goodput (answered calls per second, and those
   within 2x the budget) as a multiple of capacity, how fast refusals came back, the answered
@@ -360,12 +361,14 @@ def main() -> None:
         print(f"{name}:", flush=True)
         srv = start(artifact, extra)
         try:
-            if not cap:  # measured once, on the default server; both get the same offered loads
-                cap, within, steps = capacity(srv.target, payloads, args.slo_p99_ms, args.step_s)
-            servers[name] = {"overload": overload(srv.target, srv.proc.pid, payloads, cap, args.slo_p99_ms,
+            own, own_within, own_steps = capacity(srv.target, payloads, args.slo_p99_ms, args.step_s)
+            if not cap:  # the first server's (the default's): the engine kill and shutdown runs' load
+                cap, within, steps = own, own_within, own_steps
+            servers[name] = {"capacity_qps": own, "capacity_within_slo_qps": own_within, "capacity_steps": own_steps,
+                             "overload": overload(srv.target, srv.proc.pid, payloads, own, args.slo_p99_ms,
                                                   args.overload_s)}
             time.sleep(2)
-            servers[name]["two_callers"] = two_callers(srv.target, payloads, cap, args.overload_s)
+            servers[name]["two_callers"] = two_callers(srv.target, payloads, own, args.overload_s)
         finally:
             srv.stop()
     payload = {"date": today(), "machine": machine(), "artifact": str(artifact), "slo_p99_ms": args.slo_p99_ms,

@@ -165,6 +165,9 @@ def test_a_resilience_step_whose_sender_ran_late_is_marked_generator_bound() -> 
         "default": {"overload": [{"multiple": 4, "goodput": 200.0}]},
         "native front-end": {"overload": [{"multiple": 4, "goodput": 360.0}]}}})[0]
     assert "default 0.50x, native front-end 0.90x" in both
+    own = resilience_summary({"capacity_qps": 400.0, "servers": {  # a server's own capacity, where measured
+        "native front-end": {"capacity_qps": 500.0, "overload": [{"multiple": 4, "goodput": 450.0}]}}})[0]
+    assert "native front-end 0.90x" in own
 
 
 def test_every_benchmark_with_a_main_runs_as_a_module() -> None:
