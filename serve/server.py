@@ -151,6 +151,12 @@ class ConnectionConfig:
     # without one (a flood: the calls answered must not queue behind it). 0: refused at once; at
     # most 100 (a waiting call keeps the judgement of its caller made when it arrived)
     max_wait_ms: float = 10.0
+    # ... and its CPU priority below the server's and the engine's (a nice value, 0-19): where it
+    # shares a core with them, under overload its refusals yield to computing answers, and it
+    # takes calls in larger bunches. 5: goodput at 4x and 8x capacity 1.09-1.16x against
+    # 0.87-1.01x at 0, the answered p99 no higher, refusals ~1 ms later (10: answered p99 past
+    # twice the budget; benchmarks/notes/2026-12-07-front-link.md). No effect on a core of its own
+    front_nice: int = 5
     max_message_bytes: int = 0
     keepalive_time_s: float = 60.0  # ping an idle connection this often ...
     keepalive_timeout_s: float = 20.0  # ... and close it if the ping goes unanswered this long
@@ -165,6 +171,8 @@ class ConnectionConfig:
             raise ValueError(f"serve.connections.max_in_flight = {self.max_in_flight}; it must be at least 1")
         if not 0 <= self.max_wait_ms <= 100:
             raise ValueError(f"serve.connections.max_wait_ms = {self.max_wait_ms}; it must be 0 to 100")
+        if not 0 <= self.front_nice <= 19:
+            raise ValueError(f"serve.connections.front_nice = {self.front_nice}; it must be 0 to 19")
 
 
 @dataclass(frozen=True)
@@ -554,7 +562,7 @@ class RecommenderServer:
             host=self.cfg.host, port=self.cfg.port, upstream=upstream, link=link, max_in_flight=conn.max_in_flight,
             max_share=fair.max_share if fair.enabled else 0.0, active_s=fair.active_s, metadata_key=fair.metadata_key,
             max_message_bytes=conn.max_message_bytes or self.cfg.limits.request_bytes() + 1024,
-            max_wait_ms=conn.max_wait_ms))
+            max_wait_ms=conn.max_wait_ms, nice=conn.front_nice))
 
     async def _front_watchdog(self) -> None:
         """The front end gone while serving: nothing reaches the server any more, so it stops

@@ -812,6 +812,12 @@ def test_the_native_front_end_refuses_past_its_cap_at_once_while_the_loop_is_bus
     try:
         refused_at_once_and_still_serving(srv)
         assert front is not None and front.alive
+        # below the server's CPU priority, every thread of it (connections.front_nice): on a shared
+        # core its refusals yield to the engine's work (benchmarks/notes/2026-12-07-front-link.md)
+        psutil = pytest.importorskip("psutil")
+        threads = [t.id for t in psutil.Process(front.proc.pid).threads()]
+        assert len(threads) > 1 and {os.getpriority(os.PRIO_PROCESS, t) for t in threads} == {conn.front_nice}
+        assert conn.front_nice == 5 and os.getpriority(os.PRIO_PROCESS, 0) == 0
     finally:
         srv.stop()
     assert not front.alive

@@ -16,12 +16,14 @@
 // there than a quiet caller's burst). The call's deadline and a client's cancellation are passed
 // on too.
 //
-//   front LISTEN UPSTREAM MAX_IN_FLIGHT MAX_SHARE ACTIVE_S METADATA_KEY MAX_MESSAGE_BYTES MAX_WAIT_MS LINK
+//   front LISTEN UPSTREAM MAX_IN_FLIGHT MAX_SHARE ACTIVE_S METADATA_KEY MAX_MESSAGE_BYTES MAX_WAIT_MS LINK NICE
 // LISTEN: host:port (port 0: any; "listening PORT" on stdout once it listens). UPSTREAM: the
 // server's gRPC address, for every call but the Recommender's: unix:PATH (its own socket, which
 // nobody else can reach), or host:port. LINK: the path of the server's Unix socket for the
 // Recommender calls passed on, a frame each way per call (serve/link.py: a second gRPC call cost
-// the Python server about as much CPU as the rest of its work on the call).
+// the Python server about as much CPU as the rest of its work on the call). NICE: the front
+// end's own CPU priority, below the server's (0-19), set before any thread starts: on a core it
+// shares with the server and the engine, its refusals under overload yield to their work.
 // MAX_SHARE 0: no per-caller cap. MAX_WAIT_MS: the longest a call past the cap waits for a place
 // (0: refused at once). SIGTERM / SIGQUIT / SIGINT: stop taking calls, let those passed on
 // finish (up to 10 s), exit 0.
@@ -32,6 +34,7 @@
 // alarm's notice are in.
 
 #include <grpc/support/time.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -654,10 +657,19 @@ void Front::accept_one() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 10) {
+  if (argc != 11) {
     std::cerr << "usage: front LISTEN UPSTREAM MAX_IN_FLIGHT MAX_SHARE ACTIVE_S METADATA_KEY MAX_MESSAGE_BYTES MAX_WAIT_MS "
-                 "LINK\n";
+                 "LINK NICE\n";
     return 2;
+  }
+  const int nice = std::atoi(argv[10]);
+  if (nice < 0 || nice > 19) {
+    std::cerr << "front: 0 <= NICE <= 19\n";
+    return 2;
+  }
+  // (before any thread: threads take their creator's priority; this process's own thread only)
+  if (nice > 0 && setpriority(PRIO_PROCESS, 0, nice) != 0) {
+    std::cerr << "front: cannot lower its priority to nice " << nice << ": " << std::strerror(errno) << "\n";
   }
   const std::string listen = argv[1], target = argv[2];
   const int cap = std::atoi(argv[3]);
