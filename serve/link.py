@@ -14,7 +14,8 @@ Frames (little-endian), front end to server::
     call:   i64 deadline, microseconds from now (-1: none) | u16 method size, method
             | u16 pairs, each u16 key size, key, u32 value size, value | the request's bytes
 
-server to front end, one per call (a cancelled call too)::
+server to front end, one per call it runs (a call cancelled before it started gets none: the
+front end answered it CANCELLED when it sent the cancel, and drops a later reply)::
 
     u32 size of the rest | u64 call id | u8 gRPC status code | u32 message size, message
     | the response's bytes (status OK)
@@ -27,6 +28,7 @@ server's gRPC listener on its own socket, beside this one in the same private fo
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import struct
 import time
@@ -108,17 +110,21 @@ class Link(asyncio.Protocol):
     context)`` as a task of its own, its reply written when it is done; a cancel frame cancels
     the call's task (its client went away, or its deadline passed at the front end)."""
 
-    def __init__(self, outcome: Outcome, kinds: Mapping[str, Kind]) -> None:
-        self.outcome, self.kinds = outcome, kinds
+    def __init__(self, outcome: Outcome, kinds: Mapping[str, Kind], links: set[Link] | None = None) -> None:
+        self.outcome, self.kinds, self.links = outcome, kinds, links
         self.buffer = bytearray()
         self.calls: dict[int, asyncio.Task] = {}
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if self.links is not None:
+            self.links.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        if self.links is not None:
+            self.links.discard(self)
         for task in self.calls.values():  # nobody is left to answer
             task.cancel()
         self.calls.clear()
@@ -146,7 +152,7 @@ class Link(asyncio.Protocol):
 
     def _frame(self, body: memoryview) -> None:
         kind, call_id = _HEAD.unpack_from(body, 0)
-        if kind == CANCEL:
+        if kind == CANCEL:  # (a call not yet started is answered CANCELLED all the same)
             task = self.calls.get(call_id)
             if task is not None:
                 task.cancel()
@@ -162,14 +168,20 @@ class Link(asyncio.Protocol):
             return
         task = asyncio.get_running_loop().create_task(self._call(call_id, served, data, LinkContext(deadline, metadata)))
         self.calls[call_id] = task
+        # (out of the table when done, however: a task cancelled before its first step never runs its body)
+        task.add_done_callback(functools.partial(self._forget, call_id))
+
+    def _forget(self, call_id: int, _task: asyncio.Task) -> None:
+        self.calls.pop(call_id, None)
 
     async def _call(self, call_id: int, kind: Kind, data: bytes, context: LinkContext) -> None:
         try:
             code, out = await self.outcome(kind, data, context)
         except asyncio.CancelledError:
             code, out = grpc.StatusCode.CANCELLED, "the call was cancelled"
-        finally:
-            self.calls.pop(call_id, None)
+        except Exception as e:  # noqa: BLE001 - the front end waits for an answer to every call it sent
+            log.exception("a call over the front end's link failed")
+            code, out = grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}"
         self._reply(call_id, code, out)
 
     def _reply(self, call_id: int, code: grpc.StatusCode, out: Any) -> None:
@@ -177,7 +189,29 @@ class Link(asyncio.Protocol):
             self.transport.write(reply_frame(call_id, code, out))
 
 
-async def serve_link(path: str, outcome: Outcome, kinds: Mapping[str, Kind]) -> asyncio.AbstractServer:
+class LinkListener:
+    """The server's end of the link: its Unix socket's listener and the connections it took."""
+
+    def __init__(self) -> None:
+        self.server: asyncio.AbstractServer | None = None
+        self.links: set[Link] = set()
+
+    def close(self) -> None:
+        """No more connections; those open end with the front end (or :meth:`drop`)."""
+        if self.server is not None:
+            self.server.close()
+
+    def drop(self) -> None:
+        """Closes every connection too: the front end fails its calls out and stops."""
+        self.close()
+        for link in list(self.links):
+            if link.transport is not None:
+                link.transport.close()
+
+
+async def serve_link(path: str, outcome: Outcome, kinds: Mapping[str, Kind]) -> LinkListener:
     """Listen for the front end on the Unix socket ``path`` (in the server's private folder)."""
-    loop = asyncio.get_running_loop()
-    return await loop.create_unix_server(lambda: Link(outcome, kinds), path)
+    listener = LinkListener()
+    listener.server = await asyncio.get_running_loop().create_unix_server(
+        lambda: Link(outcome, kinds, listener.links), path)
+    return listener

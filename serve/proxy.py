@@ -65,7 +65,7 @@ class FrontPlan:
     metadata_key: str  # the callers' name key
     max_message_bytes: int  # the largest request the server's limits allow
     max_wait_ms: float  # how long a call past the cap may wait for a place (0: refused at once)
-    nice: int  # its CPU priority below the server's (0-19), set by itself before any thread starts
+    nice: int  # nice levels below the server's priority (0-19), set by itself before any thread starts
 
     def argv(self) -> list[str]:
         host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host

@@ -55,7 +55,7 @@ from genrec.serve.factory import make_engine, quiet_gc
 from genrec.serve.failover import EnginePool, FailoverEngine, open_engine_process
 from genrec.serve.frontend import FrontEnd, Health, ThreadListener
 from genrec.serve.kvcache import CacheConfig
-from genrec.serve.link import serve_link
+from genrec.serve.link import LinkListener, serve_link
 from genrec.serve.loading import Loading
 from genrec.serve.metrics import ServerMetrics
 from genrec.serve.proxy import FrontPlan, NativeFront
@@ -151,7 +151,7 @@ class ConnectionConfig:
     # without one (a flood: the calls answered must not queue behind it). 0: refused at once; at
     # most 100 (a waiting call keeps the judgement of its caller made when it arrived)
     max_wait_ms: float = 10.0
-    # ... and its CPU priority below the server's and the engine's (a nice value, 0-19): where it
+    # ... and its CPU priority, this many nice levels below the server's and the engine's (0-19): where it
     # shares a core with them, under overload its refusals yield to computing answers, and it
     # takes calls in larger bunches. 5: goodput at 4x and 8x capacity 1.09-1.16x against
     # 0.87-1.01x at 0, the answered p99 no higher, refusals ~1 ms later (10: answered p99 past
@@ -480,7 +480,7 @@ class RecommenderServer:
         self.front: NativeFront | None = None  # connections.front_end = "native" (serve.proxy)
         self._private_dir = ""  # the folder of the server's socket behind the front end
         self._watch_front: asyncio.Task | None = None
-        self._link: asyncio.AbstractServer | None = None  # the front end's calls (serve.link)
+        self._link: LinkListener | None = None  # the front end's calls (serve.link)
         self.artifact_root = Path(cfg.admin.artifact_root or Path(artifact).resolve().parent).resolve()
         self._reloading = asyncio.Lock()
         self._retiring: set[asyncio.Task] = set()  # replaced engines closing after their calls (reload)
@@ -529,6 +529,8 @@ class RecommenderServer:
         except BaseException:  # (a port taken, a front end that did not listen: nothing left behind)
             if self.front is not None:
                 self.front.stop(0)
+            if self._link is not None:
+                self._link.close()
             self._remove_private_dir()
             raise
         self._observe(self.engine)

@@ -105,3 +105,86 @@ def test_a_frame_of_impossible_size_closes_the_link():
     link.connection_made(transport)
     link.data_received(struct.pack("<I", 3) + b"abc")
     assert transport.closed
+
+
+def test_a_call_cancelled_in_the_same_read_is_answered_and_forgotten_and_a_failing_call_is_answered():
+    """A call and its cancel read together: the task was cancelled before its first step, so
+    its own clean-up never ran and the server kept every such task for good (the review of
+    2026-12-07 sent 1,000 pairs: 1,000 tasks left). And a call whose outcome raised got no reply:
+    the front end held its place for ever."""
+
+    async def outcome(kind: str, data: bytes, context) -> tuple[grpc.StatusCode, bytes]:  # noqa: ANN001
+        if data == b"boom":
+            raise KeyError("a bug")
+        return grpc.StatusCode.OK, data
+
+    async def main() -> tuple[Link, bytes]:
+        link, transport = Link(outcome, KINDS), Transport()
+        link.connection_made(transport)
+        m = "/genrec.v1.Recommender/Retrieve"
+        chunk = b"".join(call_frame(i, m, [], b"x") + struct.pack("<IBQ", 9, CANCEL, i) for i in range(1, 101))
+        link.data_received(chunk + call_frame(500, m, [], b"boom"))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return link, bytes(transport.out)
+
+    link, raw = asyncio.run(main())
+    got = {r[0]: r[1:] for r in replies(raw)}
+    assert not link.calls
+    # (a call cancelled before it started may go unanswered: the front end answered it CANCELLED
+    # when it sent the cancel, and drops a later reply)
+    assert all(got.get(i, (grpc.StatusCode.CANCELLED.value[0],))[0] == grpc.StatusCode.CANCELLED.value[0]
+               for i in range(1, 101))
+    assert got[500] == (grpc.StatusCode.INTERNAL.value[0], "internal error: KeyError", b"")
+
+
+def test_a_front_end_stopped_with_a_call_the_server_never_answers_exits_cleanly(tmp_path):
+    """SIGTERM gives calls passed on 10 s; past it gRPC cancels them, and their done notices came
+    after the completion queue's shutdown: answering them there aborted the process (exit -6,
+    found by the review of 2026-12-07, older than the link). Once the queue shuts down nothing
+    starts on it, and the front end exits 0."""
+    import os
+    import signal
+    import subprocess
+    import threading
+
+    from genrec.serve.link import serve_link
+    from genrec.serve.proxy import FrontPlan, available, binary
+    from tests.conftest import native_or_skip
+
+    native_or_skip(available())
+    link, ready, stop = str(tmp_path / "calls.sock"), threading.Event(), threading.Event()
+
+    async def never(kind: str, data: bytes, context) -> tuple[grpc.StatusCode, bytes]:  # noqa: ANN001
+        await asyncio.Event().wait()
+        raise AssertionError("not reached")
+
+    async def fake_server() -> None:
+        listener = await serve_link(link, never, KINDS)
+        ready.set()
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        listener.drop()
+
+    server = threading.Thread(target=lambda: asyncio.run(fake_server()), daemon=True)
+    server.start()
+    assert ready.wait(10)
+    plan = FrontPlan(host="127.0.0.1", port=0, upstream=f"unix:{tmp_path}/none.sock", link=link, max_in_flight=8,
+                     max_share=0.0, active_s=1.0, metadata_key="tenant", max_message_bytes=1 << 20, max_wait_ms=0,
+                     nice=0)
+    proc = subprocess.Popen([str(binary()), *plan.argv()], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline().split()[1])
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            held = ch.unary_unary("/genrec.v1.Recommender/Retrieve").future(b"", timeout=60)
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0
+            assert 9 < time.monotonic() - t0 < 20
+            assert held.exception(timeout=5) is not None  # (cancelled at the front end's shutdown)
+    finally:
+        stop.set()
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        server.join(5)

@@ -925,6 +925,26 @@ def test_behind_the_native_front_end_recommender_calls_cross_its_link_not_a_seco
         srv.stop()
 
 
+def test_a_native_front_end_whose_link_fails_stops_with_its_server(artifacts):
+    """A front end whose link to the server was closed failed every call UNAVAILABLE while it
+    and its health checks stayed up: a replica that answers nothing, unseen. It now stops (status
+    4), and the server's watchdog stops the server, for its supervisor to restart."""
+    native_or_skip(front_available())
+    conn = replace(local_config().connections, front_end="native")
+    srv = ThreadedServer(artifacts["hstu"], local_config(connections=conn))
+    front = srv.server.front
+    try:
+        assert front is not None and srv.client(timeout_s=5).retrieve(user(history(4), CTX), k=5).items
+        srv.loop.call_soon_threadsafe(srv.server._link.drop)
+        assert front.proc.wait(10) == 4
+        deadline = time.time() + 10
+        while not srv.server._stopping and time.time() < deadline:
+            time.sleep(0.05)
+        assert srv.server._stopping
+    finally:
+        srv.stop()
+
+
 def test_the_native_front_end_refuses_tls_it_cannot_terminate(artifacts, tmp_path):
     conn = replace(local_config().connections, front_end="native")
     cfg = local_config(connections=conn, tls=TLSConfig(cert=str(tmp_path / "c"), key=str(tmp_path / "k")))

@@ -68,6 +68,7 @@ using Clock = std::chrono::steady_clock;
 const std::string kCapped = "/genrec.v1.Recommender/";
 const std::string kContention = "genrec-contention";  // serve.admission.CONTENTION_KEY: set here, never a client's
 std::atomic<bool> g_stop{false};
+std::atomic<int> g_exit{0};  // the exit status: 4 once the server's link is gone
 
 void on_signal(int) { g_stop = true; }
 
@@ -241,15 +242,20 @@ struct Call;
 
 // The server's link for Recommender calls (serve/link.py): one Unix socket, a frame per call out
 // and one back, read by a thread of its own. A reply is handed to its call through the call's
-// notice alarm, so every call's state changes on the completion queue's thread alone; the
-// table of calls awaiting replies is the one thing both threads touch (under ``mu``).
+// notice alarm, so every call's state changes on the completion queue's thread alone. ``mu`` is
+// held by that thread for each event it handles and by the reader for each reply: the table of
+// calls awaiting replies is theirs to share, and once ``closing`` is set (with the queue's
+// shutdown, under ``mu``) neither starts another operation on the queue, which gRPC would abort
+// on. A link that fails (the server closed it, or a frame could not be sent) fails its calls
+// UNAVAILABLE and stops the front end with status 4: the server's watchdog then stops the server,
+// and its supervisor restarts both, instead of a live front end failing every call.
 struct Link {
   int fd = -1;
   std::mutex mu;
   std::unordered_map<uint64_t, Call*> pending;
   uint64_t next_id = 1;
-  bool dead = false;     // the server closed the link: calls fail UNAVAILABLE
-  bool closing = false;  // the completion queue is shutting down: no more notices
+  bool dead = false;     // the link failed: calls fail UNAVAILABLE, and the front end stops
+  bool closing = false;  // the completion queue is shutting down: no more operations on it
   std::thread reader;
 
   bool connect_to(const std::string& path) {
@@ -284,7 +290,19 @@ struct Link {
   }
 
   void read_loop();
-  void cancel(uint64_t id);
+  void cancel(uint64_t id);  // (under mu)
+
+  // The link failed (under mu): later calls fail at once, the reader ends, the front end stops.
+  void fail(const char* why) {
+    if (dead) return;
+    dead = true;
+    ::shutdown(fd, SHUT_RDWR);
+    if (!closing) {
+      std::cerr << "front: the server's link failed (" << why << "): stopping" << std::endl;
+      g_exit = 4;
+      g_stop = true;
+    }
+  }
 };
 
 template <typename T>
@@ -546,8 +564,7 @@ struct Call {
     const uint32_t size = static_cast<uint32_t>(f.size() - 4);
     std::memcpy(f.data(), &size, 4);
     upstream_busy = true;
-    Link& link = front->link;
-    std::lock_guard<std::mutex> lock(link.mu);
+    Link& link = front->link;  // (its mu is held: Front's event loop)
     const uint64_t id = link.next_id++;
     std::memcpy(f.data() + id_at, &id, 8);
     if (!link.dead && link.send_all(f)) {
@@ -555,7 +572,7 @@ struct Call {
       link.pending.emplace(id, this);
       return;
     }
-    link.dead = true;
+    link.fail("a call could not be sent");
     status = grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server's link from the front end is down");
     notify();
   }
@@ -605,7 +622,7 @@ void Link::read_loop() {
     std::memcpy(&id, body.data(), 8);
     std::memcpy(&code, body.data() + 8, 1);
     std::memcpy(&msg_size, body.data() + 9, 4);
-    if (13 + static_cast<size_t>(msg_size) > size) break;
+    if (13 + static_cast<size_t>(msg_size) > size) break;  // (a frame that does not parse: the link fails)
     std::lock_guard<std::mutex> lock(mu);
     auto it = pending.find(id);
     if (it == pending.end()) continue;  // (cancelled here first: already answered)
@@ -621,7 +638,7 @@ void Link::read_loop() {
     if (!closing) c->notify();
   }
   std::lock_guard<std::mutex> lock(mu);
-  dead = true;
+  fail("closed by the server, or a reply that did not parse");
   for (auto& [id, c] : pending) {
     c->status = grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server closed its link from the front end");
     if (!closing) c->notify();
@@ -633,7 +650,6 @@ void Link::read_loop() {
 // server is told to stop its work, and the call is answered CANCELLED here at once, not when
 // the server's reply comes (which is then dropped).
 void Link::cancel(uint64_t id) {
-  std::unique_lock<std::mutex> lock(mu);
   auto it = pending.find(id);
   if (it == pending.end()) return;  // (its reply is in: its notice is on the way)
   Call* c = it->second;
@@ -642,8 +658,7 @@ void Link::cancel(uint64_t id) {
   put<uint32_t>(f, 9);
   put<uint8_t>(f, 2);
   put<uint64_t>(f, id);
-  if (!dead && !send_all(f)) dead = true;
-  lock.unlock();
+  if (!dead && !send_all(f)) fail("a cancel could not be sent");
   c->status = grpc::Status(grpc::StatusCode::CANCELLED, "the call ended before the server answered");
   c->on(Event::kUpstream, true);
 }
@@ -667,9 +682,13 @@ int main(int argc, char** argv) {
     std::cerr << "front: 0 <= NICE <= 19\n";
     return 2;
   }
-  // (before any thread: threads take their creator's priority; this process's own thread only)
-  if (nice > 0 && setpriority(PRIO_PROCESS, 0, nice) != 0) {
-    std::cerr << "front: cannot lower its priority to nice " << nice << ": " << std::strerror(errno) << "\n";
+  // NICE below its parent's (the server's) priority, before any thread: threads take their
+  // creator's, and on Linux this sets the calling thread's alone
+  errno = 0;
+  const int base = getpriority(PRIO_PROCESS, static_cast<id_t>(getppid()));
+  const int lowered = std::min(19, (errno == 0 ? base : 0) + nice);
+  if (nice > 0 && setpriority(PRIO_PROCESS, 0, lowered) != 0) {
+    std::cerr << "front: cannot lower its priority to nice " << lowered << ": " << std::strerror(errno) << "\n";
   }
   const std::string listen = argv[1], target = argv[2];
   const int cap = std::atoi(argv[3]);
@@ -721,27 +740,28 @@ int main(int argc, char** argv) {
 
   std::thread stopper;
   for (;;) {
+    if (g_stop && !stopper.joinable()) {  // graceful: no new calls, those passed on finish (10 s at most)
+      stopper = std::thread([&] {
+        server->Shutdown(gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_seconds(10, GPR_TIMESPAN)));
+        std::lock_guard<std::mutex> lock(front.link.mu);  // (no operation starts past this)
+        front.link.closing = true;
+        front.cq->Shutdown();
+      });
+    }
     void* raw;
     bool ok;
     const auto got = front.cq->AsyncNext(&raw, &ok, gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
                                                                   gpr_time_from_millis(100, GPR_TIMESPAN)));
     if (got == grpc::CompletionQueue::SHUTDOWN) break;
-    if (got == grpc::CompletionQueue::TIMEOUT) {
-      if (g_stop && !stopper.joinable()) {  // graceful: no new calls, those passed on finish (10 s at most)
-        stopper = std::thread([&] {
-          server->Shutdown(gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_seconds(10, GPR_TIMESPAN)));
-          {
-            std::lock_guard<std::mutex> lock(front.link.mu);
-            front.link.closing = true;
-          }
-          front.cq->Shutdown();
-        });
-      }
-      continue;
-    }
+    if (got == grpc::CompletionQueue::TIMEOUT) continue;
     Tag* tag = static_cast<Tag*>(raw);
+    std::lock_guard<std::mutex> lock(front.link.mu);
+    if (front.link.closing) continue;  // (the queue drains; its calls end with the process)
     if (!tag->call->on(tag->event, ok)) delete tag->call;
   }
   if (stopper.joinable()) stopper.join();
-  return 0;
+  // every operation is done (the queue said so); the link's reader may still be blocked on the
+  // socket: ended with the process, not by destroying what it uses
+  std::cout.flush();
+  std::_Exit(g_exit.load());
 }
