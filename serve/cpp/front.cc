@@ -256,7 +256,6 @@ struct Link {
   uint64_t next_id = 1;
   bool dead = false;     // the link failed: calls fail UNAVAILABLE, and the front end stops
   bool closing = false;  // the completion queue is shutting down: no more operations on it
-  std::thread reader;
 
   bool connect_to(const std::string& path) {
     fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -515,10 +514,7 @@ struct Call {
       return;
     }
     up.set_deadline(ctx.raw_deadline());
-    for (const auto& [k, v] : ctx.client_metadata()) {
-      const std::string name(k.data(), k.size());
-      if (forwarded(name) && name != front->key) up.AddMetadata(name, std::string(v.data(), v.size()));
-    }
+    for (const auto& [k, v] : client_metadata()) up.AddMetadata(k, v);
     reader = front->upstream().PrepareUnaryCall(&up, ctx.method(), request, front->cq.get());
     upstream_busy = true;
     reader->StartCall();
@@ -544,11 +540,7 @@ struct Call {
     put<int64_t>(f, remaining_us);
     put<uint16_t>(f, static_cast<uint16_t>(ctx.method().size()));
     f += ctx.method();
-    std::vector<std::pair<std::string, std::string>> md;
-    for (const auto& [k, v] : ctx.client_metadata()) {
-      const std::string name(k.data(), k.size());
-      if (forwarded(name) && name != front->key) md.emplace_back(name, std::string(v.data(), v.size()));
-    }
+    auto md = client_metadata();
     md.emplace_back(front->key, caller);
     if (!contention.empty()) md.emplace_back(kContention, contention);
     put<uint16_t>(f, static_cast<uint16_t>(md.size()));
@@ -575,6 +567,17 @@ struct Call {
     link.fail("a call could not be sent");
     status = grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server's link from the front end is down");
     notify();
+  }
+
+  // The client's metadata that travels on to the server (not gRPC's own, nor the caller's name
+  // or contention, which are the front end's to say).
+  std::vector<std::pair<std::string, std::string>> client_metadata() const {
+    std::vector<std::pair<std::string, std::string>> md;
+    for (const auto& [k, v] : ctx.client_metadata()) {
+      std::string name(k.data(), k.size());
+      if (forwarded(name) && name != front->key) md.emplace_back(std::move(name), std::string(v.data(), v.size()));
+    }
+    return md;
   }
 
   // Hands the upstream outcome (``status``, ``reply``) to the completion queue's thread.
@@ -708,8 +711,8 @@ int main(int argc, char** argv) {
     std::cerr << "front: cannot reach the server's link at " << argv[9] << "\n";
     return 3;
   }
-  front.link.reader = std::thread([&front] { front.link.read_loop(); });
-  front.link.reader.detach();  // (it ends with the process; its notices stop once the queue closes)
+  // the reader ends with the process (main ends in _Exit); its notices stop once the queue closes
+  std::thread([&front] { front.link.read_loop(); }).detach();
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);  // (a refused or failed call is the caller's to retry; no send buffering)
   args.SetMaxReceiveMessageSize(-1);
