@@ -52,6 +52,8 @@ def library() -> ctypes.CDLL | None:
         lib.genrec_hstu_extend.restype = _I
         lib.genrec_gather_rows.restype = lib.genrec_tokens.restype = lib.genrec_pooled.restype = _I
         lib.genrec_final_norm.restype = lib.genrec_retrieve.restype = _I
+        lib.genrec_siphash_words.argtypes = [ctypes.c_uint64, ctypes.c_uint64, _I, _P, _L, _I, _P]
+        lib.genrec_siphash_words.restype = _I
         lib._genrec_typed = True
     return lib
 

