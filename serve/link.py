@@ -11,7 +11,8 @@ write.
 Frames (little-endian), front end to server::
 
     u32 size of the rest | u8 kind (1 call, 2 cancel) | u64 call id
-    call:   i64 deadline, microseconds from now (-1: none) | u16 method size, method
+    call:   i64 deadline, an instant of CLOCK_MONOTONIC in microseconds (-1: none)
+            | u16 method size, method
             | u16 pairs, each u16 key size, key, u32 value size, value | the request's bytes
 
 server to front end, one per call it runs (a call cancelled before it started gets none: the
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 CALL, CANCEL = 1, 2
 _SIZE = struct.Struct("<I")
 _HEAD = struct.Struct("<BQ")  # kind, call id
-_CALL = struct.Struct("<qH")  # deadline (us from now), method size
+_CALL = struct.Struct("<qH")  # deadline (CLOCK_MONOTONIC us), method size
 _U16, _U32 = struct.Struct("<H"), struct.Struct("<I")
 _REPLY = struct.Struct("<IQBI")  # size of the rest, call id, status, message size
 MAX_FRAME = 1 << 30
@@ -92,7 +93,7 @@ def parse_call(body: memoryview) -> tuple[float | None, str, tuple[tuple[str, st
         metadata.append((key, value))
     if at > len(body):
         raise ValueError("a call frame shorter than its fields")
-    deadline = None if deadline_us < 0 else time.monotonic() + deadline_us / 1e6
+    deadline = None if deadline_us < 0 else deadline_us / 1e6  # (time.monotonic is CLOCK_MONOTONIC)
     return deadline, method, tuple(metadata), bytes(body[at:])
 
 

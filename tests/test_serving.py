@@ -925,6 +925,42 @@ def test_behind_the_native_front_end_recommender_calls_cross_its_link_not_a_seco
         srv.stop()
 
 
+class DeadlineEngine(SlowEngine):
+    """Records each work's time left (its deadline against the clock) as the engine gets it."""
+
+    def __init__(self, inner: TorchEngine) -> None:
+        super().__init__(inner, delay=0.0)
+        self.left: list[float] = []
+
+    def run(self, works):  # noqa: ANN001, ANN201
+        self.left += [w.deadline - time.monotonic() for w in works]
+        return super().run(works)
+
+
+def test_behind_the_native_front_end_a_frame_waiting_to_be_read_spends_its_calls_deadline(artifacts):
+    """The link carried a call's deadline as time remaining when the front end wrote the frame,
+    read as "from now" when the server parsed it: a frame that waited in the socket while the
+    server's loop was busy arrived with that wait added to its budget, and the server computed
+    answers its caller had stopped waiting for. The deadline now crosses as a CLOCK_MONOTONIC
+    instant, which both processes read."""
+    native_or_skip(front_available())
+    engine = DeadlineEngine(TorchEngine(artifacts["hstu"]))
+    conn = replace(local_config().connections, front_end="native")
+    srv = ThreadedServer(artifacts["hstu"], local_config(connections=conn), engine=engine)
+    request = pb.RetrieveRequest(user=user(history(4), CTX), k=5).SerializeToString()
+    try:
+        with grpc.insecure_channel(srv.target) as ch:
+            call = ch.unary_unary("/genrec.v1.Recommender/Retrieve")
+            call(request, timeout=5)  # (the channel and the link warm)
+            srv.loop.call_soon_threadsafe(time.sleep, 0.6)  # the server's loop busy: the frame waits unread
+            time.sleep(0.05)
+            call(request, timeout=2.0)
+        assert len(engine.left) == 2
+        assert engine.left[1] < 1.5, f"the server saw {engine.left[1]:.2f} s left of a 2 s deadline after 0.6 s unread"
+    finally:
+        srv.stop()
+
+
 def test_a_native_front_end_whose_link_fails_stops_with_its_server(artifacts):
     """A front end whose link to the server was closed failed every call UNAVAILABLE while it
     and its health checks stayed up: a replica that answers nothing, unseen. It now stops (status

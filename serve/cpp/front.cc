@@ -37,6 +37,7 @@
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 #include <grpcpp/alarm.h>
 #include <grpcpp/generic/async_generic_service.h>
@@ -531,13 +532,19 @@ struct Call {
     put<uint8_t>(f, 1);
     const size_t id_at = f.size();
     put<uint64_t>(f, 0);
+    // The deadline as an instant of CLOCK_MONOTONIC, which the server reads too (Python's
+    // time.monotonic): a frame that waits unread spends its call's time. (gRPC's monotonic clock
+    // counts from its own start, so the instant is built from the time left.)
     const gpr_timespec deadline = gpr_convert_clock_type(ctx.raw_deadline(), GPR_CLOCK_MONOTONIC);
-    int64_t remaining_us = -1;  // (none)
+    int64_t deadline_us = -1;  // (none)
     if (deadline.tv_sec != INT64_MAX) {
       const gpr_timespec left = gpr_time_sub(deadline, gpr_now(GPR_CLOCK_MONOTONIC));
-      remaining_us = std::max<int64_t>(0, static_cast<int64_t>(left.tv_sec) * 1000000 + left.tv_nsec / 1000);
+      timespec now{};
+      clock_gettime(CLOCK_MONOTONIC, &now);
+      deadline_us = static_cast<int64_t>(now.tv_sec) * 1000000 + now.tv_nsec / 1000 +
+                    std::max<int64_t>(0, static_cast<int64_t>(left.tv_sec) * 1000000 + left.tv_nsec / 1000);
     }
-    put<int64_t>(f, remaining_us);
+    put<int64_t>(f, deadline_us);
     put<uint16_t>(f, static_cast<uint16_t>(ctx.method().size()));
     f += ctx.method();
     auto md = client_metadata();
