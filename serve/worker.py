@@ -434,6 +434,11 @@ class EngineProcess:
             except NotImplementedError:  # e.g. the Windows proactor loop
                 self.lock.release()
                 return await loop.run_in_executor(None, self.run, works)
+            # uvloop (libuv) turns a watched fd non-blocking and leaves it so; the Connection's
+            # reads and writes expect a blocking one: a reply read while the child was still
+            # writing it, or a batch larger than the socket's buffer, failed with EAGAIN mid-message
+            # (the batch failed as a dead engine, and the stream after it was garbage)
+            os.set_blocking(self.conn.fileno(), True)
         reply = loop.create_future()
         self._pending.append(reply)
         try:

@@ -389,6 +389,31 @@ def test_engine_process_answers_like_the_in_process_engine_and_replaces_a_killed
     assert not remote.proc.is_alive() and remote.stages["retrieve_topk"] > 0  # stages kept after close
 
 
+def test_engine_process_on_uvloop_sends_and_reads_batches_larger_than_the_pipe(artifacts):
+    """uvloop (which importing SGLang installs as the event loop policy) turns the pipe's fd
+    non-blocking when the batch's reply is awaited, and leaves it so: a reply read while the child
+    was still writing it failed with EAGAIN mid-message, reported as a dead engine, and the stream
+    after it was garbage (a CI run under load failed this way). 1,000 works a batch: ~0.5 MB each
+    way, past the socket's buffer."""
+    uvloop = pytest.importorskip("uvloop")
+    from genrec.serve.requests import Work, decode_user
+
+    local = TorchEngine(artifacts["hstu"])
+    remote = EngineProcess("torch", str(artifacts["hstu"]), settings=ProcessSettings(threads=1))
+    try:
+        u = decode_user(user(history(9), CTX), local.schema, Limits())
+        works = [Work("recommend", u, retrieve_k=30, top_k=5), Work("retrieve", u, retrieve_k=10)] * 500
+        want = local.run(works[:2])
+        for _ in range(3):
+            got = uvloop.run(remote.run_async(works))
+            assert len(got) == len(works)
+            for a, b in zip(got[:2], want, strict=True):
+                np.testing.assert_array_equal(a.item_ids, b.item_ids)
+        assert len(remote.run(works)) == len(works)  # the thread path after the loop's, on the same pipe
+    finally:
+        remote.close()
+
+
 def test_batches_sent_from_the_loop_pipeline_through_one_engine_process(artifacts):
     """Three batches in flight at once: each sent before any reply is read, computed back to back
     in order, each answered with its own results; a child killed with two in flight fails both,
