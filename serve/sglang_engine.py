@@ -128,13 +128,18 @@ def _rounds(v: list[np.ndarray], n: int) -> None:
         v[2] += v[1]; v[1] = _rotl(v[1], 17); v[1] ^= v[2]; v[2] = _rotl(v[2], 32)  # noqa: E702
 
 
+def _sip_key(key: bytes) -> tuple[int, int]:
+    """SipHash's two key words of a 16-byte ``key``."""
+    if len(key) != 16:
+        raise ValueError("SipHash takes a 16-byte key")
+    return int.from_bytes(key[:8], "little"), int.from_bytes(key[8:], "little")
+
+
 def siphash24_words(key: bytes, words: list[np.ndarray]) -> np.ndarray:
     """SipHash-2-4 (Aumasson & Bernstein) under the 16-byte ``key`` of the messages whose
     little-endian 64-bit words are ``words`` (each [n] int64/uint64: message i is
     words[0][i], words[1][i], ...) -> [n] uint64."""
-    if len(key) != 16:
-        raise ValueError("SipHash takes a 16-byte key")
-    k0, k1 = _U64(int.from_bytes(key[:8], "little")), _U64(int.from_bytes(key[8:], "little"))
+    k0, k1 = map(_U64, _sip_key(key))
     n = words[0].shape
     with np.errstate(over="ignore"):
         v = [np.full(n, k0 ^ _U64(0x736F6D6570736575)), np.full(n, k1 ^ _U64(0x646F72616E646F6D)),
@@ -163,15 +168,13 @@ def event_token_ids(key: bytes, items: np.ndarray, actions: np.ndarray, times: n
     lib = hstu_native.library()
     if lib is None:
         return (siphash24_words(key, cols) >> _U64(1)).astype(np.int64)
-    if len(key) != 16:
-        raise ValueError("SipHash takes a 16-byte key")
+    k0, k1 = _sip_key(key)
     n = cols[0].size
     if any(c.size != n for c in cols):
         raise ValueError("the event columns differ in length")
     out = np.empty(n, np.int64)
     words = (ctypes.c_void_p * 4)(*(hstu_native.ptr(c) for c in cols))
-    rc = lib.genrec_siphash_words(int.from_bytes(key[:8], "little"), int.from_bytes(key[8:], "little"), 4,
-                                  words, n, 1, hstu_native.ptr(out))
+    rc = lib.genrec_siphash_words(k0, k1, 4, words, n, 1, hstu_native.ptr(out))
     if rc:
         raise RuntimeError(f"genrec_siphash_words failed ({rc})")
     return out
