@@ -23,6 +23,7 @@ import torch
 
 from genrec.config import ConfigError, load_config
 from genrec.serve.contract import EngineBuilder
+from genrec.serve.factory import SGLANG_THREADS
 from genrec.serve.server import RecommenderServer, ServeConfig, kill_engine_processes
 from genrec.serve.worker import plan_cpus
 
@@ -56,13 +57,18 @@ def serve_config(args: argparse.Namespace, overrides: list[str]) -> ServeConfig:
 
 def engine_cpus(cfg: ServeConfig, available: tuple[int, ...]) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
     """(each engine replica's CPUs, front-end CPUs) from ``cfg.engine_cpus``; pinning applies only
-    when the engines have their own processes."""
-    if not cfg.engine_process or cfg.engine != "torch":
+    when the engines have their own processes: the torch engine's (``serve.engine_process``) or
+    SGLang's runtime, whose scheduler runs the model on one thread (``SGLangEngine(threads=1)``)."""
+    if cfg.engine == "sglang":
+        threads, replicas = SGLANG_THREADS, 1
+    elif cfg.engine_process:
+        threads, replicas = cfg.process.threads, cfg.engine_replicas
+    else:
         return [], ()
     spec = cfg.engine_cpus
     spec = ",".join(map(str, spec)) if isinstance(spec, tuple) else str(spec)
     try:
-        return plan_cpus(spec, cfg.process.threads, available, cfg.engine_replicas)
+        return plan_cpus(spec, threads, available, replicas)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

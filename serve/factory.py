@@ -14,6 +14,10 @@ from genrec.serve.contract import Engine
 from genrec.serve.kvcache import CacheConfig
 from genrec.serve.scoring import ScoringConfig
 
+# the model's intra-op threads in SGLang's scheduler process, which serve.engine_cpus = "auto"
+# gives a CPU of its own (serve.cli.engine_cpus)
+SGLANG_THREADS = 1
+
 
 def make_engine(kind: str, artifact: str, device: str, cache: CacheConfig | None = None,
                 retrieval: RetrievalConfig | None = None, scoring: ScoringConfig | None = None) -> Engine:
@@ -32,9 +36,9 @@ def make_engine(kind: str, artifact: str, device: str, cache: CacheConfig | None
 
         # a warm standby runtime: a fault in SGLang's scheduler fails over instead of failing calls
         if cache is None:
-            return SGLangEngine(artifact, device=device, standby=True, retrieval=retrieval)
+            return SGLangEngine(artifact, device=device, standby=True, retrieval=retrieval, threads=SGLANG_THREADS)
         return SGLangEngine(artifact, device=device, pool_tokens=cache.pool_tokens, window_block=cache.window_block,
-                            standby=True, retrieval=retrieval)
+                            standby=True, retrieval=retrieval, threads=SGLANG_THREADS)
     if kind != "torch":
         raise ValueError(f"engine '{kind}': serve torch or sglang (the naive baseline is the benchmarks': "
                          "python -m genrec.benchmarks.naive_engine)")

@@ -207,7 +207,8 @@ class ServeConfig:
     engine_process: bool = True
     process: ProcessSettings = field(default_factory=ProcessSettings)
     engine_replicas: int = 1  # engine processes, each taking whole batches (needs engine_process)
-    # CPUs of the engine processes (serve.worker.plan_cpus): "auto" (with process.threads = N each
+    # CPUs of the engine processes, or of SGLang's scheduler (serve.cli.engine_cpus,
+    # serve.worker.plan_cpus): "auto" (with process.threads = N each
     # replica owns N CPUs from the last one down, the front-end keeps the rest), "none", or CPU
     # numbers ([2, 3], split between the replicas; the front-end takes the others). Applied by
     # `genrec serve`, which owns the process's affinity; RecommenderServer takes the result.
@@ -300,6 +301,9 @@ def open_engine(cfg: ServeConfig, artifact: str, replica_cpus: Sequence[tuple[in
     loading.building_here(f"building the {cfg.engine} engine in this process from {artifact}")
     built = (build or make_engine)(cfg.engine, artifact, cfg.device, cfg.cache, cfg.retrieval, cfg.scoring)
     loading.made(built)  # (abandoned meanwhile: closed now, LoadAbandoned)
+    pin_to = getattr(built, "pin_to", None)  # an engine with processes of its own (SGLang's runtime)
+    if pin_to is not None and replica_cpus and replica_cpus[0]:
+        pin_to(tuple(replica_cpus[0]))
     return built
 
 

@@ -284,6 +284,12 @@ class SGLangEngine(InProcessEngine):
     def on_state(self, hook: Callable[[bool], object]) -> None:
         self.runtimes.hooks.append(hook)
 
+    def pin_to(self, cpus: tuple[int, ...]) -> None:
+        """SGLang's processes (its scheduler runs the model) on ``cpus``, off the front end's:
+        ``genrec serve`` plans them from ``serve.engine_cpus`` as it does the torch engine's
+        process (serve.worker.plan_cpus)."""
+        self.runtimes.pin_to(cpus)
+
     def close(self) -> None:
         """Stops SGLang's processes (this engine's only), their loops, and removes the model folder."""
         if self.closed:

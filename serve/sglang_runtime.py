@@ -98,6 +98,21 @@ def install_sigquit_handler() -> bool:
     return True
 
 
+def pin(procs: list[psutil.Process], cpus: tuple[int, ...]) -> None:
+    """Every thread of ``procs`` on ``cpus`` (the threads they start later inherit it); () leaves
+    them where they are."""
+    if not cpus:
+        return
+    for p in procs:
+        try:
+            threads = p.threads()
+        except psutil.NoSuchProcess:  # (a process that has just ended: its monitor reports it)
+            continue
+        for t in threads:
+            with contextlib.suppress(ProcessLookupError):  # (a thread that has just ended)
+                os.sched_setaffinity(t.id, cpus)
+
+
 def _alive(p: psutil.Process) -> bool:
     try:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
@@ -227,6 +242,7 @@ class Runtimes:
 
     def __init__(self, kwargs: dict, standby: bool, workdir: Path) -> None:
         self.kwargs, self.want_standby, self.workdir = kwargs, standby, workdir
+        self.cpus: tuple[int, ...] = ()  # where the runtimes' processes run (pin_to); (): where the OS puts them
         self.cond = threading.Condition()
         self.hooks: list[Callable[[bool], object]] = []
         self.closed = False
@@ -244,7 +260,18 @@ class Runtimes:
                 raise
 
     def _new(self) -> Runtime:
-        return Runtime(self.kwargs, self._fault, name="sglang-standby")
+        rt = Runtime(self.kwargs, self._fault, name="sglang-standby")
+        pin(rt.procs, self.cpus)  # (after its start, which ran where the starting thread runs)
+        return rt
+
+    def pin_to(self, cpus: tuple[int, ...]) -> None:
+        """Runs the runtimes' processes (the scheduler, where the model computes, and the
+        detokenizer) on ``cpus``: the active one, the standby and every later one once started."""
+        with self.cond:
+            self.cpus = tuple(cpus)
+            runtimes = [r for r in (self.active, self.standby) if r is not None]
+        for rt in runtimes:
+            pin(rt.procs, self.cpus)
 
     def _replace(self, delay: float = 0.0) -> None:
         """Starts a runtime in the background (after ``delay`` seconds): the active one if there

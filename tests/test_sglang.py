@@ -196,6 +196,23 @@ def test_several_batches_in_flight(engines):
             np.testing.assert_allclose(a.scores, b.scores, rtol=TOL, atol=TOL)
 
 
+def test_pin_to_moves_every_thread_of_the_runtimes_processes_and_calls_still_answer(engines):
+    """``SGLangEngine.pin_to`` (the server's serve.engine_cpus plan) puts the scheduler and the
+    detokenizer, every thread, on the CPUs given; the engine answers as before."""
+    import os
+
+    te, se = engines
+    everywhere = tuple(sorted(os.sched_getaffinity(0)))
+    one = (everywhere[-1],)
+    try:
+        se.pin_to(one)
+        procs = se.runtimes.active.procs
+        assert procs and all(os.sched_getaffinity(t.id) == set(one) for p in procs for t in p.threads())
+        same(te, se, [work(te.schema, history(30, seed=77), "rank", uid="pinned", seed=1)])
+    finally:
+        se.pin_to(everywhere)
+
+
 def test_models_it_does_not_serve_are_refused_with_the_fix(tiny_synth, tmp_path):
     from genrec.serve.sglang_engine import SGLangEngine
     from tests.serving_helpers import tiny_ranking_artifact
