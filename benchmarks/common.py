@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -82,7 +84,20 @@ def shown_path(path: str | Path) -> str:
     return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(Path(*p.parts[-2:]))
 
 
+def invocation() -> str | None:
+    """How this process was started, as the command that runs it again (``python -m <module>
+    <arguments>``); None when it was not started as a module."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is None or not spec.name:
+        return None
+    return " ".join([f"python -m {spec.name.removesuffix('.__main__')}", *map(shlex.quote, sys.argv[1:])])
+
+
 def write_json(name: str, payload: Any) -> Path:
+    """``results/<name>.json``; a dict payload that names no ``command`` records this process's
+    (:func:`invocation`): the pages quote it, and a default would drop the flags a run was given."""
+    if isinstance(payload, dict) and "command" not in payload and (cmd := invocation()):
+        payload = {**payload, "command": cmd}
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")

@@ -150,6 +150,24 @@ def test_update_results_md_regenerates_both_pages(tmp_path: Path, monkeypatch) -
         assert (tmp_path / name).read_text() == text
 
 
+def test_a_result_records_the_command_it_was_run_with(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """resilience recorded no command, so its page quoted a default without the --workload the
+    run was given, and the figures could not be reproduced from it: write_json records how the
+    benchmark was started unless the payload names a command itself."""
+    import json
+    import sys
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setitem(sys.modules, "__main__", SimpleNamespace(__spec__=SimpleNamespace(name="genrec.benchmarks.resilience")))
+    monkeypatch.setattr(sys, "argv", ["resilience.py", "--artifact", "runs/a b", "--workload", "wl.jsonl"])
+    common.write_json("resilience", {"servers": {}})
+    assert json.loads((tmp_path / "resilience.json").read_text())["command"] == (
+        "python -m genrec.benchmarks.resilience --artifact 'runs/a b' --workload wl.jsonl")
+    common.write_json("own", {"command": "python -m genrec.benchmarks.own --x 1"})
+    assert json.loads((tmp_path / "own.json").read_text())["command"] == "python -m genrec.benchmarks.own --x 1"
+
+
 def test_a_resilience_step_whose_sender_ran_late_is_marked_generator_bound() -> None:
     """A 4x step the one-core generator could not send on time measured the generator as much
     as the server: its headline says so (benchmarks/notes/2026-12-05-resilience-generator.md)."""
