@@ -44,7 +44,7 @@ def _threads(pid: int) -> list[int]:
         return [pid]
 
 
-def _pin(pid: int | None, cpus: tuple[int, ...]) -> None:
+def pin_threads(pid: int | None, cpus: tuple[int, ...]) -> None:
     """Moves every thread of process ``pid`` onto ``cpus`` (torch's pool threads included)."""
     if not cpus or pid is None or not hasattr(os, "sched_setaffinity"):
         return
@@ -245,7 +245,7 @@ class FailoverEngine:
                     self._due -= 1
                     self.restarts += 1
                 if self.active is None:
-                    _pin(engine.process.pid, self.settings.cpus)
+                    pin_threads(engine.process.pid, self.settings.cpus)
                     self.active = engine
                 else:
                     self.standby = engine
@@ -273,7 +273,7 @@ class FailoverEngine:
                 if nxt is not None and _exited(nxt):  # died too; its watcher will find no slot
                     self._due, nxt = self._due + 1, None
                 if nxt is not None:
-                    _pin(nxt.process.pid, self.settings.cpus)  # the dead one's CPUs are free now
+                    pin_threads(nxt.process.pid, self.settings.cpus)  # the dead one's CPUs are free now
                     _foreground(nxt.process.pid)
                 self.active = nxt
             elif engine is self.standby:

@@ -39,6 +39,7 @@ from pathlib import Path
 import psutil
 
 from genrec.serve import sglang_shim
+from genrec.serve.failover import pin_threads
 
 log = logging.getLogger("genrec.serve.sglang")
 START_TIMEOUT_S = 300.0  # an SGLang engine that has not started by then is given up
@@ -96,21 +97,6 @@ def install_sigquit_handler() -> bool:
         return False
     signal.signal(signal.SIGQUIT, _on_sigquit)
     return True
-
-
-def pin(procs: list[psutil.Process], cpus: tuple[int, ...]) -> None:
-    """Every thread of ``procs`` on ``cpus`` (the threads they start later inherit it); () leaves
-    them where they are."""
-    if not cpus:
-        return
-    for p in procs:
-        try:
-            threads = p.threads()
-        except psutil.NoSuchProcess:  # (a process that has just ended: its monitor reports it)
-            continue
-        for t in threads:
-            with contextlib.suppress(ProcessLookupError):  # (a thread that has just ended)
-                os.sched_setaffinity(t.id, cpus)
 
 
 def _alive(p: psutil.Process) -> bool:
@@ -261,7 +247,8 @@ class Runtimes:
 
     def _new(self) -> Runtime:
         rt = Runtime(self.kwargs, self._fault, name="sglang-standby")
-        pin(rt.procs, self.cpus)  # (after its start, which ran where the starting thread runs)
+        for p in rt.procs:  # (after its start, which ran where the starting thread runs)
+            pin_threads(p.pid, self.cpus)
         return rt
 
     def pin_to(self, cpus: tuple[int, ...]) -> None:
@@ -270,8 +257,8 @@ class Runtimes:
         with self.cond:
             self.cpus = tuple(cpus)
             runtimes = [r for r in (self.active, self.standby) if r is not None]
-        for rt in runtimes:
-            pin(rt.procs, self.cpus)
+        for p in (p for rt in runtimes for p in rt.procs):
+            pin_threads(p.pid, self.cpus)
 
     def _replace(self, delay: float = 0.0) -> None:
         """Starts a runtime in the background (after ``delay`` seconds): the active one if there
