@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from genrec.serve.affinity import pin_threads
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 RESULTS_MD = ROOT / "benchmarks" / "RESULTS.md"
@@ -22,12 +24,8 @@ def pin_process(cpus: Any) -> None:
     ``os.sched_setaffinity(0, ...)`` moves the calling thread only: gRPC's own threads (its
     event engine and timers, which do the load generator's I/O), started at the first call and
     kept for the process's life, would stay where they were started."""
-    cpus = set(cpus)
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except ProcessLookupError:  # (a thread that has just ended)
-            pass
+    cpus = tuple(sorted(set(cpus)))
+    pin_threads(os.getpid(), cpus)
     os.sched_setaffinity(0, cpus)
 
 

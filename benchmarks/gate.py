@@ -35,7 +35,6 @@ not run (a revision missing, a side's benchmark failing). ``--out``: the JSON re
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -50,6 +49,8 @@ import tomllib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from genrec.serve.affinity import pin_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).with_name("gate_bench.py")
@@ -225,9 +226,7 @@ class Worker:
         modules = self._read("start")["modules"]
         _check_modules(self.side, modules)
         if cpu is not None:
-            for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
-                with contextlib.suppress(ProcessLookupError):  # a thread that has just ended
-                    os.sched_setaffinity(int(tid), {cpu})
+            pin_threads(self.proc.pid, (cpu,))
         return modules
 
     def block(self, kind: str) -> dict[str, float]:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import wait as wait_handles
 
+from genrec.serve.affinity import pin_threads, thread_ids
 from genrec.serve.contract import EngineBuilder, ReplicaState, Result
 from genrec.serve.requests import Work
 from genrec.serve.worker import (
@@ -36,32 +37,13 @@ from genrec.serve.worker import (
 log = logging.getLogger("genrec.serve")
 
 
-def _threads(pid: int) -> list[int]:
-    """Thread ids of process ``pid`` (scheduler calls on a pid reach only its main thread)."""
-    try:
-        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return [pid]
-
-
-def pin_threads(pid: int | None, cpus: tuple[int, ...]) -> None:
-    """Moves every thread of process ``pid`` onto ``cpus`` (torch's pool threads included)."""
-    if not cpus or pid is None or not hasattr(os, "sched_setaffinity"):
-        return
-    for tid in _threads(pid):
-        try:
-            os.sched_setaffinity(tid, cpus)
-        except OSError:  # a thread that ended meanwhile
-            pass
-
-
 def _foreground(pid: int | None) -> None:
     """Every thread of ``pid`` back to the normal policy, where permitted (leaving SCHED_IDLE
     needs CAP_SYS_NICE; without it a promoted standby stays idle-priority, which costs nothing on
     CPUs of its own, the case of an engine pinned by serve.engine_cpus)."""
     if pid is None:
         return
-    for tid in _threads(pid):
+    for tid in thread_ids(pid):
         try:
             os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
             os.setpriority(os.PRIO_PROCESS, tid, 0)

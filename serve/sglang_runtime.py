@@ -39,7 +39,7 @@ from pathlib import Path
 import psutil
 
 from genrec.serve import sglang_shim
-from genrec.serve.failover import pin_threads
+from genrec.serve.affinity import pin_threads, spawning_on
 
 log = logging.getLogger("genrec.serve.sglang")
 START_TIMEOUT_S = 300.0  # an SGLang engine that has not started by then is given up
@@ -110,7 +110,8 @@ class Runtime:
     """One ``sglang.Engine`` built with ``kwargs`` (``model_path`` among them), on a loop of its
     own; ``on_fault(self)`` is called (from its monitor thread) when one of its processes ends."""
 
-    def __init__(self, kwargs: dict, on_fault: Callable[[Runtime], None], name: str = "sglang") -> None:
+    def __init__(self, kwargs: dict, on_fault: Callable[[Runtime], None], name: str = "sglang",
+                 cpus: tuple[int, ...] = ()) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name=f"{name}-loop", daemon=True)
         self.thread.start()
@@ -121,7 +122,7 @@ class Runtime:
         self._count = threading.Lock()
         self.procs: list[psutil.Process] = []
         try:
-            self.engine = asyncio.run_coroutine_threadsafe(self._start(kwargs), self.loop).result(START_TIMEOUT_S)
+            self.engine = asyncio.run_coroutine_threadsafe(self._start(kwargs, cpus), self.loop).result(START_TIMEOUT_S)
             self.procs = [psutil.Process(pid) for pid in self.engine.get_all_child_pids()]
         except BaseException:
             self.close()
@@ -136,10 +137,11 @@ class Runtime:
         self.monitor = threading.Thread(target=self._watch, name=f"{name}-monitor", daemon=True)
         self.monitor.start()
 
-    async def _start(self, kwargs: dict):  # noqa: ANN202
+    async def _start(self, kwargs: dict, cpus: tuple[int, ...]):  # noqa: ANN202
         import sglang as sgl
 
-        with _START_LOCK, _children_environment():
+        # its processes start (load the model, warm up) on ``cpus``, not on the front end's
+        with _START_LOCK, _children_environment(), spawning_on(cpus):
             return sgl.Engine(**kwargs)
 
     def _watch(self) -> None:
@@ -246,14 +248,18 @@ class Runtimes:
                 raise
 
     def _new(self) -> Runtime:
-        rt = Runtime(self.kwargs, self._fault, name="sglang-standby")
-        for p in rt.procs:  # (after its start, which ran where the starting thread runs)
+        with self.cond:
+            cpus = self.cpus
+        rt = Runtime(self.kwargs, self._fault, name="sglang-standby", cpus=cpus)
+        with self.cond:
+            moved = self.cpus != cpus  # (pin_to meanwhile: it saw no such runtime)
+        for p in rt.procs if moved else ():
             pin_threads(p.pid, self.cpus)
         return rt
 
     def pin_to(self, cpus: tuple[int, ...]) -> None:
         """Runs the runtimes' processes (the scheduler, where the model computes, and the
-        detokenizer) on ``cpus``: the active one, the standby and every later one once started."""
+        detokenizer) on ``cpus``: the active one, the standby, and every later one from its start."""
         with self.cond:
             self.cpus = tuple(cpus)
             runtimes = [r for r in (self.active, self.standby) if r is not None]
