@@ -192,6 +192,10 @@ class InProcessEngine(ABC):
     def on_state(self, hook: Callable[[bool], object]) -> None:  # noqa: B027 - empty on purpose, not abstract
         """Nothing to tell: an engine in this process is available while the process lives."""
 
+    def pin_to(self, cpus: tuple[int, ...]) -> None:  # noqa: B027 - empty on purpose, not abstract
+        """Runs the processes of its own on ``cpus`` (``serve.engine_cpus``'s plan for the engine,
+        off the front end's): none here; SGLang's engine has its scheduler and detokenizer."""
+
     def replica_states(self) -> list[ReplicaState]:
         return [ReplicaState("in-process", "ready", self.version)]
 

@@ -50,7 +50,7 @@ from genrec.quant.artifact import ArtifactError, OutsideRoot, check_artifact
 from genrec.serve.admission import CONTENTION_KEY, FairConfig, Shares, caller_of
 from genrec.serve.ann import RetrievalConfig
 from genrec.serve.batcher import BatchConfig, Batcher, DeadlineExceeded, Overloaded, ShuttingDown
-from genrec.serve.contract import Engine, EngineBuilder, Result
+from genrec.serve.contract import Engine, EngineBuilder, InProcessEngine, Result
 from genrec.serve.factory import make_engine, quiet_gc
 from genrec.serve.failover import EnginePool, FailoverEngine, open_engine_process
 from genrec.serve.frontend import FrontEnd, Health, ThreadListener
@@ -301,9 +301,8 @@ def open_engine(cfg: ServeConfig, artifact: str, replica_cpus: Sequence[tuple[in
     loading.building_here(f"building the {cfg.engine} engine in this process from {artifact}")
     built = (build or make_engine)(cfg.engine, artifact, cfg.device, cfg.cache, cfg.retrieval, cfg.scoring)
     loading.made(built)  # (abandoned meanwhile: closed now, LoadAbandoned)
-    pin_to = getattr(built, "pin_to", None)  # an engine with processes of its own (SGLang's runtime)
-    if pin_to is not None and replica_cpus and replica_cpus[0]:
-        pin_to(tuple(replica_cpus[0]))
+    if replica_cpus and replica_cpus[0] and isinstance(built, InProcessEngine):  # (not a builder's own kind)
+        built.pin_to(tuple(replica_cpus[0]))
     return built
 
 

@@ -14,6 +14,7 @@ from genrec.config import ConfigError, dump_toml, load_config
 from genrec.serve.ann import RetrievalConfig
 from genrec.serve.batcher import BatchConfig
 from genrec.serve.cli import ServeFile, engine_cpus, serve_config
+from genrec.serve.contract import InProcessEngine
 from genrec.serve.kvcache import CacheConfig
 from genrec.serve.scoring import ScoringConfig
 from genrec.serve.server import ServeConfig, open_engine
@@ -126,7 +127,15 @@ def test_the_sglang_scheduler_gets_a_cpu_of_its_own_as_the_torch_engine_process_
     assert engine_cpus(ServeConfig(engine="sglang", engine_cpus="none"), (0, 1)) == ([()], ())
     assert engine_cpus(ServeConfig(engine="sglang"), (0,)) == ([()], ())  # one CPU: nothing to separate
     pinned = []
-    engine = SimpleNamespace(pin_to=pinned.append)
+
+    class Pinned(InProcessEngine):
+        def run(self, works):
+            return []
+
+        def pin_to(self, cpus):
+            pinned.append(cpus)
+
+    engine = Pinned()
     monkeypatch.setattr(server, "make_engine", lambda *a: engine)
     assert open_engine(ServeConfig(engine="sglang"), "a", [(1,)]) is engine
     assert open_engine(ServeConfig(engine="sglang"), "a", [()]) is engine
