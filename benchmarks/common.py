@@ -23,10 +23,12 @@ def pin_process(cpus: Any) -> None:
     """Pins every thread of this process to ``cpus`` (and so the threads it starts later).
     ``os.sched_setaffinity(0, ...)`` moves the calling thread only: gRPC's own threads (its
     event engine and timers, which do the load generator's I/O), started at the first call and
-    kept for the process's life, would stay where they were started."""
+    kept for the process's life, would stay where they were started. The calling thread is
+    moved first, by the one call that raises on a set of CPUs it cannot use (``pin_threads``
+    passes over threads that end meanwhile)."""
     cpus = tuple(sorted(set(cpus)))
-    pin_threads(os.getpid(), cpus)
     os.sched_setaffinity(0, cpus)
+    pin_threads(os.getpid(), cpus)
 
 
 def dataset(name: str, cache: Path = ROOT / "data") -> Path:

@@ -252,19 +252,22 @@ class Runtimes:
             cpus = self.cpus
         rt = Runtime(self.kwargs, self._fault, name="sglang-standby", cpus=cpus)
         with self.cond:
-            moved = self.cpus != cpus  # (pin_to meanwhile: it saw no such runtime)
-        for p in rt.procs if moved else ():
-            pin_threads(p.pid, self.cpus)
+            moved, now = self.cpus != cpus, self.cpus  # (pin_to meanwhile: it saw no such runtime)
+        if moved:
+            for p in rt.procs:
+                pin_threads(p.pid, now)
         return rt
 
     def pin_to(self, cpus: tuple[int, ...]) -> None:
         """Runs the runtimes' processes (the scheduler, where the model computes, and the
         detokenizer) on ``cpus``: the active one, the standby, and every later one from its start."""
+        cpus = tuple(cpus)
         with self.cond:
-            self.cpus = tuple(cpus)
+            self.cpus = cpus
             runtimes = [r for r in (self.active, self.standby) if r is not None]
-        for p in (p for rt in runtimes for p in rt.procs):
-            pin_threads(p.pid, self.cpus)
+        for rt in runtimes:
+            for p in rt.procs:
+                pin_threads(p.pid, cpus)
 
     def _replace(self, delay: float = 0.0) -> None:
         """Starts a runtime in the background (after ``delay`` seconds): the active one if there
