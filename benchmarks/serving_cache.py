@@ -7,7 +7,8 @@ another: ``torch`` (no cache: ``serve.cache.kv_cache_mb = 0``), ``torch-cache`` 
 K/V cache, its budget sized for the run's active users) and ``sglang`` (its KV pool and radix
 cache, ``serve.cache.pool_tokens`` sized the same way); on request (``--engines``) also
 ``torch-cache-auto``, the cached engine scoring large calls' candidates in bf16
-(``serve.scoring.candidate_precision = "auto"``), and ``torch-cache-bounded``, the same
+(``serve.scoring.candidate_precision = "auto"``), ``sglang-auto``, SGLang set the same way,
+and ``torch-cache-bounded``, the same
 serving a model with a bounded reach (``MODELS``: the last 512 events in full, earlier blocks
 of 64 as summaries; its own artifact, built the same way) and ``sglang-bounded``, that artifact
 behind the SGLang engine. Each gets the same repeated-user
@@ -93,9 +94,10 @@ QUICK = {"serving": (25, 50), "rank-1k": (10,)}  # --quick: these workloads, the
 # engine config -> (--engine, the serve.cache key it is sized by; None: the cache off)
 ENGINES = {"torch": ("torch", None), "torch-cache": ("torch", "kv_cache_mb"), "sglang": ("sglang", "pool_tokens"),
            "torch-cache-auto": ("torch", "kv_cache_mb"), "torch-cache-bounded": ("torch", "kv_cache_mb"),
-           "sglang-bounded": ("sglang", "pool_tokens")}
+           "sglang-bounded": ("sglang", "pool_tokens"), "sglang-auto": ("sglang", "pool_tokens")}
 # engine configs that differ from another by server flags only
 FLAGS = {"torch-cache-auto": ['--serve.scoring.candidate_precision="auto"'],
+         "sglang-auto": ['--serve.scoring.candidate_precision="auto"'],
          "torch-cache-bounded": ['--serve.scoring.candidate_precision="auto"']}
 # engine configs that serve another model: its training flags (the bounded reach of issue 44,
 # kernels.hstu_bounded: the last 512 events in full, blocks of 64 before them as one summary each)

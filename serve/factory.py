@@ -30,15 +30,13 @@ def make_engine(kind: str, artifact: str, device: str, cache: CacheConfig | None
     if kind == "sglang":
         from genrec.serve.sglang_engine import SGLangEngine
 
-        if scoring.candidate_precision != "fp32":
-            raise ValueError(f"serve.scoring.candidate_precision = {scoring.candidate_precision!r}: the SGLang "
-                             "engine scores candidates in the model's precision; set fp32 or serve engine = \"torch\"")
-
         # a warm standby runtime: a fault in SGLang's scheduler fails over instead of failing calls
+        precision = scoring.candidate_precision
         if cache is None:
-            return SGLangEngine(artifact, device=device, standby=True, retrieval=retrieval, threads=SGLANG_THREADS)
+            return SGLangEngine(artifact, device=device, standby=True, retrieval=retrieval, threads=SGLANG_THREADS,
+                                candidate_precision=precision)
         return SGLangEngine(artifact, device=device, pool_tokens=cache.pool_tokens, window_block=cache.window_block,
-                            standby=True, retrieval=retrieval, threads=SGLANG_THREADS)
+                            standby=True, retrieval=retrieval, threads=SGLANG_THREADS, candidate_precision=precision)
     if kind != "torch":
         raise ValueError(f"engine '{kind}': serve torch or sglang (the naive baseline is the benchmarks': "
                          "python -m genrec.benchmarks.naive_engine)")

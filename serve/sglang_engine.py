@@ -210,15 +210,20 @@ class SGLangEngine(InProcessEngine):
     source is generative or both), in the model's forward: ``max_beam``: the widest beam a
     request may ask for. ``standby``: keep a second SGLang runtime warm that takes over at
     once if the active one's process ends (its own pool: twice the memory; the server's
-    factory turns it on); without, calls fail UNAVAILABLE until a new runtime is up."""
+    factory turns it on); without, calls fail UNAVAILABLE until a new runtime is up.
+    ``candidate_precision``: the candidates' scoring precision in the model's process, as
+    ``TorchEngine``'s ([serve.scoring]: fp32, bf16 or auto)."""
 
     name = "sglang"
     batches_together = True  # the batches in flight merge in SGLang's scheduler (serve.batcher admission)
 
     def __init__(self, artifact: str | Path, device: str = "cpu", pool_tokens: int = 262144, window_block: int = 1,
                  chunk_tokens: int = 4096, max_running: int = 64, threads: int = 1, max_beam: int = 256,
-                 standby: bool = False, retrieval: RetrievalConfig | None = None) -> None:
+                 standby: bool = False, retrieval: RetrievalConfig | None = None,
+                 candidate_precision: str = "fp32") -> None:
         retrieval = retrieval or RetrievalConfig()
+        if candidate_precision not in ("fp32", "bf16", "auto"):
+            raise ValueError(f"candidate_precision: '{candidate_precision}'; use 'fp32', 'bf16' or 'auto'")
         served = read_served(artifact, retrieval)
         if not packed_covers(served.model, served.embedding):
             raise ValueError("the SGLang engine serves HSTU models with the summed action encoding; "
@@ -258,7 +263,9 @@ class SGLangEngine(InProcessEngine):
                    "torch_dtype": "float32", "genrec_artifact": str(Path(artifact).resolve()),
                    "genrec_threads": threads,
                    # [serve.retrieval]: the model process's catalogue searches as the torch engine's would
-                   "genrec_retrieval": asdict(retrieval)}
+                   "genrec_retrieval": asdict(retrieval),
+                   # [serve.scoring]: the candidates' precision, as the torch engine's (TorchEngine)
+                   "genrec_candidate_precision": candidate_precision}
             (self.ckpt / "config.json").write_text(json.dumps(cfg))
             save_file({"_dummy": torch.zeros(1)}, str(self.ckpt / "model.safetensors"))
             from genrec.serve.sglang_models.genrec_tower import KeepLogits

@@ -143,10 +143,11 @@ def test_the_sglang_scheduler_gets_a_cpu_of_its_own_as_the_torch_engine_process_
     assert pinned == [(1,)]
 
 
-def test_candidate_precision_is_checked_at_config_load_and_reaches_the_torch_engine(monkeypatch):
-    """A bad precision is refused naming the key; bf16 reaches TorchEngine; the SGLang engine,
-    which scores in the model's precision, refuses anything else instead of ignoring it."""
+def test_candidate_precision_is_checked_at_config_load_and_reaches_either_engine(monkeypatch):
+    """A bad precision is refused naming the key; bf16 and auto reach TorchEngine and the SGLang
+    engine (whose model scores through a TorchEngine in SGLang's scheduler: the same kernels)."""
     import genrec.serve.engine as engine_mod
+    import genrec.serve.sglang_engine as sglang_mod
     from genrec.serve.factory import make_engine
 
     with pytest.raises(ConfigError, match="serve.scoring.candidate_precision"):
@@ -157,8 +158,10 @@ def test_candidate_precision_is_checked_at_config_load_and_reaches_the_torch_eng
     make_engine("torch", "a", "cpu", CacheConfig(), None, ScoringConfig(candidate_precision="bf16"))
     make_engine("torch", "a", "cpu", None, None, ScoringConfig(candidate_precision="auto"))
     assert got == ["bf16", "auto"]
-    with pytest.raises(ValueError, match="SGLang engine scores candidates"):
-        make_engine("sglang", "a", "cpu", None, None, ScoringConfig(candidate_precision="bf16"))
+    monkeypatch.setattr(sglang_mod, "SGLangEngine", lambda art, **kw: got.append(kw["candidate_precision"]) or "engine")
+    make_engine("sglang", "a", "cpu", CacheConfig(), None, ScoringConfig(candidate_precision="bf16"))
+    make_engine("sglang", "a", "cpu", None, None, ScoringConfig(candidate_precision="auto"))
+    assert got == ["bf16", "auto", "bf16", "auto"]
 
 
 def test_retrieval_search_is_checked_at_config_load():

@@ -181,6 +181,25 @@ def test_serve_retrieval_reaches_the_model_process(artifact):
         se.close()
 
 
+def test_serve_scoring_reaches_the_model_process(artifact):
+    """[serve.scoring] configures the SGLang engine's candidates too: with bf16 its model process
+    scores them as the torch engine set to bf16 does, not in fp32 (the SGLang engine used to
+    refuse any precision but fp32)."""
+    from genrec.serve.sglang_engine import SGLangEngine
+
+    te, fp32 = TorchEngine(artifact, candidate_precision="bf16"), TorchEngine(artifact)
+    se = SGLangEngine(artifact, pool_tokens=4096, threads=1, candidate_precision="bf16")
+    try:
+        works = [work(te.schema, history(n, seed=700 + i), kind, uid=f"bf{i}", seed=i)
+                 for i, (n, kind) in enumerate([(40, "rank"), (90, "rank"), (30, "recommend")])]
+        for _ in range(2):  # cold, then warm (the history read from the pool)
+            got = same(te, se, works)
+        moved = max(float(np.abs(a.tasks[t] - b.tasks[t]).max()) for a, b in zip(fp32.run(works), got) for t in a.tasks)
+        assert moved > TOL, "the SGLang engine's candidates were scored in fp32"
+    finally:
+        se.close()
+
+
 def test_several_batches_in_flight(engines):
     """run() from several threads at once: SGLang batches the requests of all of them."""
     from concurrent.futures import ThreadPoolExecutor

@@ -120,7 +120,9 @@ class GenRecHSTU(nn.Module):
         super().__init__()
         torch.set_num_threads(int(getattr(config, "genrec_threads", 1)) or torch.get_num_threads())
         retrieval = RetrievalConfig(**(getattr(config, "genrec_retrieval", None) or {}))  # [serve.retrieval]
-        self.engine = TorchEngine(config.genrec_artifact, retrieval=retrieval)
+        # [serve.scoring]: the candidates scored in the precision the server was configured with
+        precision = getattr(config, "genrec_candidate_precision", None) or "fp32"
+        self.engine = TorchEngine(config.genrec_artifact, retrieval=retrieval, candidate_precision=precision)
         self.model = self.engine.model.eval()
         packed = self.engine.packed  # its token lookups and context (SGLangEngine checked it exists)
         if packed is None:
