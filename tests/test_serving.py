@@ -619,8 +619,12 @@ def test_engine_pool_runs_batches_on_free_replicas_with_the_same_answers(artifac
 
 
 def test_server_with_engine_replicas_serves_batches_concurrently(artifacts):
+    # admission's wait budget off (max_queue_ms 0: the calls' deadlines only): 16 calls at once
+    # queue for several batches, which on a busy machine predicts more than the default 20 ms
+    # and sheds calls this test does not measure
     cfg = ServeConfig(host="127.0.0.1", port=0, engine_process=True, engine_replicas=2,
-                      process=ProcessSettings(threads=1), batch=BatchConfig(max_batch=4, max_wait_ms=0, max_inflight=2))
+                      process=ProcessSettings(threads=1),
+                      batch=BatchConfig(max_batch=4, max_wait_ms=0, max_inflight=2, max_queue_ms=0))
     srv = ThreadedServer(artifacts["hstu"], cfg)
     try:
         c = RecommenderClient(srv.target, timeout_s=60)
