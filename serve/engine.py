@@ -49,6 +49,7 @@ from genrec.serve.packed import BF16_FROM_PAIRS, PackedPath, packed_supports
 from genrec.serve.ranking import Ranking, score_jagged
 from genrec.serve.requests import UserInput, Work
 from genrec.serve.retrieval import Pair, Retrieved, generate, retrieve_sources
+from genrec.serve.scoring import check_precision
 
 log = logging.getLogger("genrec.serve")
 
@@ -91,8 +92,7 @@ class TorchEngine(InProcessEngine):
             packed = self.device.type == "cpu" and packed_supports(self.model)
         if native is None:
             native = bool(packed) and native_ok(self.model)
-        if candidate_precision not in ("fp32", "bf16", "auto"):
-            raise ValueError(f"candidate_precision: '{candidate_precision}'; use 'fp32', 'bf16' or 'auto'")
+        check_precision(candidate_precision)
         bf16 = candidate_precision == "bf16" or (candidate_precision == "auto" and bf16_gemm_fast(self.device))
         if bf16 and self.model.cfg.tower == "hstu" and not self.model.tower.plain_linears():
             if candidate_precision == "bf16":

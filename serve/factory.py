@@ -26,12 +26,11 @@ def make_engine(kind: str, artifact: str, device: str, cache: CacheConfig | None
     the catalogue search of ``retrieval`` ([serve.retrieval]) and the candidates' precision of
     ``scoring`` ([serve.scoring]).
     Engines are imported lazily: the SGLang one pulls in SGLang, which only that engine needs."""
-    scoring = scoring or ScoringConfig()
+    precision = (scoring or ScoringConfig()).candidate_precision
     if kind == "sglang":
         from genrec.serve.sglang_engine import SGLangEngine
 
         # a warm standby runtime: a fault in SGLang's scheduler fails over instead of failing calls
-        precision = scoring.candidate_precision
         if cache is None:
             return SGLangEngine(artifact, device=device, standby=True, retrieval=retrieval, threads=SGLANG_THREADS,
                                 candidate_precision=precision)
@@ -42,7 +41,6 @@ def make_engine(kind: str, artifact: str, device: str, cache: CacheConfig | None
                          "python -m genrec.benchmarks.naive_engine)")
     from genrec.serve.engine import TorchEngine
 
-    precision = scoring.candidate_precision
     if cache is None:
         return TorchEngine(artifact, device=device, retrieval=retrieval, candidate_precision=precision)
     return TorchEngine(artifact, device=device, kv_cache_mb=cache.kv_cache_mb, window_block=cache.window_block,

@@ -86,6 +86,7 @@ from genrec.serve.packed import packed_covers
 from genrec.serve.ranking import Ranking
 from genrec.serve.requests import Work
 from genrec.serve.retrieval import merge_sources
+from genrec.serve.scoring import check_precision
 from genrec.serve.sglang_models.codec import (
     ERROR_INFO,
     FAILED,
@@ -222,8 +223,7 @@ class SGLangEngine(InProcessEngine):
                  standby: bool = False, retrieval: RetrievalConfig | None = None,
                  candidate_precision: str = "fp32") -> None:
         retrieval = retrieval or RetrievalConfig()
-        if candidate_precision not in ("fp32", "bf16", "auto"):
-            raise ValueError(f"candidate_precision: '{candidate_precision}'; use 'fp32', 'bf16' or 'auto'")
+        check_precision(candidate_precision)  # here, not in SGLang's scheduler where the model reads it
         served = read_served(artifact, retrieval)
         if not packed_covers(served.model, served.embedding):
             raise ValueError("the SGLang engine serves HSTU models with the summed action encoding; "

@@ -252,8 +252,8 @@ class Runtimes:
             cpus = self.cpus
         rt = Runtime(self.kwargs, self._fault, name="sglang-standby", cpus=cpus)
         with self.cond:
-            moved, now = self.cpus != cpus, self.cpus  # (pin_to meanwhile: it saw no such runtime)
-        if moved:
+            now = self.cpus
+        if now != cpus:  # (pin_to meanwhile: it saw no such runtime)
             for p in rt.procs:
                 pin_threads(p.pid, now)
         return rt
