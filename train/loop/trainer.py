@@ -172,6 +172,9 @@ class TrainState:
     best_epoch: int = -1
     evals_since_best: int = 0  # evaluations since the chosen one
     last_eval_step: int = -1
+    # the epochs a cosine schedule spans when fitted to the time budget (Trainer.fit_schedule),
+    # kept across resumes so a resumed run anneals as the uninterrupted one; 0: max_epochs
+    schedule_epochs: int = 0
     stopped: str = ""
     history: list[dict[str, Any]] = field(default_factory=list)
 
@@ -216,6 +219,7 @@ class Trainer:
         self.state = TrainState()
         self.steps_per_epoch = len(train_reader)
         self.total_steps = self.steps_per_epoch * cfg.max_epochs
+        self.epoch_seconds = 0.0  # the last epoch's training time, on this rank
         # The schedule's base: each param group's LR as the optimizer was built from the config
         # (train.optim.lr; train.parallel.sparse_lr for fused tables), read here, before resume()
         # loads a checkpoint. Not kept in the groups: a checkpoint restores a group's current,
@@ -343,6 +347,7 @@ class Trainer:
         bar = tqdm(total=self.steps_per_epoch, initial=reader.batches_done, desc=f"epoch {self.state.epoch}",
                    disable=not (self.cfg.progress and self.rank == 0), unit="step", leave=False)
         started = window_start = time.perf_counter()
+        seconds_before = self.state.train_seconds
         window_samples, losses = 0, {}
         self.model.train()
         stats, batches = self.stats, iter(reader)
@@ -395,6 +400,7 @@ class Trainer:
                 faults.kill_after_step(self.rank, self.state.step)  # a test's fault (observe.faults)
         self.profiler.close()
         self.state.train_seconds += time.perf_counter() - started
+        self.epoch_seconds = self.state.train_seconds - seconds_before
         bar.close()
 
     def step_record(self) -> dict[str, Any]:
@@ -493,11 +499,15 @@ class Trainer:
         if head is not None:  # a resumed checkpoint's calibration fits weights that train on: refit in finish()
             head.calibrator.reset()
         cfg = self.cfg
+        self._schedule_over(self.state.schedule_epochs)
         while not self.state.stopped:
             # every stop rule read again here, not only where it first fires: a run resumed from the
             # checkpoint written as it stopped (a worker killed in its test) stops again, as it did
             if self.state.epoch >= cfg.max_epochs:
                 self.state.stopped = "max_epochs"
+                break
+            if self.state.schedule_epochs and self.state.epoch >= self.state.schedule_epochs:
+                self.state.stopped = "time budget"  # (its schedule, fitted to it, has run out)
                 break
             if cfg.max_steps and self.state.step >= cfg.max_steps:
                 self.state.stopped = "max_steps"
@@ -513,10 +523,11 @@ class Trainer:
                 break
             self.state.epoch += 1
             self.train_reader.set_epoch(self.state.epoch)
+            self.fit_schedule()
             release_free_memory()
             if not cfg.evaluate:
                 continue
-            if self.state.epoch % cfg.eval_every_epochs == 0 or self.state.epoch == cfg.max_epochs:
+            if self.state.epoch % cfg.eval_every_epochs == 0 or self.state.epoch == self.last_epoch():
                 self.validate()
                 self.save()  # (patience, if spent, stops the run at the loop's top, as after a resume)
         if not cfg.evaluate:
@@ -526,6 +537,39 @@ class Trainer:
             self.validate()
             self.save()
         return self.finish()
+
+    # the epoch whose time fits the schedule to the budget: the second, as the first also
+    # carries the run's warm-up (allocations, kernel builds, first-touch pages)
+    FIT_AFTER_EPOCHS = 2
+
+    def fit_schedule(self) -> None:
+        """Fits a cosine schedule to ``time_budget_min``: after :attr:`FIT_AFTER_EPOCHS`
+        epochs, where the epochs left at the last one's pace (the slowest rank's) do not reach
+        ``max_epochs``, the schedule is shortened to the epochs that fit and anneals to its
+        floor as the budget runs out, instead of the budget cutting it off part-way down. Fitted
+        once (kept in the trainer's state, so a resume keeps it); no change where all fit."""
+        cfg = self.cfg
+        if (cfg.time_budget_min <= 0 or cfg.optim.schedule != "cosine" or self.state.schedule_epochs
+                or self.state.epoch != self.FIT_AFTER_EPOCHS):
+            return
+        pace = torch.tensor([self.epoch_seconds], dtype=torch.float64)
+        pace = float(all_reduce_max(pace, self.device).item()) if self.world_size > 1 else self.epoch_seconds
+        left = cfg.time_budget_min * 60 - self.state.train_seconds
+        fits = self.state.epoch + max(1, int(left // max(pace, 1e-9)))
+        if fits >= cfg.max_epochs:
+            return
+        self.state.schedule_epochs = fits
+        self._schedule_over(fits)
+        log.info(f"time budget: {cfg.time_budget_min:g} min at {pace:.0f} s an epoch fits {fits} of "
+                 f"max_epochs {cfg.max_epochs}: the cosine schedule spans {fits} epochs")
+
+    def _schedule_over(self, epochs: int) -> None:
+        """The LR schedule's length: ``epochs`` (a fitted schedule), or 0: ``max_epochs``."""
+        self.total_steps = self.steps_per_epoch * (epochs or self.cfg.max_epochs)
+
+    def last_epoch(self) -> int:
+        """The epoch the run ends after, unless another rule stops it first."""
+        return min(self.cfg.max_epochs, self.state.schedule_epochs or self.cfg.max_epochs)
 
     def calibrate(self, best: Path) -> dict[str, Any] | None:
         """Fits the ranking head's calibrator on ``rank_valid`` with the chosen checkpoint
