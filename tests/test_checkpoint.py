@@ -247,53 +247,51 @@ def test_resume_falls_back_from_a_damaged_newest_checkpoint_and_says_so(tiny_syn
 
 def test_a_cosine_schedule_is_fitted_to_the_time_budget_and_kept_by_a_resume(tiny_synth, tiny_config, tmp_path,
                                                                           monkeypatch):
-    """Each epoch is charged 30 s more than it ran: a 150 s budget holds 4 epochs of max_epochs 10.
-    The schedule is fitted after the second epoch to span 4 epochs, so the run's last step
-    trains at the cosine's floor and the run stops after epoch 4 (the budget would otherwise
-    cut the schedule off part-way down, after epoch 5). A worker killed after epoch 3 resumes
-    with the same schedule: the same learning rate at every step."""
-    real_epoch = Trainer.run_epoch
+    """Each epoch is charged 20 s for the first two and 40 s after (a machine that slows down): a 150 s budget holds 5 epochs of max_epochs 10. The schedule, fitted after
+    each epoch to the pace so far, spans 7 epochs after the first and 5 after the third, so the
+    run's last step trains at the cosine's floor and the run stops after epoch 5 (the budget
+    would otherwise cut the schedule off part-way down there, as a fit made once from the first
+    epochs' pace would). A worker killed after epoch 3 resumes with the same schedule: the same
+    learning rate at every step."""
+    real_epoch, real_set_lr = Trainer.run_epoch, Trainer.set_lr
 
-    def slow_epoch(self):
+    def slow_epoch(self):  # (the epoch's own seconds replaced, so that both runs read the same clock)
+        before = self.state.train_seconds
+        charge = 20.0 if self.state.epoch < 2 else 40.0
         real_epoch(self)
-        self.state.train_seconds += 30.0
-        self.epoch_seconds = getattr(self, "epoch_seconds", 0.0) + 30.0  # (the last epoch's, as charged)
-
-    real_set_lr = Trainer.set_lr
-    monkeypatch.setattr(Trainer, "run_epoch", slow_epoch)
-    monkeypatch.setattr(Trainer, "set_lr", lambda self: (real_set_lr(self), rates.append(
-        (self.state.step, self.optimizer.param_groups[0]["lr"]))))
-    base = tiny_job_overrides(tiny_synth, tmp_path) + [
-        "--train.max_epochs=10", "--train.time_budget_min=2.5", "--train.optim.schedule=cosine",
-        "--train.optim.warmup_steps=0", "--train.optim.min_lr_ratio=0.1", "--eval.test=false", "--train.patience=99"]
-    rates: list[tuple[int, float]] = []
-    run_dir, res = run_training(load_job(tiny_config, base + ["--run.name=fit"]))
-    lr = load_job(tiny_config, base).train.optim.lr
-    assert res["stopped"] == "time budget" and res["epochs"] == 4, res
-    state = ckpt.load_trainer_state(latest_checkpoint(run_dir / "checkpoints"))["trainer"]
-    assert state["schedule_epochs"] == 4
-    steps = res["steps"]
-    assert rates[-1][0] == steps - 1 and rates[-1][1] == pytest.approx(lr * 0.1, rel=0.02), rates[-1]
-    whole = dict(rates)
-
-    rates.clear()
-    monkeypatch.setattr(Trainer, "finish", lambda self: (_ for _ in ()).throw(SystemExit("killed")))
+        self.state.train_seconds = before + charge
 
     def dies(self):
         if self.state.epoch == 3:
             raise SystemExit("worker killed")
         slow_epoch(self)
 
-    monkeypatch.setattr(Trainer, "run_epoch", dies)
-    job = load_job(tiny_config, base + ["--run.name=fit2"])
+    def patch(run_epoch):
+        monkeypatch.setattr(Trainer, "run_epoch", run_epoch)
+        monkeypatch.setattr(Trainer, "set_lr", lambda self: (real_set_lr(self), rates.append(
+            (self.state.step, self.optimizer.param_groups[0]["lr"]))))
+
+    base = tiny_job_overrides(tiny_synth, tmp_path) + [
+        "--train.max_epochs=10", "--train.time_budget_min=2.5", "--train.optim.schedule=cosine",
+        "--train.optim.warmup_steps=0", "--train.optim.min_lr_ratio=0.1", "--eval.test=false", "--train.patience=99"]
+    rates: list[tuple[int, float]] = []
+    patch(slow_epoch)
+    run_dir, res = run_training(load_job(tiny_config, base + ["--run.name=fit"]))
+    lr = load_job(tiny_config, base).train.optim.lr
+    assert res["stopped"] == "time budget" and res["epochs"] == 5, res
+    steps = res["steps"]
+    assert rates[-1][0] == steps - 1 and rates[-1][1] == pytest.approx(lr * 0.1, rel=0.02), rates[-1]
+    assert ckpt.load_trainer_state(latest_checkpoint(run_dir / "checkpoints"))["trainer"]["schedule_epochs"] == 5
+    whole = dict(rates)
+
+    rates.clear()
+    patch(dies)
     with pytest.raises(SystemExit):
-        run_training(job)
+        run_training(load_job(tiny_config, base + ["--run.name=fit2"]))
     monkeypatch.undo()
-    monkeypatch.setattr(Trainer, "run_epoch", slow_epoch)
-    monkeypatch.setattr(Trainer, "set_lr", lambda self: (real_set_lr(self), rates.append(
-        (self.state.step, self.optimizer.param_groups[0]["lr"]))))
+    patch(slow_epoch)
     run_dir2 = next((tmp_path / "fit2").iterdir())
     _, res2 = run_training(load_job(run_dir2 / "config.toml"), run_dir2)
-    assert res2["epochs"] == 4 and res2["steps"] == steps
+    assert res2["epochs"] == 5 and res2["steps"] == steps
     resumed = dict(rates)
-    assert resumed and all(resumed[s] == pytest.approx(whole[s], rel=1e-9) for s in resumed), "another schedule"
+    assert resumed and all(resumed[s] == pytest.approx(whole[s], rel=1e-9) for s in resumed), [(s, resumed[s], whole[s]) for s in resumed if resumed[s] != pytest.approx(whole[s], rel=1e-9)]

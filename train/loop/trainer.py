@@ -173,7 +173,7 @@ class TrainState:
     evals_since_best: int = 0  # evaluations since the chosen one
     last_eval_step: int = -1
     # the epochs a cosine schedule spans when fitted to the time budget (Trainer.fit_schedule),
-    # kept across resumes so a resumed run anneals as the uninterrupted one; 0: max_epochs
+    # kept across resumes; 0: max_epochs
     schedule_epochs: int = 0
     stopped: str = ""
     history: list[dict[str, Any]] = field(default_factory=list)
@@ -219,7 +219,6 @@ class Trainer:
         self.state = TrainState()
         self.steps_per_epoch = len(train_reader)
         self.total_steps = self.steps_per_epoch * cfg.max_epochs
-        self.epoch_seconds = 0.0  # the last epoch's training time, on this rank
         # The schedule's base: each param group's LR as the optimizer was built from the config
         # (train.optim.lr; train.parallel.sparse_lr for fused tables), read here, before resume()
         # loads a checkpoint. Not kept in the groups: a checkpoint restores a group's current,
@@ -347,7 +346,6 @@ class Trainer:
         bar = tqdm(total=self.steps_per_epoch, initial=reader.batches_done, desc=f"epoch {self.state.epoch}",
                    disable=not (self.cfg.progress and self.rank == 0), unit="step", leave=False)
         started = window_start = time.perf_counter()
-        seconds_before = self.state.train_seconds
         window_samples, losses = 0, {}
         self.model.train()
         stats, batches = self.stats, iter(reader)
@@ -400,7 +398,6 @@ class Trainer:
                 faults.kill_after_step(self.rank, self.state.step)  # a test's fault (observe.faults)
         self.profiler.close()
         self.state.train_seconds += time.perf_counter() - started
-        self.epoch_seconds = self.state.train_seconds - seconds_before
         bar.close()
 
     def step_record(self) -> dict[str, Any]:
@@ -538,30 +535,27 @@ class Trainer:
             self.save()
         return self.finish()
 
-    # the epoch whose time fits the schedule to the budget: the second, as the first also
-    # carries the run's warm-up (allocations, kernel builds, first-touch pages)
-    FIT_AFTER_EPOCHS = 2
-
     def fit_schedule(self) -> None:
-        """Fits a cosine schedule to ``time_budget_min``: after :attr:`FIT_AFTER_EPOCHS`
-        epochs, where the epochs left at the last one's pace (the slowest rank's) do not reach
-        ``max_epochs``, the schedule is shortened to the epochs that fit and anneals to its
-        floor as the budget runs out, instead of the budget cutting it off part-way down. Fitted
-        once (kept in the trainer's state, so a resume keeps it); no change where all fit."""
+        """Fits a cosine schedule to ``time_budget_min``, after every epoch: where the epochs left
+        at the run's mean pace so far (the slowest rank's; the first epoch's warm-up included,
+        which errs short) do not reach the schedule's end, the schedule is shortened to the epochs
+        that fit, so that it anneals to its floor as the budget runs out instead of the budget
+        cutting it off part-way down. Only ever shortened (the rate never rises again); the
+        length is kept in the trainer's state, so a resume continues it. Where ``max_epochs``
+        fits, nothing changes."""
         cfg = self.cfg
-        if (cfg.time_budget_min <= 0 or cfg.optim.schedule != "cosine" or self.state.schedule_epochs
-                or self.state.epoch != self.FIT_AFTER_EPOCHS):
+        if cfg.time_budget_min <= 0 or cfg.optim.schedule != "cosine" or self.state.epoch < 1:
             return
-        pace = torch.tensor([self.epoch_seconds], dtype=torch.float64)
-        pace = float(all_reduce_max(pace, self.device).item()) if self.world_size > 1 else self.epoch_seconds
-        left = cfg.time_budget_min * 60 - self.state.train_seconds
-        fits = self.state.epoch + max(1, int(left // max(pace, 1e-9)))
-        if fits >= cfg.max_epochs:
+        spent = torch.tensor([self.state.train_seconds], dtype=torch.float64)
+        spent_s = float(all_reduce_max(spent, self.device).item()) if self.world_size > 1 else self.state.train_seconds
+        pace = spent_s / self.state.epoch
+        fits = self.state.epoch + max(1, int((cfg.time_budget_min * 60 - spent_s) // max(pace, 1e-9)))
+        if fits >= self.last_epoch():
             return
         self.state.schedule_epochs = fits
         self._schedule_over(fits)
         log.info(f"time budget: {cfg.time_budget_min:g} min at {pace:.0f} s an epoch fits {fits} of "
-                 f"max_epochs {cfg.max_epochs}: the cosine schedule spans {fits} epochs")
+                 f"max_epochs {cfg.max_epochs}: the cosine schedule now spans {fits} epochs")
 
     def _schedule_over(self, epochs: int) -> None:
         """The LR schedule's length: ``epochs`` (a fitted schedule), or 0: ``max_epochs``."""
