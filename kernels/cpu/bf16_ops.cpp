@@ -35,7 +35,10 @@ using genrec_bf16::to_float;
 
 inline float silu_scalar(float x) {
   float t = -x * kLog2e;
-  t = t > 127.f ? 127.f : t;  // exp(-x) past float range: the sigmoid is 0 either way
+  // 2^t is +inf past t = 128 (sigmoid 0, SiLU a signed 0) and 0 below -150 (SiLU x): the bounds
+  // only keep floor(t) finite and int(n) defined. (A bound of 127 made x in [-88.7, -88.0] read
+  // up to 1.6x too large; none below let x past 2.4e38, and +inf, read NaN.)
+  t = t > 192.f ? 192.f : (t < -192.f ? -192.f : t);
   float n = std::floor(t), f = t - n;
   float p = ((kC3 * f + kC2) * f + kC1) * f + kC0;
   return x / (1.f + std::ldexp(p, int(n)));
