@@ -247,8 +247,8 @@ def test_resume_falls_back_from_a_damaged_newest_checkpoint_and_says_so(tiny_syn
 
 def test_a_cosine_schedule_is_fitted_to_the_time_budget_and_kept_by_a_resume(tiny_synth, tiny_config, tmp_path,
                                                                           monkeypatch):
-    """Each epoch is charged 20 s for the first two and 40 s after (a machine that slows down): a 150 s budget holds 5 epochs of max_epochs 10. The schedule, fitted after
-    each epoch to the pace so far, spans 7 epochs after the first and 5 after the third, so the
+    """Each epoch is charged 20 s for the first two and 40 s after (a machine that slows down):
+    a 150 s budget holds 5 epochs of max_epochs 10. The schedule, fitted after each epoch to the pace so far, spans 7 epochs after the first and 5 after the third, so the
     run's last step trains at the cosine's floor and the run stops after epoch 5 (the budget
     would otherwise cut the schedule off part-way down there, as a fit made once from the first
     epochs' pace would). A worker killed after epoch 3 resumes with the same schedule: the same
@@ -294,4 +294,5 @@ def test_a_cosine_schedule_is_fitted_to_the_time_budget_and_kept_by_a_resume(tin
     _, res2 = run_training(load_job(run_dir2 / "config.toml"), run_dir2)
     assert res2["epochs"] == 5 and res2["steps"] == steps
     resumed = dict(rates)
-    assert resumed and all(resumed[s] == pytest.approx(whole[s], rel=1e-9) for s in resumed), [(s, resumed[s], whole[s]) for s in resumed if resumed[s] != pytest.approx(whole[s], rel=1e-9)]
+    differ = [(s, r, whole[s]) for s, r in resumed.items() if r != pytest.approx(whole[s], rel=1e-9)]
+    assert resumed and not differ, differ

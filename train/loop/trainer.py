@@ -218,7 +218,6 @@ class Trainer:
         self.log = MetricsLog(run_dir / "metrics.jsonl", enabled=rank == 0, tensorboard=cfg.tensorboard)
         self.state = TrainState()
         self.steps_per_epoch = len(train_reader)
-        self.total_steps = self.steps_per_epoch * cfg.max_epochs
         # The schedule's base: each param group's LR as the optimizer was built from the config
         # (train.optim.lr; train.parallel.sparse_lr for fused tables), read here, before resume()
         # loads a checkpoint. Not kept in the groups: a checkpoint restores a group's current,
@@ -284,7 +283,7 @@ class Trainer:
     def set_lr(self) -> None:
         """Sets every param group's LR for the coming step: a function of the step alone, so a
         resumed run follows the same schedule as an uninterrupted one."""
-        factor = lr_factor(self.state.step, self.total_steps, self.cfg.optim)
+        factor = lr_factor(self.state.step, self.steps_per_epoch * self.last_epoch(), self.cfg.optim)
         for g, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
             g["lr"] = base * factor
         # TorchRec's fused (in-backward) optimizers update their rows inside backward, with
@@ -496,7 +495,6 @@ class Trainer:
         if head is not None:  # a resumed checkpoint's calibration fits weights that train on: refit in finish()
             head.calibrator.reset()
         cfg = self.cfg
-        self._schedule_over(self.state.schedule_epochs)
         while not self.state.stopped:
             # every stop rule read again here, not only where it first fires: a run resumed from the
             # checkpoint written as it stopped (a worker killed in its test) stops again, as it did
@@ -553,17 +551,13 @@ class Trainer:
         if fits >= self.last_epoch():
             return
         self.state.schedule_epochs = fits
-        self._schedule_over(fits)
         log.info(f"time budget: {cfg.time_budget_min:g} min at {pace:.0f} s an epoch fits {fits} of "
                  f"max_epochs {cfg.max_epochs}: the cosine schedule now spans {fits} epochs")
 
-    def _schedule_over(self, epochs: int) -> None:
-        """The LR schedule's length: ``epochs`` (a fitted schedule), or 0: ``max_epochs``."""
-        self.total_steps = self.steps_per_epoch * (epochs or self.cfg.max_epochs)
-
     def last_epoch(self) -> int:
-        """The epoch the run ends after, unless another rule stops it first."""
-        return min(self.cfg.max_epochs, self.state.schedule_epochs or self.cfg.max_epochs)
+        """The epoch the LR schedule ends at and the run after, unless another rule stops it
+        first: a schedule fitted to the time budget (always shorter), else ``max_epochs``."""
+        return self.state.schedule_epochs or self.cfg.max_epochs
 
     def calibrate(self, best: Path) -> dict[str, Any] | None:
         """Fits the ranking head's calibrator on ``rank_valid`` with the chosen checkpoint
