@@ -245,15 +245,18 @@ class ServeConfig:
 SGLANG_INFLIGHT = 4  # batches handed to the SGLang engine at once (serve.batch.max_inflight = 0)
 
 
-def batch_inflight(cfg: ServeConfig) -> int:
+def batch_inflight(cfg: ServeConfig, engine: Engine | None = None) -> int:
     """Batches in flight at once: ``batch.max_inflight``, or where that is 0 three for one engine
     process (the next ones wait in its pipe while one computes, serve.worker.EngineProcess.run_async:
     a call that arrives while two batches are out is sent at once instead of waiting for the
     front-end to collect a reply), four for SGLang (its scheduler batches the requests of all
-    of them: continuous batching), else one per engine replica (an in-process engine: one)."""
+    of them: continuous batching), else one per engine replica (an in-process engine: one).
+    ``engine``: the one the server holds, whose ``batches_together`` decides for SGLang whatever
+    ``cfg.engine`` names (a server given an engine built elsewhere: one batch at a time made an
+    SGLang engine's calls wait a whole batch each, and admission refuse them at half its capacity)."""
     if cfg.batch.max_inflight:
         return cfg.batch.max_inflight
-    if cfg.engine == "sglang":
+    if cfg.engine == "sglang" or (engine is not None and engine.batches_together):
         return SGLANG_INFLIGHT
     return 3 if cfg.engine_process and cfg.engine != "sglang" and cfg.engine_replicas == 1 else cfg.engine_replicas
 
@@ -493,7 +496,7 @@ class RecommenderServer:
 
     # ----- lifecycle ------------------------------------------------------------------------
     async def start(self) -> int:
-        batch = replace(self.cfg.batch, max_inflight=batch_inflight(self.cfg))
+        batch = replace(self.cfg.batch, max_inflight=batch_inflight(self.cfg, self.engine))
         self.batcher = Batcher(lambda: self.engine, batch, self.metrics.on_batch)
         self.batcher.start()
         conn = self.cfg.connections

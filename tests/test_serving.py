@@ -15,6 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
@@ -451,11 +452,20 @@ def test_batches_sent_from_the_loop_pipeline_through_one_engine_process(artifact
         assert remote.restarts == 1
     finally:
         remote.close()
+
+
+def test_batches_in_flight_follow_the_engine_the_server_holds():
     assert batch_inflight(ServeConfig()) == 3
     assert batch_inflight(ServeConfig(engine_replicas=3)) == 3
     assert batch_inflight(ServeConfig(engine_process=False)) == 1
     assert batch_inflight(ServeConfig(engine="sglang")) == SGLANG_INFLIGHT > 1  # SGLang merges them
     assert batch_inflight(ServeConfig(batch=BatchConfig(max_inflight=1))) == 1
+    # an SGLang engine built elsewhere (cfg.engine names another): its batches still merge, and
+    # one at a time would make each call wait a whole batch (admission refused them at half load)
+    merging, one = SimpleNamespace(batches_together=True), SimpleNamespace(batches_together=False)
+    assert batch_inflight(ServeConfig(engine_process=False), merging) == SGLANG_INFLIGHT  # type: ignore[arg-type]
+    assert batch_inflight(ServeConfig(engine_process=False), one) == 1  # type: ignore[arg-type]
+    assert batch_inflight(ServeConfig(batch=BatchConfig(max_inflight=2)), merging) == 2  # type: ignore[arg-type]
 
 
 def _cpu_seconds(pid: int) -> float:
