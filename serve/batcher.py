@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from genrec.serve.contract import Engine, Result
+from genrec.serve.contract import Engine, PartlyFailed, Result
 from genrec.serve.requests import Work
 
 
@@ -337,14 +337,21 @@ class Batcher:
         try:
             works = [w for w, _ in batch]
             sent = time.monotonic()
-            results = await engine.run_async(works)
+            try:
+                outcomes: list = await engine.run_async(works)
+                if outcomes:
+                    self.cost.observe(len(outcomes), _batch_seconds(outcomes))
+            except PartlyFailed as e:  # each call gets its own answer or its own failure (not a cost sample)
+                outcomes = e.outcomes
             back = time.monotonic()
-            if results:
-                self.cost.observe(len(results), _batch_seconds(results))
-            for (_, fut), res in zip(batch, results):
-                res.sent, res.back = sent, back
-                if not fut.done():
-                    fut.set_result(res)
+            for (_, fut), out in zip(batch, outcomes):
+                if fut.done():
+                    continue
+                if isinstance(out, Result):
+                    out.sent, out.back = sent, back
+                    fut.set_result(out)
+                else:
+                    fut.set_exception(out)
         except Exception as e:  # noqa: BLE001 - every caller of the batch gets the error
             for _, fut in batch:
                 if not fut.done():

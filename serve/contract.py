@@ -39,6 +39,26 @@ if TYPE_CHECKING:
     from genrec.serve.scoring import ScoringConfig
 
 
+class WorkFailed(RuntimeError):
+    """One work the engine could not compute while it went on serving (a fault in the model's
+    forward for that request): its call fails INTERNAL with this message, which names the
+    cause (serve.server); the other works of its batch are answered."""
+
+
+class PartlyFailed(RuntimeError):
+    """Raised by ``run`` when some works of the batch failed and the rest were computed:
+    ``outcomes`` holds, per work in order, its :class:`Result` or its :class:`WorkFailed`. The
+    batcher answers each call with its own (a direct caller of ``run`` sees the batch fail)."""
+
+    def __init__(self, outcomes: list[Result | WorkFailed]) -> None:
+        failed = [o for o in outcomes if isinstance(o, WorkFailed)]
+        super().__init__(f"{len(failed)} of {len(outcomes)} works failed: {failed[0] if failed else ''}")
+        self.outcomes = outcomes
+
+    def __reduce__(self):  # noqa: ANN204 - (pickled across an engine process's pipe: by its outcomes)
+        return type(self), (self.outcomes,)
+
+
 @dataclass
 class Result:
     """One work's answer. Shapes: k items (``top_k`` for a Recommend, ``retrieve_k`` at most for a
@@ -164,7 +184,13 @@ class EngineBuilder(Protocol):
 def run_stamped(engine: Runs, works: list[Work]) -> list[Result]:
     """``engine.run(works)``, each result stamped with the time the batch began."""
     started = time.monotonic()
-    results = engine.run(works)
+    try:
+        results = engine.run(works)
+    except PartlyFailed as e:
+        for r in e.outcomes:
+            if isinstance(r, Result):
+                r.started = started
+        raise
     for r in results:
         r.started = started
     return results

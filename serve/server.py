@@ -50,7 +50,7 @@ from genrec.quant.artifact import ArtifactError, OutsideRoot, check_artifact
 from genrec.serve.admission import CONTENTION_KEY, FairConfig, Shares, caller_of
 from genrec.serve.ann import RetrievalConfig
 from genrec.serve.batcher import BatchConfig, Batcher, DeadlineExceeded, Overloaded, ShuttingDown
-from genrec.serve.contract import Engine, EngineBuilder, InProcessEngine, Result
+from genrec.serve.contract import Engine, EngineBuilder, InProcessEngine, Result, WorkFailed
 from genrec.serve.factory import make_engine, quiet_gc
 from genrec.serve.failover import EnginePool, FailoverEngine, open_engine_process
 from genrec.serve.frontend import FrontEnd, Health, ThreadListener
@@ -729,6 +729,9 @@ class RecommenderServer:
             code, msg = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the request was served"
         except (ShuttingDown, EngineProcessError) as e:  # (an engine that died: retry)
             code, msg = grpc.StatusCode.UNAVAILABLE, str(e)
+        except WorkFailed as e:  # the engine computed the rest of the batch and goes on
+            log.error("%s failed: %s", kind, e)
+            code, msg = grpc.StatusCode.INTERNAL, str(e)
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise

@@ -80,7 +80,7 @@ from genrec.serve.accounting import mark, stamp
 from genrec.serve.ann import RetrievalConfig
 from genrec.serve.batcher import DeadlineExceeded, ShuttingDown
 from genrec.serve.catalogue import read_served
-from genrec.serve.contract import InProcessEngine, Result
+from genrec.serve.contract import InProcessEngine, PartlyFailed, Result, WorkFailed
 from genrec.serve.layout import pack_users
 from genrec.serve.packed import packed_covers
 from genrec.serve.ranking import Ranking
@@ -108,7 +108,7 @@ class SGLangUnavailable(ShuttingDown):
     server maps ``ShuttingDown`` to it; the message names the cause)."""
 
 
-class ModelForwardError(RuntimeError):
+class ModelForwardError(WorkFailed):
     """The model's forward failed for a request of the call (INTERNAL; the message and the
     scheduler's log name the reason). The engine goes on serving."""
 
@@ -491,10 +491,27 @@ class SGLangEngine(InProcessEngine):
         return self._failover(lambda deadline: self._run(works, deadline, t0), self._deadline(works))  # type: ignore[return-value]
 
     def _run(self, works: list[Work], deadline: float, t0: float) -> list[Result]:
-        retrieving = [(i, w) for i, w in enumerate(works) if w.kind == "retrieve" or w.candidates is None]
+        """The batch's results; where the forward failed for some of its requests, PartlyFailed
+        with the others' results and a ModelForwardError for each of those (all failed: that
+        error for the batch). The failed works' users' cache salts move on."""
         reqs = [self._request(w) for w in works]
         outs = self.send(reqs, deadline)
-        self._raise_failed(reqs, outs, works)
+        bad = dict(self._failures(reqs, outs))
+        if len(bad) == len(reqs):
+            self._raise_failed(reqs, outs, works)
+        if not bad:
+            return self._results(works, reqs, outs, t0)
+        self._spoil([works[i].user.user_id for i in bad if works[i].user.user_id])
+        with self._lock:
+            self._stats["failed_requests"] += len(bad)
+        good = [i for i in range(len(works)) if i not in bad]
+        done = iter(self._results([works[i] for i in good], [reqs[i] for i in good], [outs[i] for i in good], t0))
+        raise PartlyFailed([ModelForwardError(f"the model's forward failed for this request: {bad[i]}") if i in bad
+                            else next(done) for i in range(len(works))])
+
+    def _results(self, works: list[Work], reqs: list[_Req], outs: list[dict], t0: float) -> list[Result]:
+        """The works' results from their SGLang outputs (none failed)."""
+        retrieving = [(i, w) for i, w in enumerate(works) if w.kind == "retrieve" or w.candidates is None]
         dense, generated, probs, computed = {}, {}, {}, {}
         tasks = len(self.schema.tasks)
         hist = cached = hits = 0

@@ -467,3 +467,33 @@ def test_a_light_callers_burst_passes_the_native_front_end_beside_a_flood(artifa
     finally:
         srv.stop()
 
+
+
+@pytest.mark.unit
+def test_a_batch_that_partly_failed_answers_each_call_with_its_own_outcome():
+    """An engine that computed some works of a batch and failed others (PartlyFailed): each call
+    gets its own result or its own WorkFailed, not the batch's error."""
+    from genrec.serve.contract import PartlyFailed, Result, WorkFailed
+
+    class Engine:
+        batches_together, parallel = False, 1
+
+        async def run_async(self, works):  # noqa: ANN001, ANN202
+            return_or_fail = [WorkFailed(f"{w.name}: KeyError") if w.name.startswith("bad") else
+                              Result(np.array([len(w.name)]), np.zeros(1)) for w in works]
+            raise PartlyFailed(return_or_fail)
+
+    async def scenario() -> list:
+        engine = Engine()
+        b = Batcher(lambda: engine, BatchConfig(max_batch=4, max_wait_ms=50))
+        b.start()
+        works = [SimpleNamespace(name=n, deadline=time.monotonic() + 60, user=None) for n in ("a", "bad1", "ccc")]
+        return await asyncio.gather(*(b.submit(w) for w in works), return_exceptions=True)
+
+    a, bad, c = asyncio.run(scenario())
+    assert isinstance(a, Result) and a.item_ids[0] == 1 and isinstance(c, Result) and c.item_ids[0] == 3
+    assert isinstance(bad, WorkFailed) and "bad1: KeyError" in str(bad)
+    # it crosses an engine process's pipe whole
+    import pickle
+    back = pickle.loads(pickle.dumps(PartlyFailed([WorkFailed("x"), a])))
+    assert isinstance(back.outcomes[0], WorkFailed) and str(back.outcomes[0]) == "x"

@@ -17,8 +17,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from genrec.loadtest.client import user
+from genrec.serve.batcher import BatchConfig
 from genrec.serve.engine import TorchEngine
-from tests.serving_helpers import ThreadedServer
+from tests.serving_helpers import ThreadedServer, local_config
 from tests.test_sglang import KINDS, artifact, history, same, work  # noqa: F401 - artifact: a fixture
 
 T0 = 1_700_000_000
@@ -78,6 +79,101 @@ def test_an_exception_in_the_forward_fails_its_call_only(engines):
     got = same(te, se, works)
     assert se.runtimes.active is active and se.runtimes.failovers == 0
     assert got[0].cached_tokens == 0 and se.cache_stats()["failed_requests"] == 1
+
+
+def _poisoned(se, monkeypatch) -> None:  # noqa: ANN001
+    """Users named ``poison...`` send a payload that breaks the model's forward (a KeyError in
+    the scheduler: what a bug there looks like), through the server's own request path."""
+    make = se._request
+
+    def request(w):  # noqa: ANN001, ANN202
+        r = make(w)
+        if w.user.user_id.startswith("poison"):
+            del r.payload["events"]
+        return r
+
+    monkeypatch.setattr(se, "_request", request)
+
+
+def test_a_call_that_breaks_the_forward_fails_alone_under_load(artifact, engines, monkeypatch):  # noqa: F811
+    """Through the gRPC server: a call whose request breaks the model's forward fails INTERNAL
+    naming the cause, and only it: the calls batched with it are answered (once, the batch's
+    error failed them all). Then at about half the capacity, poisoned calls among the load:
+    at most 1% of the others fail, the server stays SERVING, no runtime restarts."""
+    te, se = engines
+    failovers = se.runtimes.failovers
+    _poisoned(se, monkeypatch)
+    names = ["poison0", "good0", "good1"]
+    users = {n: user(history(30, seed=700 + i), {"region": [i % 5]}) for i, n in enumerate(names)}
+    for n, u in users.items():
+        u.user_id = n
+    # every poisoned call in one batch with two good ones: the batch fills to three before it runs
+    srv = ThreadedServer(artifact, cfg=local_config(batch=BatchConfig(max_batch=3, max_wait_ms=2000.0)), engine=se)
+    try:
+        client = srv.client(timeout_s=30)
+        for _ in range(3):
+            gate, got = threading.Barrier(3), {}
+
+            def call(n: str, gate: threading.Barrier, got: dict) -> None:
+                gate.wait()
+                try:
+                    got[n] = client.recommend(users[n], retrieve_k=20, top_k=5)
+                except grpc.RpcError as e:
+                    got[n] = e
+
+            threads = [threading.Thread(target=call, args=(n, gate, got)) for n in names]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join(60)
+            bad = got["poison0"]
+            assert isinstance(bad, grpc.RpcError) and bad.code() == grpc.StatusCode.INTERNAL, bad
+            assert "KeyError" in bad.details() and "forward" in bad.details()
+            for n in names[1:]:
+                assert not isinstance(got[n], grpc.RpcError), (n, got[n])
+                assert len(got[n].items) == 5
+    finally:
+        srv.stop()
+    # the load of the killed-scheduler test, with a poisoned call among every few
+    srv = ThreadedServer(artifact, engine=se)
+    try:
+        client = srv.client(timeout_s=10)
+        load = [user(history(30, seed=800 + i), {"region": [i % 5]}) for i in range(8)]
+        for i, u in enumerate(load):
+            u.user_id = f"steady{i}"
+        t = time.monotonic()
+        for u in load:
+            client.recommend(u, retrieve_k=20, top_k=5)
+        latency = (time.monotonic() - t) / len(load)
+        ok, failed, poisoned, stop = [0], [], [], threading.Event()
+
+        def drive(k: int) -> None:
+            i = k
+            while not stop.is_set():  # each busy half the time: about half of what the engine sustains
+                u = users["poison0"] if i % 8 == 7 else load[i % len(load)]
+                try:
+                    client.recommend(u, retrieve_k=20, top_k=5)
+                    if u.user_id == "poison0":
+                        failed.append(("answered", "a poisoned call was answered"))
+                    ok[0] += 1
+                except grpc.RpcError as e:
+                    (poisoned if u.user_id == "poison0" else failed).append((e.code(), e.details()))
+                i += 2
+                time.sleep(latency)
+
+        threads = [threading.Thread(target=drive, args=(k,)) for k in range(2)]
+        for th in threads:
+            th.start()
+        time.sleep(5.0)
+        stop.set()
+        for th in threads:
+            th.join(30)
+        assert ok[0] > 50 and len(failed) <= 0.01 * ok[0], (ok[0], failed[:3])
+        assert poisoned and all(c == grpc.StatusCode.INTERNAL and "KeyError" in d for c, d in poisoned), poisoned[:3]
+        assert _health(srv.target) == health_pb2.HealthCheckResponse.SERVING
+        assert se.runtimes.failovers == failovers and se.available
+    finally:
+        srv.stop()
 
 
 def _health(target: str) -> int:
