@@ -432,11 +432,15 @@ class SGLangEngine(InProcessEngine):
         bad = self._failures(reqs, outs)
         if not bad:
             return
-        if works is not None:
-            self._spoil([works[i].user.user_id for i, _ in bad if i < len(works) and works[i].user.user_id])
-        with self._lock:
-            self._stats["failed_requests"] += len(bad)
+        self._count_failed([i for i, _ in bad], works)
         raise ModelForwardError(f"SGLang model forward failed for {len(bad)} of {len(reqs)} requests: {bad[0][1]}")
+
+    def _count_failed(self, failed: list[int], works: list[Work] | None) -> None:
+        """The requests ``failed`` (indices) counted, their works' users' cache salts moved on."""
+        if works is not None:
+            self._spoil([works[i].user.user_id for i in failed if i < len(works) and works[i].user.user_id])
+        with self._lock:
+            self._stats["failed_requests"] += len(failed)
 
     def _call(self, reqs: list[_Req], deadline: float, works: list[Work] | None = None) -> list[Answer]:
         """Sends ``reqs`` in one batch -> their answers (``codec`` rows); a failed forward raises
@@ -501,9 +505,7 @@ class SGLangEngine(InProcessEngine):
             self._raise_failed(reqs, outs, works)
         if not bad:
             return self._results(works, reqs, outs, t0)
-        self._spoil([works[i].user.user_id for i in bad if works[i].user.user_id])
-        with self._lock:
-            self._stats["failed_requests"] += len(bad)
+        self._count_failed(list(bad), works)
         good = [i for i in range(len(works)) if i not in bad]
         done = iter(self._results([works[i] for i in good], [reqs[i] for i in good], [outs[i] for i in good], t0))
         raise PartlyFailed([ModelForwardError(f"the model's forward failed for this request: {bad[i]}") if i in bad
