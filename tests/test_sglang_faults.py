@@ -81,6 +81,52 @@ def test_an_exception_in_the_forward_fails_its_call_only(engines):
     assert got[0].cached_tokens == 0 and se.cache_stats()["failed_requests"] == 1
 
 
+class _Load:
+    """Steady load through ``client``: eight users of 30 events (ids ``prefix0`` to ``prefix7``),
+    each called once first (warm, and one call's mean latency measured), then two drivers, each
+    calling and then sleeping that latency: about half of what the engine sustains.
+    ``pick(i, users)``: call i's user (default: the users in turn). ``calls``: (user id, status
+    code or None when answered, details) of every call of the load."""
+
+    def __init__(self, client, prefix: str, seed: int, pick=None) -> None:  # noqa: ANN001
+        self.client, self.pick = client, pick or (lambda i, us: us[i % len(us)])
+        self.users = [user(history(30, seed=seed + i), {"region": [i % 5]}) for i in range(8)]
+        for i, u in enumerate(self.users):
+            u.user_id = f"{prefix}{i}"
+        t = time.monotonic()
+        for u in self.users:
+            client.recommend(u, retrieve_k=20, top_k=5)
+        self.latency = (time.monotonic() - t) / len(self.users)
+        self.calls: list[tuple[str, grpc.StatusCode | None, str]] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._drive, args=(k,)) for k in range(2)]
+
+    def _drive(self, i: int) -> None:
+        while not self._stop.is_set():
+            u = self.pick(i, self.users)
+            try:
+                self.client.recommend(u, retrieve_k=20, top_k=5)
+                self.calls.append((u.user_id, None, ""))
+            except grpc.RpcError as e:
+                self.calls.append((u.user_id, e.code(), e.details()))
+            i += 2
+            time.sleep(self.latency)
+
+    def start(self) -> None:
+        for th in self._threads:
+            th.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for th in self._threads:
+            th.join(30)
+
+    def run(self, seconds: float) -> None:
+        self.start()
+        time.sleep(seconds)
+        self.stop()
+
+
 def _poisoned(se, monkeypatch) -> None:  # noqa: ANN001
     """Users named ``poison...`` send a payload that breaks the model's forward (a KeyError in
     the scheduler: what a bug there looks like), through the server's own request path."""
@@ -137,38 +183,13 @@ def test_a_call_that_breaks_the_forward_fails_alone_under_load(artifact, engines
     # the load of the killed-scheduler test, with a poisoned call among every few
     srv = ThreadedServer(artifact, engine=se)
     try:
-        client = srv.client(timeout_s=10)
-        load = [user(history(30, seed=800 + i), {"region": [i % 5]}) for i in range(8)]
-        for i, u in enumerate(load):
-            u.user_id = f"steady{i}"
-        t = time.monotonic()
-        for u in load:
-            client.recommend(u, retrieve_k=20, top_k=5)
-        latency = (time.monotonic() - t) / len(load)
-        ok, failed, poisoned, stop = [0], [], [], threading.Event()
-
-        def drive(k: int) -> None:
-            i = k
-            while not stop.is_set():  # each busy half the time: about half of what the engine sustains
-                u = users["poison0"] if i % 8 == 7 else load[i % len(load)]
-                try:
-                    client.recommend(u, retrieve_k=20, top_k=5)
-                    if u.user_id == "poison0":
-                        failed.append(("answered", "a poisoned call was answered"))
-                    ok[0] += 1
-                except grpc.RpcError as e:
-                    (poisoned if u.user_id == "poison0" else failed).append((e.code(), e.details()))
-                i += 2
-                time.sleep(latency)
-
-        threads = [threading.Thread(target=drive, args=(k,)) for k in range(2)]
-        for th in threads:
-            th.start()
-        time.sleep(5.0)
-        stop.set()
-        for th in threads:
-            th.join(30)
-        assert ok[0] > 50 and len(failed) <= 0.01 * ok[0], (ok[0], failed[:3])
+        poison = users["poison0"]
+        load = _Load(srv.client(timeout_s=10), "steady", 800, lambda i, us: poison if i % 8 == 7 else us[i % len(us)])
+        load.run(5.0)
+        poisoned = [(c, d) for u, c, d in load.calls if u == "poison0"]
+        failed = [(c, d) for u, c, d in load.calls if u != "poison0" and c is not None]
+        ok = sum(1 for u, c, _ in load.calls if u != "poison0" and c is None)
+        assert ok > 50 and len(failed) <= 0.01 * ok, (ok, failed[:3])
         assert poisoned and all(c == grpc.StatusCode.INTERNAL and "KeyError" in d for c, d in poisoned), poisoned[:3]
         assert _health(srv.target) == health_pb2.HealthCheckResponse.SERVING
         assert se.runtimes.failovers == failovers and se.available
@@ -186,40 +207,17 @@ def test_a_killed_scheduler_fails_over_under_load_and_the_server_keeps_serving(a
     assert _wait(lambda: se.runtimes.standby is not None), "the standby runtime did not start"
     srv = ThreadedServer(artifact, engine=se)
     try:
-        client = srv.client(timeout_s=10)
-        users = [user(history(30, seed=500 + i), {"region": [i % 5]}) for i in range(8)]
-        for i, u in enumerate(users):
-            u.user_id = f"load{i}"
-        t = time.monotonic()
-        for u in users:  # warm (and measure one call's latency)
-            client.recommend(u, retrieve_k=20, top_k=5)
-        latency = (time.monotonic() - t) / len(users)
-        ok, failed, stop = [0], [], threading.Event()
-
-        def drive(k: int) -> None:
-            i = k
-            while not stop.is_set():  # busy half the time: about half of what the engine sustains
-                try:
-                    client.recommend(users[i % len(users)], retrieve_k=20, top_k=5)
-                    ok[0] += 1
-                except grpc.RpcError as e:
-                    failed.append((e.code(), e.details()))
-                i += 2
-                time.sleep(latency)
-
-        threads = [threading.Thread(target=drive, args=(k,)) for k in range(2)]
-        for th in threads:
-            th.start()
+        load = _Load(srv.client(timeout_s=10), "load", 500)
+        load.start()
         time.sleep(2.0)
         active = se.runtimes.active
         sched = next((p for p in active.procs if "scheduler" in active.names[p.pid]), active.procs[0])
         os.kill(sched.pid, signal.SIGKILL)
         assert _wait(lambda: se.runtimes.active is not active, 10)
         time.sleep(3.0)
-        stop.set()
-        for th in threads:
-            th.join(30)
-        total = ok[0] + len(failed)
+        load.stop()
+        failed = [(c, d) for _, c, d in load.calls if c is not None]
+        total = len(load.calls)
         assert total > 50 and len(failed) <= 0.01 * total, (total, failed[:3])
         for code, details in failed:
             assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL) and details
