@@ -258,7 +258,7 @@ def batch_inflight(cfg: ServeConfig, engine: Engine | None = None) -> int:
         return cfg.batch.max_inflight
     if cfg.engine == "sglang" or (engine is not None and engine.batches_together):
         return SGLANG_INFLIGHT
-    return 3 if cfg.engine_process and cfg.engine != "sglang" and cfg.engine_replicas == 1 else cfg.engine_replicas
+    return 3 if cfg.engine_process and cfg.engine_replicas == 1 else cfg.engine_replicas
 
 
 SGLANG_MAX_BEAM = 256  # SGLangEngine's max_beam, which make_engine leaves at its default

@@ -429,11 +429,16 @@ class SGLangEngine(InProcessEngine):
         return bad
 
     def _raise_failed(self, reqs: list[_Req], outs: list[dict], works: list[Work] | None = None) -> None:
-        bad = self._failures(reqs, outs)
+        bad = dict(self._failures(reqs, outs))
         if not bad:
             return
-        self._count_failed([i for i, _ in bad], works)
-        raise ModelForwardError(f"SGLang model forward failed for {len(bad)} of {len(reqs)} requests: {bad[0][1]}")
+        self._count_failed(list(bad), works)
+        raise self._batch_error(bad, len(reqs))
+
+    @staticmethod
+    def _batch_error(bad: dict[int, str], n: int) -> ModelForwardError:
+        """The error of a call whose ``n`` requests include the failed ``bad`` (index -> reason)."""
+        return ModelForwardError(f"SGLang model forward failed for {len(bad)} of {n} requests: {next(iter(bad.values()))}")
 
     def _count_failed(self, failed: list[int], works: list[Work] | None) -> None:
         """The requests ``failed`` (indices) counted, their works' users' cache salts moved on."""
@@ -501,11 +506,11 @@ class SGLangEngine(InProcessEngine):
         reqs = [self._request(w) for w in works]
         outs = self.send(reqs, deadline)
         bad = dict(self._failures(reqs, outs))
-        if len(bad) == len(reqs):
-            self._raise_failed(reqs, outs, works)
         if not bad:
             return self._results(works, reqs, outs, t0)
         self._count_failed(list(bad), works)
+        if len(bad) == len(reqs):
+            raise self._batch_error(bad, len(reqs))
         good = [i for i in range(len(works)) if i not in bad]
         done = iter(self._results([works[i] for i in good], [reqs[i] for i in good], [outs[i] for i in good], t0))
         raise PartlyFailed([ModelForwardError(f"the model's forward failed for this request: {bad[i]}") if i in bad

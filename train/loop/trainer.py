@@ -544,8 +544,9 @@ class Trainer:
         cfg = self.cfg
         if cfg.time_budget_min <= 0 or cfg.optim.schedule != "cosine" or self.state.epoch < 1:
             return
-        spent = torch.tensor([self.state.train_seconds], dtype=torch.float64)
-        spent_s = float(all_reduce_max(spent, self.device).item()) if self.world_size > 1 else self.state.train_seconds
+        spent_s = self.state.train_seconds
+        if self.world_size > 1:
+            spent_s = float(all_reduce_max(torch.tensor([spent_s], dtype=torch.float64), self.device).item())
         pace = spent_s / self.state.epoch
         fits = self.state.epoch + max(1, int((cfg.time_budget_min * 60 - spent_s) // max(pace, 1e-9)))
         if fits >= self.last_epoch():
